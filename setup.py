@@ -1,0 +1,43 @@
+"""agentgym-jax: multi-turn RL for LLM agents on JAX/TPU."""
+
+from setuptools import find_packages, setup
+
+TEST = [
+    "torch==2.13.0",
+    "pytest",
+    "hypothesis",
+]
+
+setup(
+    name="agentgym-jax",
+    version="0.1.0",
+    description="JAX/TPU-native multi-turn reinforcement learning for LLM agents (AgentGym-RL).",
+    python_requires=">=3.10",
+    packages=find_packages(include=["agentgym_jax*", "environments*"]),
+    package_data={"environments": ["**/*.json", "**/*.txt"]},
+    install_requires=[
+        "jax",
+        "flax>=0.12",
+        "optax",
+        "orbax-checkpoint",
+        "transformers",
+        "tokenizers",
+        "sentencepiece",
+        "safetensors",
+        "ml-collections",
+        "absl-py",
+        "tensorstore",
+        "gguf",
+        "numpy",
+        "tensorboardX",
+        "tqdm",
+        "minecraft-data",
+        "minigrid",
+        "scienceworld",
+    ],
+    extras_require={
+        "test": TEST,
+        "tpu": ["jax[tpu]"],
+        "gpu": ["jax[cuda12]"],
+    },
+)
