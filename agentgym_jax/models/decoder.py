@@ -1,0 +1,301 @@
+"""The decoder-only transformer shared by Qwen2/2.5, Qwen3 and the Llama family (SmolLM2).
+
+Parameters live in an nnx.Module; the per-layer weights are stacked on a leading "layers" axis
+and the forward pass runs `jax.lax.scan` over them, so a 28-layer model compiles one layer.
+Every parameter carries logical axis names (`axes` metadata) that `agentgym_jax.sharding` maps
+onto the (data, fsdp, tensor) mesh.
+
+Numerics: the residual stream, RMSNorm, RoPE, softmax and logits are f32; matmul inputs are cast
+to `dtype` (bf16 on accelerators and on AMX CPUs) and accumulate in f32.
+
+KV cache semantics (used by the sampler for multi-turn continuation): row b of the cache holds
+`lengths[b]` valid slots. A forward with a cache writes the new tokens of row b at slots
+lengths[b], lengths[b] + 1, ..., and a token at slot s attends to slots <= s. Right padding of
+the new tokens is harmless: a padded token's slot is overwritten by the row's next real token
+before any real token can attend to it. So there is no separate cache mask, and RoPE position
+equals slot unless positions are given.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from agentgym_jax import sharding
+from agentgym_jax.models.config import ModelConfig
+
+Array = jax.Array
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@struct.dataclass
+class KVCache:
+  """Per-layer keys and values on a static number of slots, and each row's used slots."""
+
+  k: Array  # [layers, batch, slots, kv_heads, head_dim]
+  v: Array  # [layers, batch, slots, kv_heads, head_dim]
+  lengths: Array  # [batch] int32
+
+  AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+
+  @classmethod
+  def zeros(cls, config: ModelConfig, batch: int, slots: int, dtype: Any) -> "KVCache":
+    shape = (config.num_layers, batch, slots, config.num_kv_heads, config.head_dim)
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+               lengths=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def slots(self) -> int:
+    return self.k.shape[2]
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any,
+           scale: float | None = None) -> nnx.Param:
+  """A normal(0, scale) parameter (scale defaults to 1/sqrt(fan-in)), or ones when scale=0."""
+  if scale == 0:
+    value = jnp.ones(shape, dtype)
+  else:
+    fan_in = shape[1] if len(shape) > 2 else shape[-1]
+    std = scale if scale is not None else 1.0 / math.sqrt(fan_in)
+    value = std * jax.random.normal(rngs.params(), shape, dtype)
+  return nnx.Param(value, axes=axes)
+
+
+def _zeros(shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any) -> nnx.Param:
+  return nnx.Param(jnp.zeros(shape, dtype), axes=axes)
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+  x = x.astype(jnp.float32)
+  x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  return x * weight.astype(jnp.float32)
+
+
+def rope_frequencies(config: ModelConfig) -> Array:
+  """Inverse frequencies [head_dim // 2] of rotary embeddings, with the configured scaling."""
+  d = config.head_dim
+  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  scaling = dict(config.rope_scaling or ())
+  if config.rope_type == "linear":
+    inv_freq = inv_freq / scaling["factor"]
+  elif config.rope_type == "llama3":
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, a smooth ramp between.
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    ramp = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    inv_freq = jnp.where(wavelength > original / low, inv_freq / factor,
+                         jnp.where(wavelength < original / high, inv_freq, ramp))
+  return inv_freq
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+  """Rotates x [B, T, H, D] by positions [B, T] (the rotate-half layout of HF Llama/Qwen)."""
+  angles = positions.astype(jnp.float32)[:, :, None] * inv_freq  # [B, T, D/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _dot(spec: str, x: Array, w: Array, dtype: Any) -> Array:
+  """einsum with inputs cast to `dtype` and f32 accumulation."""
+  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
+                    preferred_element_type=jnp.float32)
+
+
+class Layers(nnx.Module):
+  """All transformer blocks, each weight stacked on a leading layers axis."""
+
+  def __init__(self, config: ModelConfig, param_dtype: Any, rngs: nnx.Rngs):
+    n, e, f = config.num_layers, config.hidden_size, config.intermediate_size
+    h, k, d = config.num_heads, config.num_kv_heads, config.head_dim
+    p = lambda shape, axes, **kw: _param(rngs, (n, *shape), ("layers", *axes), param_dtype, **kw)
+    self.input_norm = p((e,), ("norm",), scale=0)
+    self.q_proj = p((e, h, d), ("embed", "heads", "head_dim"))
+    self.k_proj = p((e, k, d), ("embed", "kv_heads", "head_dim"))
+    self.v_proj = p((e, k, d), ("embed", "kv_heads", "head_dim"))
+    self.o_proj = p((h, d, e), ("heads", "head_dim", "embed"), scale=1.0 / math.sqrt(h * d))
+    if config.attention_bias:
+      self.q_bias = _zeros((n, h, d), ("layers", "heads", "head_dim"), param_dtype)
+      self.k_bias = _zeros((n, k, d), ("layers", "kv_heads", "head_dim"), param_dtype)
+      self.v_bias = _zeros((n, k, d), ("layers", "kv_heads", "head_dim"), param_dtype)
+    if config.qk_norm:
+      self.q_norm = p((d,), ("norm",), scale=0)
+      self.k_norm = p((d,), ("norm",), scale=0)
+    self.post_attention_norm = p((e,), ("norm",), scale=0)
+    self.gate_proj = p((e, f), ("embed", "mlp"))
+    self.up_proj = p((e, f), ("embed", "mlp"))
+    self.down_proj = p((f, e), ("mlp", "embed"))
+
+
+class Decoder(nnx.Module):
+  """A causal LM: token ids -> next-token logits.
+
+  `dtype` is the matmul input dtype; `param_dtype` the storage dtype of the parameters;
+  `remat` one of REMAT_POLICIES (what the backward pass keeps from each layer).
+  """
+
+  def __init__(self, config: ModelConfig, *, dtype: Any = jnp.float32,
+               param_dtype: Any = jnp.float32, remat: str = "none",
+               rngs: nnx.Rngs | None = None):
+    if remat not in REMAT_POLICIES:
+      raise ValueError(f"remat {remat!r} is not one of {sorted(REMAT_POLICIES)}")
+    rngs = rngs or nnx.Rngs(0)
+    self.config = config
+    self.dtype = dtype
+    self.remat = remat
+    e = config.hidden_size
+    self.embed_tokens = _param(rngs, (config.vocab_size, e), ("vocab", "embed"), param_dtype,
+                               scale=0.02)
+    self.layers = Layers(config, param_dtype, rngs)
+    self.final_norm = _param(rngs, (e,), ("norm",), param_dtype, scale=0)
+    if not config.tie_word_embeddings:
+      self.lm_head = _param(rngs, (e, config.vocab_size), ("embed", "vocab"), param_dtype,
+                            scale=0.02)
+
+  def __call__(self, input_ids: Array, positions: Array | None = None,
+               attention_mask: Array | None = None) -> Array:
+    """Logits [B, T, V] (f32) of input_ids [B, T].
+
+    attention_mask [B, T] (1 = real token) hides padding keys, so left- and right-padded batches
+    both work; positions [B, T] default to 0..T-1.
+    """
+    hidden, _ = self.hidden_states(input_ids, positions, attention_mask)
+    return self.logits(hidden)
+
+  def hidden_states(self, input_ids: Array, positions: Array | None = None,
+                    attention_mask: Array | None = None,
+                    cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
+    """Final-normed hidden states [B, T, E] (f32) and the updated cache.
+
+    Without a cache a token attends to the earlier tokens of its row that attention_mask keeps.
+    With a cache the tokens are appended to each row's live slots (see the module docstring);
+    the cache's lengths grow by attention_mask.sum(-1) (by T without a mask).
+    """
+    config = self.config
+    batch, length = input_ids.shape
+    if cache is None:
+      slots = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+      key_slots = slots
+      key_valid = (jnp.ones((batch, length), bool) if attention_mask is None
+                   else attention_mask.astype(bool))
+    else:
+      slots = cache.lengths[:, None] + jnp.arange(length, dtype=jnp.int32)
+      key_slots = jnp.broadcast_to(jnp.arange(cache.slots, dtype=jnp.int32),
+                                   (batch, cache.slots))
+      key_valid = jnp.ones((batch, cache.slots), bool)
+    if positions is None:
+      positions = slots
+    # mask[b, q, k]: causal by slot, restricted to valid keys.
+    mask = (key_slots[:, None, :] <= slots[:, :, None]) & key_valid[:, None, :]
+
+    x = jnp.take(self.embed_tokens.value, input_ids, axis=0).astype(jnp.float32)
+    x = sharding.constrain(x, ("batch", "seq", "activation_embed"))
+    inv_freq = rope_frequencies(config)
+    layer_graph, layer_params = nnx.split(self.layers)
+
+    def block(x, params, k_cache, v_cache):
+      p = nnx.merge(layer_graph, params)
+      return self._block(p, x, positions, mask, inv_freq, slots, k_cache, v_cache)
+
+    policy = REMAT_POLICIES[self.remat]
+    if self.remat != "none":
+      block = jax.checkpoint(block, policy=policy)
+
+    if cache is None:
+      def body(x, params):
+        x, _, _ = block(x, params, None, None)
+        return x, None
+      x, _ = jax.lax.scan(body, x, layer_params)
+      new_cache = None
+    else:
+      # The cache rides in the carry so that XLA updates it in place (a scanned output would
+      # be a fresh [layers, ...] buffer every decode step).
+      def body(carry, inputs):
+        x, k_all, v_all = carry
+        params, index = inputs
+        x, k_layer, v_layer = block(x, params, k_all[index], v_all[index])
+        k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_layer, index, 0)
+        v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_layer, index, 0)
+        return (x, k_all, v_all), None
+      indices = jnp.arange(config.num_layers)
+      (x, k_all, v_all), _ = jax.lax.scan(body, (x, cache.k, cache.v), (layer_params, indices))
+      added = length if attention_mask is None else attention_mask.sum(-1).astype(jnp.int32)
+      new_cache = KVCache(k=k_all, v=v_all, lengths=cache.lengths + added)
+    x = rms_norm(x, self.final_norm.value, config.rms_norm_eps)
+    return x, new_cache
+
+  def logits(self, hidden: Array) -> Array:
+    """Logits [..., V] in f32 from final hidden states [..., E]."""
+    if self.config.tie_word_embeddings:
+      logits = _dot("...e,ve->...v", hidden, self.embed_tokens.value, self.dtype)
+    else:
+      logits = _dot("...e,ev->...v", hidden, self.lm_head.value, self.dtype)
+    return sharding.constrain(logits, ("batch", "seq", "activation_vocab")) \
+        if logits.ndim == 3 else logits
+
+  def _block(self, p: Layers, x: Array, positions: Array, mask: Array, inv_freq: Array,
+             slots: Array, k_cache: Array | None, v_cache: Array | None):
+    config, dtype = self.config, self.dtype
+    eps = config.rms_norm_eps
+    h = rms_norm(x, p.input_norm.value, eps)
+    q = _dot("bte,ehd->bthd", h, p.q_proj.value, dtype)
+    k = _dot("bte,ekd->btkd", h, p.k_proj.value, dtype)
+    v = _dot("bte,ekd->btkd", h, p.v_proj.value, dtype)
+    if config.attention_bias:
+      q = q + p.q_bias.value.astype(jnp.float32)
+      k = k + p.k_bias.value.astype(jnp.float32)
+      v = v + p.v_bias.value.astype(jnp.float32)
+    if config.qk_norm:
+      q = rms_norm(q, p.q_norm.value, eps)
+      k = rms_norm(k, p.k_norm.value, eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    q = sharding.constrain(q, ("batch", "seq", "activation_heads", "head_dim"))
+
+    if k_cache is not None:
+      rows = jnp.arange(x.shape[0])[:, None]
+      # Out-of-range slots (padding past the cache end) are dropped, never wrapped around.
+      k_cache = k_cache.at[rows, slots].set(k.astype(k_cache.dtype), mode="drop")
+      v_cache = v_cache.at[rows, slots].set(v.astype(v_cache.dtype), mode="drop")
+      k, v = k_cache, v_cache
+
+    attended = attention(q, k, v, mask, dtype)
+    out = _dot("bthd,hde->bte", attended, p.o_proj.value, dtype)
+    x = x + out
+    h = rms_norm(x, p.post_attention_norm.value, eps)
+    gate = _dot("bte,ef->btf", h, p.gate_proj.value, dtype)
+    up = _dot("bte,ef->btf", h, p.up_proj.value, dtype)
+    hidden = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "seq", "activation_mlp"))
+    x = x + _dot("btf,fe->bte", hidden, p.down_proj.value, dtype)
+    x = sharding.constrain(x, ("batch", "seq", "activation_embed"))
+    return x, k_cache, v_cache
+
+
+def attention(q: Array, k: Array, v: Array, mask: Array, dtype: Any) -> Array:
+  """Grouped-query attention.
+
+  q [B, T, H, D], k and v [B, S, K, D] with H = K * G (query head h uses kv head h // G, as HF's
+  repeat_kv), mask [B, T, S]. Scores and softmax in f32.
+  """
+  batch, length, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+  scores = _dot("btkgd,bskd->bkgts", q, k, dtype) / math.sqrt(head_dim)
+  scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = _dot("bkgts,bskd->btkgd", probs, v, dtype)
+  return out.reshape(batch, length, heads, head_dim)

@@ -1,0 +1,144 @@
+"""The device mesh and the one table that maps logical array axes to mesh axes.
+
+Every array that lives on the mesh (parameters, optimizer state, batches, the KV cache,
+activations) names its axes with logical names; `LOGICAL_AXIS_RULES` below is the only place
+that decides which mesh axis each logical axis is split over.
+
+Mesh axes:
+  data:   pure data parallelism (replicated parameters, split batch).
+  fsdp:   data parallelism with parameters and optimizer state split too (ZeRO-3 style).
+  tensor: Megatron-style tensor parallelism over heads and the MLP hidden dimension.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")
+
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # Parameters.
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+    ("layers", None),
+    # Activations.
+    ("batch", BATCH),
+    ("seq", None),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_kv_heads", "tensor"),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+    # KV cache: [layers, batch, cache_seq, kv_heads, head_dim].
+    ("cache_seq", None),
+)
+_RULES = dict(LOGICAL_AXIS_RULES)
+
+
+def initialize_distributed() -> None:
+  """Joins the JAX distributed runtime on multi-host set-ups; a no-op on a single host.
+
+  Cloud TPU VM pods (and SLURM / Open MPI clusters) are detected by JAX itself; elsewhere set
+  JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID.
+  """
+  import os
+
+  if jax.distributed.is_initialized():
+    return
+  explicit = "JAX_COORDINATOR_ADDRESS" in os.environ
+  on_tpu_pod = "TPU_WORKER_HOSTNAMES" in os.environ or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ
+  if explicit:
+    jax.distributed.initialize(
+        coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+        num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+        process_id=int(os.environ["JAX_PROCESS_ID"]))
+  elif on_tpu_pod:
+    jax.distributed.initialize()
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A (data, fsdp, tensor) mesh; one axis may be -1 to take the remaining devices."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = [data, fsdp, tensor]
+  if shape.count(-1) > 1:
+    raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} "
+                     f"tensor={tensor}")
+  if -1 in shape:
+    known = math.prod(s for s in shape if s != -1)
+    if len(devices) % known:
+      raise ValueError(f"{len(devices)} devices do not split into a mesh with "
+                       f"data={data} fsdp={fsdp} tensor={tensor}")
+    shape[shape.index(-1)] = len(devices) // known
+  if math.prod(shape) != len(devices) or min(shape) <= 0:
+    raise ValueError(f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} does not "
+                     f"match {len(devices)} devices")
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int] | None = None,
+                    mesh: Mesh | None = None) -> PartitionSpec:
+  """Maps logical axis names to a PartitionSpec by LOGICAL_AXIS_RULES.
+
+  With a shape and a mesh, a dimension that the mesh axes do not divide stays replicated (e.g.
+  SmolLM2's 3 KV heads on tensor=2), and a mesh axis is never used twice.
+  """
+  used: set[str] = set()
+  spec = []
+  for i, name in enumerate(axes):
+    if name is not None and name not in _RULES:
+      raise KeyError(f"logical axis {name!r} has no rule in LOGICAL_AXIS_RULES")
+    target = _RULES.get(name) if name is not None else None
+    mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
+    mesh_axes = tuple(a for a in mesh_axes if a not in used)
+    if mesh is not None:
+      mesh_axes = tuple(a for a in mesh_axes if mesh.shape[a] > 1)
+      if shape is not None and shape[i] % math.prod(mesh.shape[a] for a in mesh_axes):
+        mesh_axes = ()
+    used.update(mesh_axes)
+    spec.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
+  return PartitionSpec(*spec)
+
+
+def named_sharding(mesh: Mesh, axes: Sequence[str | None],
+                   shape: Sequence[int] | None = None) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(axes, shape, mesh))
+
+
+def _variable_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
+  axes = getattr(variable, "axes", None)
+  if axes is None:
+    raise ValueError(f"variable of shape {variable.value.shape} has no logical axes")
+  return tuple(axes)
+
+
+def state_shardings(state: Any, mesh: Mesh) -> Any:
+  """NamedShardings for an nnx.State whose Variables carry `axes` metadata."""
+  return jax.tree.map(
+      lambda v: v.replace(named_sharding(mesh, _variable_axes(v), v.value.shape)),
+      state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+  """with_sharding_constraint by logical axes under the current mesh; a no-op without one."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh))
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+  """Splits the leading (batch) axis over data and fsdp."""
+  return NamedSharding(mesh, PartitionSpec(BATCH, *([None] * (ndim - 1))))
