@@ -1,0 +1,288 @@
+"""TextCraftEnv: craft a Minecraft item from a list of crafting commands (AgentGym's TextCraft).
+
+Episode. The first observation lists crafting commands, every recipe of the goal's crafting
+tree (`RecipeBook.tree`) plus up to `MAX_DISTRACTORS` other recipes that use its items, then
+the goal:
+
+  Crafting commands:
+  craft 4 stick using 2 planks
+  ...
+
+  Goal: craft crafting table.
+
+Actions (AgentGym's grammar and texts; N are decimal counts):
+  get N item                    -> "Got N item" if the item is gettable (a base item, or a
+                                   generic ingredient with a base member, recipes.py), with
+                                   unlimited supply; else "Could not find item".
+  craft N target using N a, ... -> "Crafted k minecraft:target": one craft of a recipe of the
+                                   target whose ingredients match the list one to one (the same
+                                   item or a member of the generic ingredient, the same count);
+                                   it makes the recipe's yield k. As in AgentGym the requested
+                                   N is not checked: crafting 8 sticks from a recipe yielding 4
+                                   takes two crafts of "craft 4 stick using 2 oak planks".
+                                   Errors: "Could not find enough items to craft minecraft:t",
+                                   "Could not find a valid recipe for minecraft:t",
+                                   "Wrong item format: <ingredient without a count>".
+  inventory                     -> "Inventory: [item] (n) ..." or
+                                   "Inventory: You are not carrying anything."
+  anything else                 -> "Could not execute <action>".
+Reward 1 and done when the goal is crafted; every other step has reward 0.
+
+Replies. As AgentGym's client does, the action is the reply's text after its last "Action:"
+(the whole reply if there is none) and before any "Instruction:", with every character other
+than ASCII letters, digits, commas and spaces removed and runs of spaces collapsed.
+
+Tasks. Goals are the craftable items of crafting depth 1-4 (see recipes.py), task id = index in
+the list of goals sorted by name. The test split holds 31/41/25/3 goals of depth 1/2/3/4 (the
+paper's test set), the ones ranked first by sha256 of their name; train holds the rest. The
+commands of a task are ordered, and its distractors chosen, by sha256 too, so tasks are the
+same on every machine, process and PYTHONHASHSEED.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+from typing import Any, Sequence
+
+from environments import base
+from environments.base import StepResult
+from environments.textcraft.recipes import Recipe, RecipeBook, display_name, item_id, kind_word
+
+MAX_DEPTH = 4
+TEST_QUOTAS = {1: 31, 2: 41, 3: 25, 4: 3}  # test goals per crafting depth, as in the paper
+MAX_DISTRACTORS = 10
+# Error observations echo the action; this bounds their length for runaway replies.
+_MAX_ECHO_CHARS = 300
+
+_INSTRUCTION = """\
+You are given crafting commands for items in Minecraft and a goal item to craft. Each round you \
+see an observation and reply with one action.
+
+Actions:
+- get N item: take N of a base ingredient, one that cannot be crafted. The supply is \
+unlimited.
+- craft N target using N a, N b, ...: craft once with one of the given crafting commands. The \
+ingredients and their counts must be exactly the command's, and one craft makes the number of \
+targets the command states; craft again to make more.
+- inventory: list what you are carrying.
+Use only the given crafting commands. A command may name a generic ingredient: {crafted} \
+are made by crafting any specific kind of them (e.g. "oak planks" for planks), and you name \
+that kind in your craft action; others, such as "logs" or "oak logs", you can get as they are.
+
+Reply in exactly this format:
+Thought: <your reasoning>
+
+Action: <one action>
+
+Example. Commands "craft 4 stick using 2 planks" and "craft 4 oak planks using 1 oak logs", \
+goal: craft stick.
+Thought: Sticks need 2 planks. Oak planks count as planks and come from oak logs.
+
+Action: get 1 oak logs
+Observation: Got 1 oak logs
+Thought: Now I turn the oak logs into oak planks.
+
+Action: craft 4 oak planks using 1 oak logs
+Observation: Crafted 4 minecraft:oak_planks
+Thought: I have 4 oak planks; 2 of them make the sticks.
+
+Action: craft 4 stick using 2 oak planks
+Observation: Crafted 4 minecraft:stick"""
+
+_GET = re.compile(r"get ([0-9]+) (.*)")
+_CRAFT = re.compile(r"craft (.*) using (.*)")
+_INVENTORY = re.compile(r"inventory")
+_COUNTED = re.compile(r"([0-9]+) (.*)")
+
+
+def parse_action(reply: str) -> str:
+  """The action in a model reply, extracted as AgentGym's client does (module docstring)."""
+  action = reply.split("Instruction:")[0].split("Action:")[-1]
+  action = re.sub(r"[^A-Za-z0-9, ]+", "", action)
+  return " ".join(action.split())
+
+
+def _sha256(text: str) -> str:
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+@functools.cache
+def goals() -> tuple[tuple[str, int], ...]:
+  """(goal item, crafting depth) of every task; the task id is the index."""
+  book = RecipeBook.load()
+  return tuple((item, int(book.depth[item])) for item in book.craftable_items()
+               if 1 <= book.depth[item] <= MAX_DEPTH)
+
+
+@functools.cache
+def splits() -> dict[str, tuple[int, ...]]:
+  """Task ids of each split, ascending."""
+  test = []
+  for depth, quota in TEST_QUOTAS.items():
+    ids = [i for i, (_, d) in enumerate(goals()) if d == depth]
+    if len(ids) < quota:
+      raise ValueError(f"only {len(ids)} goals of depth {depth}, the test split needs {quota}")
+    test.extend(sorted(ids, key=lambda i: _sha256(f"textcraft test {goals()[i][0]}"))[:quota])
+  test_ids = set(test)
+  return {"test": tuple(sorted(test_ids)),
+          "train": tuple(i for i in range(len(goals())) if i not in test_ids)}
+
+
+def commands_for(goal: str) -> list[Recipe]:
+  """The recipes listed for `goal`: its tree plus distractors, in a fixed shuffled order.
+
+  Distractors are recipes outside the tree that use an item of the tree. So that the listing
+  stays unambiguous, none makes an item the tree needs, nor an item of the kind of a
+  crafted generic ingredient of the tree (a stone slab next to wooden slabs), which could pass
+  for one of its members.
+  """
+  book = RecipeBook.load()
+  tree = book.tree(goal)
+  ingredients = {i.item for recipe in tree for i in recipe.ingredients}
+  needed = {recipe.output for recipe in tree} | ingredients
+  needed |= {member for item in ingredients for member in book.generics.get(item, ())}
+  kinds = {kind_word(item) for item in ingredients if item in book.crafted_generics}
+  candidates = {
+      recipe for item in needed for recipe in book.uses.get(item, ())
+      if recipe.output not in needed and not (kinds and kind_word(recipe.output) in kinds)}
+  distractors = sorted(candidates, key=lambda r: _sha256(f"{goal} distractor {r.command}"))
+  listed = tree + distractors[:MAX_DISTRACTORS]
+  return sorted(listed, key=lambda r: _sha256(f"{goal} order {r.command}"))
+
+
+@functools.cache
+def first_observation(goal: str) -> str:
+  commands = "\n".join(recipe.command for recipe in commands_for(goal))
+  return f"Crafting commands:\n{commands}\n\nGoal: craft {display_name(goal)}."
+
+
+class _ActionFailed(Exception):
+  """An action the game refuses; its message is the observation."""
+
+
+class TextCraftEnv:
+  """One TextCraft episode at a time (the `environments.base.Env` protocol)."""
+
+  name = "textcraft"
+
+  def __init__(self):
+    self._book = RecipeBook.load()
+    self._goal: str | None = None
+    self._done = True
+    self._inventory: dict[str, int] = {}
+
+  @property
+  def instruction(self) -> str:
+    crafted = [display_name(name) for name in self._book.crafted_generics]
+    return _INSTRUCTION.format(crafted=", ".join(crafted[:-1]) + " and " + crafted[-1])
+
+  def task_ids(self, split: str) -> Sequence[int]:
+    return splits()[base.check_split(split)]
+
+  def task_info(self, task_id: int) -> dict[str, Any]:
+    goal, depth = goals()[self._check_task(task_id)]
+    return {"category": f"depth{depth}", "goal": goal, "depth": depth}
+
+  def reset(self, task_id: int) -> str:
+    goal, _ = goals()[self._check_task(task_id)]
+    self._goal, self._done, self._inventory = goal, False, {}
+    return first_observation(goal)
+
+  def step(self, action_text: str) -> StepResult:
+    if self._done:
+      raise RuntimeError("step() without an episode in progress; call reset() first")
+    action = parse_action(action_text)
+    try:
+      observation, success = self._act(action)
+    except _ActionFailed as e:
+      observation, success = str(e), False
+    self._done = success
+    return StepResult(observation, float(success), success,
+                      {"success": success, "action": action})
+
+  def close(self) -> None:
+    self._done = True
+
+  def _check_task(self, task_id: int) -> int:
+    if isinstance(task_id, bool) or not isinstance(task_id, int) or not (
+        0 <= task_id < len(goals())):
+      raise ValueError(f"unknown TextCraft task id {task_id!r}; ids are 0..{len(goals()) - 1}")
+    return task_id
+
+  def _act(self, action: str) -> tuple[str, bool]:
+    """Applies one parsed action: (observation, whether the goal was crafted)."""
+    if match := _GET.match(action):
+      count, item = _count(match.group(1), action), match.group(2)
+      if not self._book.is_gettable(item_id(item)):
+        raise _ActionFailed(f"Could not find {_echo(item)}")
+      self._add(item_id(item), count)
+      return f"Got {count} {item}", False
+    if match := _CRAFT.match(action):
+      return self._craft(match.group(1), match.group(2), action)
+    if _INVENTORY.match(action):
+      if not self._inventory:
+        return "Inventory: You are not carrying anything.", False
+      return "Inventory: " + " ".join(
+          f"[{display_name(item)}] ({count})" for item, count in self._inventory.items()), False
+    raise _ActionFailed(f"Could not execute {_echo(action)}")
+
+  def _craft(self, target_text: str, inputs_text: str, action: str) -> tuple[str, bool]:
+    """One craft, checked as AgentGym does: inventory first, then the recipe."""
+    if match := _COUNTED.fullmatch(target_text):
+      target_text = match.group(2)
+    target = item_id(target_text)
+    inputs = []
+    for part in inputs_text.split(","):
+      match = _COUNTED.fullmatch(part.strip())
+      if match is None:
+        raise _ActionFailed(f"Wrong item format: {_echo(part.strip())}")
+      inputs.append((item_id(match.group(2)), _count(match.group(1), action)))
+    needed: dict[str, int] = {}
+    for item, count in inputs:
+      needed[item] = needed.get(item, 0) + count
+    if any(self._inventory.get(item, 0) < count for item, count in needed.items()):
+      raise _ActionFailed(f"Could not find enough items to craft minecraft:{_echo(target)}")
+    recipe = next((r for r in self._book.recipes.get(target, ()) if self._matches(r, inputs)),
+                  None)
+    if recipe is None:
+      raise _ActionFailed(f"Could not find a valid recipe for minecraft:{_echo(target)}")
+    for item, count in inputs:
+      self._inventory[item] -= count
+      if not self._inventory[item]:
+        del self._inventory[item]
+    self._add(target, recipe.count)
+    return f"Crafted {recipe.count} minecraft:{target}", target == self._goal
+
+  def _matches(self, recipe: Recipe, inputs: list[tuple[str, int]]) -> bool:
+    """Whether the inputs fill the recipe's slots one to one with the right counts."""
+    slots = list(recipe.ingredients)
+    if len(slots) != len(inputs):
+      return False
+
+    def assign(k: int, free: tuple[int, ...]) -> bool:
+      if k == len(inputs):
+        return True
+      item, count = inputs[k]
+      return any(
+          slots[s].count == count and self._book.satisfies(item, slots[s].item)
+          and assign(k + 1, free[:j] + free[j + 1:]) for j, s in enumerate(free))
+
+    return assign(0, tuple(range(len(slots))))
+
+  def _add(self, item: str, count: int) -> None:
+    if count:
+      self._inventory[item] = self._inventory.get(item, 0) + count
+
+
+def _count(digits: str, action: str) -> int:
+  """A count from the action; too many digits for an int is an unexecutable action."""
+  try:
+    return int(digits)
+  except ValueError as e:  # Python caps int() at 4300 digits.
+    raise _ActionFailed(f"Could not execute {_echo(action)}") from e
+
+
+def _echo(text: str) -> str:
+  return text if len(text) <= _MAX_ECHO_CHARS else text[:_MAX_ECHO_CHARS] + "..."
