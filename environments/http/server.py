@@ -1,0 +1,608 @@
+"""An AgentGym-protocol HTTP server for any registered adapter.
+
+  with AgentGymServer("textcraft", port=36001) as server:   # serves in background threads
+    ...                                                      # clients talk to server.url
+
+Routes and payloads are AgentGym's (see protocol.py); the payload style follows the environment
+name. Each hosted env has an id and its own adapter; requests run concurrently, one thread per
+connection, and a per-env lock keeps one env's calls in order, so states never mix.
+
+Unlike the original servers, errors are HTTP errors with a JSON body {"error": "...", "code":
+"..."}: 400 malformed JSON, wrong types, missing fields or unknown tasks; 404 unknown routes and
+unknown (or closed) env ids; 405 a known route with the wrong method; 409 an env with no episode
+in progress, or busy past `busy_timeout_s`; 411/413 a body without a length or over
+`max_body_bytes`; 503 `max_envs` envs already hosted; 500 a failing adapter. A failing adapter
+affects only its env: it is discarded and the env's next /reset builds a fresh one. Envs untouched
+for `idle_timeout_s` are closed. Nothing a client sends can stop the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import http.server
+import itertools
+import json
+import math
+import secrets
+import socket
+import socketserver
+import threading
+import time
+import urllib.parse
+from typing import Any, Callable, Iterator, Mapping
+
+from absl import logging
+
+from environments import base
+from environments.base import Env, StepResult
+from environments.http import protocol
+
+
+class HTTPError(Exception):
+  """An error answer: an HTTP status and a message, plus a machine-readable code."""
+
+  def __init__(self, status: int, message: str, code: str = "bad_request"):
+    super().__init__(message)
+    self.status = status
+    self.message = message
+    self.code = code
+
+
+@dataclasses.dataclass
+class _HostedEnv:
+  """One env a client created: its adapter and where its episode stands."""
+
+  adapter: Env | None
+  last_used: float
+  lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+  closed: bool = False
+  running: bool = False  # an episode is in progress
+  observation: str = ""
+  episode_return: float = 0.0  # the sum of the episode's (normalised) rewards
+
+
+class AgentGymServer:
+  """Hosts adapters of one environment behind the AgentGym HTTP protocol."""
+
+  def __init__(self, env: str, *, options: Mapping[str, Any] | None = None,
+               style: str | None = None, host: str = "127.0.0.1", port: int = 0,
+               max_envs: int = 256, idle_timeout_s: float = 1800.0,
+               max_body_bytes: int = 1 << 20, busy_timeout_s: float = 30.0):
+    """Binds the socket; `start()` or `serve_forever()` serves.
+
+    Args:
+      env: a registered environment name; adapters are `environments.make(env, **options)`.
+      options: keyword arguments for `environments.make`.
+      style: a payload style name (protocol.STYLES); by default the one of `env`.
+      host, port: where to listen; port 0 picks a free port (see `.port`).
+      max_envs: how many envs may be hosted at once; /create answers 503 beyond.
+      idle_timeout_s: envs untouched this long are closed; 0 never closes them.
+      max_body_bytes: larger request bodies are refused with 413.
+      busy_timeout_s: how long a request waits for its env's previous request before 409.
+    """
+    if env not in base.registered():
+      raise ValueError(f"unknown environment {env!r}; registered: {base.registered()}")
+    if max_envs < 1:
+      raise ValueError(f"max_envs must be >= 1, got {max_envs}")
+    if idle_timeout_s < 0:
+      raise ValueError(f"idle_timeout_s must be >= 0 (0 disables), got {idle_timeout_s}")
+    self.env_name = env
+    self.style = protocol.style_for(env, style)
+    self._options = dict(options or {})
+    self._max_envs = max_envs
+    self._idle_timeout_s = idle_timeout_s or math.inf
+    self.max_body_bytes = max_body_bytes
+    self._busy_timeout_s = busy_timeout_s
+    self._envs: dict[int, _HostedEnv] = {}
+    self._creating = 0  # /create requests building an adapter now
+    self._lock = threading.Lock()  # guards _envs and _creating
+    # Ids start at a random offset so that a client of a restarted server, still holding an
+    # old id, is told the id is unknown instead of driving another client's new env.
+    self._ids = itertools.count(secrets.randbelow(1 << 30))
+    # One spare adapter answers /instruction, /task_ids and /task_info and validates data_idx.
+    self._meta_adapter: Env | None = None
+    self._meta_lock = threading.Lock()
+    self._split_task_ids: dict[str, tuple[int, ...]] | None = None
+    self._all_task_ids: frozenset[int] = frozenset()
+    self._routes: dict[tuple[str, str], Callable[[dict[str, str], bytes], Any]] = {
+        ("GET", "/"): self._health,
+        ("POST", "/create"): self._create,
+        ("POST", "/reset"): self._reset,
+        ("POST", "/step"): self._step,
+        ("GET", "/observation"): self._observation,
+        ("POST", "/close"): self._close,
+        ("GET", "/instruction"): self._instruction,
+        ("GET", "/task_ids"): self._task_ids_route,
+        ("GET", "/task_info"): self._task_info,
+    }
+    self._http = _HTTPServer((host, port), self)
+    self._stop = threading.Event()
+    self._threads: list[threading.Thread] = []
+    self._shut_down = False
+
+  @property
+  def port(self) -> int:
+    return self._http.server_address[1]
+
+  @property
+  def url(self) -> str:
+    host = self._http.server_address[0]
+    return f"http://{host}:{self.port}"
+
+  def num_envs(self) -> int:
+    with self._lock:
+      return len(self._envs)
+
+  # Life cycle.
+
+  def start(self) -> AgentGymServer:
+    """Serves in background threads until `shutdown()`."""
+    self._threads = [
+        threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.1},
+                         name=f"agentgym-{self.env_name}-http", daemon=True),
+        threading.Thread(target=self._close_idle_forever,
+                         name=f"agentgym-{self.env_name}-janitor", daemon=True),
+    ]
+    for thread in self._threads:
+      thread.start()
+    return self
+
+  def serve_forever(self) -> None:
+    """Serves in this thread until another thread calls `shutdown()`."""
+    self.start()
+    self._stop.wait()
+
+  def shutdown(self) -> None:
+    """Stops serving, drops open connections and closes every adapter. Idempotent."""
+    if self._shut_down:
+      return
+    self._shut_down = True
+    self._stop.set()
+    if self._threads:
+      self._http.shutdown()
+    self._http.server_close()
+    self._http.drop_connections()
+    for thread in self._threads:
+      thread.join()
+    with self._lock:
+      hosted, self._envs = list(self._envs.values()), {}
+    for env in hosted:
+      self._discard(env, wait_s=1.0)
+    if self._meta_lock.acquire(timeout=1.0):  # Not if a hung call holds it.
+      if self._meta_adapter is not None:
+        _close_quietly(self._meta_adapter)
+        self._meta_adapter = None
+      self._meta_lock.release()
+
+  def __enter__(self) -> AgentGymServer:
+    return self.start()
+
+  def __exit__(self, *exc_info) -> None:
+    self.shutdown()
+
+  # Dispatch (called by request threads).
+
+  def handle(self, method: str, target: str, body: bytes) -> tuple[int, Any]:
+    """Answers one request: (HTTP status, JSON-serialisable payload)."""
+    url = urllib.parse.urlsplit(target)
+    route = self._routes.get((method, url.path))
+    try:
+      if route is None:
+        allowed = [m for m, path in self._routes if path == url.path]
+        if allowed:
+          raise HTTPError(405, f"{url.path} takes {' or '.join(allowed)}, not {method}",
+                          "method_not_allowed")
+        raise HTTPError(404, f"unknown route {method} {url.path}; routes: "
+                        + ", ".join(f"{m} {p}" for m, p in self._routes), "unknown_route")
+      query = dict(urllib.parse.parse_qsl(url.query, keep_blank_values=True))
+      return 200, route(query, body)
+    except HTTPError as e:
+      return e.status, {"error": e.message, "code": e.code}
+    except Exception as e:  # A bug of ours: answer it, log it, keep serving.
+      logging.exception("AgentGymServer: %s %s failed", method, url.path)
+      return 500, {"error": f"internal error: {type(e).__name__}: {e}", "code": "internal"}
+
+  # Routes.
+
+  def _health(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
+    return {"env": self.env_name, "protocol": "agentgym", "style": self.style.name,
+            "envs": self.num_envs(), "max_envs": self._max_envs,
+            "idle_timeout_s": None if math.isinf(self._idle_timeout_s) else self._idle_timeout_s}
+
+  def _create(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
+    request = _json_object(body, allow_empty=True)
+    # The original TextCraft server builds custom tasks from these; ours serves fixed tasks.
+    for field in ("commands", "goal"):
+      if request.get(field) is not None:
+        raise HTTPError(400, f"{field!r} is not supported: this server serves the fixed tasks "
+                        "of its adapter; choose one with /reset data_idx")
+    self._close_idle()
+    with self._lock:
+      if len(self._envs) + self._creating >= self._max_envs:
+        raise HTTPError(503, f"the server already hosts its maximum of {self._max_envs} envs; "
+                        "close some (POST /close) or retry later", "max_envs")
+      self._creating += 1
+    try:
+      adapter = self._make_adapter("create")
+      hosted = _HostedEnv(adapter, last_used=time.monotonic())
+      env_id = next(self._ids)
+      payload: dict[str, Any] = {"id": env_id}
+      if self.style.create_returns_observation:
+        # Like the original TextCraft server, /create also starts an episode.
+        task_id = self._task_ids()["train"][0]
+        payload.update(self._start_episode(hosted, env_id, task_id))
+      with self._lock:
+        self._envs[env_id] = hosted
+    finally:
+      with self._lock:
+        self._creating -= 1
+    return payload
+
+  def _reset(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
+    request = _json_object(body)
+    env_id = _int_field(request, "id")
+    task_id = _int_field(request, "data_idx")
+    self._check_task(task_id)
+    with self._use(env_id) as hosted:
+      if hosted.adapter is None:  # Its last adapter failed.
+        hosted.adapter = self._make_adapter(f"reset env {env_id}")
+      return self._start_episode(hosted, env_id, task_id)
+
+  def _step(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
+    request = _json_object(body)
+    env_id = _int_field(request, "id")
+    action = _str_field(request, "action")
+    with self._use(env_id) as hosted:
+      if not hosted.running:
+        raise HTTPError(409, f"env {env_id} has no episode in progress (it finished, failed, "
+                        "or was never reset); POST /reset first", "no_episode")
+      result = self._call_adapter(hosted, env_id, "step", lambda env: env.step(action))
+      if not isinstance(result, StepResult):
+        self._fail(hosted, env_id, "step", TypeError(
+            f"step returned {type(result).__name__}, not StepResult"))
+      hosted.running = not result.done
+      hosted.observation = result.observation
+      hosted.episode_return += result.reward
+      payload = {"observation": result.observation, "done": result.done}
+      payload.update(self._reward_fields(result.reward, hosted.episode_return, result.info))
+      payload["success"] = bool(result.info.get("success", False))
+      payload["info"] = result.info
+      return payload
+
+  def _observation(self, query: dict[str, str], body: bytes) -> str:
+    env_id = _int_query(query, "id")
+    with self._use(env_id) as hosted:
+      return hosted.observation
+
+  def _close(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
+    env_id = _int_field(_json_object(body), "id")
+    with self._lock:
+      hosted = self._envs.pop(env_id, None)
+    if hosted is None:
+      raise _unknown_env(env_id)
+    self._discard(hosted, wait_s=self._busy_timeout_s)
+    return {"id": env_id, "closed": True}
+
+  def _instruction(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
+    return {"instruction": self._ask_meta("instruction", lambda env: env.instruction)}
+
+  def _task_ids_route(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
+    split = query.get("split")
+    if split not in base.SPLITS:
+      raise HTTPError(400, f"query parameter 'split' must be one of {base.SPLITS}, "
+                      f"got {split!r}")
+    return {"split": split, "task_ids": list(self._task_ids()[split])}
+
+  def _task_info(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
+    task_id = _int_query(query, "data_idx")
+    self._check_task(task_id)
+    return self._ask_meta(f"task_info({task_id})", lambda env: env.task_info(task_id))
+
+  # Episodes.
+
+  def _start_episode(self, hosted: _HostedEnv, env_id: int, task_id: int) -> dict[str, Any]:
+    observation = self._call_adapter(hosted, env_id, f"reset({task_id})",
+                                     lambda env: env.reset(task_id))
+    if not isinstance(observation, str):
+      self._fail(hosted, env_id, "reset", TypeError(
+          f"reset returned {type(observation).__name__}, not str"))
+    hosted.running = True
+    hosted.observation = observation
+    hosted.episode_return = 0.0
+    payload: dict[str, Any] = {"observation": observation, "done": False}
+    payload.update(self._reward_fields(0.0, 0.0, {}))
+    if self.style.reset_has_task_description:
+      # Our adapters return the task inside the first observation.
+      payload["task_description"] = ""
+    return payload
+
+  def _reward_fields(self, reward: float, episode_return: float, info: Mapping[str, Any]
+                     ) -> dict[str, float]:
+    """"reward" (and "score") in the style's units; see protocol.py."""
+    scale = self.style.score_scale
+    if scale is None:
+      return {"reward": reward}
+    return {"reward": scale * reward, "score": float(info.get("score", scale * episode_return))}
+
+  def _call_adapter(self, hosted: _HostedEnv, env_id: int, what: str,
+                    call: Callable[[Env], Any]) -> Any:
+    try:
+      return call(hosted.adapter)
+    except Exception as e:
+      self._fail(hosted, env_id, what, e)
+
+  def _fail(self, hosted: _HostedEnv, env_id: int, what: str, error: Exception) -> None:
+    """Discards a failing adapter (the env's next /reset builds a fresh one) and answers 500."""
+    message = (f"the {self.env_name} adapter of env {env_id} failed in {what}: "
+               f"{type(error).__name__}: {error}")
+    logging.warning("AgentGymServer: %s", message)
+    adapter, hosted.adapter, hosted.running = hosted.adapter, None, False
+    if adapter is not None:
+      _close_quietly(adapter)
+    raise HTTPError(500, message + "; POST /reset starts over with a fresh adapter",
+                    "env_error") from error
+
+  def _make_adapter(self, what: str) -> Env:
+    try:
+      return base.make(self.env_name, **self._options)
+    except Exception as e:
+      logging.warning("AgentGymServer: building a %s adapter failed", self.env_name,
+                      exc_info=True)
+      raise HTTPError(500, f"could not build a {self.env_name} adapter ({what}): "
+                      f"{type(e).__name__}: {e}", "env_error") from e
+
+  @contextlib.contextmanager
+  def _use(self, env_id: int) -> Iterator[_HostedEnv]:
+    """Holds env `env_id` for one request: 404 if unknown, 409 if busy too long."""
+    with self._lock:
+      hosted = self._envs.get(env_id)
+    if hosted is None:
+      raise _unknown_env(env_id)
+    if not hosted.lock.acquire(timeout=self._busy_timeout_s):
+      raise HTTPError(409, f"env {env_id} is still busy with an earlier request after "
+                      f"{self._busy_timeout_s} s", "busy")
+    try:
+      if hosted.closed:  # Closed while this request waited for it.
+        raise _unknown_env(env_id)
+      yield hosted
+    finally:
+      hosted.last_used = time.monotonic()
+      hosted.lock.release()
+
+  def _discard(self, hosted: _HostedEnv, wait_s: float) -> None:
+    """Closes a hosted env that left the table, after its request in flight (up to wait_s)."""
+    acquired = hosted.lock.acquire(timeout=wait_s)
+    try:
+      hosted.closed = True
+      if hosted.adapter is not None:
+        _close_quietly(hosted.adapter)
+        hosted.adapter = None
+    finally:
+      if acquired:
+        hosted.lock.release()
+
+  def _close_idle(self) -> None:
+    """Closes envs untouched for idle_timeout_s (skipping any that a request holds)."""
+    now = time.monotonic()
+    idle = []
+    with self._lock:
+      for env_id, hosted in list(self._envs.items()):
+        if now - hosted.last_used > self._idle_timeout_s and hosted.lock.acquire(blocking=False):
+          hosted.closed = True
+          del self._envs[env_id]
+          idle.append((env_id, hosted))
+    for env_id, hosted in idle:
+      logging.info("AgentGymServer: closing env %d, idle for over %s s", env_id,
+                   self._idle_timeout_s)
+      if hosted.adapter is not None:
+        _close_quietly(hosted.adapter)
+        hosted.adapter = None
+      hosted.lock.release()
+
+  def _close_idle_forever(self) -> None:
+    period = min(self._idle_timeout_s / 2, 30.0)
+    while not self._stop.wait(period):
+      self._close_idle()
+
+  # What the adapter knows without an episode.
+
+  def _ask_meta(self, what: str, call: Callable[[Env], Any]) -> Any:
+    with self._meta_lock:
+      if self._meta_adapter is None:
+        self._meta_adapter = self._make_adapter(what)
+      try:
+        return call(self._meta_adapter)
+      except Exception as e:
+        adapter, self._meta_adapter = self._meta_adapter, None
+        _close_quietly(adapter)
+        raise HTTPError(500, f"the {self.env_name} adapter failed in {what}: "
+                        f"{type(e).__name__}: {e}", "env_error") from e
+
+  def _task_ids(self) -> dict[str, tuple[int, ...]]:
+    """The task ids of each split, asked once of the spare adapter."""
+    if self._split_task_ids is None:
+      split_task_ids = {
+          split: tuple(self._ask_meta(f"task_ids({split!r})",
+                                      lambda env, split=split: env.task_ids(split)))
+          for split in base.SPLITS}
+      self._all_task_ids = frozenset(itertools.chain.from_iterable(split_task_ids.values()))
+      self._split_task_ids = split_task_ids
+    return self._split_task_ids
+
+  def _check_task(self, task_id: int) -> None:
+    self._task_ids()
+    if task_id not in self._all_task_ids:
+      raise HTTPError(400, f"data_idx {task_id} is not a task id of {self.env_name} "
+                      f"({len(self._all_task_ids)} task ids; GET /task_ids?split= lists them)",
+                      "unknown_task")
+
+
+class _HTTPServer(http.server.ThreadingHTTPServer):
+  """A threading HTTP server that tracks open connections so shutdown can drop them."""
+
+  daemon_threads = True
+
+  def __init__(self, address: tuple[str, int], app: AgentGymServer):
+    self.app = app
+    self._connections: set[socket.socket] = set()
+    self._connections_lock = threading.Lock()
+    super().__init__(address, _Handler)
+
+  def server_bind(self) -> None:
+    # HTTPServer.server_bind resolves the host's FQDN, which can stall on a bad resolver.
+    socketserver.TCPServer.server_bind(self)
+    self.server_name, self.server_port = self.server_address[:2]
+
+  def track(self, connection: socket.socket, open_: bool) -> None:
+    with self._connections_lock:
+      (self._connections.add if open_ else self._connections.discard)(connection)
+
+  def drop_connections(self) -> None:
+    """Ends keep-alive connections, so their handler threads exit."""
+    with self._connections_lock:
+      connections = list(self._connections)
+    for connection in connections:
+      with contextlib.suppress(OSError):
+        connection.shutdown(socket.SHUT_RDWR)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+  """Reads one request at a time off a keep-alive connection and answers in JSON."""
+
+  protocol_version = "HTTP/1.1"
+  server_version = "agentgym-jax"
+  timeout = 600  # seconds an idle keep-alive connection stays open
+  server: _HTTPServer
+
+  def setup(self) -> None:
+    super().setup()
+    # Headers and body leave in separate writes; with Nagle's algorithm the second waits for
+    # the client's delayed ACK (~40 ms per request).
+    self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    self.server.track(self.connection, True)
+
+  def finish(self) -> None:
+    self.server.track(self.connection, False)
+    super().finish()
+
+  def do_GET(self) -> None:
+    self._answer("GET")
+
+  def do_POST(self) -> None:
+    self._answer("POST")
+
+  def do_PUT(self) -> None:
+    self._answer("PUT")
+
+  def do_DELETE(self) -> None:
+    self._answer("DELETE")
+
+  def do_PATCH(self) -> None:
+    self._answer("PATCH")
+
+  def _answer(self, method: str) -> None:
+    try:
+      body = self._read_body()
+    except HTTPError as e:
+      self.close_connection = True  # The unread body would be taken for the next request.
+      self._send_json(e.status, {"error": e.message, "code": e.code})
+      return
+    status, payload = self.server.app.handle(method, self.path, body)
+    self._send_json(status, payload)
+
+  def _read_body(self) -> bytes:
+    if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+      raise HTTPError(411, "chunked bodies are not supported; send Content-Length",
+                      "length_required")
+    length_header = self.headers.get("Content-Length")
+    if length_header is None:
+      return b""
+    try:
+      length = int(length_header)
+    except ValueError:
+      length = -1
+    if length < 0:
+      raise HTTPError(400, f"bad Content-Length {length_header!r}")
+    limit = self.server.app.max_body_bytes
+    if length > limit:
+      raise HTTPError(413, f"request body of {length} bytes is over the limit of {limit}",
+                      "too_large")
+    return self.rfile.read(length)
+
+  def _send_json(self, status: int, payload: Any) -> None:
+    data = json.dumps(payload, default=str).encode()
+    self.send_response(status)
+    self.send_header("Content-Type", "application/json")
+    self.send_header("Content-Length", str(len(data)))
+    if self.close_connection:
+      self.send_header("Connection", "close")
+    self.end_headers()
+    if self.command != "HEAD":
+      self.wfile.write(data)
+
+  def send_error(self, code: int, message: str | None = None, explain: str | None = None
+                 ) -> None:
+    """Errors the base class detects (bad request lines, unknown methods) as JSON too."""
+    self.close_connection = True
+    self._send_json(code, {"error": message or self.responses.get(code, ("error",))[0],
+                           "code": "bad_request"})
+
+  def log_message(self, format: str, *args: Any) -> None:
+    logging.debug("AgentGymServer: %s %s", self.address_string(), format % args)
+
+
+def _json_object(body: bytes, allow_empty: bool = False) -> dict[str, Any]:
+  if not body.strip():
+    if allow_empty:
+      return {}
+    raise HTTPError(400, "missing JSON body")
+  try:
+    value = json.loads(body)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise HTTPError(400, f"malformed JSON body: {e}") from None
+  if not isinstance(value, dict):
+    raise HTTPError(400, f"the JSON body must be an object, got {type(value).__name__}")
+  return value
+
+
+def _int_field(request: Mapping[str, Any], name: str) -> int:
+  if name not in request:
+    raise HTTPError(400, f"missing field {name!r}")
+  value = request[name]
+  if not isinstance(value, int) or isinstance(value, bool):
+    raise HTTPError(400, f"field {name!r} must be an integer, got {json.dumps(value)}")
+  if value < 0:
+    raise HTTPError(400, f"field {name!r} must be >= 0, got {value}")
+  return value
+
+
+def _str_field(request: Mapping[str, Any], name: str) -> str:
+  if name not in request:
+    raise HTTPError(400, f"missing field {name!r}")
+  value = request[name]
+  if not isinstance(value, str):
+    raise HTTPError(400, f"field {name!r} must be a string, got {json.dumps(value)}")
+  return value
+
+
+def _int_query(query: Mapping[str, str], name: str) -> int:
+  if name not in query:
+    raise HTTPError(400, f"missing query parameter {name!r}")
+  text = query[name]
+  if not text.isdigit():
+    raise HTTPError(400, f"query parameter {name!r} must be a non-negative integer, "
+                    f"got {text!r}")
+  return int(text)
+
+
+def _unknown_env(env_id: int) -> HTTPError:
+  return HTTPError(404, f"unknown env id {env_id} (never created, closed, or closed after "
+                   "being idle); POST /create makes a new one", "unknown_env")
+
+
+def _close_quietly(adapter: Env) -> None:
+  try:
+    adapter.close()
+  except Exception as e:
+    logging.warning("AgentGymServer: closing an adapter raised %s: %s", type(e).__name__, e)

@@ -1,0 +1,43 @@
+"""Serves one environment over the AgentGym HTTP protocol.
+
+  python launch/serve_env.py --env=textcraft --port=36001
+
+Clients: `environments.make("http", base_url="http://127.0.0.1:36001", env="textcraft")`, or the
+original AgentGym clients. Stop with Ctrl-C or SIGTERM; every hosted env is closed on the way out.
+"""
+
+import signal
+import threading
+
+from absl import app
+from absl import flags
+from absl import logging
+
+from environments.http import AgentGymServer
+
+_ENV = flags.DEFINE_string("env", None, "Registered environment name, e.g. textcraft.",
+                           required=True)
+_HOST = flags.DEFINE_string("host", "127.0.0.1",
+                            "Interface to listen on; 0.0.0.0 serves other machines too.")
+_PORT = flags.DEFINE_integer("port", 36001, "Port to listen on (0 picks a free one).")
+_MAX_ENVS = flags.DEFINE_integer("max_envs", 256, "Most envs hosted at once.")
+_IDLE_TIMEOUT = flags.DEFINE_float(
+    "idle_timeout", 1800.0, "Seconds after which an untouched env is closed (0: never).")
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  server = AgentGymServer(_ENV.value, host=_HOST.value, port=_PORT.value,
+                          max_envs=_MAX_ENVS.value, idle_timeout_s=_IDLE_TIMEOUT.value)
+  stop = threading.Event()
+  for signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(signum, lambda *_: stop.set())
+  server.start()
+  logging.info("Serving %s (%s payloads) at %s", server.env_name, server.style.name, server.url)
+  stop.wait()
+  logging.info("Shutting down")
+  server.shutdown()
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,407 @@
+"""The AgentGym HTTP server and client, over real loopback HTTP."""
+
+import http.client
+import http.server
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+import environments
+from environments import EnvError
+from environments.http import AgentGymClient, AgentGymServer, extract_action
+from environments.pool import EnvPool
+import toy_env
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _register_toy():
+  toy_env.register()
+
+
+@pytest.fixture
+def server():
+  with AgentGymServer("toy") as server:
+    yield server
+
+
+def _wait_until(condition, timeout_s=10.0):
+  deadline = time.monotonic() + timeout_s
+  while not condition():
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.02)
+  return True
+
+
+def _request(port, method, path, body=None, headers=None):
+  """One request on a fresh connection: (status, decoded JSON)."""
+  if isinstance(body, (dict, list)):
+    body = json.dumps(body).encode()
+  connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+  try:
+    connection.request(method, path, body=body, headers=headers or {})
+    response = connection.getresponse()
+    return response.status, json.loads(response.read())
+  finally:
+    connection.close()
+
+
+# Task t hides (7t + 3) mod 10: task 3 -> 4 (solved on the 4th guess), task 5 -> 8 (not solved).
+_EPISODES = {3: ["Thought: low.\n\nAction: guess 1", "Action: guess 9", "Action: jump",
+                 "Action: guess 5", "Action: guess 4"],
+             5: ["Action: guess 0", "Action: guess 1", "Action: guess 2", "Action: guess 3",
+                 "Action: guess 4"]}
+
+
+def _play(env, task_id, replies):
+  results = [env.reset(task_id)]
+  for reply in replies:
+    results.append(env.step(reply))
+    if results[-1].done:
+      break
+  return results
+
+
+@pytest.mark.parametrize("style", ["textcraft", "babyai", "sciworld"])
+def test_a_remote_episode_matches_the_in_process_adapter(style):
+  local = toy_env.ToyEnv()
+  with AgentGymServer("toy", style=style) as server:
+    remote = environments.make("http", base_url=server.url, env="toy", style=style)
+    for task_id, replies in _EPISODES.items():
+      expected = _play(local, task_id, replies)
+      got = _play(remote, task_id, replies)
+      assert [r if isinstance(r, str) else (r.observation, r.reward, r.done) for r in got] == [
+          r if isinstance(r, str) else (r.observation, r.reward, r.done) for r in expected]
+      assert got[-1].info["success"] == (task_id == 3)
+      if style == "sciworld":  # Scores are in points: the solved episode ends at 100.
+        assert got[-1].info["score"] == (100.0 if task_id == 3 else 0.0)
+    assert remote.instruction == local.instruction
+    assert tuple(remote.task_ids("train")) == toy_env.TRAIN_IDS
+    assert remote.task_info(5) == local.task_info(5)
+    remote.close()
+    assert server.num_envs() == 0
+
+
+def test_payloads_follow_the_environment_style():
+  with AgentGymServer("toy", style="textcraft") as server:
+    status, created = _request(server.port, "POST", "/create", {})
+    assert status == 200 and set(created) == {"id", "observation", "done", "reward"}
+    assert created["observation"].startswith("Task 0:")  # /create starts train task 0.
+    status, stepped = _request(server.port, "POST", "/step",
+                               {"id": created["id"], "action": "Action: guess 3"})
+    assert stepped["reward"] == 1.0 and stepped["done"] and "score" not in stepped
+    assert _request(server.port, "GET", f"/observation?id={created['id']}") == (
+        200, "Guess 1: 3 is correct.")
+  with AgentGymServer("toy", style="sciworld") as server:
+    status, created = _request(server.port, "POST", "/create")
+    assert status == 200 and set(created) == {"id"}
+    status, reset = _request(server.port, "POST", "/reset", {"id": created["id"], "data_idx": 0})
+    assert reset["score"] == 0.0 and reset["task_description"] == ""
+    status, stepped = _request(server.port, "POST", "/step",
+                               {"id": created["id"], "action": "Action: guess 3"})
+    # A normalised reward of 1 is 100 points.
+    assert (stepped["reward"], stepped["score"], stepped["success"]) == (100.0, 100.0, True)
+
+
+@pytest.fixture(scope="module")
+def shared_server():
+  with AgentGymServer("toy", style="babyai", max_body_bytes=1024) as server:
+    _, created = _request(server.port, "POST", "/create")
+    server.fresh_id = created["id"]  # Created, never reset.
+    yield server
+
+
+_UNKNOWN = 987654321987
+
+
+@pytest.mark.parametrize("method, path, body, headers, status, message", [
+    ("POST", "/step", b"{bad", None, 400, "malformed JSON"),
+    ("POST", "/step", b"\xff\xfe", None, 400, "malformed JSON"),
+    ("POST", "/step", b"[1, 2]", None, 400, "must be an object, got list"),
+    ("POST", "/step", b"", None, 400, "missing JSON body"),
+    ("POST", "/step", {"id": 1}, None, 400, "missing field 'action'"),
+    ("POST", "/step", {"action": "x"}, None, 400, "missing field 'id'"),
+    ("POST", "/step", {"id": "1", "action": "x"}, None, 400, "'id' must be an integer"),
+    ("POST", "/step", {"id": True, "action": "x"}, None, 400, "'id' must be an integer"),
+    ("POST", "/step", {"id": 1.0, "action": "x"}, None, 400, "'id' must be an integer"),
+    ("POST", "/step", {"id": 1, "action": 5}, None, 400, "'action' must be a string"),
+    ("POST", "/reset", {"id": -1, "data_idx": 0}, None, 400, "'id' must be >= 0"),
+    ("POST", "/reset", {"id": "FRESH", "data_idx": 55}, None, 400,
+     "data_idx 55 is not a task id"),
+    ("POST", "/reset", {"id": "FRESH"}, None, 400, "missing field 'data_idx'"),
+    ("POST", "/step", {"id": _UNKNOWN, "action": "x"}, None, 404, "unknown env id"),
+    ("POST", "/reset", {"id": _UNKNOWN, "data_idx": 0}, None, 404, "unknown env id"),
+    ("POST", "/close", {"id": _UNKNOWN}, None, 404, "unknown env id"),
+    ("GET", f"/observation?id={_UNKNOWN}", None, None, 404, "unknown env id"),
+    ("GET", "/observation", None, None, 400, "missing query parameter 'id'"),
+    ("GET", "/observation?id=abc", None, None, 400, "must be a non-negative integer"),
+    ("GET", "/task_ids?split=dev", None, None, 400, "'split' must be one of"),
+    ("GET", "/task_info?data_idx=55", None, None, 400, "data_idx 55 is not a task id"),
+    ("POST", "/step", {"id": "FRESH", "action": "x"}, None, 409, "no episode in progress"),
+    ("POST", "/create", {"goal": "diamond"}, None, 400, "'goal' is not supported"),
+    ("POST", "/steps", {}, None, 404, "unknown route POST /steps"),
+    ("GET", "/step", None, None, 405, "/step takes POST, not GET"),
+    ("DELETE", "/create", None, None, 405, "/create takes POST"),
+    ("POST", "/step", "2000 BYTES", None, 413, "2000 bytes is over the limit of 1024"),
+    ("POST", "/step", b"5\r\nhello\r\n0\r\n\r\n", {"Transfer-Encoding": "chunked"}, 411,
+     "chunked"),
+    ("POST", "/step", b"{}", {"Content-Length": "-3"}, 400, "bad Content-Length"),
+])
+def test_bad_requests_get_json_4xx_answers(shared_server, method, path, body, headers, status,
+                                           message):
+  if isinstance(body, dict) and body.get("id") == "FRESH":
+    body = {**body, "id": shared_server.fresh_id}
+  elif body == "2000 BYTES":
+    body = b"x" * 2000
+  got_status, payload = _request(shared_server.port, method, path, body, headers)
+  assert got_status == status, payload
+  assert message in payload["error"], payload
+  # The server keeps serving.
+  assert _request(shared_server.port, "GET", "/")[0] == 200
+
+
+def test_the_server_survives_a_malformed_request_line(server):
+  with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
+    raw.sendall(b"GET / extra HTTP/1.1\r\n\r\n")
+    answer = raw.makefile("rb").read()  # The server closes the connection after answering.
+  head, _, body = answer.partition(b"\r\n\r\n")
+  assert head.split(b"\r\n")[0] == b"HTTP/1.1 400 Bad Request"
+  assert "Bad request syntax" in json.loads(body)["error"]
+  assert _request(server.port, "GET", "/")[0] == 200
+
+
+def test_a_failing_adapter_gets_500_for_its_env_only(server):
+  broken, healthy = (AgentGymClient(server.url, "toy", retries=0) for _ in range(2))
+  broken.reset(0)
+  healthy.reset(1)
+  created = toy_env.ToyEnv.created
+  with pytest.raises(EnvError, match=r"\(500\).*RuntimeError: the toy env crashed on purpose"):
+    broken.step("Action: crash")
+  assert healthy.step("Action: guess 0").reward == 1.0
+  # The broken env's next reset builds a fresh adapter under the same id.
+  assert broken.reset(2).startswith("Task 2:")
+  assert toy_env.ToyEnv.created == created + 1
+  assert broken.step("Action: guess 7").reward == 1.0
+  broken.close()
+  healthy.close()
+
+
+def test_concurrent_clients_never_mix_up_states(server):
+  num_clients, num_steps = 16, 50
+  failures = []
+
+  def play(client_index):
+    remote = AgentGymClient(server.url, "toy")
+    local = toy_env.ToyEnv()
+    task_id = client_index
+    try:
+      assert remote.reset(task_id) == local.reset(task_id)
+      for step in range(num_steps):
+        reply = f"Action: guess {(3 * client_index + step) % 10}"
+        got, expected = remote.step(reply), local.step(reply)
+        assert (got.observation, got.reward, got.done) == (
+            expected.observation, expected.reward, expected.done), (client_index, step)
+        if got.done:
+          task_id = (task_id + 1) % len(toy_env.TRAIN_IDS)
+          assert remote.reset(task_id) == local.reset(task_id)
+    except Exception as e:  # Reported below; an assert in a thread would be lost.
+      failures.append(e)
+    finally:
+      remote.close()
+
+  threads = [threading.Thread(target=play, args=(i,)) for i in range(num_clients)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(timeout=60)
+  assert not any(thread.is_alive() for thread in threads)
+  assert not failures, failures[:3]
+  assert server.num_envs() == 0
+
+
+def test_idle_envs_are_closed_and_a_reset_recreates_them():
+  with AgentGymServer("toy", idle_timeout_s=0.3) as server:
+    client = AgentGymClient(server.url, "toy")
+    client.reset(0)
+    closed = toy_env.ToyEnv.closed
+    assert _wait_until(lambda: server.num_envs() == 0, timeout_s=5)
+    assert toy_env.ToyEnv.closed == closed + 1
+    with pytest.raises(EnvError, match="lost env mid-episode"):
+      client.step("Action: guess 3")
+    assert client.reset(1).startswith("Task 1:")  # Transparently a new env.
+    assert client.step("Action: guess 0").reward == 1.0
+    client.close()
+
+
+def test_the_server_holds_at_most_max_envs():
+  with AgentGymServer("toy", max_envs=2) as server:
+    first, second, third = (
+        AgentGymClient(server.url, "toy", retries=1, backoff_s=0.01) for _ in range(3))
+    first.reset(0)
+    second.reset(0)
+    with pytest.raises(EnvError, match=r"\(503\).*maximum of 2 envs"):
+      third.reset(0)
+    first.close()
+    assert third.reset(0).startswith("Task 0:")
+    second.close()
+    third.close()
+
+
+def _free_port():
+  with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    return probe.getsockname()[1]
+
+
+def test_the_client_rides_out_a_server_restart():
+  port = _free_port()
+  client = AgentGymClient(f"http://127.0.0.1:{port}", "toy", retries=8, backoff_s=0.05)
+  servers = []
+
+  def restart(delay_s):
+    def start():
+      time.sleep(delay_s)
+      servers.append(AgentGymServer("toy", port=port).start())
+    thread = threading.Thread(target=start)
+    thread.start()
+    return thread
+
+  try:
+    servers.append(AgentGymServer("toy", port=port).start())
+    client.reset(3)
+    assert client.step("Action: guess 1").observation == "Guess 1: 1 is too low."
+
+    # Down while the client resets: it retries until the new server answers, finds its env
+    # gone (the new server never issued that id) and creates another.
+    servers[-1].shutdown()
+    starter = restart(0.3)
+    assert client.reset(3).startswith("Task 3:")
+    starter.join()
+    assert client.step("Action: guess 4").reward == 1.0
+
+    # Down mid-episode: the step reaches the new server, which cannot know the episode.
+    client.reset(5)
+    servers[-1].shutdown()
+    starter = restart(0.3)
+    with pytest.raises(EnvError, match="lost env mid-episode"):
+      client.step("Action: guess 8")
+    starter.join()
+    assert client.reset(5).startswith("Task 5:")
+    assert client.step("Action: guess 8").reward == 1.0
+  finally:
+    client.close()
+    for server in servers:
+      server.shutdown()
+
+
+def test_an_unreachable_server_is_a_clear_error():
+  url = f"http://127.0.0.1:{_free_port()}"
+  client = AgentGymClient(url, "toy", retries=2, backoff_s=0.01)
+  with pytest.raises(EnvError, match=rf"{url} POST /create failed after 3 attempts.*connect"):
+    client.reset(0)
+  with pytest.raises(ValueError, match="base_url"):
+    AgentGymClient("127.0.0.1:80", "toy")
+
+
+class _OriginalBabyAIHandler(http.server.BaseHTTPRequestHandler):
+  """Answers like AgentGym's BabyAI server: bare actions, cumulative "score", 200 errors."""
+
+  protocol_version = "HTTP/1.1"
+  envs: dict = {}
+  actions: list = []
+
+  def do_POST(self):
+    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+    if self.path == "/create":
+      env_id = len(self.envs)
+      self.envs[env_id] = [toy_env.ToyEnv(), 0.0]
+      payload = {"id": env_id}
+    elif body.get("id") not in self.envs:
+      payload = {"error": f"The id {body.get('id')} is not valid."}
+    elif self.path == "/reset":
+      env = self.envs[body["id"]]
+      env[1] = 0.0
+      payload = {"observation": env[0].reset(body["data_idx"]), "reward": 0, "score": 0,
+                 "deleted": False, "done": False}
+    else:
+      self.actions.append(body["action"])
+      env = self.envs[body["id"]]
+      result = env[0].step(f"Action: {body['action']}")
+      env[1] += 0.5 * result.reward  # A scored success worth 0.5, as minigrid pays late.
+      payload = {"observation": result.observation, "reward": 0.5 * result.reward,
+                 "score": env[1], "done": result.done}
+    data = json.dumps(payload).encode()
+    self.send_response(200)
+    self.send_header("Content-Length", str(len(data)))
+    self.end_headers()
+    self.wfile.write(data)
+
+  def do_GET(self):  # The routes only our server has: FastAPI's 404.
+    data = b'{"detail": "Not Found"}'
+    self.send_response(404)
+    self.send_header("Content-Length", str(len(data)))
+    self.end_headers()
+    self.wfile.write(data)
+
+  def log_message(self, *args):
+    pass
+
+
+def test_the_client_speaks_to_original_agentgym_servers():
+  original = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OriginalBabyAIHandler)
+  thread = threading.Thread(target=original.serve_forever, daemon=True)
+  thread.start()
+  try:
+    client = AgentGymClient(f"http://127.0.0.1:{original.server_port}", "babyai",
+                            extract_action=True, instruction="Find the digit.",
+                            task_ids={"train": [0, 1], "test": [100]}, retries=0)
+    assert client.instruction == "Find the digit." and client.task_ids("test") == (100,)
+    assert client.reset(0).startswith("Task 0:")
+    first = client.step("Thought: try 1.\n\nAction: guess 1\n")
+    solved = client.step("Thought: higher.\n\nAction: guess 3")
+    assert _OriginalBabyAIHandler.actions == ["guess 1", "guess 3"]
+    assert (first.reward, first.done, first.info["success"]) == (0.0, False, False)
+    # Score went 0 -> 0.5: the normalised reward is the increment, and a score > 0 succeeds.
+    assert (solved.reward, solved.done, solved.info["success"]) == (0.5, True, True)
+    # The server forgot every env (a restart): the next reset creates a new one.
+    _OriginalBabyAIHandler.envs.clear()
+    assert client.reset(1).startswith("Task 1:")
+    with pytest.raises(EnvError, match="does not serve GET /task_info"):
+      client.task_info(0)
+    client.close()
+  finally:
+    original.shutdown()
+    original.server_close()
+    thread.join()
+
+
+def test_extract_action_takes_the_line_after_the_last_marker():
+  assert extract_action("Thought: a.\n\nAction: get 1 oak log\n") == "get 1 oak log"
+  assert extract_action("Action: inventory\nAction:\n  craft 1 stick\nextra") == "craft 1 stick"
+  assert extract_action("  look  ") == "look"
+
+
+def test_a_pool_of_remote_envs_plays_like_local_ones(server):
+  tasks = [3, 5, 7]
+  with EnvPool("http", num_slots=3, options={"base_url": server.url, "env": "toy"}) as pool:
+    first = pool.reset(list(enumerate(tasks)))
+    assert [result.observation for result in first] == [
+        toy_env.ToyEnv().reset(task) for task in tasks]
+    results = pool.step([(slot, "Action: guess 4") for slot in range(3)])
+    # Secrets: task 3 -> 4, task 5 -> 8, task 7 -> 2.
+    assert [(r.reward, r.done) for r in results] == [(1.0, True), (0.0, False), (0.0, False)]
+  assert server.num_envs() == 0  # Closing the pool closed the remote envs.
+
+
+def test_shutdown_leaves_no_threads_behind():
+  threads = set(threading.enumerate())
+  with AgentGymServer("toy") as server:
+    clients = [AgentGymClient(server.url, "toy") for _ in range(4)]
+    for client in clients:
+      client.reset(0)  # Keep-alive connections stay open until shutdown drops them.
+  assert _wait_until(lambda: set(threading.enumerate()) == threads), threading.enumerate()
+  for client in clients:
+    client.close()
