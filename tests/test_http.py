@@ -306,10 +306,16 @@ def test_an_unreachable_server_is_a_clear_error():
     AgentGymClient("127.0.0.1:80", "toy")
 
 
-class _OriginalBabyAIHandler(http.server.BaseHTTPRequestHandler):
-  """Answers like AgentGym's BabyAI server: bare actions, cumulative "score", 200 errors."""
+class _OriginalScoreServer(http.server.BaseHTTPRequestHandler):
+  """Answers like AgentGym's BabyAI or SciWorld server (the `style` attribute): bare actions,
+  a running "score", HTTP 200 even for errors, none of our extra routes.
+
+  Scores: BabyAI style pays 0.5 for a success (minigrid pays less for late successes); SciWorld
+  style gives 10 points per guess, 100 for the right one and -100 when out of guesses.
+  """
 
   protocol_version = "HTTP/1.1"
+  style = "babyai"
   envs: dict = {}
   actions: list = []
 
@@ -317,31 +323,38 @@ class _OriginalBabyAIHandler(http.server.BaseHTTPRequestHandler):
     body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
     if self.path == "/create":
       env_id = len(self.envs)
-      self.envs[env_id] = [toy_env.ToyEnv(), 0.0]
+      self.envs[env_id] = {"env": toy_env.ToyEnv(), "score": 0.0, "guesses": 0}
       payload = {"id": env_id}
     elif body.get("id") not in self.envs:
       payload = {"error": f"The id {body.get('id')} is not valid."}
     elif self.path == "/reset":
-      env = self.envs[body["id"]]
-      env[1] = 0.0
-      payload = {"observation": env[0].reset(body["data_idx"]), "reward": 0, "score": 0,
-                 "deleted": False, "done": False}
+      state = self.envs[body["id"]]
+      state.update(score=0.0, guesses=0)
+      payload = {"observation": state["env"].reset(body["data_idx"]), "reward": 0, "score": 0,
+                 "done": False}
+      if self.style == "sciworld":
+        payload["task_description"] = "Your task is to find the digit."
     else:
       self.actions.append(body["action"])
-      env = self.envs[body["id"]]
-      result = env[0].step(f"Action: {body['action']}")
-      env[1] += 0.5 * result.reward  # A scored success worth 0.5, as minigrid pays late.
-      payload = {"observation": result.observation, "reward": 0.5 * result.reward,
-                 "score": env[1], "done": result.done}
-    data = json.dumps(payload).encode()
-    self.send_response(200)
-    self.send_header("Content-Length", str(len(data)))
-    self.end_headers()
-    self.wfile.write(data)
+      state = self.envs[body["id"]]
+      result = state["env"].step(f"Action: {body['action']}")
+      state["guesses"] += 1
+      if self.style == "babyai":
+        state["score"] += 0.5 * result.reward
+      elif result.reward:
+        state["score"] = 100.0
+      else:
+        state["score"] = -100.0 if result.done else 10.0 * state["guesses"]
+      payload = {"observation": result.observation, "reward": 0, "score": state["score"],
+                 "done": result.done}
+    self._send(payload)
 
   def do_GET(self):  # The routes only our server has: FastAPI's 404.
-    data = b'{"detail": "Not Found"}'
-    self.send_response(404)
+    self._send({"detail": "Not Found"}, status=404)
+
+  def _send(self, payload, status=200):
+    data = json.dumps(payload).encode()
+    self.send_response(status)
     self.send_header("Content-Length", str(len(data)))
     self.end_headers()
     self.wfile.write(data)
@@ -350,32 +363,59 @@ class _OriginalBabyAIHandler(http.server.BaseHTTPRequestHandler):
     pass
 
 
-def test_the_client_speaks_to_original_agentgym_servers():
-  original = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OriginalBabyAIHandler)
-  thread = threading.Thread(target=original.serve_forever, daemon=True)
+@pytest.fixture
+def original_server():
+  """Starts an original-style server; the test sets its style."""
+  _OriginalScoreServer.envs, _OriginalScoreServer.actions = {}, []
+  original = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OriginalScoreServer)
+  thread = threading.Thread(target=original.serve_forever, kwargs={"poll_interval": 0.05})
   thread.start()
-  try:
-    client = AgentGymClient(f"http://127.0.0.1:{original.server_port}", "babyai",
-                            extract_action=True, instruction="Find the digit.",
-                            task_ids={"train": [0, 1], "test": [100]}, retries=0)
-    assert client.instruction == "Find the digit." and client.task_ids("test") == (100,)
-    assert client.reset(0).startswith("Task 0:")
-    first = client.step("Thought: try 1.\n\nAction: guess 1\n")
-    solved = client.step("Thought: higher.\n\nAction: guess 3")
-    assert _OriginalBabyAIHandler.actions == ["guess 1", "guess 3"]
-    assert (first.reward, first.done, first.info["success"]) == (0.0, False, False)
-    # Score went 0 -> 0.5: the normalised reward is the increment, and a score > 0 succeeds.
-    assert (solved.reward, solved.done, solved.info["success"]) == (0.5, True, True)
-    # The server forgot every env (a restart): the next reset creates a new one.
-    _OriginalBabyAIHandler.envs.clear()
-    assert client.reset(1).startswith("Task 1:")
-    with pytest.raises(EnvError, match="does not serve GET /task_info"):
-      client.task_info(0)
-    client.close()
-  finally:
-    original.shutdown()
-    original.server_close()
-    thread.join()
+  yield f"http://127.0.0.1:{original.server_port}"
+  original.shutdown()
+  original.server_close()
+  thread.join()
+
+
+def test_the_client_speaks_to_original_babyai_servers(original_server):
+  _OriginalScoreServer.style = "babyai"
+  client = AgentGymClient(original_server, "babyai", extract_action=True,
+                          instruction="Find the digit.",
+                          task_ids={"train": [0, 1], "test": [100]}, retries=0)
+  assert client.instruction == "Find the digit." and client.task_ids("test") == (100,)
+  assert client.reset(0).startswith("Task 0:")
+  first = client.step("Thought: try 1.\n\nAction: guess 1\n")
+  solved = client.step("Thought: higher.\n\nAction: guess 3")
+  assert _OriginalScoreServer.actions == ["guess 1", "guess 3"]
+  assert (first.reward, first.done, first.info["success"]) == (0.0, False, False)
+  # Score went 0 -> 0.5: the normalised reward is the increment, and a score > 0 succeeds.
+  assert (solved.reward, solved.done, solved.info["success"]) == (0.5, True, True)
+  # The server forgot every env (a restart): the next reset creates a new one.
+  _OriginalScoreServer.envs.clear()
+  assert client.reset(1).startswith("Task 1:")
+  with pytest.raises(EnvError, match="does not serve GET /task_info"):
+    client.task_info(0)
+  client.close()
+
+
+def test_the_client_speaks_to_original_sciworld_servers(original_server):
+  _OriginalScoreServer.style = "sciworld"
+  client = AgentGymClient(original_server, "sciworld", extract_action=True, retries=0)
+  # The task description comes first, as the original client renders it.
+  assert client.reset(3) == (
+      "Your task is to find the digit.\nTask 3: guess the secret digit in at most 5 guesses.")
+  solved = [client.step(f"Action: guess {n}") for n in (1, 2, 3, 4)]  # secret(3) = 4
+  # Scores 10, 20, 30, 100 points: rewards 0.1, 0.1, 0.1, 0.7, summing to 100 / 100.
+  assert [r.reward for r in solved] == pytest.approx([0.1, 0.1, 0.1, 0.7])
+  assert solved[-1].done and solved[-1].info == {"score": 100.0, "success": True}
+  client.reset(5)  # secret(5) = 8: five wrong guesses.
+  failed = [client.step(f"Action: guess {n}") for n in range(5)]
+  # Scores 10, 20, 30, 40, then -100: a failure takes back the 40 points of progress, so the
+  # rewards sum to max(-100, 0) / 100 = 0, as our SciWorld adapter's do.
+  assert [r.reward for r in failed] == pytest.approx([0.1, 0.1, 0.1, 0.1, -0.4])
+  assert failed[-1].done and failed[-1].info == {"score": -100.0, "success": False}
+  with pytest.raises(EnvError, match="does not serve GET /instruction.*pass instruction="):
+    client.instruction
+  client.close()
 
 
 def test_extract_action_takes_the_line_after_the_last_marker():

@@ -4,8 +4,8 @@
 
 It talks to our server (environments/http/server.py) and to the original AgentGym servers; the
 payload style follows the environment name (protocol.py). Rewards come back normalised as our
-adapters report them: from score-style servers the per-step reward is the score's increment over
-`score_scale`.
+adapters report them: from score-style servers the per-step reward is the increment of the score
+(floored at 0) over `score_scale`.
 
 Faults. Connection failures, and 5xx answers to requests that are safe to repeat, are retried
 with exponential backoff (`backoff_s`, doubling, capped at `max_backoff_s`, `retries` times). A
@@ -156,7 +156,8 @@ class AgentGymClient:
       self._total += reward
     else:
       score = float(_field(payload, "score", (int, float), "POST /step"))
-      reward, self._total = (score - self._total) / scale, score
+      reward = (max(score, 0.0) - max(self._total, 0.0)) / scale  # See protocol.py.
+      self._total = score
       info["score"] = score
     success = payload["success"] if "success" in payload else done and self.style.success(
         self._total)

@@ -17,11 +17,13 @@ complete `Env` (original AgentGym servers answer these with 404):
   GET /task_info?data_idx=           -> the task's metadata
 
 In the score styles "score" is the episode's running total in the environment's own units
-(BabyAI: the sum of minigrid rewards; SciWorld: 0-100 points), and the original clients train on
-it. Our adapters report per-step rewards whose sum is the episode's outcome on a 0-1 scale
-(SciWorld: score / 100; see environments/base.py), so the two sides convert with
+(BabyAI: the sum of minigrid rewards; SciWorld: 0-100 points, -100 on failure), and the original
+clients train on it. Our adapters report per-step rewards whose sum is the episode's outcome on a
+0-1 scale, a failure counting as 0 (SciWorld: max(score, 0) / 100; see environments/base.py), so
+the two sides convert with
 
-  score_t = score_scale * (r_1 + ... + r_t),     r_t = (score_t - score_{t-1}) / score_scale.
+  score_t = score_scale * (r_1 + ... + r_t)   (or the adapter's own info["score"]),
+  r_t = (max(score_t, 0) - max(score_{t-1}, 0)) / score_scale.
 
 The style is a property of the environment name (`STYLES`); names not in the table use the
 TextCraft style, which carries per-step rewards only.
