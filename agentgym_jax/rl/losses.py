@@ -1,0 +1,413 @@
+"""Training losses for RL and offline fine-tuning, and per-token log-probs from logits.
+
+Every loss is a pure, jittable function returning `(loss, metrics)`: a scalar to *minimise* (the
+one exception, `entropy_bonus`, is to maximise and says so in its name) and a dict of scalar
+diagnostics (kept on device; the caller decides when to read them). Per-token
+losses take f32[B, T] arrays and a `loss_mask` [B, T] that is 1 exactly on sampler-generated
+assistant tokens, and reduce with one of the `AGGREGATIONS`:
+
+  "token-mean"           sum_{b,t} m l / sum_{b,t} m          every trained token weighs the same
+  "seq-mean-token-mean"  mean_b [ sum_t m l / sum_t m ]       every trajectory weighs the same
+  "seq-mean-token-sum"   mean_b [ sum_t m l ]                 long trajectories weigh more
+
+The sequence means run over rows with at least one trained token, so all-padding rows that keep
+a batch shape static do not dilute the loss.
+
+Hyperparameters (clip epsilons, beta, temperature, aggregation, chunk size) are Python values
+validated eagerly, so they are static under jit (bind them with functools.partial).
+
+A trainer combines them as, e.g. for GRPO,
+  policy_gradient_loss + kl_coef * kl_loss - entropy_coef * entropy_bonus
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from agentgym_jax.rl import masked
+from agentgym_jax.rl import registry
+
+Metrics = dict[str, jax.Array]
+
+# exp() of a log-ratio beyond this overflows f32 quickly; a token this far off-policy is
+# dominated by its bound anyway.
+_MAX_LOG_RATIO = 20.0
+# The reference clamps the k3 ("low_var_kl") estimate to this range; kept for parity, it also
+# bounds the gradient when the policy has drifted far from the reference.
+_K3_CLAMP = 10.0
+
+
+def _token_mean(per_token: jax.Array, loss_mask: jax.Array) -> jax.Array:
+  return masked.masked_mean(per_token, loss_mask)
+
+
+def _seq_mean(per_sequence: jax.Array, loss_mask: jax.Array) -> jax.Array:
+  has_tokens = jnp.any(loss_mask.astype(bool), axis=1)
+  return masked.masked_mean(per_sequence, has_tokens)
+
+
+def _seq_mean_token_mean(per_token: jax.Array, loss_mask: jax.Array) -> jax.Array:
+  return _seq_mean(masked.masked_mean(per_token, loss_mask, axis=1), loss_mask)
+
+
+def _seq_mean_token_sum(per_token: jax.Array, loss_mask: jax.Array) -> jax.Array:
+  return _seq_mean(masked.masked_sum(per_token, loss_mask, axis=1), loss_mask)
+
+
+AGGREGATIONS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
+    "token-mean": _token_mean,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum": _seq_mean_token_sum,
+}
+
+
+def aggregate(per_token: jax.Array, loss_mask: jax.Array, aggregation: str) -> jax.Array:
+  """Reduces f32[B, T] per-token values to a scalar with the named aggregation."""
+  return registry.lookup(AGGREGATIONS, aggregation, "loss aggregation")(per_token, loss_mask)
+
+
+def policy_gradient_loss(
+    logprobs: jax.Array,
+    old_logprobs: jax.Array,
+    advantages: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip_c: float | None = None,
+    aggregation: str = "token-mean",
+) -> tuple[jax.Array, Metrics]:
+  """PPO clipped surrogate, with optional clip-higher and dual-clip.
+
+    rho_t = exp(logp_t - logp_old_t)
+    l_t   = max(-A_t rho_t, -A_t clip(rho_t, 1 - eps_low, 1 + eps_high))
+    l_t   = min(l_t, -c A_t)          where A_t < 0, if dual_clip_c = c > 1
+
+  Clip-higher (eps_high > eps_low) lets low-probability tokens with positive advantage grow
+  further; dual-clip bounds the loss of a token with negative advantage whose ratio has blown
+  up, which would otherwise dominate the batch.
+
+  Args:
+    logprobs: f32[B, T] log-probs of the sampled tokens under the policy being trained.
+    old_logprobs: f32[B, T] log-probs under the policy that generated the rollout.
+    advantages: f32[B, T].
+    loss_mask: [B, T].
+    clip_eps_low: eps_low > 0.
+    clip_eps_high: eps_high > 0; defaults to eps_low (symmetric clipping).
+    dual_clip_c: c > 1, or None for no dual clip.
+    aggregation: one of AGGREGATIONS.
+
+  Returns:
+    (loss, metrics) with metrics
+      clip_fraction:      fraction of trained tokens where the clipped term is the active one
+      dual_clip_fraction: fraction where the dual-clip bound is active (0 without dual clip)
+      approx_kl:          KL(old || new) by the k3 estimator, mean over trained tokens
+      ratio_mean, ratio_max: of rho over trained tokens
+  """
+  clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+  if clip_eps_low <= 0 or clip_eps_high <= 0:
+    raise ValueError(
+        f"Clip epsilons must be > 0, got eps_low={clip_eps_low}, eps_high={clip_eps_high}."
+    )
+  if dual_clip_c is not None and dual_clip_c <= 1:
+    raise ValueError(f"dual_clip_c must be > 1 (or None), got {dual_clip_c}.")
+
+  log_ratio = jnp.clip(logprobs - old_logprobs, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+  ratio = jnp.exp(log_ratio)
+  unclipped = -advantages * ratio
+  clipped = -advantages * jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+  per_token = jnp.maximum(unclipped, clipped)
+  clip_active = clipped > unclipped
+  if dual_clip_c is None:
+    dual_clip_active = jnp.zeros_like(clip_active)
+  else:
+    dual_bound = -dual_clip_c * advantages
+    dual_clip_active = (advantages < 0) & (per_token > dual_bound)
+    per_token = jnp.where(dual_clip_active, dual_bound, per_token)
+
+  metrics = {
+      "clip_fraction": masked.masked_mean(clip_active.astype(jnp.float32), loss_mask),
+      "dual_clip_fraction": masked.masked_mean(dual_clip_active.astype(jnp.float32), loss_mask),
+      # k3: E_old[rho - 1 - log rho] >= 0, unbiased for KL(old || new) and low-variance.
+      "approx_kl": masked.masked_mean(ratio - 1.0 - log_ratio, loss_mask),
+      "ratio_mean": masked.masked_mean(ratio, loss_mask),
+      # ratio > 0, so 0 is a neutral fill for untrained tokens.
+      "ratio_max": jnp.max(jnp.where(loss_mask.astype(bool), ratio, 0.0)),
+  }
+  return aggregate(per_token, loss_mask, aggregation), metrics
+
+
+def _k1(log_ratio: jax.Array) -> jax.Array:
+  return log_ratio
+
+
+def _k2(log_ratio: jax.Array) -> jax.Array:
+  return 0.5 * jnp.square(log_ratio)
+
+
+def _k3(log_ratio: jax.Array) -> jax.Array:
+  reverse = -log_ratio  # logp_ref - logp
+  return jnp.clip(jnp.exp(reverse) - reverse - 1.0, -_K3_CLAMP, _K3_CLAMP)
+
+
+KL_ESTIMATORS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "k1": _k1,
+    "k2": _k2,
+    "k3": _k3,
+    "low_var_kl": _k3,
+}
+
+
+def kl_divergence(
+    logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "low_var_kl"
+) -> jax.Array:
+  """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' log-probs.
+
+  With d = logp - logp_ref:
+    k1 = d                           unbiased, high variance, can be negative
+    k2 = d^2 / 2                     biased, low variance
+    k3 = exp(-d) + d - 1             unbiased, low variance, >= 0 ("low_var_kl"),
+                                     clamped to [-10, 10] as the reference does
+
+  Returns:
+    f32[B, T] per-token estimates (untrained tokens are not masked here).
+  """
+  kl_fn = registry.lookup(KL_ESTIMATORS, estimator, "KL estimator")
+  return kl_fn(logprobs.astype(jnp.float32) - ref_logprobs.astype(jnp.float32))
+
+
+def kl_loss(
+    logprobs: jax.Array,
+    ref_logprobs: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    estimator: str = "low_var_kl",
+    aggregation: str = "token-mean",
+) -> tuple[jax.Array, Metrics]:
+  """KL to the frozen reference policy as a loss term: aggregate(kl_divergence(...))."""
+  loss = aggregate(kl_divergence(logprobs, ref_logprobs, estimator), loss_mask, aggregation)
+  return loss, {"kl": loss}
+
+
+def kl_penalty_rewards(
+    logprobs: jax.Array,
+    ref_logprobs: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    beta: float,
+    estimator: str = "k1",
+) -> jax.Array:
+  """Per-token reward penalty -beta * KL_t on trained tokens, for REINFORCE++ and GAE.
+
+  It is a reward, not a loss: gradients are stopped so it only enters through the advantages.
+
+  Returns:
+    f32[B, T], 0 on untrained tokens.
+  """
+  kl = kl_divergence(logprobs, ref_logprobs, estimator)
+  return jax.lax.stop_gradient(jnp.where(loss_mask.astype(bool), -beta * kl, 0.0))
+
+
+def entropy_bonus(
+    entropies: jax.Array, loss_mask: jax.Array, *, aggregation: str = "token-mean"
+) -> tuple[jax.Array, Metrics]:
+  """Aggregated policy entropy H, to be maximised: subtract coef * H from the loss (coef > 0).
+
+  Args:
+    entropies: f32[B, T] per-token entropies, e.g. from `token_logprobs_and_entropy`.
+    loss_mask: [B, T].
+    aggregation: one of AGGREGATIONS.
+  """
+  entropy = aggregate(entropies, loss_mask, aggregation)
+  return entropy, {"entropy": entropy}
+
+
+def value_loss(
+    values: jax.Array,
+    old_values: jax.Array,
+    returns: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    clip_eps: float = 0.2,
+    aggregation: str = "token-mean",
+) -> tuple[jax.Array, Metrics]:
+  """PPO clipped value loss.
+
+    l_t = 0.5 * max((v_t - R_t)^2, (clip(v_t, v_old_t - eps, v_old_t + eps) - R_t)^2)
+
+  Args:
+    values: f32[B, T] current critic values.
+    old_values: f32[B, T] critic values when the advantages were computed.
+    returns: f32[B, T] regression targets (e.g. from gae_advantages).
+    loss_mask: [B, T].
+    clip_eps: eps > 0.
+    aggregation: one of AGGREGATIONS.
+
+  Returns:
+    (loss, metrics) with value_clip_fraction (tokens where the clipped error is the larger)
+    and value_mse (unclipped mean squared error over trained tokens).
+  """
+  if clip_eps <= 0:
+    raise ValueError(f"Value clip epsilon must be > 0, got {clip_eps}.")
+  clipped_values = jnp.clip(values, old_values - clip_eps, old_values + clip_eps)
+  unclipped_error = jnp.square(values - returns)
+  clipped_error = jnp.square(clipped_values - returns)
+  per_token = 0.5 * jnp.maximum(unclipped_error, clipped_error)
+  metrics = {
+      "value_clip_fraction": masked.masked_mean(
+          (clipped_error > unclipped_error).astype(jnp.float32), loss_mask
+      ),
+      "value_mse": masked.masked_mean(unclipped_error, loss_mask),
+  }
+  return aggregate(per_token, loss_mask, aggregation), metrics
+
+
+def sft_loss(
+    logprobs: jax.Array, loss_mask: jax.Array, *, aggregation: str = "token-mean"
+) -> tuple[jax.Array, Metrics]:
+  """Supervised fine-tuning: negative log-likelihood of the target tokens, aggregated.
+
+    loss = aggregate(-log p(y_t | y_<t))   (token-mean by default)
+  """
+  nll = aggregate(-logprobs, loss_mask, aggregation)
+  return nll, {"nll": nll}
+
+
+def sequence_logprobs(token_logprobs: jax.Array, loss_mask: jax.Array) -> jax.Array:
+  """log p(y | x) = sum_t over trained tokens of log p(y_t | ...): f32[B, T] -> f32[B]."""
+  return masked.masked_sum(token_logprobs, loss_mask, axis=1)
+
+
+def dpo_loss(
+    policy_chosen_logps: jax.Array,
+    policy_rejected_logps: jax.Array,
+    ref_chosen_logps: jax.Array,
+    ref_rejected_logps: jax.Array,
+    *,
+    beta: float = 0.1,
+) -> tuple[jax.Array, Metrics]:
+  """Direct preference optimisation from per-sequence summed log-probs (f32[B] each).
+
+    r_c  = beta * (log pi(y_c) - log pi_ref(y_c))        implicit reward of the chosen reply
+    r_r  = beta * (log pi(y_r) - log pi_ref(y_r))        ... and of the rejected one
+    loss = mean_b [ -log sigmoid(r_c - r_r) ]
+
+  Returns:
+    (loss, metrics) with reward_accuracy (fraction with r_c > r_r), reward_margin
+    (mean r_c - r_r), chosen_reward and rejected_reward (means).
+  """
+  if beta <= 0:
+    raise ValueError(f"DPO beta must be > 0, got {beta}.")
+  chosen_rewards = beta * (policy_chosen_logps - ref_chosen_logps)
+  rejected_rewards = beta * (policy_rejected_logps - ref_rejected_logps)
+  margins = chosen_rewards - rejected_rewards
+  loss = -jnp.mean(jax.nn.log_sigmoid(margins))
+  metrics = {
+      "reward_accuracy": jnp.mean((margins > 0).astype(jnp.float32)),
+      "reward_margin": jnp.mean(margins),
+      "chosen_reward": jnp.mean(chosen_rewards),
+      "rejected_reward": jnp.mean(rejected_rewards),
+  }
+  return loss, metrics
+
+
+LossFn = Callable[..., tuple[jax.Array, Metrics]]
+
+LOSSES: dict[str, LossFn] = {
+    "policy_gradient": policy_gradient_loss,
+    "kl": kl_loss,
+    "entropy_bonus": entropy_bonus,
+    "value": value_loss,
+    "sft": sft_loss,
+    "dpo": dpo_loss,
+}
+
+
+def get_loss(name: str) -> LossFn:
+  """The loss registered as `name`; a ValueError lists the valid names otherwise."""
+  return registry.lookup(LOSSES, name, "loss")
+
+
+def token_logprobs_and_entropy(
+    logits: jax.Array, targets: jax.Array, *, temperature: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
+  """Log-prob of each target token and the entropy of each next-token distribution.
+
+  Computed in f32 whatever the logits' dtype (bf16 log-softmax over a 150k vocabulary loses
+  the small differences PPO ratios are made of):
+
+    z_t    = logits_t / temperature
+    logp_t = z_t[y_t] - logsumexp(z_t)
+    H_t    = -sum_v p_t,v log p_t,v,   log p_t = z_t - logsumexp(z_t)
+
+  `temperature` must equal the sampler's, so the trained distribution is the sampled one.
+
+  Args:
+    logits: [B, T, V] (any float dtype); logits[b, t] predicts targets[b, t].
+    targets: int[B, T].
+    temperature: > 0.
+
+  Returns:
+    (logprobs, entropies), each f32[B, T].
+  """
+  if temperature <= 0:
+    raise ValueError(f"temperature must be > 0, got {temperature}.")
+  scaled = logits.astype(jnp.float32) / temperature
+  log_probs = scaled - jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+  # -sum p log p rather than logsumexp(z) - sum p z: the latter subtracts two numbers of the
+  # logits' magnitude and loses ~10x more f32 precision.
+  entropies = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+  return jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0], entropies
+
+
+def chunked_token_logprobs_and_entropy(
+    hidden: jax.Array,
+    targets: jax.Array,
+    logits_fn: Callable[[jax.Array], jax.Array],
+    *,
+    chunk_size: int,
+    temperature: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
+  """`token_logprobs_and_entropy` over sequence chunks, never holding [B, T, V] at once.
+
+  The vocabulary projection runs inside a loop over T-chunks of `chunk_size` tokens, so only a
+  [B, chunk_size, V] block of logits exists at a time. The loop body is rematerialised
+  (jax.checkpoint): the backward pass recomputes each chunk's logits instead of storing all of
+  them, so the gradient does not materialise [B, T, V] either.
+
+  Args:
+    hidden: [B, T, D] final hidden states.
+    targets: int[B, T].
+    logits_fn: maps a [B, chunk_size, D] hidden chunk to [B, chunk_size, V] logits (e.g. the
+      final norm's output times the unembedding); it may close over parameters.
+    chunk_size: tokens per chunk; T is padded up to a multiple of it.
+    temperature: > 0, as in `token_logprobs_and_entropy`.
+
+  Returns:
+    (logprobs, entropies), each f32[B, T].
+  """
+  if chunk_size <= 0:
+    raise ValueError(f"chunk_size must be > 0, got {chunk_size}.")
+  batch_size, num_tokens, hidden_size = hidden.shape
+  num_chunks = -(-num_tokens // chunk_size)
+  padding = num_chunks * chunk_size - num_tokens
+  hidden = jnp.pad(hidden, ((0, 0), (0, padding), (0, 0)))
+  targets = jnp.pad(targets, ((0, 0), (0, padding)))
+  # [num_chunks, B, chunk_size, ...] so lax.map walks the chunks.
+  hidden_chunks = hidden.reshape(batch_size, num_chunks, chunk_size, hidden_size).swapaxes(0, 1)
+  target_chunks = targets.reshape(batch_size, num_chunks, chunk_size).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def chunk(inputs):
+    hidden_chunk, target_chunk = inputs
+    return token_logprobs_and_entropy(
+        logits_fn(hidden_chunk), target_chunk, temperature=temperature
+    )
+
+  logprobs, entropies = jax.lax.map(chunk, (hidden_chunks, target_chunks))
+
+  def unchunk(per_chunk):
+    return per_chunk.swapaxes(0, 1).reshape(batch_size, -1)[:, :num_tokens]
+
+  return unchunk(logprobs), unchunk(entropies)
