@@ -78,6 +78,8 @@ _REGISTRY: dict[str, str | Callable[..., Env]] = {
     "textcraft": "environments.textcraft:TextCraftEnv",
     "babyai": "environments.babyai:BabyAIEnv",
     "sciworld": "environments.sciworld:SciWorldEnv",
+    "echo": "environments.echo:EchoEnv",
+    "http": "environments.http.client:AgentGymClient",
 }
 
 

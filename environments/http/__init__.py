@@ -1,15 +1,12 @@
 """The AgentGym HTTP protocol: a server for any registered adapter and a client adapter.
 
-Importing this package registers the client as environment "http":
+The client is registered as environment "http":
   environments.make("http", base_url="http://127.0.0.1:36001", env="textcraft")
 """
 
-from environments import base
 from environments.http.client import AgentGymClient
 from environments.http.protocol import STYLES, PayloadStyle, extract_action, style_for
 from environments.http.server import AgentGymServer
-
-base.register("http", AgentGymClient)
 
 __all__ = ["AgentGymClient", "AgentGymServer", "PayloadStyle", "STYLES", "extract_action",
            "style_for"]
