@@ -1,0 +1,401 @@
+"""Metrics and trajectory logs of a run, and the console progress bar.
+
+Files under a run's workdir:
+
+  metrics.jsonl                 one JSON object per logged step:
+                                {"step": 12, "time": 1718000000.0, "loss": 0.31, ...};
+                                non-finite values are written as null
+  tensorboard/                  the same scalars as TensorBoard events (tensorboardX)
+  trajectories/step_000012.jsonl  one JSON object per trajectory of step 12, each with "step"
+
+Only process 0 writes; on other hosts the writers accept calls and do nothing.
+
+Device values stay on the device until one `jax.device_get` per logged row fetches them all.
+With `defer_fetch=True` (the default) a row is fetched when the *next* row arrives (or on
+`flush`/`close`), so logging step t never waits for step t's computation to finish: by the
+time step t+1 is logged, step t's values are long computed.
+
+Resuming. A run killed after step 40 but restored from the step-30 checkpoint would log steps
+31..40 twice. Open the writers with `resume_step=30`: metrics.jsonl keeps only rows with
+step <= 30, TensorBoard hides events after step 30 (tensorboardX's purge_step), and trajectory
+files of later steps are deleted. A line cut short by a crash is dropped when metrics.jsonl is
+reopened, so appends stay valid JSONL; `read_metrics` skips such a line too.
+
+  with MetricsWriter(workdir, resume_step=start - 1) as writer, \\
+       ProgressBar(num_steps, initial=start, keys=("reward/mean", "loss")) as bar:
+    for step in range(start, num_steps):
+      ...
+      writer.write(step, metrics)        # dict of scalars; jax.Array values are fine
+      bar.update(step + 1, writer.latest)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
+
+import jax
+import numpy as np
+import tqdm
+from absl import logging
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+TRAJECTORY_DIR = "trajectories"
+_RESERVED_KEYS = ("step", "time")
+_TRAJECTORY_FILE = re.compile(r"step_(\d+)\.jsonl")
+
+
+def _is_writer_process() -> bool:
+  return jax.process_index() == 0
+
+
+def _summary_writer_class() -> type:
+  """tensorboardX's SummaryWriter, imported without torch.
+
+  tensorboardX imports torch whenever it is installed (it is, for the parity tests), which
+  costs seconds and hundreds of MB at start-up and is never used for scalars. A None entry in
+  sys.modules makes that optional import fail fast, as on a machine without torch.
+  """
+  if "torch" in sys.modules:
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+  sys.modules["torch"] = None  # type: ignore[assignment]
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    del sys.modules["torch"]
+  return SummaryWriter
+
+
+def _check_step(step: Any) -> int:
+  if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+    raise ValueError(f"Logged step must be a non-negative integer, got {step!r}.")
+  return int(step)
+
+
+def _replace_file(path: str, lines: Sequence[str]) -> None:
+  """Writes `lines` to `path` through a temporary file and an atomic rename."""
+  temporary = path + ".tmp"
+  with open(temporary, "w", encoding="utf-8") as f:
+    f.writelines(lines)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(temporary, path)
+
+
+def _parse_jsonl(path: str) -> list[dict[str, Any]]:
+  """The JSON objects of a JSONL file; an unterminated unparsable last line is skipped.
+
+  A process killed mid-append can leave the last line cut short; any other bad line means the
+  file is corrupt and raises.
+  """
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  lines = text.split("\n")
+  records = []
+  for number, line in enumerate(lines, start=1):
+    if not line.strip():
+      continue
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if number == len(lines):  # The last piece has no newline after it: a cut-off append.
+        logging.warning("Skipping the truncated last line of %s: %r", path, line[:80])
+        continue
+      raise ValueError(f"{path}:{number} is not valid JSON ({e}): {line[:200]!r}") from e
+  return records
+
+
+def read_metrics(workdir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+  """All rows of workdir/metrics.jsonl in file order ([] if there is none)."""
+  return _parse_jsonl(os.path.join(os.fspath(workdir), METRICS_FILE))
+
+
+def _to_host_scalar(value: Any) -> int | float | bool | None:
+  """A fetched metric as a JSON scalar; NaN and infinities become None."""
+  if isinstance(value, np.ndarray | np.generic):
+    value = value.item()
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return value
+
+
+class MetricsWriter:
+  """Appends scalar metrics per step to metrics.jsonl and TensorBoard.
+
+  Args:
+    workdir: the run directory (local filesystem).
+    tensorboard: also write TensorBoard events to workdir/tensorboard.
+    defer_fetch: fetch a row's device values when the next row arrives (see module docstring)
+      instead of at once.
+    resume_step: the restored checkpoint step of a resumed run; logged rows after it are
+      dropped (see module docstring).
+  """
+
+  def __init__(self, workdir: str | os.PathLike[str], tensorboard: bool = True,
+               defer_fetch: bool = True, resume_step: int | None = None):
+    self.workdir = os.fspath(workdir)
+    self.path = os.path.join(self.workdir, METRICS_FILE)
+    self.defer_fetch = defer_fetch
+    # The last row written, as host values, for displays; with defer_fetch one step behind.
+    self.latest: dict[str, Any] = {}
+    self._pending: tuple[int, float, dict[str, Any]] | None = None
+    self._file: TextIO | None = None
+    self._tensorboard = None
+    if not _is_writer_process():
+      return
+    os.makedirs(self.workdir, exist_ok=True)
+    if resume_step is not None:
+      last_kept = _check_step(resume_step)
+      self._rewrite(lambda row: row["step"] <= last_kept)
+    else:
+      self._repair_last_line()
+    self._file = open(self.path, "a", encoding="utf-8")
+    if tensorboard:
+      self._tensorboard = _summary_writer_class()(
+          os.path.join(self.workdir, TENSORBOARD_DIR),
+          purge_step=None if resume_step is None else resume_step + 1)
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+    """Logs scalar `metrics` (Python, NumPy or 0-d jax.Array values) for `step`."""
+    step = _check_step(step)
+    for key, value in metrics.items():
+      if not isinstance(key, str) or key in _RESERVED_KEYS:
+        raise ValueError(f"Metric names must be strings other than {_RESERVED_KEYS}, got "
+                         f"{key!r}.")
+      is_number = isinstance(value, numbers.Number | np.generic | np.ndarray | jax.Array)
+      if not is_number or np.ndim(value) != 0:
+        raise ValueError(f"Metric {key!r} at step {step} must be a scalar, got "
+                         f"{type(value).__name__} of shape {np.shape(value)}.")
+    if self._file is None:
+      return
+    row = (step, time.time(), dict(metrics))
+    if self.defer_fetch:
+      self._emit_pending()
+      self._pending = row
+    else:
+      self._emit(*row)
+
+  def flush(self) -> None:
+    """Writes a deferred row and flushes both outputs."""
+    if self._file is None:
+      return
+    self._emit_pending()
+    self._file.flush()
+    if self._tensorboard is not None:
+      self._tensorboard.flush()
+
+  def truncate_after(self, step: int) -> None:
+    """Drops rows with a step after `step` from metrics.jsonl (a deferred one included)."""
+    step = _check_step(step)
+    if self._file is None:
+      return
+    self.flush()
+    self._file.close()
+    self._rewrite(lambda row: row["step"] <= step)
+    self._file = open(self.path, "a", encoding="utf-8")
+
+  def close(self) -> None:
+    if self._file is None:
+      return
+    self.flush()
+    self._file.close()
+    self._file = None
+    if self._tensorboard is not None:
+      self._tensorboard.close()
+      self._tensorboard = None
+
+  def __enter__(self) -> MetricsWriter:
+    return self
+
+  def __exit__(self, *exc_info: Any) -> None:
+    self.close()
+
+  def _emit_pending(self) -> None:
+    if self._pending is not None:
+      pending, self._pending = self._pending, None
+      self._emit(*pending)
+
+  def _emit(self, step: int, wall_time: float, metrics: dict[str, Any]) -> None:
+    fetched = jax.device_get(metrics)  # One transfer for the whole row.
+    values = {key: _to_host_scalar(value) for key, value in fetched.items()}
+    non_finite = sorted(key for key, value in values.items() if value is None)
+    if non_finite:
+      logging.warning("Non-finite metrics at step %d (logged as null): %s", step,
+                      ", ".join(non_finite))
+    row = {"step": step, "time": wall_time, **values}
+    self._file.write(json.dumps(row, allow_nan=False) + "\n")
+    # One line per step is cheap to push to the OS, and a crash then loses no logged step.
+    self._file.flush()
+    if self._tensorboard is not None:
+      for key, value in values.items():
+        if value is not None:
+          self._tensorboard.add_scalar(key, float(value), global_step=step, walltime=wall_time)
+    self.latest = row
+
+  def _rewrite(self, keep: Callable[[dict[str, Any]], bool]) -> None:
+    rows = [row for row in _parse_jsonl(self.path) if keep(row)]
+    _replace_file(self.path, [json.dumps(row, allow_nan=False) + "\n" for row in rows])
+
+  def _repair_last_line(self) -> None:
+    """Ends the file at its last newline so appends after a crash start on a fresh line."""
+    if not os.path.exists(self.path):
+      return
+    with open(self.path, "rb+") as f:
+      data = f.read()
+      if not data or data.endswith(b"\n"):
+        return
+      cut = data.rfind(b"\n") + 1
+      try:
+        json.loads(data[cut:])
+        f.write(b"\n")  # The row is whole; only its newline was lost.
+      except json.JSONDecodeError:
+        logging.warning("Dropping the truncated last line of %s.", self.path)
+        f.truncate(cut)
+
+
+def _json_safe(value: Any) -> Any:
+  """`value` with arrays as lists and NaN / infinities as None, so the JSON is strict."""
+  if isinstance(value, Mapping):
+    return {str(k): _json_safe(v) for k, v in value.items()}
+  if isinstance(value, list | tuple):
+    return [_json_safe(v) for v in value]
+  if isinstance(value, np.ndarray | np.generic | jax.Array):
+    return _json_safe(np.asarray(value).tolist())
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return value
+
+
+def _array_to_list(value: Any) -> Any:
+  """json.dumps `default` hook: arrays and NumPy scalars as plain Python values."""
+  if isinstance(value, np.ndarray | np.generic | jax.Array):
+    return np.asarray(value).tolist()
+  raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def _trajectory_line(record: dict[str, Any]) -> str:
+  try:
+    return json.dumps(record, default=_array_to_list, allow_nan=False) + "\n"
+  except ValueError:  # A NaN somewhere: take the slower path that nulls it.
+    return json.dumps(_json_safe(record), allow_nan=False) + "\n"
+
+
+def _trajectory_path(directory: str, step: int) -> str:
+  return os.path.join(directory, f"step_{step:06d}.jsonl")
+
+
+def trajectory_steps(workdir: str | os.PathLike[str]) -> list[int]:
+  """The steps that have a trajectory file, ascending."""
+  directory = os.path.join(os.fspath(workdir), TRAJECTORY_DIR)
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(match.group(1)) for name in os.listdir(directory)
+                if (match := _TRAJECTORY_FILE.fullmatch(name)))
+
+
+def read_trajectories(workdir: str | os.PathLike[str],
+                      step: int | None = None) -> list[dict[str, Any]]:
+  """The trajectories logged at `step`, or those of every step in step order if None.
+
+  Each record carries its "step", so the records of all steps stay distinguishable.
+  """
+  directory = os.path.join(os.fspath(workdir), TRAJECTORY_DIR)
+  steps = trajectory_steps(workdir)
+  if step is not None:
+    if step not in steps:
+      raise FileNotFoundError(f"No trajectories for step {step} in {directory}; logged steps: "
+                              f"{steps}.")
+    steps = [step]
+  return [record for s in steps for record in _parse_jsonl(_trajectory_path(directory, s))]
+
+
+class TrajectoryWriter:
+  """Writes each step's trajectories to workdir/trajectories/step_{step:06d}.jsonl.
+
+  A step's file is written under a temporary name and renamed into place, so a reader (or a
+  resumed run) sees either the whole file or none; writing a step again replaces its file.
+  Values may be NumPy or JAX arrays (written as lists); NaN and infinities become null.
+
+  Args:
+    workdir: the run directory (local filesystem).
+    resume_step: the restored checkpoint step of a resumed run; files of later steps are
+      deleted.
+  """
+
+  def __init__(self, workdir: str | os.PathLike[str], resume_step: int | None = None):
+    self.workdir = os.fspath(workdir)
+    self.directory = os.path.join(self.workdir, TRAJECTORY_DIR)
+    if not _is_writer_process():
+      return
+    os.makedirs(self.directory, exist_ok=True)
+    for name in os.listdir(self.directory):
+      if name.endswith(".tmp"):  # Left by a crash mid-write; never a complete file.
+        os.remove(os.path.join(self.directory, name))
+    if resume_step is not None:
+      self.truncate_after(resume_step)
+
+  def write(self, step: int, trajectories: Sequence[Mapping[str, Any]]) -> None:
+    step = _check_step(step)
+    for index, trajectory in enumerate(trajectories):
+      if "step" in trajectory:
+        raise ValueError(f"Trajectory {index} of step {step} has its own 'step' field; the "
+                         "writer adds it.")
+    if not _is_writer_process():
+      return
+    _replace_file(_trajectory_path(self.directory, step),
+                  [_trajectory_line({"step": step, **trajectory}) for trajectory in trajectories])
+
+  def truncate_after(self, step: int) -> None:
+    """Deletes the files of steps after `step`."""
+    step = _check_step(step)
+    if not _is_writer_process():
+      return
+    for logged in trajectory_steps(self.workdir):
+      if logged > step:
+        os.remove(_trajectory_path(self.directory, logged))
+
+
+class ProgressBar:
+  """A tqdm bar showing step/total and a few chosen metrics.
+
+  Args:
+    total: the number of steps of the run.
+    keys: metric names shown next to the bar, in this order, when present.
+    initial: where the bar starts (a resumed run's first step).
+    enabled: None shows the bar only on a terminal; True / False force it on / off.
+    file: the stream to draw on (default sys.stderr).
+  """
+
+  def __init__(self, total: int, keys: Sequence[str] = (), initial: int = 0,
+               enabled: bool | None = None, file: TextIO | None = None):
+    self.keys = tuple(keys)
+    self._bar = tqdm.tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                          file=file, disable=None if enabled is None else not enabled)
+
+  def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
+    """Moves the bar to `step` (steps done) and shows the chosen host-side `metrics`."""
+    self._bar.n = step
+    shown = {key: metrics[key] for key in self.keys if metrics and key in metrics}
+    self._bar.set_postfix({key: "nan" if value is None else f"{value:.4g}"
+                           for key, value in shown.items()}, refresh=False)
+    self._bar.refresh()
+
+  def close(self) -> None:
+    self._bar.close()
+
+  def __enter__(self) -> ProgressBar:
+    return self
+
+  def __exit__(self, *exc_info: Any) -> None:
+    self.close()
