@@ -4,6 +4,7 @@ from setuptools import find_packages, setup
 
 TEST = [
     "torch==2.13.0",
+    "accelerate",
     "pytest",
     "hypothesis",
 ]
@@ -23,6 +24,7 @@ setup(
         "transformers",
         "tokenizers",
         "sentencepiece",
+    "jinja2",
         "safetensors",
         "ml-collections",
         "absl-py",
