@@ -1,6 +1,10 @@
-"""Test set-up: 8 virtual CPU devices so sharding is tested on a (data, fsdp, tensor) mesh."""
+"""Test set-up: 8 virtual CPU devices so sharding is tested on a (data, fsdp, tensor) mesh, and
+a persistent compilation cache shared by the test processes (and their subprocesses)."""
 
 import os
+import pathlib
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      str(pathlib.Path.home() / ".cache" / "agentgym_jax" / "jax_test_cache"))
