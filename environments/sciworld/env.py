@@ -1,0 +1,270 @@
+"""SciWorldEnv: elementary science experiments in ScienceWorld, through the `scienceworld` JVM.
+
+Episode. reset(task_id) loads the task's variation (see tasks.py) and returns the task
+description, a newline, and the room the agent starts in ("look around"), as AgentGym's
+server does. Each step sends the action in the reply to the simulator and returns its text
+unchanged, including its answer to an action it cannot parse, "No known action matches that
+input." (INVALID_ACTION), and its numbered choices for an ambiguous action, which the agent
+answers with a number. A reply with no "Action:" gets INVALID_ACTION without reaching the
+simulator: the reference sends such a reply whole and gets that answer.
+
+The world of a (task, variation) is fixed, but the simulator keeps objects in Scala sets, so
+the order in which it lists a room's objects (and numbers the choices of an ambiguous action)
+can differ from one load to the next, and so, rarely, can heat transfer (ScienceWorld issues
+#15 and #33). Episodes are reproducible up to that.
+
+Score and reward. The simulator scores progress s_t in 0..100 after every step and sets it to
+a negative value (-100) when the agent fails (for example by focusing on the wrong object).
+The step reward is the change of the score, floored at 0 and normalised:
+
+  r_t = (max(s_t, 0) - max(s_{t-1}, 0)) / 100,  s_0 = 0,
+
+so the rewards of an episode sum to max(final score, 0) / 100 in [0, 1], and a failure takes
+back the progress made. info["score"] is the simulator's score s_t (negative on failure) and
+info["success"] is s_t == 100.
+
+Done, as the package's ScienceWorldEnv.step decides: the simulator says the task is complete,
+or the score is negative, or the simulator has counted more than `step_limit` moves (100, the
+package's default and AgentGym's; unparseable actions are not moves).
+
+JVM. Each adapter owns one simulator JVM (about 150 MB), started by the first reset and kept
+for every later episode: reset reloads the task only when (task, variation) changes and
+otherwise rewinds it. Steps call the JVM directly for the observation, score, completion and
+move count; the package's step() also collects the look, the inventory and every valid action
+for its info dict, which costs several times more than the step itself. close() stops the JVM
+and its py4j threads. A py4j failure raises EnvError and discards the JVM; the next reset
+starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+from typing import Any, Iterator, Sequence
+
+import scienceworld
+from py4j.protocol import Py4JError
+
+from environments.base import EnvError, StepResult
+from environments.sciworld import tasks as tasks_lib
+
+INVALID_ACTION = "No known action matches that input."
+FULL_SCORE = 100
+DEFAULT_STEP_LIMIT = 100
+# How long close() lets the JVM exit after the gateway shuts down before killing it.
+_JVM_EXIT_GRACE_S = 10.0
+
+# (template, what it does); OBJ and LOC stand for names the observations use.
+ACTIONS = (
+    ("look around", "describe the room you are in"),
+    ("look at OBJ", "describe an object in detail"),
+    ("look in OBJ", "list what a container holds"),
+    ("read OBJ", "read a book or a note"),
+    ("go to LOC", "move to a neighbouring location through an open door"),
+    ("open OBJ / close OBJ", "open or close a door or a container"),
+    ("pick up OBJ", "take an object into your inventory"),
+    ("put down OBJ", "drop an object from your inventory"),
+    ("move OBJ to OBJ", "put an object in a container or on a surface"),
+    ("pour OBJ in OBJ", "pour a liquid into a container"),
+    ("dunk OBJ in OBJ", "dip a container into a liquid"),
+    ("mix OBJ", "chemically mix the contents of a container"),
+    ("activate OBJ / deactivate OBJ", "switch a device on or off"),
+    ("use OBJ on OBJ", "use a tool or device on something (\"use OBJ\" for a device alone)"),
+    ("connect OBJ to OBJ / disconnect OBJ", "wire or unwire electrical components"),
+    ("eat OBJ", "eat a food"),
+    ("flush OBJ", "flush a toilet"),
+    ("focus on OBJ", "declare the object the task is about; only when the task asks for it, "
+                     "since focusing on the wrong object fails the task"),
+    ("wait / wait1", "let 10 time steps / 1 time step pass"),
+    ("inventory", "list what you are carrying"),
+    ("task", "repeat the task description"),
+)
+
+INSTRUCTION = f"""\
+You are an agent in ScienceWorld, a text simulation of a house and its surroundings where you \
+carry out elementary science experiments. The first observation states your task and describes \
+the room you start in. Each round you see an observation and reply with one action. Your score \
+(0 to 100) rises as you complete parts of the task; the task is solved at 100. Some mistakes, \
+such as focusing on the wrong object, fail the task at once.
+
+Actions (OBJ is an object and LOC a location, named as the observations name them):
+{chr(10).join(f"- {template}: {meaning}" for template, meaning in ACTIONS)}
+When an action could mean several objects you are shown numbered choices; reply with the \
+number as your action.
+
+Reply in exactly this format:
+Thought: <your reasoning>
+
+Action: <one action>"""
+
+_ACTION_MARKER = re.compile(r"action\s*:", re.IGNORECASE)
+
+
+def parse_action(reply: str) -> str | None:
+  """The action of a reply: the first non-empty line after its first "Action:", or None.
+
+  Like AgentGym's client this reads the text after the first marker; the first line keeps a
+  reply that runs on ("Action: go to kitchen\\nObservation: ...") to its one action.
+  """
+  match = _ACTION_MARKER.search(reply)
+  if match is None:
+    return None
+  lines = [line.strip() for line in reply[match.end():].splitlines()]
+  return next((line for line in lines if line), None)
+
+
+class _Simulator:
+  """One ScienceWorld JVM: the few calls an episode needs, and a close that always ends it."""
+
+  def __init__(self):
+    self._package_env = scienceworld.ScienceWorldEnv()
+    # The package's close() asks the JVM to exit but does not wait for it; close() does.
+    self._java_process: subprocess.Popen = self._package_env._gateway.java_process
+    self._server = self._package_env.server
+
+  @property
+  def pid(self) -> int:
+    return self._java_process.pid
+
+  def load(self, task_name: str, variation: int, gold_path: bool = False) -> None:
+    self._package_env.load(task_name, variation, generateGoldPath=gold_path)
+
+  def rewind(self) -> None:
+    """Back to the start of the loaded task and variation."""
+    self._server.reset()
+
+  def act(self, action: str) -> tuple[str, int, bool, int]:
+    """(observation, score in 0..100 or negative, task complete, moves so far)."""
+    observation = self._server.step(action)
+    score = int(round(100 * self._server.getScore()))  # the package's own conversion
+    return observation, score, bool(self._server.getCompleted()), self._server.getNumMoves()
+
+  def task_description(self) -> str:
+    return self._server.getTaskDescription()
+
+  def gold_actions(self) -> list[str]:
+    return list(self._server.getGoldActionSequence())
+
+  def close(self) -> None:
+    try:
+      self._package_env.close()
+    except Py4JError:
+      pass  # the JVM is already gone; the process checks below still reap or kill it
+    try:
+      self._java_process.wait(timeout=_JVM_EXIT_GRACE_S)
+    except subprocess.TimeoutExpired:
+      self._java_process.kill()
+      self._java_process.wait()
+
+
+class SciWorldEnv:
+  """One ScienceWorld episode at a time (the `environments.base.Env` protocol)."""
+
+  name = "sciworld"
+
+  def __init__(self, step_limit: int = DEFAULT_STEP_LIMIT):
+    if isinstance(step_limit, bool) or not isinstance(step_limit, int) or step_limit < 1:
+      raise ValueError(f"step_limit must be a positive int, got {step_limit!r}")
+    self.step_limit = step_limit
+    self._simulator: _Simulator | None = None
+    self._loaded: tuple[str, int] | None = None  # (task name, variation) in the simulator
+    self._score = 0
+    self._done = True
+    self._closed = False
+
+  @property
+  def instruction(self) -> str:
+    return INSTRUCTION
+
+  def task_ids(self, split: str) -> Sequence[int]:
+    return tasks_lib.split_ids(split)
+
+  def task_info(self, task_id: int) -> dict[str, Any]:
+    return tasks_lib.task_info(task_id)
+
+  def reset(self, task_id: int) -> str:
+    task, variation = tasks_lib.lookup(task_id)
+    simulator = self._running_simulator()
+    self._done = True
+    with self._faults_end_the_simulator():
+      if self._loaded == (task.name, variation):
+        simulator.rewind()
+      else:
+        self._loaded = None
+        simulator.load(task.name, variation)
+        self._loaded = (task.name, variation)
+      look, _, _, _ = simulator.act("look around")
+      description = simulator.task_description()
+    self._score, self._done = 0, False
+    return f"{description}\n{look}"
+
+  def step(self, action_text: str) -> StepResult:
+    if self._done or self._simulator is None:
+      raise RuntimeError("step() without an episode in progress; call reset() first")
+    action = parse_action(action_text)
+    if action is None:
+      return StepResult(INVALID_ACTION, 0.0, False, self._info(self._score, action))
+    with self._faults_end_the_simulator():
+      observation, score, complete, moves = self._simulator.act(action)
+    reward = (max(score, 0) - max(self._score, 0)) / FULL_SCORE
+    self._score = score
+    self._done = complete or score < 0 or moves > self.step_limit
+    return StepResult(observation, reward, self._done, self._info(score, action))
+
+  def gold_actions(self, task_id: int) -> list[str]:
+    """The package's gold action sequence for a task (it may run past the winning action).
+
+    Generating it can take tens of seconds; it ends any episode in progress.
+    """
+    task, variation = tasks_lib.lookup(task_id)
+    simulator = self._running_simulator()
+    self._done = True
+    # A task loaded with its gold path would regenerate it on every rewind: reload next reset.
+    self._loaded = None
+    with self._faults_end_the_simulator():
+      simulator.load(task.name, variation, gold_path=True)
+      return simulator.gold_actions()
+
+  def close(self) -> None:
+    self._closed, self._done = True, True
+    self._stop_simulator()
+
+  def __enter__(self) -> SciWorldEnv:
+    return self
+
+  def __exit__(self, *exc_info: object) -> None:
+    self.close()
+
+  @property
+  def jvm_pid(self) -> int | None:
+    """The process id of this adapter's JVM, None while none runs."""
+    return None if self._simulator is None else self._simulator.pid
+
+  def _info(self, score: int, action: str | None) -> dict[str, Any]:
+    return {"score": score, "success": score == FULL_SCORE, "action": action}
+
+  def _running_simulator(self) -> _Simulator:
+    if self._closed:
+      raise RuntimeError("this SciWorldEnv is closed; make a new one")
+    if self._simulator is None:
+      try:
+        self._simulator = _Simulator()
+      except Exception as e:  # OSError without `java`; py4j raises plain Exceptions.
+        raise EnvError(f"could not start the ScienceWorld JVM (is Java installed?): {e}") from e
+    return self._simulator
+
+  def _stop_simulator(self) -> None:
+    simulator, self._simulator, self._loaded = self._simulator, None, None
+    if simulator is not None:
+      simulator.close()
+
+  @contextlib.contextmanager
+  def _faults_end_the_simulator(self) -> Iterator[None]:
+    """Turns a py4j failure into EnvError and discards the JVM, which may be broken or gone."""
+    try:
+      yield
+    except Py4JError as e:
+      self._done = True
+      self._stop_simulator()
+      raise EnvError(f"the ScienceWorld simulator failed: {e}") from e
