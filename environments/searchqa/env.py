@@ -3,7 +3,8 @@
 Episode. The first observation is "Question: <question>". Each reply holds one action in the
 Search-R1 format (reply.py):
   <search> query </search>  -> "<information>Doc 1(Title: t) text\\nDoc 2(...) ...</information>",
-                               the top `top_k` documents (3, as AgentGym), reward 0
+                               the top `top_k` documents (3, as AgentGym; none when BM25
+                               finds no shared word), reward 0
   <answer> text </answer>   -> ends the episode; reward 1 and success when the answer matches a
                                gold answer by normalised exact match (reply.exact_match), else 0.
                                "Congratulations! You have answered the question correctly." or
@@ -15,7 +16,7 @@ AgentGym's server, where a wrong answer says "Please try again." and the episode
 the horizon, any answer ends the episode: the outcome is the first answer.
 
 Data. With no `data_dir`, the questions and the corpus are generated from Minecraft's game data
-(minecraft.py): ~250 test and ~11,000 train questions of 2-3 hops over 1,040 pages, in a few
+(minecraft.py): 256 test and 11,142 train questions of 2-3 hops over 1,040 pages, in a few
 seconds, no download. With `data_dir`, the paper's data in FlashRAG format (qa_data.py):
   <data_dir>/<source>/{test,dev,train}.{jsonl,parquet}  questions per source (nq, triviaqa,
                                                          popqa, hotpotqa, 2wikimultihopqa,

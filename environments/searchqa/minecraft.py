@@ -45,8 +45,9 @@ the question are dropped. Answers are item titles or numbers (digits or words).
 Splits, deterministic: everything is built in sorted order; within a category, questions are
 capped so that no answer holds more than MAX_ANSWER_SHARE of them and ordered round-robin over
 answers, each answer's questions by the sha256 of their text (`_balanced`); the first
-`TEST_PER_CATEGORY` (at most half the category) form the test split, the rest train. No
-`hash()`, no unseeded randomness.
+`TEST_PER_CATEGORY` (at most half the category) form the test split, the rest train.
+Categories of fewer than MIN_CATEGORY_SIZE questions are left out. No `hash()`, no unseeded
+randomness.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ from environments.searchqa.retrievers import Doc
 from environments.textcraft.recipes import MINECRAFT_VERSION, Ingredient, Recipe, RecipeBook
 
 TEST_PER_CATEGORY = 60
+# Smaller categories (3-hop food questions: 2) are left out; a test score over one question is
+# noise, not a breakdown.
+MIN_CATEGORY_SIZE = 20
 MAX_HOPS = 3
 # Count questions ask for at least this many: recipes that take one of an ingredient are the
 # majority, and a set of mostly "1" answers rewards a policy that always answers "1".
@@ -533,6 +537,8 @@ def dataset() -> Dataset:
         metadata={"kind": kind, "hops": tuple(hops)}))
   test, train = [], []
   for category in sorted(by_category):
+    if len(by_category[category]) < MIN_CATEGORY_SIZE:
+      continue
     ordered = _balanced(list(by_category[category].values()))
     num_test = min(TEST_PER_CATEGORY, len(ordered) // 2)
     test.extend(ordered[:num_test])
