@@ -34,11 +34,13 @@ setup(
         "tensorboardX",
         "tqdm",
         "minecraft-data",
+    "bm25s",
         "minigrid",
         "scienceworld",
     ],
     extras_require={
         "test": TEST,
+        "searchqa": ["pyarrow", "faiss-cpu"],
         "tpu": ["jax[tpu]"],
         "gpu": ["jax[cuda12]"],
     },

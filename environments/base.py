@@ -78,6 +78,7 @@ _REGISTRY: dict[str, str | Callable[..., Env]] = {
     "textcraft": "environments.textcraft:TextCraftEnv",
     "babyai": "environments.babyai:BabyAIEnv",
     "sciworld": "environments.sciworld:SciWorldEnv",
+    "searchqa": "environments.searchqa:SearchQAEnv",
     "echo": "environments.echo:EchoEnv",
     "http": "environments.http.client:AgentGymClient",
 }
