@@ -501,8 +501,6 @@ def sites():
 
 @pytest.fixture(scope="module")
 def env(sites):
-  if not HAS_BROWSER:
-    pytest.skip("no browser")
   web = WebArenaEnv(str(webarena_site.CONFIG_DIR), site_urls=sites, num_test=2)
   yield web
   web.close()
