@@ -5,6 +5,7 @@ from setuptools import find_packages, setup
 TEST = [
     "torch==2.13.0",
     "accelerate",
+    "playwright",
     "pytest",
     "hypothesis",
 ]
@@ -33,6 +34,7 @@ setup(
         "numpy",
         "tensorboardX",
         "tqdm",
+    "matplotlib",
         "minecraft-data",
     "bm25s",
         "minigrid",
@@ -41,6 +43,7 @@ setup(
     extras_require={
         "test": TEST,
         "searchqa": ["pyarrow", "faiss-cpu"],
+        "webarena": ["playwright"],
         "tpu": ["jax[tpu]"],
         "gpu": ["jax[cuda12]"],
     },

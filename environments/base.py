@@ -79,6 +79,8 @@ _REGISTRY: dict[str, str | Callable[..., Env]] = {
     "babyai": "environments.babyai:BabyAIEnv",
     "sciworld": "environments.sciworld:SciWorldEnv",
     "searchqa": "environments.searchqa:SearchQAEnv",
+    "webarena": "environments.webarena:WebArenaEnv",
+    "webarena_remote": "environments.webarena:AgentGymWebArenaClient",
     "echo": "environments.echo:EchoEnv",
     "http": "environments.http.client:AgentGymClient",
 }

@@ -1,0 +1,205 @@
+"""The training config: every key a run reads, its default, and start-up validation.
+
+Experiment files in configs/ start from `base_config()` and change values; the returned
+ConfigDict is locked, so a misspelt key (in a config file or a --config.x=y override) fails at
+start-up instead of silently doing nothing. `validate` checks every value with one clear line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Defaults: the paper's GRPO recipe (AgentGym-RL scripts, Qwen2.5-7B-Instruct)."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.steps = 300
+
+  c.model = ml_collections.ConfigDict()
+  c.model.name = "qwen2.5-7b-instruct"  # A registry name or a Hugging Face checkpoint dir.
+  c.model.dtype = "bfloat16"  # Matmul inputs.
+  c.model.param_dtype = "float32"
+  c.model.remat = "full"  # none | full | dots
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 1
+  c.mesh.fsdp = -1  # -1: all remaining devices.
+  c.mesh.tensor = 1
+
+  c.env = ml_collections.ConfigDict()
+  c.env.name = "textcraft"
+  c.env.options = ml_collections.ConfigDict()  # Keyword arguments of the adapter.
+  c.env.backend = "thread"  # thread | process
+  c.env.step_timeout = 120.0  # Seconds; a slower env step ends that episode.
+  c.env.failed_episodes = "exclude"  # exclude | zero_reward: env faults in the loss.
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.tasks_per_step = 32
+  c.rollout.samples_per_task = 8
+  c.rollout.max_new_tokens = 512  # Per assistant turn.
+  c.rollout.max_context = 16384  # Tokens per trajectory (KV-cache slots).
+  c.rollout.temperature = 1.0
+  c.rollout.top_p = 1.0
+  c.rollout.top_k = 0  # 0: off.
+  c.rollout.max_logprob_gap = 1.0  # The sampler/learner log-prob gap that stops the run.
+
+  c.horizon = ml_collections.ConfigDict()
+  c.horizon.kind = "stepwise"  # fixed | stepwise | linear (ScalingInter-RL)
+  c.horizon.caps = (10, 20, 30)
+  c.horizon.every = 100
+  c.horizon.turns = 30  # fixed
+  c.horizon.initial = 10  # linear
+  c.horizon.increment = 5  # linear
+  c.horizon.maximum = 30  # linear
+
+  c.algorithm = ml_collections.ConfigDict()
+  c.algorithm.advantage = "grpo"  # grpo | rloo | reinforce_plus_plus | gae
+  c.algorithm.grpo_normalize_by_std = True
+  c.algorithm.gamma = 1.0
+  c.algorithm.lam = 1.0
+  c.algorithm.clip_eps_low = 0.2
+  c.algorithm.clip_eps_high = 0.2
+  c.algorithm.dual_clip_c = 0.0  # 0: off; else c > 1.
+  c.algorithm.aggregation = "token-mean"
+  c.algorithm.kl_coef = 1e-3  # KL to the reference as a loss.
+  c.algorithm.kl_estimator = "low_var_kl"  # k1 | k2 | k3 | low_var_kl
+  c.algorithm.kl_in_reward_coef = 0.0  # KL to the reference as a reward penalty.
+  c.algorithm.entropy_coef = 1e-3
+  c.algorithm.value_coef = 0.5
+  c.algorithm.value_clip_eps = 0.2
+  c.algorithm.ppo_epochs = 1
+  c.algorithm.num_minibatches = 4
+  c.algorithm.logprob_chunk = 512
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.learning_rate = 1e-6
+  c.optim.schedule = "constant"  # constant | cosine
+  c.optim.warmup_steps = 0
+  c.optim.weight_decay = 0.01
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.999
+  c.optim.grad_clip = 1.0
+  c.optim.max_consecutive_nonfinite = 5
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 10
+  c.checkpoint.keep = 3
+  c.checkpoint.export_hf = True  # Write the final policy as a Hugging Face directory.
+
+  c.log = ml_collections.ConfigDict()
+  c.log.tensorboard = True
+  c.log.trajectories = True
+  c.log.progress_bar = True
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every = 0  # Steps between evaluations on eval.split; 0: off.
+  c.eval.split = "test"
+  c.eval.samples_per_task = 1
+  c.eval.max_tasks = 0  # 0: the whole split.
+  c.lock()
+  c.env.options.unlock()  # Adapter keyword arguments differ per environment.
+  return c
+
+
+def _check(condition: bool, message: str) -> None:
+  if not condition:
+    raise ValueError(f"invalid config: {message}")
+
+
+def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Checks every value; raises ValueError with one line naming the key."""
+  from agentgym_jax import horizon, rl
+  from agentgym_jax.models.decoder import REMAT_POLICIES
+  from environments import base as env_base
+
+  _check(c.steps > 0, f"steps={c.steps} must be > 0")
+  _check(c.model.dtype in DTYPES, f"model.dtype={c.model.dtype!r} is not one of {DTYPES}")
+  _check(c.model.param_dtype in DTYPES,
+         f"model.param_dtype={c.model.param_dtype!r} is not one of {DTYPES}")
+  _check(c.model.remat in REMAT_POLICIES,
+         f"model.remat={c.model.remat!r} is not one of {sorted(REMAT_POLICIES)}")
+  for axis in ("data", "fsdp", "tensor"):
+    value = c.mesh[axis]
+    _check(value == -1 or value > 0, f"mesh.{axis}={value} must be > 0 or -1")
+  _check(c.env.name in env_base.registered(),
+         f"env.name={c.env.name!r} is not one of {env_base.registered()}")
+  _check(c.env.backend in ("thread", "process"),
+         f"env.backend={c.env.backend!r} is not 'thread' or 'process'")
+  _check(c.env.step_timeout > 0, f"env.step_timeout={c.env.step_timeout} must be > 0")
+  _check(c.env.failed_episodes in ("exclude", "zero_reward"),
+         f"env.failed_episodes={c.env.failed_episodes!r} is not 'exclude' or 'zero_reward'")
+  r = c.rollout
+  for key in ("tasks_per_step", "samples_per_task", "max_new_tokens", "max_context"):
+    _check(r[key] > 0, f"rollout.{key}={r[key]} must be > 0")
+  _check(r.max_new_tokens < r.max_context,
+         f"rollout.max_new_tokens={r.max_new_tokens} must be < rollout.max_context="
+         f"{r.max_context}")
+  _check(r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0")
+  _check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
+  _check(r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0")
+  _check(r.max_logprob_gap > 0, f"rollout.max_logprob_gap={r.max_logprob_gap} must be > 0")
+  try:
+    horizon.make_horizon_schedule(horizon_options(c))
+  except (ValueError, TypeError) as error:
+    raise ValueError(f"invalid config: horizon: {error}") from None
+  a = c.algorithm
+  _check(a.advantage in rl.ADVANTAGE_ESTIMATORS,
+         f"algorithm.advantage={a.advantage!r} is not one of {sorted(rl.ADVANTAGE_ESTIMATORS)}")
+  _check(a.aggregation in rl.AGGREGATIONS,
+         f"algorithm.aggregation={a.aggregation!r} is not one of {sorted(rl.AGGREGATIONS)}")
+  _check(a.kl_estimator in rl.KL_ESTIMATORS,
+         f"algorithm.kl_estimator={a.kl_estimator!r} is not one of {sorted(rl.KL_ESTIMATORS)}")
+  _check(a.clip_eps_low > 0 and a.clip_eps_high > 0, "algorithm.clip_eps_* must be > 0")
+  _check(a.dual_clip_c == 0 or a.dual_clip_c > 1,
+         f"algorithm.dual_clip_c={a.dual_clip_c} must be 0 (off) or > 1")
+  for key in ("kl_coef", "kl_in_reward_coef", "entropy_coef", "value_coef"):
+    _check(a[key] >= 0, f"algorithm.{key}={a[key]} must be >= 0")
+  _check(0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algorithm.gamma and lam must be in [0, 1]")
+  _check(a.ppo_epochs >= 1, f"algorithm.ppo_epochs={a.ppo_epochs} must be >= 1")
+  _check(a.num_minibatches >= 1, f"algorithm.num_minibatches={a.num_minibatches} must be >= 1")
+  trajectories = r.tasks_per_step * r.samples_per_task
+  _check(trajectories % a.num_minibatches == 0,
+         f"algorithm.num_minibatches={a.num_minibatches} does not divide the "
+         f"{trajectories} trajectories per step")
+  _check(a.advantage not in ("grpo", "rloo") or r.samples_per_task > 1,
+         f"algorithm.advantage={a.advantage!r} compares samples of a task: "
+         f"rollout.samples_per_task must be > 1")
+  _check(a.logprob_chunk > 0, f"algorithm.logprob_chunk={a.logprob_chunk} must be > 0")
+  o = c.optim
+  _check(o.learning_rate > 0, f"optim.learning_rate={o.learning_rate} must be > 0")
+  _check(o.schedule in ("constant", "cosine"),
+         f"optim.schedule={o.schedule!r} is not 'constant' or 'cosine'")
+  _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+  _check(o.grad_clip > 0, f"optim.grad_clip={o.grad_clip} must be > 0")
+  _check(o.max_consecutive_nonfinite >= 1, "optim.max_consecutive_nonfinite must be >= 1")
+  _check(c.checkpoint.every >= 0 and c.checkpoint.keep >= 1,
+         "checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+  _check(c.eval.every >= 0, f"eval.every={c.eval.every} must be >= 0")
+  _check(c.eval.split in env_base.SPLITS, f"eval.split={c.eval.split!r} is not one of "
+         f"{env_base.SPLITS}")
+  _check(c.eval.samples_per_task >= 1, "eval.samples_per_task must be >= 1")
+  return c
+
+
+def horizon_options(c: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The horizon sub-config as the arguments of `horizon.make_horizon_schedule`: the kind and
+  the fields that kind reads (stepwise: caps, every; linear: initial, increment, every,
+  maximum; fixed: turns)."""
+  import dataclasses
+
+  from agentgym_jax import horizon
+
+  kind = c.horizon.kind
+  if kind not in horizon.HORIZON_SCHEDULES:
+    raise ValueError(f"invalid config: horizon.kind={kind!r} is not one of "
+                     f"{sorted(horizon.HORIZON_SCHEDULES)}")
+  fields = [f.name for f in dataclasses.fields(horizon.HORIZON_SCHEDULES[kind])]
+  options = {name: c.horizon[name] for name in fields}
+  if "caps" in options:
+    options["caps"] = tuple(options["caps"])
+  return {"kind": kind, **options}

@@ -1,0 +1,34 @@
+r"""Trains an LLM agent with multi-turn RL.
+
+  python launch/train.py --config=configs/grpo_textcraft.py:local --workdir=runs/local
+  python launch/train.py --config=configs/grpo_textcraft.py --config.optim.learning_rate=2e-6
+
+A workdir that holds checkpoints is resumed from its newest complete one.
+"""
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from agentgym_jax import trainer
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Checkpoints, metrics, trajectories.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    trainer.train(_CONFIG.value, _WORKDIR.value)
+  except ValueError as error:
+    if str(error).startswith("invalid config"):
+      sys.exit(f"error: {error}")
+    raise
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config"])
+  app.run(main)
