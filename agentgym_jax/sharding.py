@@ -13,6 +13,7 @@ Mesh axes:
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Sequence
 
 import jax
@@ -53,8 +54,6 @@ def initialize_distributed() -> None:
   Cloud TPU VM pods (and SLURM / Open MPI clusters) are detected by JAX itself; elsewhere set
   JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID.
   """
-  import os
-
   if jax.distributed.is_initialized():
     return
   explicit = "JAX_COORDINATOR_ADDRESS" in os.environ
@@ -73,16 +72,16 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
   """A (data, fsdp, tensor) mesh; one axis may be -1 to take the remaining devices."""
   devices = list(jax.devices() if devices is None else devices)
   shape = [data, fsdp, tensor]
-  if shape.count(-1) > 1:
-    raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} "
-                     f"tensor={tensor}")
+  if shape.count(-1) > 1 or any(size == 0 or size < -1 for size in shape):
+    raise ValueError(f"mesh axes must be positive, and at most one may be -1; got data={data} "
+                     f"fsdp={fsdp} tensor={tensor}")
   if -1 in shape:
     known = math.prod(s for s in shape if s != -1)
     if len(devices) % known:
       raise ValueError(f"{len(devices)} devices do not split into a mesh with "
                        f"data={data} fsdp={fsdp} tensor={tensor}")
     shape[shape.index(-1)] = len(devices) // known
-  if math.prod(shape) != len(devices) or min(shape) <= 0:
+  if math.prod(shape) != len(devices):
     raise ValueError(f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} does not "
                      f"match {len(devices)} devices")
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
@@ -120,14 +119,14 @@ def named_sharding(mesh: Mesh, axes: Sequence[str | None],
 def _variable_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
   axes = getattr(variable, "axes", None)
   if axes is None:
-    raise ValueError(f"variable of shape {variable.value.shape} has no logical axes")
+    raise ValueError(f"variable of shape {variable.get_value().shape} has no logical axes")
   return tuple(axes)
 
 
 def state_shardings(state: Any, mesh: Mesh) -> Any:
   """NamedShardings for an nnx.State whose Variables carry `axes` metadata."""
   return jax.tree.map(
-      lambda v: v.replace(named_sharding(mesh, _variable_axes(v), v.value.shape)),
+      lambda v: v.replace(named_sharding(mesh, _variable_axes(v), v.get_value().shape)),
       state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 

@@ -1,8 +1,9 @@
 """Hugging Face weights in and out: the name mapping, safetensors I/O, sharded placement.
 
-Loading never builds a whole host copy of the model: safetensors files are memory-mapped, and
-each parameter is assembled with `jax.make_array_from_callback`, so every device shard reads
-only its own slice (one layer's tensor at a time) straight into its target sharding.
+Loading never builds a whole host copy of the model: safetensors files are memory-mapped, the
+HF -> ours layout transforms are numpy views, and each parameter is assembled with
+`jax.make_array_from_callback`, so every device shard copies only its own slice, one layer at a
+time, straight into its target sharding.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ _SAFETENSORS_DTYPES = {
     "BOOL": np.bool_,
 }
 _SAFETENSORS_NAMES = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
-_SHARD_BYTES = 4 * 2**30
 
 # Our parameter path -> (HF name template, HF -> ours, ours -> HF). Layer weights take `{i}`.
 # Linear weights: HF stores [out, in]; we store [in, (heads, head_dim) | out].
@@ -146,8 +146,10 @@ def _hf_names(path: tuple[str, ...], config: ModelConfig) -> list[str]:
 def load_params(model: Decoder, source: TensorSource, mesh: Mesh | None = None) -> Decoder:
   """Fills `model` (possibly abstract, from nnx.eval_shape) with weights from `source`.
 
-  With a mesh every parameter is placed with its logical sharding; each device's shard is read
-  from the memory-mapped source on its own, one layer at a time.
+  With a mesh every parameter is placed with its logical sharding. Each distinct device shard
+  is copied out of the source once (replicas share the copy), one layer's slice at a time, into
+  a buffer of exactly the shard's size: the layout transforms are views, so with the
+  memory-mapped SafetensorsReader host memory never holds more than the shard being placed.
   """
   config = model.config
   graphdef, state = nnx.split(model)
@@ -158,16 +160,39 @@ def load_params(model: Decoder, source: TensorSource, mesh: Mesh | None = None) 
 
   def load(path: tuple[str, ...], variable: nnx.Variable) -> nnx.Variable:
     _, (to_ours, _) = PARAM_MAP[path]
-    shape, dtype = variable.value.shape, variable.value.dtype
-    names = _hf_names(path, config)
+    shape, dtype = variable.get_value().shape, np.dtype(variable.get_value().dtype)
     stacked = path[0] == "layers"
+    names = _hf_names(path, config)
+    layer_shape = shape[1:] if stacked else shape
+
+    def tensor(name: str) -> np.ndarray:
+      """The source tensor in our layout, as a view (nothing is read yet)."""
+      hf_tensor = np.asarray(source[name])
+      try:
+        ours = to_ours(hf_tensor, config)
+      except ValueError:  # A reshape into heads that does not fit.
+        ours = None
+      if ours is None or ours.shape != layer_shape:
+        raise ValueError(f"checkpoint tensor {name} has shape {hf_tensor.shape}, which does not "
+                         f"fit parameter {'.'.join(path)} of shape {layer_shape} under the "
+                         f"config {config}")
+      return ours
+
+    for name in names:
+      tensor(name)
+    copies: dict[tuple[tuple[int, int, int], ...], np.ndarray] = {}
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
-      if not stacked:
-        return np.asarray(to_ours(np.asarray(source[names[0]]), config)[index], dtype)
-      layers = range(*index[0].indices(shape[0]))
-      return np.stack([np.asarray(to_ours(np.asarray(source[names[i]]), config)[index[1:]],
-                                  dtype) for i in layers])
+      key = tuple(s.indices(n) for s, n in zip(index, shape))
+      if key not in copies:
+        shard = np.empty([len(range(*k)) for k in key], dtype)
+        if stacked:
+          for j, i in enumerate(range(*key[0])):
+            shard[j] = tensor(names[i])[index[1:]]
+        else:
+          shard[...] = tensor(names[0])[index]
+        copies[key] = shard
+      return copies[key]
 
     if mesh is None:
       target = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -196,7 +221,7 @@ def to_hf_state_dict(model: Decoder, dtype: Any = None) -> dict[str, np.ndarray]
   for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     path = tuple(str(k) for k in path)
     _, (_, to_hf) = PARAM_MAP[path]
-    value = np.asarray(jax.device_get(variable.value))
+    value = np.asarray(jax.device_get(variable.get_value()))
     if dtype is not None:
       value = value.astype(dtype)
     names = _hf_names(path, config)
@@ -205,8 +230,13 @@ def to_hf_state_dict(model: Decoder, dtype: Any = None) -> dict[str, np.ndarray]
   return tensors
 
 
-def save_hf(model: Decoder, directory: str | pathlib.Path, dtype: Any = jnp.bfloat16) -> None:
-  """Writes config.json and safetensors (sharded above 4 GiB) that transformers loads as is."""
+def save_hf(model: Decoder, directory: str | pathlib.Path, dtype: Any = jnp.bfloat16,
+            max_shard_bytes: int = 4 * 2**30) -> None:
+  """Writes config.json and safetensors that transformers loads as is.
+
+  Above `max_shard_bytes` the tensors are split over numbered files with a
+  model.safetensors.index.json, as Hugging Face writes large checkpoints.
+  """
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   hf_config = model.config.to_hf()
@@ -216,7 +246,7 @@ def save_hf(model: Decoder, directory: str | pathlib.Path, dtype: Any = jnp.bflo
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
   for name in sorted(tensors):
-    if size and size + tensors[name].nbytes > _SHARD_BYTES:
+    if size and size + tensors[name].nbytes > max_shard_bytes:
       shards.append({})
       size = 0
     shards[-1][name] = tensors[name]
