@@ -17,6 +17,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 def base_config() -> ml_collections.ConfigDict:
   """Defaults: the paper's GRPO recipe (AgentGym-RL scripts, Qwen2.5-7B-Instruct)."""
   c = ml_collections.ConfigDict()
+  c.mode = "rl"  # rl | sft | dpo
   c.seed = 0
   c.steps = 300
 
@@ -101,6 +102,17 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval.split = "test"
   c.eval.samples_per_task = 1
   c.eval.max_tasks = 0  # 0: the whole split.
+  c.eval.temperature = 0.0  # 0: greedy.
+  c.eval.horizon = 0  # Turn cap; 0: the horizon schedule's largest cap.
+
+  # Offline paradigms (mode sft or dpo): conversations instead of rollouts.
+  c.data = ml_collections.ConfigDict()
+  c.data.path = ""  # JSONL of conversations (launch/make_demos.py) or a run's workdir.
+  c.data.batch_size = 8
+  c.data.max_length = 4096
+  c.data.min_reward = 1.0  # Rollouts kept as SFT data / DPO needs a reward gap.
+  c.dpo = ml_collections.ConfigDict()
+  c.dpo.beta = 0.1
   c.lock()
   c.env.options.unlock()  # Adapter keyword arguments differ per environment.
   return c
@@ -117,6 +129,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   from agentgym_jax.models.decoder import REMAT_POLICIES
   from environments import base as env_base
 
+  _check(c.mode in ("rl", "sft", "dpo"), f"mode={c.mode!r} is not 'rl', 'sft' or 'dpo'")
   _check(c.steps > 0, f"steps={c.steps} must be > 0")
   _check(c.model.dtype in DTYPES, f"model.dtype={c.model.dtype!r} is not one of {DTYPES}")
   _check(c.model.param_dtype in DTYPES,
@@ -183,6 +196,14 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(c.eval.split in env_base.SPLITS, f"eval.split={c.eval.split!r} is not one of "
          f"{env_base.SPLITS}")
   _check(c.eval.samples_per_task >= 1, "eval.samples_per_task must be >= 1")
+  _check(c.eval.max_tasks >= 0, f"eval.max_tasks={c.eval.max_tasks} must be >= 0")
+  _check(c.eval.temperature >= 0, f"eval.temperature={c.eval.temperature} must be >= 0")
+  _check(c.eval.horizon >= 0, f"eval.horizon={c.eval.horizon} must be >= 0")
+  if c.mode != "rl":
+    _check(bool(c.data.path), f"mode={c.mode!r} needs data.path (conversations JSONL or a run)")
+    _check(c.data.batch_size > 0 and c.data.max_length > 0,
+           "data.batch_size and data.max_length must be > 0")
+    _check(c.dpo.beta > 0, f"dpo.beta={c.dpo.beta} must be > 0")
   return c
 
 

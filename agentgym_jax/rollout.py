@@ -39,6 +39,8 @@ class Trajectory:
 
   task_id: int
   group: int  # Trajectories of the same task in one step share a group.
+  env: str = ""
+  category: str = ""
   tokens: list[int] = dataclasses.field(default_factory=list)
   loss_mask: list[int] = dataclasses.field(default_factory=list)  # 1 on generated tokens.
   sampler_logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -70,7 +72,8 @@ class Trajectory:
         [float(x) for x in logprobs] if logprobs is not None else [0.0] * len(tokens))
 
   def to_json(self) -> dict[str, Any]:
-    return {"task_id": self.task_id, "group": self.group, "reward": self.reward,
+    return {"task_id": self.task_id, "group": self.group, "env": self.env,
+            "category": self.category, "reward": self.reward,
             "success": self.success, "num_turns": self.num_turns,
             "termination": self.termination, "error": self.error,
             "turn_rewards": self.turn_rewards, "messages": self.messages,
@@ -117,7 +120,9 @@ def collect(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
     raise ValueError(f"{len(tasks)} trajectories need as many env slots and sampler rows; "
                      f"the pool has {pool.num_slots}, the sampler {sampler.max_batch}")
   stats = RolloutStats()
-  trajectories = [Trajectory(task_id=t, group=g) for t, g in tasks]
+  categories = {t: str(pool.task_info(t).get("category", "")) for t in {t for t, _ in tasks}}
+  trajectories = [Trajectory(task_id=t, group=g, env=pool.env_name, category=categories[t])
+                  for t, g in tasks]
   tokenizer = chat.tokenizer
   start = time.perf_counter()
   first = pool.reset([(i, t.task_id) for i, t in enumerate(trajectories)])

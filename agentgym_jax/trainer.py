@@ -22,11 +22,45 @@ import optax
 from absl import logging
 from flax import nnx
 
-from agentgym_jax import checkpoint, config as config_lib, horizon, learner, metrics, rollout
+from agentgym_jax import checkpoint, config as config_lib, evaluation, horizon, learner, metrics
+from agentgym_jax import rollout
 from agentgym_jax import sharding
 from agentgym_jax.models import load_model, weights
 from agentgym_jax.sampling import Sampler
 from environments.pool import EnvPool
+
+
+def load_policy(c: ml_collections.ConfigDict, model_name: str | None = None):
+  """(mesh, model, tokenizer): the policy loaded sharded on the configured mesh."""
+  sharding.initialize_distributed()
+  mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+  model, tokenizer = load_model(model_name or c.model.name, dtype=jnp.dtype(c.model.dtype),
+                                param_dtype=jnp.dtype(c.model.param_dtype),
+                                remat=c.model.remat, mesh=mesh)
+  return mesh, model, tokenizer
+
+
+def eval_settings(c: ml_collections.ConfigDict, schedule: horizon.HorizonSchedule
+                  ) -> tuple[rollout.TurnSampling, int]:
+  """How evaluation samples (eval.temperature, the rollout's other settings) and its turn cap."""
+  sampling = rollout.TurnSampling(max_new_tokens=c.rollout.max_new_tokens,
+                                  temperature=c.eval.temperature, top_p=c.rollout.top_p,
+                                  top_k=c.rollout.top_k)
+  return sampling, c.eval.horizon or schedule.max_turns
+
+
+def eval_tasks(c: ml_collections.ConfigDict, pool: EnvPool) -> list[int]:
+  task_ids = list(pool.task_ids(c.eval.split))
+  return task_ids[:c.eval.max_tasks] if c.eval.max_tasks else task_ids
+
+
+def eval_metrics(summary: dict[str, Any]) -> dict[str, float]:
+  """Flat metrics of an evaluation summary: eval/success (Avg@k), eval/pass@k, per category."""
+  out = {"eval/success": summary["avg@k"], "eval/pass@k": summary["pass@k"],
+         "eval/turns": summary["turns"]}
+  for name, stats in summary["categories"].items():
+    out[f"eval/success/{name}"] = stats["avg@k"]
+  return out
 
 
 class TaskOrder:
@@ -96,14 +130,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   c = config_lib.validate(c)
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  sharding.initialize_distributed()
-  mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
-  dtypes = {name: jnp.dtype(name) for name in config_lib.DTYPES}
-
-  # The policy, its frozen reference, the critic head and the optimizer.
-  model, tokenizer = load_model(c.model.name, dtype=dtypes[c.model.dtype],
-                                param_dtype=dtypes[c.model.param_dtype], remat=c.model.remat,
-                                mesh=mesh)
+  mesh, model, tokenizer = load_policy(c)
   chat = tokenizer.chat
   graphdef, params = nnx.split(model)
   loss = loss_config(c)
@@ -138,7 +165,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
                                   temperature=c.rollout.temperature, top_p=c.rollout.top_p,
                                   top_k=c.rollout.top_k)
   sampler = Sampler(model, cache_slots=c.rollout.max_context, max_batch=num_rows, mesh=mesh)
-  base_key = jax.random.key(c.seed)
+  eval_sampling, eval_horizon = eval_settings(c, schedule)
+  base_key, eval_key = jax.random.split(jax.random.key(c.seed))
   history = []
   with EnvPool(c.env.name, num_rows, options=c.env.options.to_dict(), backend=c.env.backend,
                step_timeout_s=c.env.step_timeout) as pool:
@@ -182,6 +210,15 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
       done = step + 1
       step_metrics = _step_metrics(trajectories, rollout_stats, experience_metrics,
                                    update_metrics, cap, schedule.stage(step), timer)
+      if c.eval.every and done % c.eval.every == 0:
+        with timer("eval"):
+          summary, _ = evaluation.evaluate(
+              sampler, state.params, pool, chat, eval_tasks(c, pool),
+              samples_per_task=c.eval.samples_per_task, horizon=eval_horizon,
+              sampling=eval_sampling, max_context=c.rollout.max_context,
+              key=jax.random.fold_in(eval_key, done), rows_per_batch=num_rows)
+        step_metrics.update(eval_metrics(summary))
+        step_metrics["time/eval"] = timer.seconds["eval"]
       metrics_writer.write(done, step_metrics)
       history.append(metrics_writer.latest)
       _check_health(metrics_writer.latest, c)

@@ -73,3 +73,101 @@ def test_tiny_policy_learns_echo(advantage, checkpoint_dir, tmp_path, monkeypatc
   # A random policy answers both turns right a few percent of the time.
   assert np.mean(success[:3]) < 0.3
   assert max(np.mean(success[i:i + 3]) for i in range(len(success) - 2)) >= 0.9, success
+
+
+def test_horizon_schedule_caps_turns_per_stage(checkpoint_dir, tmp_path, monkeypatch):
+  _single_device(monkeypatch)
+  c = echo_config(checkpoint_dir, steps=4)
+  c.env.options.turns = 3
+  c.horizon.kind = "stepwise"
+  c.horizon.caps = (1, 2)
+  c.horizon.every = 2
+  c.log.trajectories = True
+  c.rollout.tasks_per_step = 4
+  history = trainer.train(c, tmp_path)
+  assert [h["horizon_cap"] for h in history] == [1, 1, 2, 2]
+  for step, cap in zip(range(1, 5), [1, 1, 2, 2]):
+    trajectories = metrics.read_trajectories(tmp_path, step)
+    turns = [t["num_turns"] for t in trajectories]
+    assert max(turns) <= cap
+    # Trajectories still going at the cap end as "horizon" (3-turn episodes never finish).
+    assert all(t["termination"] in ("horizon", "done") for t in trajectories)
+    assert any(t["termination"] == "horizon" for t in trajectories) or cap == 2
+
+
+def test_resumed_run_matches_uninterrupted_run(checkpoint_dir, tmp_path, monkeypatch):
+  _single_device(monkeypatch)
+  c = echo_config(checkpoint_dir, steps=4)
+  c.checkpoint.every = 2
+  c.checkpoint.export_hf = True
+  straight = trainer.train(c, tmp_path / "straight")
+  c.steps = 2
+  trainer.train(c, tmp_path / "resumed")
+  c.steps = 4
+  resumed = trainer.train(c, tmp_path / "resumed")
+  keys = ("reward", "loss", "grad_norm", "entropy", "policy/ratio_mean")
+  for a, b in zip(straight[2:], resumed):
+    for key in keys:
+      np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=key)
+  logged = [row["step"] for row in metrics.read_metrics(tmp_path / "resumed")]
+  assert logged == [1, 2, 3, 4]
+  from agentgym_jax.models import weights
+
+  final_straight = weights.SafetensorsReader(tmp_path / "straight" / "export")
+  final_resumed = weights.SafetensorsReader(tmp_path / "resumed" / "export")
+  for name in final_straight:
+    np.testing.assert_allclose(final_straight[name], final_resumed[name], rtol=1e-5, atol=1e-6)
+
+
+def test_invalid_config_fails_at_start_with_one_line(checkpoint_dir, tmp_path):
+  c = echo_config(checkpoint_dir)
+  c.algorithm.advantage = "ppo2"
+  with pytest.raises(ValueError, match=r"algorithm.advantage='ppo2' is not one of"):
+    trainer.train(c, tmp_path)
+  with pytest.raises(AttributeError, match="locked"):
+    c.algorithm.clip_eps = 0.3
+
+
+def test_launch_train_smoke_writes_checkpoint_metrics_trajectories(checkpoint_dir, tmp_path):
+  workdir = tmp_path / "run"
+  command = [
+      sys.executable, str(REPO / "launch" / "train.py"),
+      f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:local", f"--workdir={workdir}",
+      f"--config.model.name={checkpoint_dir}", "--config.model.dtype=float32",
+      "--config.env.name=echo", "--config.steps=2", "--config.rollout.tasks_per_step=2",
+      "--config.rollout.samples_per_task=2", "--config.rollout.max_new_tokens=4",
+      "--config.rollout.max_context=128", "--config.checkpoint.every=1",
+      "--config.mesh.fsdp=1", "--config.mesh.data=-1"]
+  result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ,
+                               "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = metrics.read_metrics(workdir)
+  assert [r["step"] for r in rows] == [1, 2]
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
+  assert len(metrics.read_trajectories(workdir, 2)) == 4
+  assert (workdir / "export" / "config.json").exists()
+
+
+def test_launch_train_rejects_unknown_override(tmp_path):
+  command = [sys.executable, str(REPO / "launch" / "train.py"),
+             f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:local",
+             f"--workdir={tmp_path}", "--config.rollout.temprature=0.5"]
+  result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+  assert result.returncode != 0
+  assert "temprature" in result.stderr
+
+
+@pytest.mark.slow
+def test_launch_train_local_config_on_embedded_model(tmp_path):
+  workdir = tmp_path / "run"
+  command = [
+      sys.executable, str(REPO / "launch" / "train.py"),
+      f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:local", f"--workdir={workdir}",
+      "--config.steps=2", "--config.rollout.tasks_per_step=2",
+      "--config.rollout.samples_per_task=2", "--config.rollout.max_new_tokens=16",
+      "--config.horizon.caps=(2,)", "--config.checkpoint.every=1"]
+  result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert [r["step"] for r in metrics.read_metrics(workdir)] == [1, 2]
+  assert (workdir / "export" / "model.safetensors").exists()

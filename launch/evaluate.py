@@ -1,0 +1,56 @@
+r"""Evaluates a policy on an environment split: success per category, Avg@k and Pass@k.
+
+  python launch/evaluate.py --config=configs/grpo_textcraft.py:local \
+      --model=runs/local/export --config.eval.samples_per_task=4 --out=runs/local/eval.json
+
+--model is a registry name or a Hugging Face directory (e.g. a run's export/); by default the
+config's model. Sampling follows the config's eval.* keys (greedy by default) and the turn cap
+is eval.horizon, or the largest cap of the config's horizon schedule.
+"""
+
+import json
+import pathlib
+
+import jax
+from absl import app, flags
+from ml_collections import config_flags
+
+from agentgym_jax import config as config_lib
+from agentgym_jax import evaluation, horizon, metrics, trainer
+from agentgym_jax.sampling import Sampler
+from environments.pool import EnvPool
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/).",
+                                          lock_config=True)
+_MODEL = flags.DEFINE_string("model", None, "Registry name or HF directory; default: config's.")
+_OUT = flags.DEFINE_string("out", None, "Write the summary as JSON here.")
+_TRAJECTORIES = flags.DEFINE_string("trajectories", None,
+                                    "Write the evaluation trajectories under this workdir.")
+_ROWS = flags.DEFINE_integer("rows", 32, "Episodes played at once.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  c = config_lib.validate(_CONFIG.value)
+  mesh, model, tokenizer = trainer.load_policy(c, _MODEL.value)
+  schedule = horizon.make_horizon_schedule(config_lib.horizon_options(c))
+  sampling, turn_cap = trainer.eval_settings(c, schedule)
+  sampler = Sampler(model, cache_slots=c.rollout.max_context, max_batch=_ROWS.value, mesh=mesh)
+  with EnvPool(c.env.name, _ROWS.value, options=c.env.options.to_dict(),
+               backend=c.env.backend, step_timeout_s=c.env.step_timeout) as pool:
+    summary, trajectories = evaluation.evaluate(
+        sampler, sampler.params, pool, tokenizer.chat, trainer.eval_tasks(c, pool),
+        samples_per_task=c.eval.samples_per_task, horizon=turn_cap, sampling=sampling,
+        max_context=c.rollout.max_context, key=jax.random.key(c.seed), rows_per_batch=_ROWS.value)
+  print(evaluation.format_table(summary))
+  if _OUT.value:
+    pathlib.Path(_OUT.value).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(_OUT.value).write_text(json.dumps(summary, indent=2))
+  if _TRAJECTORIES.value:
+    metrics.TrajectoryWriter(_TRAJECTORIES.value).write(0, [t.to_json() for t in trajectories])
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config"])
+  app.run(main)
