@@ -138,7 +138,7 @@ def test_bf16_checkpoint_loads_exactly(family, tmp_path):
                              rtol=0)
   stored_bf16 = _load(tmp_path, param_dtype=jnp.bfloat16)
   np.testing.assert_array_equal(
-      np.asarray(stored_bf16.final_norm.value).view(np.uint16),
+      np.asarray(stored_bf16.final_norm[...]).view(np.uint16),
       np.asarray(reader["model.norm.weight"]).view(np.uint16))
 
 

@@ -39,7 +39,7 @@ def checkpoint(tmp_path_factory):
   """A random model written as a Hugging Face checkpoint (f32 safetensors, memory-mapped back)."""
   model = nnx.jit(lambda: Decoder(CONFIG, rngs=nnx.Rngs(0)))()
   # Biases are zero at init; random ones make a misplaced bias visible.
-  model.layers.q_bias.value = jax.random.normal(jax.random.key(1), model.layers.q_bias.shape)
+  model.layers.q_bias[...] = jax.random.normal(jax.random.key(1), model.layers.q_bias.shape)
   directory = tmp_path_factory.mktemp("tiny_qwen2")
   weights.save_hf(model, directory, dtype=jnp.float32)
   return directory
@@ -58,7 +58,7 @@ def sharded(checkpoint, mesh):
 
 
 def _params(model: Decoder) -> dict[str, jax.Array]:
-  return {".".join(str(k) for k in path): v.value
+  return {".".join(str(k) for k in path): v[...]
           for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
@@ -83,7 +83,7 @@ def test_load_params_places_each_parameter_with_its_logical_sharding(sharded, un
   for name, variable in nnx.to_flat_state(abstract_shardings):
     name = ".".join(str(k) for k in name)
     array = params[name]
-    assert array.sharding == variable.value, name
+    assert array.sharding == variable.get_value(), name
     # Each device holds exactly its block of the global array, nothing more.
     shard_shape = array.sharding.shard_shape(array.shape)
     assert len(array.addressable_shards) == 8
@@ -122,9 +122,30 @@ def test_sharded_forward_and_backward_equal_unsharded(sharded, unsharded, mesh):
   np.testing.assert_allclose(float(sharded_loss), float(loss), atol=1e-6, rtol=0)
   for (path, grad), (_, sharded_grad) in zip(nnx.to_flat_state(grads),
                                              nnx.to_flat_state(sharded_grads)):
-    scale = float(jnp.abs(grad.value).max())
-    np.testing.assert_allclose(np.asarray(sharded_grad.value), np.asarray(grad.value),
+    scale = float(jnp.abs(grad[...]).max())
+    np.testing.assert_allclose(np.asarray(sharded_grad[...]), np.asarray(grad[...]),
                                atol=1e-5 * scale, rtol=0, err_msg=str(path))
+
+
+def test_heads_the_tensor_axis_does_not_divide_stay_whole_and_the_forward_matches(mesh):
+  # SmolLM2-135M's head layout (9 query heads over 3 kv heads, tied embeddings) at a tiny width.
+  config = ModelConfig(model_type="llama", vocab_size=256, hidden_size=96,
+                       intermediate_size=128, num_layers=2, num_heads=9, num_kv_heads=3,
+                       head_dim=16, tie_word_embeddings=True)
+  model = nnx.jit(lambda: Decoder(config, rngs=nnx.Rngs(0)))()
+  sharded = weights.load_params(weights.abstract_model(config),
+                                weights.to_hf_state_dict(model), mesh)
+  assert sharded.layers.q_proj[...].sharding.spec == P(None, "fsdp", None, None)
+  assert sharded.layers.k_proj[...].sharding.spec == P(None, "fsdp", None, None)
+  assert sharded.layers.gate_proj[...].sharding.spec == P(None, "fsdp", "tensor")
+  input_ids = np.random.RandomState(0).randint(0, config.vocab_size, (4, 8))
+  forward = nnx.jit(lambda model, ids: model(ids))
+  with jax.set_mesh(mesh):
+    sharded_logits = forward(sharded, jax.device_put(input_ids,
+                                                     sharding.batch_sharding(mesh, 2)))
+  np.testing.assert_allclose(np.asarray(sharded_logits),
+                             np.asarray(forward(model, jnp.asarray(input_ids))), atol=1e-5,
+                             rtol=0)
 
 
 def test_logical_rules_map_names_to_mesh_axes():
