@@ -40,23 +40,45 @@ REMAT_POLICIES = {
 
 @struct.dataclass
 class KVCache:
-  """Per-layer keys and values on a static number of slots, and each row's used slots."""
+  """Per-layer keys and values on a static number of slots, and each row's used slots.
 
-  k: Array  # [layers, batch, slots, kv_heads, head_dim]
-  v: Array  # [layers, batch, slots, kv_heads, head_dim]
+  Keys and values of `dtype` are stored as their raw bits (the unsigned integer type of the
+  same width) because new tokens are scattered into the cache, and XLA:CPU runs a bf16 scatter
+  in f32, converting the whole cache there and back in every layer; an integer scatter of the
+  same bits updates the buffer in place. `keys` and `values` view them as `dtype`.
+  """
+
+  k: Array  # [layers, batch, slots, kv_heads, head_dim] bits of `dtype`
+  v: Array  # [layers, batch, slots, kv_heads, head_dim] bits of `dtype`
   lengths: Array  # [batch] int32
+  dtype: Any = struct.field(pytree_node=False, default=jnp.float32)
 
   AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
 
   @classmethod
   def zeros(cls, config: ModelConfig, batch: int, slots: int, dtype: Any) -> "KVCache":
+    dtype = jnp.dtype(dtype)
     shape = (config.num_layers, batch, slots, config.num_kv_heads, config.head_dim)
-    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-               lengths=jnp.zeros((batch,), jnp.int32))
+    bits = _bits_dtype(dtype)
+    return cls(k=jnp.zeros(shape, bits), v=jnp.zeros(shape, bits),
+               lengths=jnp.zeros((batch,), jnp.int32), dtype=dtype)
 
   @property
   def slots(self) -> int:
     return self.k.shape[2]
+
+  @property
+  def keys(self) -> Array:
+    return jax.lax.bitcast_convert_type(self.k, self.dtype)
+
+  @property
+  def values(self) -> Array:
+    return jax.lax.bitcast_convert_type(self.v, self.dtype)
+
+
+def _bits_dtype(dtype: Any) -> Any:
+  """The unsigned integer type as wide as `dtype`."""
+  return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any,
@@ -177,13 +199,16 @@ class Decoder(nnx.Module):
     return self.logits(hidden)
 
   def hidden_states(self, input_ids: Array, positions: Array | None = None,
-                    attention_mask: Array | None = None,
-                    cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
+                    attention_mask: Array | None = None, cache: KVCache | None = None,
+                    *, cache_window: int | None = None) -> tuple[Array, KVCache | None]:
     """Final-normed hidden states [B, T, E] (f32) and the updated cache.
 
     Without a cache a token attends to the earlier tokens of its row that attention_mask keeps.
     With a cache the tokens are appended to each row's live slots (see the module docstring);
-    the cache's lengths grow by attention_mask.sum(-1) (by T without a mask).
+    the cache's lengths grow by attention_mask.sum(-1) (by T without a mask). `cache_window`
+    (static) limits attention to slots [0, cache_window): every real token must then sit below
+    it. Decoding reads the cache once per step, so a window that covers only the live prefix
+    saves the read of the empty tail.
     """
     config = self.config
     batch, length = input_ids.shape
@@ -193,10 +218,12 @@ class Decoder(nnx.Module):
       key_valid = (jnp.ones((batch, length), bool) if attention_mask is None
                    else attention_mask.astype(bool))
     else:
+      window = cache.slots if cache_window is None else cache_window
+      if not 0 < window <= cache.slots:
+        raise ValueError(f"cache_window={cache_window} is not in [1, {cache.slots}]")
       slots = cache.lengths[:, None] + jnp.arange(length, dtype=jnp.int32)
-      key_slots = jnp.broadcast_to(jnp.arange(cache.slots, dtype=jnp.int32),
-                                   (batch, cache.slots))
-      key_valid = jnp.ones((batch, cache.slots), bool)
+      key_slots = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), (batch, window))
+      key_valid = jnp.ones((batch, window), bool)
     if positions is None:
       positions = slots
     # mask[b, q, k]: causal by slot, restricted to valid keys.
@@ -207,9 +234,9 @@ class Decoder(nnx.Module):
     inv_freq = rope_frequencies(config)
     layer_graph, layer_params = nnx.split(self.layers)
 
-    def block(x, params, k_cache, v_cache):
+    def block(x, params, cache_update):
       p = nnx.merge(layer_graph, params)
-      return self._block(p, x, positions, mask, inv_freq, slots, k_cache, v_cache)
+      return self._block(p, x, positions, mask, inv_freq, slots, cache_update)
 
     policy = REMAT_POLICIES[self.remat]
     if self.remat != "none":
@@ -217,24 +244,23 @@ class Decoder(nnx.Module):
 
     if cache is None:
       def body(x, params):
-        x, _, _ = block(x, params, None, None)
+        x, _ = block(x, params, None)
         return x, None
       x, _ = jax.lax.scan(body, x, layer_params)
       new_cache = None
     else:
-      # The cache rides in the carry so that XLA updates it in place (a scanned output would
-      # be a fresh [layers, ...] buffer every decode step).
+      # The whole cache rides in the carry and each layer scatters its new keys and values
+      # straight into it, so XLA updates it in place: slicing out a layer, updating the slice
+      # and writing it back would copy the layer's cache twice per step.
       def body(carry, inputs):
-        x, k_all, v_all = carry
+        x, k_bits, v_bits = carry
         params, index = inputs
-        x, k_layer, v_layer = block(x, params, k_all[index], v_all[index])
-        k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_layer, index, 0)
-        v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_layer, index, 0)
-        return (x, k_all, v_all), None
+        x, (k_bits, v_bits) = block(x, params, (index, window, k_bits, v_bits, cache.dtype))
+        return (x, k_bits, v_bits), None
       indices = jnp.arange(config.num_layers)
-      (x, k_all, v_all), _ = jax.lax.scan(body, (x, cache.k, cache.v), (layer_params, indices))
+      (x, k_bits, v_bits), _ = jax.lax.scan(body, (x, cache.k, cache.v), (layer_params, indices))
       added = length if attention_mask is None else attention_mask.sum(-1).astype(jnp.int32)
-      new_cache = KVCache(k=k_all, v=v_all, lengths=cache.lengths + added)
+      new_cache = cache.replace(k=k_bits, v=v_bits, lengths=cache.lengths + added)
     x = rms_norm(x, self.final_norm.value, config.rms_norm_eps)
     return x, new_cache
 
@@ -248,7 +274,14 @@ class Decoder(nnx.Module):
         if logits.ndim == 3 else logits
 
   def _block(self, p: Layers, x: Array, positions: Array, mask: Array, inv_freq: Array,
-             slots: Array, k_cache: Array | None, v_cache: Array | None):
+             slots: Array, cache_update: tuple[Array, int, Array, Array, Any] | None):
+    """One transformer block.
+
+    With `cache_update` = (layer, window, k_bits, v_bits, cache_dtype) the new keys and values
+    go into layer `layer` of the stacked caches (held as raw bits, see `KVCache`) and
+    attention reads their first `window` slots. Returns x and the updated (k_bits, v_bits), or
+    None without a cache.
+    """
     config, dtype = self.config, self.dtype
     eps = config.rms_norm_eps
     h = rms_norm(x, p.input_norm.value, eps)
@@ -266,12 +299,18 @@ class Decoder(nnx.Module):
     k = apply_rope(k, positions, inv_freq)
     q = sharding.constrain(q, ("batch", "seq", "activation_heads", "head_dim"))
 
-    if k_cache is not None:
+    caches = None
+    if cache_update is not None:
+      layer, window, k_bits, v_bits, cache_dtype = cache_update
       rows = jnp.arange(x.shape[0])[:, None]
       # Out-of-range slots (padding past the cache end) are dropped, never wrapped around.
-      k_cache = k_cache.at[rows, slots].set(k.astype(k_cache.dtype), mode="drop")
-      v_cache = v_cache.at[rows, slots].set(v.astype(v_cache.dtype), mode="drop")
-      k, v = k_cache, v_cache
+      write = lambda bits, new: bits.at[layer, rows, slots].set(
+          jax.lax.bitcast_convert_type(new.astype(cache_dtype), bits.dtype), mode="drop")
+      read = lambda bits: jax.lax.bitcast_convert_type(
+          jax.lax.dynamic_index_in_dim(bits, layer, 0, keepdims=False)[:, :window], cache_dtype)
+      k_bits, v_bits = write(k_bits, k), write(v_bits, v)
+      k, v = read(k_bits), read(v_bits)
+      caches = (k_bits, v_bits)
 
     attended = attention(q, k, v, mask, dtype)
     out = _dot("bthd,hde->bte", attended, p.o_proj.value, dtype)
@@ -282,7 +321,7 @@ class Decoder(nnx.Module):
     hidden = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "seq", "activation_mlp"))
     x = x + _dot("btf,fe->bte", hidden, p.down_proj.value, dtype)
     x = sharding.constrain(x, ("batch", "seq", "activation_embed"))
-    return x, k_cache, v_cache
+    return x, caches
 
 
 def attention(q: Array, k: Array, v: Array, mask: Array, dtype: Any) -> Array:

@@ -1,0 +1,414 @@
+"""The jitted sampler: prefill, decode and multi-turn continuation on a static, donated KV cache.
+
+    sampler = Sampler(model, cache_slots=4096, max_batch=64)
+    state = sampler.start(prompts)                        # list[list[int]], one per row
+    state, out = sampler.generate(state, key, max_new_tokens=512, stop_ids=chat.turn_end_ids,
+                                  temperature=1.0)
+    state = sampler.append(state, {0: observation_ids})   # row -> ids of the next user turn
+    state, out = sampler.generate(state, key2, rows=[0], max_new_tokens=512, ...)
+
+Everything stays token-in/token-out: `append` takes ids, never text.
+
+State. A `SamplerState` is the live KV cache (`KVCache`: row b holds `lengths[b]` valid slots)
+and, per row, the final hidden state of its last cached token, from which the next token's
+logits follow. Every token a row has seen or produced is in the cache, including the token that
+ended a turn: the decode step that samples token t also runs the forward pass on t. So
+`append` is the prefill of the new tokens at each row's end and `start` is `append` on an empty
+cache; no turn is ever prefilled twice. Each call donates the state it is given (its buffers are
+reused in place), so always continue from the returned state.
+
+Parameters are an argument of every compiled function (`nnx.split(model)` graphdef / state):
+pass `params=` to run with updated policy weights without recompiling; by default the weights
+the sampler was built with are used. A state is only meaningful under the params that built it.
+
+Rows. `max_batch` rows are compiled once. `generate(rows=...)` decodes only the listed rows (by
+default every row holding tokens); other rows append nothing and their results are padding.
+A row's tokens and log-probs depend only on its own tokens and its own key: per-row keys are
+`fold_in(key, row)` (or given explicitly, one per row), and the t-th token of a call draws from
+`fold_in(row_key, t)`.
+
+Outputs (`SampleOutput`, [batch, max_new_tokens]): the tokens; `logprobs`, log p(token) under the
+model's full distribution at temperature 1, which is what the trainer recomputes; and
+`sampling_logprobs`, log q(token) under the distribution actually sampled from (temperature,
+top-k, top-p applied; 0 for greedy, a point mass). A row stops after a stop id (kept as its last
+token), after `max_new_tokens`, or when its cache is full.
+
+Compilation. Shapes are bucketed so a rollout compiles a handful of programs: appended and
+prompt lengths are rounded up to powers of two (at least `min_bucket`), `max_new_tokens` to a
+power of two, and the attention window (the cache prefix a call reads, which must cover every
+row's end) to a power of two of at least `min_window`, capped at `cache_slots`. The sampling
+settings (temperature, top_p, top_k) are compile-time constants. Stop ids are padded to
+`MAX_STOP_IDS`.
+
+Sharding. With a mesh, rows are split over (data, fsdp) and the cache's kv heads over tensor, by
+the logical axes in `agentgym_jax.sharding` (the cache's are `KVCache.AXES`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jax.sharding import Mesh
+
+from agentgym_jax import sharding
+from agentgym_jax.models.decoder import Decoder, KVCache
+
+Array = jax.Array
+MAX_STOP_IDS = 8
+_NO_STOP = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How the next token is drawn from the logits (a compile-time constant).
+
+  temperature 0 is greedy decoding (argmax). Otherwise logits are divided by the temperature,
+  then top_k (0 = off) keeps the k largest, then top_p (1 = off) keeps the smallest set of the
+  most likely tokens whose mass is >= top_p. Tokens tied with the last kept one are kept too.
+  """
+
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+
+  def __post_init__(self):
+    if not (math.isfinite(self.temperature) and self.temperature >= 0):
+      raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if self.top_k < 0 or int(self.top_k) != self.top_k:
+      raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+
+def sampling_logits(logits: Array, params: SamplingParams) -> Array:
+  """Logits [..., V] of the sampling distribution q: scaled, with dropped tokens at -inf.
+
+  q = softmax(logits / temperature) restricted to the top-k tokens and then to the nucleus
+  {the most likely tokens, in order, until their mass first reaches top_p}, renormalised.
+  Greedy (temperature 0) is the point mass on the argmax (ties: the first index).
+  """
+  logits = logits.astype(jnp.float32)
+  if params.greedy:
+    best = jnp.argmax(logits, axis=-1)
+    return jnp.where(jnp.arange(logits.shape[-1]) == best[..., None], 0.0, -jnp.inf)
+  scaled = logits / params.temperature
+  vocab = scaled.shape[-1]
+  if params.top_k == 0 and params.top_p == 1:
+    return scaled
+  if params.top_k:
+    # The k largest in descending order; everything below the k-th is dropped.
+    ranked, _ = jax.lax.top_k(scaled, min(params.top_k, vocab))
+  else:
+    ranked = -jnp.sort(-scaled, axis=-1)
+  if params.top_p < 1:
+    # Mass of the ranked tokens before each one (in the top-k renormalised distribution): a
+    # token is kept while the mass before it is < top_p, i.e. the smallest set reaching top_p.
+    probs = jax.nn.softmax(ranked, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    kept = jnp.sum(mass_before < params.top_p, axis=-1, keepdims=True)
+    threshold = jnp.take_along_axis(ranked, kept - 1, axis=-1)
+  else:
+    threshold = ranked[..., -1:]
+  return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def sample_tokens(keys: Array, logits: Array, params: SamplingParams
+                  ) -> tuple[Array, Array, Array]:
+  """Draws one token per row. keys [B] (typed PRNG keys), logits [B, V] f32.
+
+  Returns the tokens [B] int32, log p(token) under softmax(logits) and log q(token) under the
+  sampling distribution (`sampling_logits`).
+  """
+  model_logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  sample_logits = sampling_logits(logits, params)
+  if params.greedy:
+    tokens = jnp.argmax(logits, axis=-1)
+  else:
+    # One draw per row from its own key, so a row's sample never depends on other rows.
+    tokens = jax.vmap(jax.random.categorical)(keys, sample_logits)
+  tokens = tokens.astype(jnp.int32)
+  pick = lambda values: jnp.take_along_axis(values, tokens[:, None], axis=-1)[:, 0]
+  return tokens, pick(model_logprobs), pick(jax.nn.log_softmax(sample_logits, axis=-1))
+
+
+@struct.dataclass
+class SamplerState:
+  """A live batch: the KV cache and each row's final hidden state after its last cached token."""
+
+  cache: KVCache
+  hidden: Array  # [batch, embed] f32
+
+  @property
+  def lengths(self) -> Array:
+    """[batch] tokens held by each row (prompt, appended and generated)."""
+    return self.cache.lengths
+
+
+@struct.dataclass
+class SampleOutput:
+  """What one `generate` call produced; entries past a row's length are padding (0)."""
+
+  tokens: Array  # [batch, max_new_tokens] int32
+  logprobs: Array  # [batch, max_new_tokens] f32: log p(token), the model at temperature 1
+  sampling_logprobs: Array  # [batch, max_new_tokens] f32: log q(token), the sampled distribution
+  lengths: Array  # [batch] int32: tokens generated per row
+  stopped: Array  # [batch] bool: the row ended on a stop id (else budget or a full cache)
+
+  def token_lists(self) -> list[list[int]]:
+    """The generated ids of each row, on the host."""
+    tokens, lengths = jax.device_get((self.tokens, self.lengths))
+    return [row[:n].tolist() for row, n in zip(tokens, lengths)]
+
+
+def bucket(n: int, floor: int, cap: int | None = None) -> int:
+  """The smallest power of two >= max(n, floor), at most `cap` (which then is a bucket too)."""
+  size = max(floor, 1 << max(int(n) - 1, 0).bit_length())
+  return size if cap is None else min(size, cap)
+
+
+def _state_axes() -> SamplerState:
+  """The logical axes of every array of a SamplerState."""
+  return SamplerState(cache=KVCache(k=KVCache.AXES, v=KVCache.AXES, lengths=("batch",)),
+                      hidden=("batch", "activation_embed"))
+
+
+def _constrain(state: SamplerState) -> SamplerState:
+  """Keeps a state in its logical sharding inside a jitted function (a no-op without a mesh)."""
+  return jax.tree.map(sharding.constrain, state, _state_axes())
+
+
+def _prefill(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, tokens: Array,
+             counts: Array, *, window: int) -> SamplerState:
+  """Appends tokens [B, T] (row b's first counts[b] are real) at each row's end.
+
+  Rows with counts[b] = 0 are unchanged: their (padding) writes land past their length.
+  """
+  model = nnx.merge(graphdef, params)
+  mask = jnp.arange(tokens.shape[1])[None, :] < counts[:, None]
+  hidden, cache = model.hidden_states(tokens, attention_mask=mask, cache=state.cache,
+                                      cache_window=window)
+  last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
+  hidden = jnp.where((counts > 0)[:, None], last, state.hidden)
+  return _constrain(SamplerState(cache=cache, hidden=hidden))
+
+
+def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys: Array,
+            budget: Array, stop_ids: Array, *, window: int, width: int,
+            sampling: SamplingParams) -> tuple[SamplerState, SampleOutput]:
+  """Samples up to budget[b] <= width tokens per row inside one lax.while_loop.
+
+  Each step samples a token from every live row's logits and runs the forward pass on it, so
+  the cache always holds every sampled token and `hidden` the state after it. Finished rows
+  still flow through the (static-shape) step, masked: they write nothing past their length.
+  """
+  model = nnx.merge(graphdef, params)
+  batch = budget.shape[0]
+  zeros = lambda dtype: jnp.zeros((batch, width), dtype)
+  out = SampleOutput(tokens=zeros(jnp.int32), logprobs=zeros(jnp.float32),
+                     sampling_logprobs=zeros(jnp.float32),
+                     lengths=jnp.zeros((batch,), jnp.int32),
+                     stopped=jnp.zeros((batch,), bool))
+
+  def cond(carry):
+    step, _, done, _ = carry
+    return (step < width) & ~jnp.all(done)
+
+  def body(carry):
+    step, state, done, out = carry
+    live = ~done
+    logits = model.logits(state.hidden)
+    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+    tokens, logprobs, sampling_logprobs = sample_tokens(step_keys, logits, sampling)
+    tokens = jnp.where(live, tokens, 0)
+    column = lambda values, new: jax.lax.dynamic_update_index_in_dim(
+        values, jnp.where(live, new, jnp.zeros_like(new)), step, axis=1)
+    stop = live & jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+    out = SampleOutput(
+        tokens=column(out.tokens, tokens),
+        logprobs=column(out.logprobs, logprobs),
+        sampling_logprobs=column(out.sampling_logprobs, sampling_logprobs),
+        lengths=out.lengths + live,
+        stopped=out.stopped | stop)
+    hidden, cache = model.hidden_states(tokens[:, None], attention_mask=live[:, None],
+                                        cache=state.cache, cache_window=window)
+    state = SamplerState(cache=cache, hidden=jnp.where(live[:, None], hidden[:, 0], state.hidden))
+    done = done | stop | (out.lengths >= budget)
+    return step + 1, state, done, out
+
+  _, state, _, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, budget <= 0, out))
+  return _constrain(state), out
+
+
+class Sampler:
+  """Compiled prefill/decode for one model on a static [max_batch, cache_slots] KV cache.
+
+  Args:
+    model: the policy; its graph is compiled once, its params are an argument (see module doc).
+    cache_slots: tokens each row can hold over a whole episode (prompt, turns, generations).
+    max_batch: rows of the compiled programs; `start` may fill fewer.
+    cache_dtype: dtype of the cached keys and values (default: the model's matmul dtype).
+    mesh: place the state over a (data, fsdp, tensor) mesh; None for one device.
+    min_bucket: the smallest padded prompt/append length.
+    min_window: the smallest attention window (cache prefix read by a call).
+  """
+
+  def __init__(self, model: Decoder, *, cache_slots: int, max_batch: int,
+               cache_dtype: Any = None, mesh: Mesh | None = None, min_bucket: int = 16,
+               min_window: int = 128):
+    if cache_slots <= 0 or max_batch <= 0:
+      raise ValueError(f"cache_slots ({cache_slots}) and max_batch ({max_batch}) must be > 0")
+    if min_bucket <= 0 or min_window <= 0:
+      raise ValueError(f"min_bucket ({min_bucket}) and min_window ({min_window}) must be > 0")
+    self.config = model.config
+    self.cache_slots = cache_slots
+    self.max_batch = max_batch
+    self.cache_dtype = jnp.dtype(cache_dtype or model.dtype)
+    self.mesh = mesh
+    self.min_bucket = min_bucket
+    self.min_window = min_window
+    self.graphdef, self.params = nnx.split(model)
+    # The state is donated: its cache is updated in place instead of copied every call.
+    self._prefill = jax.jit(functools.partial(_prefill, self.graphdef),
+                            static_argnames=("window",), donate_argnums=(1,))
+    self._decode = jax.jit(functools.partial(_decode, self.graphdef),
+                           static_argnames=("window", "width", "sampling"), donate_argnums=(1,))
+
+  def empty(self) -> SamplerState:
+    """A state whose rows hold nothing."""
+    cache = KVCache.zeros(self.config, self.max_batch, self.cache_slots, self.cache_dtype)
+    state = SamplerState(cache=cache,
+                         hidden=jnp.zeros((self.max_batch, self.config.hidden_size), jnp.float32))
+    if self.mesh is None:
+      return state
+    return jax.tree.map(
+        lambda x, axes: jax.device_put(x, sharding.named_sharding(self.mesh, axes, x.shape)),
+        state, _state_axes())
+
+  def start(self, prompts: Sequence[Sequence[int]], params: nnx.State | None = None
+            ) -> SamplerState:
+    """Prefills rows 0..len(prompts)-1 with the prompts (the other rows stay empty)."""
+    if not 0 < len(prompts) <= self.max_batch:
+      raise ValueError(f"start takes 1..{self.max_batch} prompts, got {len(prompts)}")
+    if any(len(prompt) == 0 for prompt in prompts):
+      raise ValueError("every prompt needs at least one token")
+    return self.append(self.empty(), dict(enumerate(prompts)), params)
+
+  def append(self, state: SamplerState, rows_tokens: Mapping[int, Sequence[int]],
+             params: nnx.State | None = None) -> SamplerState:
+    """Appends token ids to the listed rows (e.g. an observation turn and the assistant header).
+
+    Rows not listed, or listed with no ids, are unchanged. The new ids are prefilled in one
+    call, attending to everything the rows already hold.
+    """
+    lengths = self._host_lengths(state)
+    counts = np.zeros(self.max_batch, np.int32)
+    for row, ids in rows_tokens.items():
+      self._check_row(row)
+      counts[row] = len(ids)
+      if lengths[row] + len(ids) > self.cache_slots:
+        raise ValueError(f"row {row} holds {lengths[row]} tokens; appending {len(ids)} exceeds "
+                         f"cache_slots={self.cache_slots}")
+    if not counts.any():
+      return state
+    width = bucket(counts.max(), self.min_bucket)
+    tokens = np.zeros((self.max_batch, width), np.int32)
+    for row, ids in rows_tokens.items():
+      tokens[row, :len(ids)] = np.asarray(ids, np.int32)
+    window = self._window((lengths + counts).max())
+    with self._mesh_context():
+      return self._prefill(self._params(params), state, self._place_batch(tokens),
+                           self._place_batch(counts), window=window)
+
+  def generate(self, state: SamplerState, key: Array, *, max_new_tokens: int,
+               stop_ids: Sequence[int] = (), rows: Sequence[int] | None = None,
+               temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+               params: nnx.State | None = None) -> tuple[SamplerState, SampleOutput]:
+    """Samples up to max_new_tokens per row, continuing each row from its live cache.
+
+    Args:
+      state: the live state (donated; continue from the returned one).
+      key: one PRNG key (row b uses fold_in(key, b)) or one key per row ([max_batch]).
+      max_new_tokens: the per-row budget of this call.
+      stop_ids: a row stops after sampling any of these (e.g. the chat turn end).
+      rows: the rows to decode (default: every row holding tokens); others generate nothing.
+      temperature, top_p, top_k: see `SamplingParams`.
+      params: policy params to use instead of the sampler's own.
+
+    Returns:
+      The new state and a `SampleOutput` of width max_new_tokens.
+    """
+    sampling = SamplingParams(temperature, top_p, top_k)
+    if max_new_tokens <= 0:
+      raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    if len(stop_ids) > MAX_STOP_IDS:
+      raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop_ids)}")
+    lengths = self._host_lengths(state)
+    if rows is None:
+      active = lengths > 0
+    else:
+      active = np.zeros(self.max_batch, bool)
+      for row in rows:
+        self._check_row(row)
+        active[row] = True
+      if (lengths[active] == 0).any():
+        raise ValueError(f"rows {np.flatnonzero(active & (lengths == 0)).tolist()} hold no "
+                         "tokens to continue from; start or append to them first")
+    budget = np.where(active, np.minimum(max_new_tokens, self.cache_slots - lengths), 0)
+    window = self._window((lengths + budget)[active].max(initial=1))
+    keys = self._row_keys(key)
+    stops = np.full(MAX_STOP_IDS, _NO_STOP, np.int32)
+    stops[:len(stop_ids)] = stop_ids
+    with self._mesh_context():
+      state, out = self._decode(
+          self._params(params), state, keys, self._place_batch(budget.astype(np.int32)),
+          jnp.asarray(stops), window=window, width=bucket(max_new_tokens, 1),
+          sampling=sampling)
+    if out.tokens.shape[1] != max_new_tokens:
+      out = jax.tree.map(lambda x: x[:, :max_new_tokens] if x.ndim == 2 else x, out)
+    return state, out
+
+  def _params(self, params: nnx.State | None) -> nnx.State:
+    return self.params if params is None else params
+
+  def _check_row(self, row: int) -> None:
+    if not 0 <= row < self.max_batch:
+      raise ValueError(f"row {row} is outside 0..{self.max_batch - 1}")
+
+  def _host_lengths(self, state: SamplerState) -> np.ndarray:
+    return np.asarray(jax.device_get(state.cache.lengths))
+
+  def _window(self, end: int) -> int:
+    """The attention window covering slots [0, end)."""
+    return bucket(end, self.min_window, self.cache_slots)
+
+  def _row_keys(self, key: Array) -> Array:
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+      key = jax.random.wrap_key_data(key)
+    if key.ndim == 0:
+      key = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(self.max_batch))
+    if key.shape != (self.max_batch,):
+      raise ValueError(f"key must be one PRNG key or {self.max_batch} keys, got shape "
+                       f"{key.shape}")
+    return key
+
+  def _place_batch(self, array: np.ndarray) -> Array:
+    if self.mesh is None:
+      return jnp.asarray(array)
+    axes = ("batch",) + (None,) * (array.ndim - 1)
+    return jax.device_put(array, sharding.named_sharding(self.mesh, axes, array.shape))
+
+  def _mesh_context(self):
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()

@@ -1,0 +1,269 @@
+"""The sampler against plain forward passes: tokens, log-probs, multi-turn continuation, keys,
+batch-composition independence, sampling filters, compile counts and sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from agentgym_jax import sharding
+from agentgym_jax.models import weights
+from agentgym_jax.models.config import ModelConfig
+from agentgym_jax.models.decoder import Decoder
+from agentgym_jax.sampling import Sampler, SamplingParams, sample_tokens, sampling_logits
+
+CONFIG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                     tie_word_embeddings=True)
+SLOTS = 128
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+  return nnx.jit(lambda: Decoder(CONFIG, rngs=nnx.Rngs(0)))()
+
+
+@pytest.fixture(scope="module")
+def forward(model):
+  """Log-probs [T, V] of one whole sequence by a plain forward pass (no cache)."""
+  logits_fn = nnx.jit(lambda model, ids: model(ids))
+
+  def logprobs(ids):
+    # Right padding to a multiple of 32 changes no earlier position and bounds compilations.
+    padded = np.zeros((1, -(-len(ids) // 32) * 32), np.int32)
+    padded[0, :len(ids)] = ids
+    return np.asarray(jax.nn.log_softmax(logits_fn(model, jnp.asarray(padded))[0, :len(ids)]))
+
+  return logprobs
+
+
+def _prompts(lengths, seed=0):
+  rng = np.random.RandomState(seed)
+  return [rng.randint(1, CONFIG.vocab_size, size=n).tolist() for n in lengths]
+
+
+def test_greedy_equals_the_argmax_continuation_of_forward_passes(model, forward):
+  sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
+  prompts = _prompts([3, 9, 1])
+  state = sampler.start(prompts)
+  state, out = sampler.generate(state, jax.random.key(0), max_new_tokens=12, temperature=0.0)
+  assert out.lengths.tolist() == [12, 12, 12, 0]  # row 3 holds nothing and is skipped
+  for row, prompt in enumerate(prompts):
+    sequence = list(prompt)
+    for _ in range(12):
+      sequence.append(int(np.argmax(forward(sequence)[-1])))
+    assert out.token_lists()[row] == sequence[len(prompt):]
+  # Greedy samples from a point mass: log q = 0.
+  np.testing.assert_array_equal(np.asarray(out.sampling_logprobs), 0.0)
+  assert np.asarray(state.lengths).tolist() == [15, 21, 13, 0]
+
+
+def test_logprobs_equal_the_forward_pass_over_a_multi_turn_episode(model, forward):
+  sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH, min_bucket=4, min_window=16)
+  sampling = SamplingParams(temperature=0.8, top_k=20)
+  sequences = _prompts([5, 2, 11])
+  generated = [[] for _ in sequences]  # (position, token, logprob, sampling logprob)
+  state = sampler.start(sequences)
+  appends = [{0: [7, 8, 9], 1: [3] * 13, 2: [4, 5]},
+             {0: [10] * 6, 2: [11]},  # row 1's episode is over: it appends nothing...
+             {0: [12], 2: [13] * 9}]
+  for turn in range(4):
+    rows = [0, 2] if turn >= 2 else None  # ...and generates nothing from turn 2 on.
+    state, out = sampler.generate(state, jax.random.key(turn), rows=rows,
+                                  max_new_tokens=5 + 2 * turn, temperature=sampling.temperature,
+                                  top_k=sampling.top_k)
+    for row, tokens in enumerate(out.token_lists()[:3]):
+      assert len(tokens) == (0 if rows and row not in rows else 5 + 2 * turn)
+      for t, token in enumerate(tokens):
+        generated[row].append((len(sequences[row]) - 1, token, float(out.logprobs[row, t]),
+                               float(out.sampling_logprobs[row, t])))
+        sequences[row].append(token)
+    if turn < 3:
+      state = sampler.append(state, appends[turn])
+      for row, ids in appends[turn].items():
+        sequences[row] += ids
+  assert np.asarray(state.lengths)[:3].tolist() == [len(s) for s in sequences]
+  for row, sequence in enumerate(sequences):
+    logprobs = forward(sequence)
+    sampling_logprobs = np.asarray(jax.nn.log_softmax(sampling_logits(logprobs, sampling)))
+    for position, token, logprob, sampling_logprob in generated[row]:
+      assert abs(logprob - logprobs[position, token]) <= 1e-4
+      assert abs(sampling_logprob - sampling_logprobs[position, token]) <= 1e-4
+
+
+def test_same_key_same_output_and_another_key_another(model):
+  sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
+  prompts = _prompts([4, 6, 3, 8])
+
+  def run(key):
+    _, out = sampler.generate(sampler.start(prompts), key, max_new_tokens=16)
+    return np.asarray(out.tokens), np.asarray(out.logprobs)
+
+  first, again, other = run(jax.random.key(1)), run(jax.random.key(1)), run(jax.random.key(2))
+  np.testing.assert_array_equal(first[0], again[0])
+  np.testing.assert_array_equal(first[1], again[1])
+  assert (first[0] != other[0]).any()
+
+
+def test_a_row_does_not_depend_on_the_other_rows(model):
+  """Row 1 samples the same episode whatever rows 0, 2 and 3 hold, when they stop, or whether
+  they are there at all."""
+  sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH, min_window=16)
+  ours = _prompts([6])[0]
+  key = jax.random.key(3)
+
+  def episode(others, stop_ids):
+    rows = {1: ours, **others}
+    state = sampler.append(sampler.empty(), rows)
+    state, first = sampler.generate(state, key, max_new_tokens=9, stop_ids=stop_ids,
+                                    rows=sorted(rows))
+    state = sampler.append(state, {1: [5, 6, 7], **{row: [9] * 20 for row in others}})
+    state, second = sampler.generate(state, jax.random.key(4), max_new_tokens=7,
+                                     rows=sorted(rows))
+    return [(np.asarray(out.tokens[1]), np.asarray(out.logprobs[1]),
+             np.asarray(out.sampling_logprobs[1])) for out in (first, second)]
+
+  alone = episode({}, stop_ids=())
+  crowded = episode({0: _prompts([30], seed=1)[0], 3: [2]}, stop_ids=())
+  # Row 2 stops on its third token (one row 1 never samples in its first turn), then skips a
+  # turn's worth of steps while row 1 carries on.
+  row_2 = _prompts([17], seed=2)[0]
+  state = sampler.append(sampler.empty(), {1: ours, 2: row_2})
+  _, free = sampler.generate(state, key, max_new_tokens=9)
+  stop = next(t for t in free.token_lists()[2][2:] if t not in alone[0][0].tolist())
+  early = episode({2: row_2}, stop_ids=[stop])
+  for other in (crowded, early):
+    for (tokens, logprobs, sampling_logprobs), (ref_tokens, ref_logprobs, ref_sampling) in zip(
+        other, alone):
+      np.testing.assert_array_equal(tokens, ref_tokens)
+      np.testing.assert_allclose(logprobs, ref_logprobs, atol=1e-5, rtol=0)
+      np.testing.assert_allclose(sampling_logprobs, ref_sampling, atol=1e-5, rtol=0)
+
+
+def test_rows_stop_independently_on_stop_ids_budget_or_a_full_cache(model):
+  sampler = Sampler(model, cache_slots=32, max_batch=BATCH, min_window=8)
+  prompts = _prompts([4, 4, 28])
+  _, greedy = sampler.generate(sampler.start(prompts), jax.random.key(0), max_new_tokens=8,
+                               temperature=0.0)
+  row_0 = greedy.token_lists()[0]
+  ends = next(i for i in range(1, 8) if row_0[i] not in row_0[:i])
+  stop = row_0[ends]
+  state, out = sampler.generate(sampler.start(prompts), jax.random.key(0), max_new_tokens=8,
+                                temperature=0.0, stop_ids=[stop])
+  tokens = out.token_lists()
+  # Row 0 ends on the first occurrence of the stop id, kept as its last token; row 1 runs to
+  # its budget unless it meets the stop id; row 2 has 32 - 28 = 4 free slots.
+  assert tokens[0] == row_0[:ends + 1] and bool(out.stopped[0])
+  row_1 = greedy.token_lists()[1]
+  expected = row_1.index(stop) + 1 if stop in row_1 else 8
+  assert len(tokens[1]) == expected and bool(out.stopped[1]) == (stop in row_1)
+  assert tokens[2] == greedy.token_lists()[2][:4] and not bool(out.stopped[2])
+  assert np.asarray(state.lengths).tolist() == [4 + ends + 1, 4 + expected, 32, 0]
+  # Padding past a row's length is zero.
+  assert (np.asarray(out.tokens[0, ends + 1:]) == 0).all()
+  assert (np.asarray(out.logprobs[0, ends + 1:]) == 0).all()
+  with pytest.raises(ValueError, match="exceeds cache_slots=32"):
+    sampler.append(state, {2: [1]})
+
+
+def test_top_k_1_equals_greedy(model):
+  sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
+  prompts = _prompts([5, 7, 2, 3])
+  _, greedy = sampler.generate(sampler.start(prompts), jax.random.key(0), max_new_tokens=10,
+                               temperature=0.0)
+  _, top1 = sampler.generate(sampler.start(prompts), jax.random.key(5), max_new_tokens=10,
+                             temperature=1.3, top_k=1)
+  np.testing.assert_array_equal(np.asarray(top1.tokens), np.asarray(greedy.tokens))
+  np.testing.assert_allclose(np.asarray(top1.logprobs), np.asarray(greedy.logprobs), atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(top1.sampling_logprobs), 0.0)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+  probs = np.array([0.5, 0.2, 0.15, 0.1, 0.05])
+  logits = jnp.log(jnp.asarray(probs, jnp.float32))[None]
+  # Cumulative mass 0.5, 0.7, 0.85, 0.95, 1: p=0.45 keeps {0}; p=0.6 keeps {0, 1} (0.5 < 0.6
+  # <= 0.7); p=0.75 keeps {0, 1, 2} (0.7 < 0.75 <= 0.85); p=1 keeps all.
+  for top_p, kept in [(0.45, 1), (0.6, 2), (0.75, 3), (1.0, 5)]:
+    q = np.exp(np.asarray(jax.nn.log_softmax(sampling_logits(logits, SamplingParams(top_p=top_p))))[0])
+    np.testing.assert_allclose(q[:kept], probs[:kept] / probs[:kept].sum(), rtol=1e-5)
+    np.testing.assert_array_equal(q[kept:], 0.0)
+  # Draws follow the renormalised nucleus: with p=0.6, tokens 0 and 1 at 0.5/0.7 and 0.2/0.7.
+  keys = jax.random.split(jax.random.key(0), 4000)
+  tokens, _, sampling_logprobs = jax.jit(sample_tokens, static_argnums=2)(
+      keys, jnp.repeat(logits, 4000, axis=0), SamplingParams(top_p=0.6))
+  counts = np.bincount(np.asarray(tokens), minlength=5)
+  assert counts[2:].sum() == 0
+  assert abs(counts[0] / 4000 - 0.5 / 0.7) < 0.03
+  np.testing.assert_allclose(np.exp(np.asarray(sampling_logprobs)),
+                             np.where(np.asarray(tokens) == 0, 0.5 / 0.7, 0.2 / 0.7), rtol=1e-5)
+
+
+def test_temperature_scales_the_sampling_logprobs_only():
+  logits = jnp.asarray([[2.0, 1.0, 0.0]])
+  # T=2 samples from softmax([1, 0.5, 0]): log q(0) = 1 - log(e + e^0.5 + 1) = 1 - log(5.36700)
+  # = -0.68026, while the model's log p(0) at temperature 1 stays 2 - log(e^2 + e + 1)
+  # = 2 - log(11.1073) = -0.40761.
+  q = jax.nn.log_softmax(sampling_logits(logits, SamplingParams(temperature=2.0)))
+  assert float(q[0, 0]) == pytest.approx(-0.68026, abs=1e-5)
+  keys = jax.random.split(jax.random.key(1), 64)
+  tokens, logprobs, sampling_logprobs = sample_tokens(
+      keys, jnp.repeat(logits, 64, axis=0), SamplingParams(temperature=2.0))
+  first = np.asarray(tokens) == 0
+  assert first.any()
+  np.testing.assert_allclose(np.asarray(logprobs)[first], -0.40761, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(sampling_logprobs)[first], -0.68026, atol=1e-5)
+
+
+def test_sampling_params_are_validated():
+  with pytest.raises(ValueError, match="temperature"):
+    SamplingParams(temperature=-1.0)
+  with pytest.raises(ValueError, match="top_p"):
+    SamplingParams(top_p=0.0)
+  with pytest.raises(ValueError, match="top_k"):
+    SamplingParams(top_k=-2)
+
+
+def test_compilations_are_bounded_over_multi_turn_episodes(model):
+  sampler = Sampler(model, cache_slots=256, max_batch=BATCH, min_bucket=16, min_window=64)
+
+  def episode(seed):
+    rng = np.random.RandomState(seed)
+    state = sampler.start(_prompts(rng.randint(1, 17, size=BATCH), seed))
+    for turn in range(6):
+      state, _ = sampler.generate(state, jax.random.key(turn), max_new_tokens=12 + turn,
+                                  temperature=1.0, stop_ids=[int(rng.randint(96))])
+      state = sampler.append(state, {row: [3] * int(rng.randint(0, 15)) for row in range(BATCH)})
+    return state
+
+  for seed in range(3):
+    episode(seed)
+  # 3 episodes make 39 calls. Prompts and appends (1..16 tokens) share one length bucket,
+  # max_new_tokens 12..17 two widths (16, 32), and rows end below 16 + 6 * (17 + 14) = 202
+  # slots, so in windows 64, 128 or 256: at most 3 prefill and 3 * 2 decode programs.
+  assert sampler._prefill._cache_size() <= 3
+  assert sampler._decode._cache_size() <= 6
+
+
+def test_sharded_sampler_matches_the_unsharded_one(model):
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  sharded_model = weights.load_params(weights.abstract_model(CONFIG),
+                                      weights.to_hf_state_dict(model), mesh)
+  prompts = _prompts([4, 9, 2, 6, 5, 3, 7, 1])
+  results = []
+  for candidate, candidate_mesh in [(model, None), (sharded_model, mesh)]:
+    sampler = Sampler(candidate, cache_slots=64, max_batch=8, mesh=candidate_mesh)
+    state = sampler.start(prompts)
+    state, first = sampler.generate(state, jax.random.key(0), max_new_tokens=6)
+    state = sampler.append(state, {0: [1, 2], 5: [3]})
+    state, second = sampler.generate(state, jax.random.key(1), max_new_tokens=6)
+    results.append((state, first, second))
+  (_, *reference), (state, *outputs) = results
+  # Rows over (data, fsdp) = 4 shards; CONFIG's 2 kv heads over tensor.
+  expected = NamedSharding(mesh, P(None, ("data", "fsdp"), None, "tensor", None))
+  assert state.cache.k.sharding.is_equivalent_to(expected, 5)
+  for out, ref in zip(outputs, reference):
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), atol=1e-5)
