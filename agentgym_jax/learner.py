@@ -196,8 +196,21 @@ def _loss_fn(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.GraphD
   return total, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "value_graphdef", "optimizer", "loss"),
-                   donate_argnames=("trainable", "opt_state"))
+UPDATE_STATIC_ARGNAMES = ("graphdef", "value_graphdef", "optimizer", "loss")
+UPDATE_DONATE_ARGNAMES = ("trainable", "opt_state")
+
+
+def jit_update_step(trainable_shardings: Any, opt_state_shardings: Any):
+  """`update_step` compiled so that parameters and optimizer state keep their shardings.
+
+  Without out_shardings the compiler may return updated parameters in any layout it likes, and
+  over many steps the state drifts away from the mesh's logical rules.
+  """
+  return jax.jit(update_step, static_argnames=UPDATE_STATIC_ARGNAMES,
+                 donate_argnames=UPDATE_DONATE_ARGNAMES,
+                 out_shardings=(trainable_shardings, opt_state_shardings, None))
+
+
 def update_step(graphdef: nnx.GraphDef, value_graphdef: nnx.GraphDef | None,
                 trainable: tuple[nnx.State, nnx.State | None], opt_state: optax.OptState,
                 batch: Batch, experience: Experience, *, optimizer: optax.GradientTransformation,

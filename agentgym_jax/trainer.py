@@ -143,7 +143,14 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
       b2=c.optim.b2, grad_clip=c.optim.grad_clip,
       max_consecutive_nonfinite=c.optim.max_consecutive_nonfinite)
   opt_state = jax.jit(optimizer.init)((params, value_params))
+  # Committed to their devices, as the update's outputs will be: otherwise the first step's
+  # inputs differ from the next steps' and every jitted function compiles twice.
+  shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+  value_params, opt_state = jax.device_put((value_params, opt_state),
+                                           shardings_of((value_params, opt_state)))
   state = RunState(params, value_params, opt_state)
+  update_step = learner.jit_update_step(shardings_of((params, value_params)),
+                                        shardings_of(opt_state))
 
   # Resume from the newest complete checkpoint, if any. Steps count completed RL steps: the
   # checkpoint, metrics row and trajectory file of step k are written after k updates.
@@ -201,7 +208,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         for rows in learner.minibatch_indices(num_rows, c.algorithm.num_minibatches,
                                               c.algorithm.ppo_epochs, rng):
           minibatch = learner.take_rows(batch, rows)
-          trainable, opt_state, m = learner.update_step(
+          trainable, opt_state, m = update_step(
               graphdef, value_graphdef, trainable, opt_state, minibatch,
               learner.take_rows(experience, rows), optimizer=optimizer, loss=loss)
           update_metrics.append(m)

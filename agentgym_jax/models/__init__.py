@@ -73,8 +73,8 @@ def resolve(spec: str) -> pathlib.Path | None:
   directory = pathlib.Path(spec).expanduser()
   if not (directory / "config.json").exists():
     raise FileNotFoundError(
-        f"{spec!r} is neither a registered model ({', '.join(sorted(MODELS))}) nor a directory "
-        f"with a config.json")
+        f"{spec!r} is neither a registered model ({', '.join(sorted(MODELS))}; their weights go "
+        f"under {models_dir()}/<name>) nor a directory with a config.json")
   return directory
 
 

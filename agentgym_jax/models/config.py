@@ -102,8 +102,10 @@ class ModelConfig:
         intermediate_size=hf["intermediate_size"],
         num_layers=hf["num_hidden_layers"],
         num_heads=num_heads,
-        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        num_kv_heads=(num_heads if hf.get("num_key_value_heads") is None
+                      else hf["num_key_value_heads"]),
+        head_dim=(hf["hidden_size"] // num_heads if hf.get("head_dim") is None
+                  else hf["head_dim"]),
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
