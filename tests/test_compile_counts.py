@@ -1,0 +1,96 @@
+"""Compilations over a training run with a growing horizon: after warm-up, nothing recompiles.
+
+Every jitted function that compiles lowers its jaxpr to an MLIR module first, and jax reports
+each lowering as a "/jax/core/compile/jaxpr_to_mlir_module_duration" event naming the function.
+A lowering happens exactly when a call misses the in-process jit cache (a persistent compilation
+cache hit still lowers), so counting these events per training step counts the programs each
+step adds: the learner's compute_experience and update_step, the sampler's _prefill and
+_decode, and every small eager op (jnp.stack, indexing, ...) alike.
+"""
+
+import collections
+
+import jax
+import numpy as np
+import pytest
+from jax import monitoring
+
+import tiny
+from agentgym_jax import metrics, sharding, trainer
+from agentgym_jax.sampling import Sampler
+from test_trainer import echo_config
+
+LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+  return str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny")))
+
+
+def _fun_name(name: str) -> str:
+  """'jit(_prefill)' -> '_prefill'."""
+  return name[len("jit("):-1] if name.startswith("jit(") and name.endswith(")") else name
+
+
+def test_horizon_stages_compile_only_the_first_continuation_prefill(checkpoint_dir, tmp_path,
+                                                                    monkeypatch):
+  monkeypatch.setattr(sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
+      np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
+  lowered: list[str] = []
+
+  def on_duration(event, duration, **kwargs):
+    del duration
+    if event == LOWERING_EVENT:
+      lowered.append(_fun_name(kwargs.get("fun_name", "")))
+
+  # The per-step snapshot is taken when the trainer writes the step's metrics row, after its
+  # rollout, experience and update (and the metrics' own fetch) have run.
+  per_step: list[collections.Counter] = []
+  seen = [0]
+  write = metrics.MetricsWriter.write
+
+  def write_and_count(self, step, values):
+    write(self, step, values)
+    per_step.append(collections.Counter(lowered[seen[0]:]))
+    seen[0] = len(lowered)
+
+  samplers: list[Sampler] = []
+
+  class RecordedSampler(Sampler):
+
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      samplers.append(self)
+
+  monkeypatch.setattr(metrics.MetricsWriter, "write", write_and_count)
+  monkeypatch.setattr(trainer, "Sampler", RecordedSampler)
+  c = echo_config(checkpoint_dir, steps=5)
+  c.env.options.turns = 3
+  c.horizon.kind = "stepwise"
+  c.horizon.caps = (1, 2, 3)
+  c.horizon.every = 1
+  # 3 x 8 rows: a batch shape no other test compiles, so the warm-up really compiles the learner.
+  c.rollout.tasks_per_step = 3
+  monitoring.register_event_duration_secs_listener(on_duration)
+  try:
+    history = trainer.train(c, tmp_path)
+  finally:
+    monitoring.unregister_event_duration_listener(on_duration)
+
+  assert [h["horizon_cap"] for h in history] == [1, 2, 3, 3, 3]
+  # Multi-turn episodes really happened in the later stages (the policy is random).
+  assert max(h["turns"] for h in history[1:]) > 1
+  warm_up, first_cap2, first_cap3, *repeats = per_step
+  assert {"_prefill", "_decode", "compute_experience", "update_step"} <= set(warm_up)
+  # The one new program once turns follow turns: the prefill appending an observation (a
+  # handful of tokens, width bucket 16) next to the prompt's wider bucket. The attention window
+  # cannot grow: it is capped at cache_slots = max_context = 64, below min_window. Packed
+  # batches stay at the minimum length bucket (128 >= 64), so the learner's shapes never change.
+  assert first_cap2 == collections.Counter({"_prefill": 1}), first_cap2
+  # A third turn reuses every shape of the second; repeating a stage compiles nothing at all.
+  assert first_cap3 == collections.Counter(), first_cap3
+  assert repeats == [collections.Counter()] * 2, repeats
+  # The same count from the jit caches: two prefill programs (prompt, continuation), one decode.
+  (sampler,) = samplers
+  assert (sampler._prefill._cache_size(), sampler._decode._cache_size()) == (2, 1)
