@@ -26,6 +26,7 @@ import numpy as np
 from agentgym_jax.learner import Batch
 from agentgym_jax.models.tokenizer import ChatTemplate
 from agentgym_jax.sampling import Sampler
+from environments.base import EnvError
 from environments.pool import EnvPool
 
 # Why a trajectory ended.
@@ -120,7 +121,7 @@ def collect(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
     raise ValueError(f"{len(tasks)} trajectories need as many env slots and sampler rows; "
                      f"the pool has {pool.num_slots}, the sampler {sampler.max_batch}")
   stats = RolloutStats()
-  categories = {t: str(pool.task_info(t).get("category", "")) for t in {t for t, _ in tasks}}
+  categories = {t: _category(pool, t) for t in {t for t, _ in tasks}}
   trajectories = [Trajectory(task_id=t, group=g, env=pool.env_name, category=categories[t])
                   for t, g in tasks]
   tokenizer = chat.tokenizer
@@ -199,6 +200,13 @@ def collect(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
     if appends:
       state = sampler.append(state, appends, params=params)
   return trajectories, stats
+
+
+def _category(pool: EnvPool, task_id: int) -> str:
+  try:
+    return str(pool.task_info(task_id).get("category", ""))
+  except EnvError:  # The env is down: the episode's reset fails too and records why.
+    return ""
 
 
 def _end(trajectory: Trajectory, termination: str, info: dict[str, Any]) -> None:
