@@ -1,0 +1,155 @@
+"""Where an RL step's time goes: generation, environment, experience and update.
+
+  python benchmarks/rl_step.py                                   # SmolLM2-135M on TextCraft
+  python benchmarks/rl_step.py --env=echo --model=tiny           # the test model, seconds
+  python benchmarks/rl_step.py --quick                           # 2 tasks x 2 samples, 2 turns
+
+Runs `trainer.train` for --steps steps of the configured size (a temporary workdir, no
+checkpoints) and reads its per-step metrics:
+  rollout     time/rollout: the whole multi-turn rollout, of which
+    generate  time/generate: the sampler's decode calls (including the host fetch of tokens);
+    env       time/env: the env pool's reset and step calls (the rollout's env_s);
+    other     rollout - generate - env: prefills of prompts and observations, tokenizing,
+              detokenizing and bookkeeping on the host;
+  experience  time/experience: packing and the old/reference log-probs + advantages;
+  update      time/update: the optimizer steps (ppo_epochs x num_minibatches).
+The step is rollout + experience + update. The trainer's phase timers do not wait for the
+device, so a phase ends when its work is dispatched and device work can spill into the next
+timed phase (the experience's log-probs are usually finished inside update's first call); the
+step total is exact, since the metrics row fetches every result. tokens/s is generated tokens per second of
+generation (the trainer's tokens_per_s) and per second of the whole step.
+
+Overlap. The trainer runs these phases one after another: while the environment steps, the
+device idles, so 0% of env time is hidden today. The "hideable" column bounds what overlapping
+env work with device work could save: min(env, step - env), the shorter of the two sides (a
+perfect pipeline, e.g. stepping finished rows' envs while the sampler decodes other rows, or
+the next rollout's envs during this update); "step if hidden" is the step minus that.
+
+The first step compiles every program (the sampler's prefill and decode, the learner's
+experience and update) and is reported apart; the means are over the later steps.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import platform
+import sys
+import tempfile
+from typing import Any
+
+from absl import app
+from absl import flags
+
+import jax
+import numpy as np
+
+from agentgym_jax import config as config_lib
+from agentgym_jax import trainer
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+_ENV = flags.DEFINE_enum("env", "textcraft", ["textcraft", "echo"], "Environment.")
+_MODEL = flags.DEFINE_string(
+    "model", "smollm2-135m-instruct",
+    "Registry name, HF checkpoint directory, or 'tiny' (tests/tiny.py's random 2-layer model).")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", config_lib.DTYPES, "Matmul dtype.")
+_REMAT = flags.DEFINE_enum("remat", "none", ["none", "full", "dots"], "Remat policy.")
+_STEPS = flags.DEFINE_integer("steps", 3, "RL steps, the first of them the warm-up.")
+_TASKS = flags.DEFINE_integer("tasks", 4, "Tasks per step (--quick: 2).")
+_SAMPLES = flags.DEFINE_integer("samples", 4, "Samples per task (--quick: 2).")
+_TURNS = flags.DEFINE_integer("turns", 4, "Horizon: turns per episode (--quick: 2).")
+_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per turn (--quick: 32).")
+_CONTEXT = flags.DEFINE_integer("max_context", 2048, "Tokens per trajectory.")
+_QUICK = flags.DEFINE_bool("quick", False, "A small run: 2 x 2 rollouts, 2 turns, 32 tokens.")
+
+PHASES = ("rollout", "generate", "env", "other", "experience", "update")
+
+
+def make_config(model: str) -> Any:
+  c = config_lib.base_config()
+  quick = _QUICK.value
+  c.steps = _STEPS.value
+  c.model.name = model
+  c.model.dtype = _DTYPE.value
+  c.model.remat = _REMAT.value
+  c.mesh.data = 1
+  c.mesh.fsdp = -1
+  c.env.name = _ENV.value
+  if _ENV.value == "echo":
+    c.env.options.turns = 2 if quick else _TURNS.value
+  c.rollout.tasks_per_step = 2 if quick else _TASKS.value
+  c.rollout.samples_per_task = 2 if quick else _SAMPLES.value
+  c.rollout.max_new_tokens = 32 if quick else _NEW_TOKENS.value
+  c.rollout.max_context = _CONTEXT.value
+  c.horizon.kind = "fixed"
+  c.horizon.turns = 2 if quick else _TURNS.value
+  c.algorithm.num_minibatches = 2
+  c.checkpoint.every = 0
+  c.checkpoint.export_hf = False
+  c.log.tensorboard = False
+  c.log.trajectories = False
+  c.log.progress_bar = False
+  return c
+
+
+def phase_seconds(row: dict[str, Any]) -> dict[str, float]:
+  out = {name: float(row.get(f"time/{name}", 0.0))
+         for name in ("rollout", "generate", "env", "experience", "update")}
+  out["other"] = out["rollout"] - out["generate"] - out["env"]
+  out["step"] = out["rollout"] + out["experience"] + out["update"]
+  return out
+
+
+def main(argv):
+  del argv
+  print("command: " + " ".join([os.path.basename(sys.executable)] + sys.argv))
+  print(f"host: {platform.node()}, {os.cpu_count()} CPUs, load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}, jax {jax.__version__} "
+        f"({jax.devices()[0].platform}, {jax.device_count()} devices)")
+  with tempfile.TemporaryDirectory() as directory:
+    model = _MODEL.value
+    if model == "tiny":
+      sys.path.insert(0, str(REPO / "tests"))
+      import tiny  # pylint: disable=g-import-not-at-top
+
+      model = str(tiny.make_checkpoint(pathlib.Path(directory) / "tiny"))
+    c = make_config(model)
+    print(f"model {_MODEL.value} ({c.model.dtype}, remat {c.model.remat}), env {c.env.name}, "
+          f"{c.rollout.tasks_per_step} tasks x {c.rollout.samples_per_task} samples, "
+          f"{c.horizon.turns} turns x {c.rollout.max_new_tokens} new tokens, "
+          f"{c.algorithm.num_minibatches} minibatches")
+    history = trainer.train(c, pathlib.Path(directory) / "run")
+
+  print()
+  print("| step | " + " | ".join(f"{p} s" for p in PHASES) + " | step s | env / step "
+        "| hidden | hideable | step if hidden | gen tokens | tokens/s (gen) | tokens/s (step) "
+        "| turns | reward |")
+  print("|" + "---|" * (len(PHASES) + 11))
+  measured = []
+  for index, row in enumerate(history):
+    seconds = phase_seconds(row)
+    label = f"{index + 1} (warm-up)" if index == 0 and len(history) > 1 else str(index + 1)
+    if index > 0 or len(history) == 1:
+      measured.append((seconds, row))
+    print(_row(label, seconds, row))
+  mean_seconds = {k: float(np.mean([s[k] for s, _ in measured])) for k in measured[0][0]}
+  mean_row = {k: float(np.mean([r[k] for _, r in measured]))
+              for k in ("tokens_generated", "tokens_per_s", "turns", "reward")}
+  print(_row("mean", mean_seconds, mean_row))
+  print("\nhidden: env time overlapped with device work today (the trainer is sequential); "
+        "hideable: min(env, step - env), the most a perfect overlap could hide.")
+
+
+def _row(label: str, seconds: dict[str, float], row: dict[str, Any]) -> str:
+  step, env = seconds["step"], seconds["env"]
+  hideable = min(env, step - env)
+  cells = [label] + [f"{seconds[p]:.2f}" for p in PHASES] + [
+      f"{step:.2f}", f"{env / step:.1%}", "0%", f"{hideable / step:.1%}",
+      f"{step - hideable:.2f}", f"{row['tokens_generated']:.0f}", f"{row['tokens_per_s']:.0f}",
+      f"{row['tokens_generated'] / step:.0f}", f"{row['turns']:.2f}", f"{row['reward']:.2f}"]
+  return "| " + " | ".join(cells) + " |"
+
+
+if __name__ == "__main__":
+  app.run(main)
