@@ -23,19 +23,19 @@ Modes (one row each):
   pool/process  the same with the process backend; only for GIL-bound envs (all work in Python).
   http          an AgentGymServer in a subprocess (launch/serve_env.py on a free 127.0.0.1
                 port) and an EnvPool of `slots` "http" client adapters (thread backend).
-`slots` is --slots (32), capped where every slot builds a costly adapter (_MAX_SLOTS: a JVM per
-SciWorld adapter, a question set and index per SearchQA process). The pools play in waves of
-`slots` episodes, as the rollout does: a reset batch, then step batches of the live episodes
-until every one is done or at the step cap. By default a mode plays two waves of the env's
-widest pool.
+`slots` is --slots (32), capped at 2 per core where every slot builds a costly adapter
+(_COSTLY: a JVM per SciWorld adapter, a question set and index per SearchQA process). The pools
+play in waves of `slots` episodes, as the rollout does: a reset batch, then step batches of the
+live episodes until every one is done or at the step cap. By default a mode plays two waves of
+the env's widest pool.
 
-steps/s is env steps over the time spent in step calls (policy time left out); "x in-proc" is
-its ratio to the in-process row. Resets are timed apart: "setup s" is the first reset (batch),
-which builds the adapters (a process spawn, a JVM start) and, over HTTP, the server's adapters;
-"resets/s" is over the later resets; both include first-use costs of the process that runs
-the adapter (in-process and pool/thread share one process, so the later pays fewer). The
-server's own start is printed as a note. Other work on the machine skews every figure: the
-header gives the load average.
+Each mode first plays a warm-up wave, one train episode on every adapter; "setup s" is its wall
+time, so it holds building the adapters (a process spawn, a JVM start, the server's adapters
+over HTTP) and their first-use costs (caches, a JVM's JIT). The measured episodes follow:
+steps/s is their env steps over the time spent in step calls (policy time left out), "x
+in-proc" its ratio to the in-process row, resets/s their resets over the time in reset calls.
+The server's own start is printed as a note. Other work on the machine skews every figure: the
+header gives the load average, the last line the CPU time the run used.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from absl import app
 from absl import flags
 
 import environments
+from environments.base import StepResult
 from environments.pool import EnvPool
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -72,19 +73,25 @@ _EPISODES = flags.DEFINE_integer(
 _STEPS = flags.DEFINE_integer("steps", 10, "Step cap of an episode (--quick: 5).")
 _SLOTS = flags.DEFINE_integer(
     "slots", 32, "Concurrent episodes in the pools and over HTTP (capped where adapters are "
-    "costly to build, see _MAX_SLOTS; --quick: at most 4).")
+    "costly to build, see _COSTLY; --quick: at most 4).")
 _QUICK = flags.DEFINE_bool("quick", False, "A smoke run: few slots, episodes and steps.")
 
 _QUICK_EPISODES, _QUICK_STEPS, _QUICK_SLOTS = 8, 5, 4
-# Slot caps by (env, mode) where every slot builds a costly adapter, so that the full run takes
-# minutes on 2 cores. Each SciWorld adapter starts its own JVM (about 150 MB, seconds of CPU);
-# each SearchQA child process generates its own question set and BM25 index (about 6 s of CPU),
-# and processes beyond the cores add no parallel steps.
-_MAX_SLOTS = {
-    ("sciworld", "pool/thread"): 8,
-    ("sciworld", "http"): 8,
-    ("searchqa", "pool/process"): 4,
-}
+# The (env, mode) pairs where every slot builds a costly adapter: each SciWorld adapter starts
+# its own JVM (about 150 MB and 5 s of CPU), each SearchQA child process generates its own
+# question set and BM25 index (about 6 s of CPU). They get at most _COSTLY_SLOTS_PER_CORE slots
+# per core, which keeps the full run to minutes on 2 cores; more would add start-up work, not
+# parallel steps.
+_COSTLY = frozenset({("sciworld", "pool/thread"), ("sciworld", "http"),
+                     ("searchqa", "pool/process")})
+_COSTLY_SLOTS_PER_CORE = 2
+
+
+def slots_for(env: str, mode: str, slots: int) -> int:
+  """The slots `mode` runs `env` with when --slots asks for `slots`."""
+  if (env, mode) in _COSTLY:
+    return min(slots, _COSTLY_SLOTS_PER_CORE * len(os.sched_getaffinity(0)))
+  return slots
 # Envs whose steps run in Python under the GIL, where only processes run steps in parallel.
 # SciWorld's steps run in its JVM, outside the GIL.
 _GIL_BOUND = frozenset({"textcraft", "babyai", "searchqa"})
@@ -193,18 +200,17 @@ POLICIES = {
 
 @dataclasses.dataclass
 class Measurement:
-  """One row of the table: what one mode did and how long its calls took."""
+  """One row of the table: what one mode did after its warm-up, and how long its calls took."""
 
   env: str
   mode: str
   slots: int
+  setup_s: float = 0.0  # the warm-up: building the adapters, one episode on each
   episodes: int = 0
   steps: int = 0
   step_s: float = 0.0  # time in step calls
-  setup_s: float = 0.0  # the first reset (batch), which builds the adapters
-  resets: int = 0  # the later resets
-  reset_s: float = 0.0
-  errors: list[str] = dataclasses.field(default_factory=list)
+  reset_s: float = 0.0  # time in reset calls
+  errors: list[str] = dataclasses.field(default_factory=list)  # warm-up included
   server_start_s: float | None = None  # http: until the server subprocess answered
 
   @property
@@ -213,7 +219,7 @@ class Measurement:
 
   @property
   def resets_per_s(self) -> float:
-    return self.resets / self.reset_s if self.reset_s else float("nan")
+    return self.episodes / self.reset_s if self.reset_s else float("nan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,83 +227,93 @@ class Plan:
   """What to run for one env."""
 
   env: str
-  task_ids: tuple[int, ...]  # one per episode
+  warmup_ids: tuple[int, ...]  # train tasks, one per adapter of the widest pool
+  task_ids: tuple[int, ...]  # the measured episodes' test tasks
   max_steps: int
   slots: int  # as asked for; `slots_for` applies the caps
 
   def slots_for(self, mode: str) -> int:
-    return min(self.slots, _MAX_SLOTS.get((self.env, mode), self.slots))
+    return slots_for(self.env, mode, self.slots)
 
 
-def play_in_process(plan: Plan) -> Measurement:
-  """One adapter plays the episodes one after another."""
-  measurement = Measurement(plan.env, "in-process", slots=1)
-  policy_type = POLICIES[plan.env]
+class _OneAdapter:
+  """One adapter behind EnvPool's batch calls, run in this thread (the in-process mode)."""
+
+  num_slots = 1
+
+  def __init__(self, env: str):
+    self._env = environments.make(env)
+
+  def reset(self, requests: Sequence[tuple[int, int]]) -> list[StepResult]:
+    [(_, task_id)] = requests
+    return [StepResult(self._env.reset(task_id), 0.0, False, {})]
+
+  def step(self, requests: Sequence[tuple[int, str]]) -> list[StepResult]:
+    [(_, reply)] = requests
+    return [self._env.step(reply)]
+
+  def close(self) -> None:
+    self._env.close()
+
+
+def play(plan: Plan, pool: EnvPool | _OneAdapter, measurement: Measurement) -> Measurement:
+  """A warm-up wave, then the measured episodes in waves of `pool.num_slots`.
+
+  The warm-up plays one train episode on every adapter, so that building adapters and their
+  first-use costs (imports, caches, a JVM's JIT) stay out of the measured rates.
+  """
   start = time.perf_counter()
-  env = environments.make(plan.env)
-  try:
-    for episode, task_id in enumerate(plan.task_ids):
-      if episode:
-        start = time.perf_counter()
-      observation = env.reset(task_id)
-      elapsed = time.perf_counter() - start
-      if episode:
-        measurement.resets += 1
-        measurement.reset_s += elapsed
-      else:
-        measurement.setup_s = elapsed
-      measurement.episodes += 1
-      policy = policy_type(task_id, observation, plan.max_steps)
-      for _ in range(plan.max_steps):
-        reply = policy.reply(observation)
-        start = time.perf_counter()
-        result = env.step(reply)
-        measurement.step_s += time.perf_counter() - start
-        measurement.steps += 1
-        if result.done:
-          break
-        observation = result.observation
-  finally:
-    env.close()
+  _play_wave(plan, pool, plan.warmup_ids[:pool.num_slots], Measurement(plan.env, "", 0),
+             measurement.errors)
+  measurement.setup_s = time.perf_counter() - start
+  for first in range(0, len(plan.task_ids), pool.num_slots):
+    _play_wave(plan, pool, plan.task_ids[first:first + pool.num_slots], measurement,
+               measurement.errors)
   return measurement
 
 
-def play_pool(plan: Plan, pool: EnvPool, measurement: Measurement) -> Measurement:
-  """Plays the episodes in waves of `pool.num_slots`: a reset batch, then step batches."""
+def _play_wave(plan: Plan, pool: EnvPool | _OneAdapter, task_ids: Sequence[int],
+               measurement: Measurement, errors: list[str]) -> None:
+  """A reset batch, then step batches of the live episodes until all end or hit the cap."""
   policy_type = POLICIES[plan.env]
-  for first in range(0, len(plan.task_ids), pool.num_slots):
-    wave = plan.task_ids[first:first + pool.num_slots]
+  start = time.perf_counter()
+  results = pool.reset(list(enumerate(task_ids)))
+  measurement.reset_s += time.perf_counter() - start
+  measurement.episodes += len(task_ids)
+  observations, policies = {}, {}
+  for slot, (task_id, result) in enumerate(zip(task_ids, results)):
+    if result.done:
+      errors.append(result.info.get("error", "a reset ended the episode"))
+      continue
+    observations[slot] = result.observation
+    policies[slot] = policy_type(task_id, result.observation, plan.max_steps)
+  for _ in range(plan.max_steps):
+    if not policies:
+      break
+    requests = [(slot, policy.reply(observations[slot])) for slot, policy in policies.items()]
     start = time.perf_counter()
-    results = pool.reset(list(enumerate(wave)))
-    elapsed = time.perf_counter() - start
-    if first:
-      measurement.resets += len(wave)
-      measurement.reset_s += elapsed
-    else:
-      measurement.setup_s = elapsed
-    measurement.episodes += len(wave)
-    observations, policies = {}, {}
-    for slot, (task_id, result) in enumerate(zip(wave, results)):
+    results = pool.step(requests)
+    measurement.step_s += time.perf_counter() - start
+    measurement.steps += len(results)
+    for (slot, _), result in zip(requests, results):
+      if "termination" in result.info:
+        errors.append(result.info["error"])
       if result.done:
-        measurement.errors.append(result.info.get("error", "a reset ended the episode"))
-        continue
-      observations[slot] = result.observation
-      policies[slot] = policy_type(task_id, result.observation, plan.max_steps)
-    for _ in range(plan.max_steps):
-      if not policies:
-        break
-      requests = [(slot, policy.reply(observations[slot])) for slot, policy in policies.items()]
-      start = time.perf_counter()
-      results = pool.step(requests)
-      measurement.step_s += time.perf_counter() - start
-      measurement.steps += len(results)
-      for (slot, _), result in zip(requests, results):
-        if "termination" in result.info:
-          measurement.errors.append(result.info["error"])
-        if result.done:
-          del policies[slot]
-        else:
-          observations[slot] = result.observation
+        del policies[slot]
+      else:
+        observations[slot] = result.observation
+
+
+def play_in_process(plan: Plan) -> Measurement:
+  measurement = Measurement(plan.env, "in-process", slots=1)
+  start = time.perf_counter()
+  adapter = _OneAdapter(plan.env)
+  build_s = time.perf_counter() - start
+  try:
+    play(plan, adapter, measurement)
+  finally:
+    adapter.close()
+  measurement.setup_s += build_s  # The pools build theirs in the warm-up's resets.
   return measurement
 
 
@@ -306,7 +322,7 @@ def play_env_pool(plan: Plan, backend: str) -> Measurement:
   measurement = Measurement(plan.env, mode, slots=plan.slots_for(mode))
   with EnvPool(plan.env, measurement.slots, backend=backend,
                reset_timeout_s=_RESET_TIMEOUT_S) as pool:
-    return play_pool(plan, pool, measurement)
+    return play(plan, pool, measurement)
 
 
 def play_http(plan: Plan) -> Measurement:
@@ -318,7 +334,7 @@ def play_http(plan: Plan) -> Measurement:
     options = {"base_url": url, "env": plan.env, "timeout_s": _RESET_TIMEOUT_S}
     with EnvPool("http", measurement.slots, options=options,
                  reset_timeout_s=_RESET_TIMEOUT_S) as pool:
-      return play_pool(plan, pool, measurement)
+      return play(plan, pool, measurement)
 
 
 def _free_port() -> int:
@@ -368,15 +384,17 @@ def _served(env: str, max_envs: int) -> Iterator[str]:
 def make_plan(env: str, episodes: int | None, max_steps: int, slots: int, quick: bool) -> Plan:
   if quick:
     slots = min(slots, _QUICK_SLOTS)
+  widest = max(slots_for(env, mode, slots) for mode in pool_modes(env))
   if episodes is None:
-    widest = max(min(slots, _MAX_SLOTS.get((env, mode), slots)) for mode in pool_modes(env))
     episodes = _QUICK_EPISODES if quick else 2 * widest
   adapter = environments.make(env)
   try:
-    test_ids = tuple(adapter.task_ids("test"))
+    train_ids, test_ids = tuple(adapter.task_ids("train")), tuple(adapter.task_ids("test"))
   finally:
     adapter.close()
-  return Plan(env, tuple(test_ids[e % len(test_ids)] for e in range(episodes)), max_steps, slots)
+  return Plan(env, warmup_ids=tuple(train_ids[i % len(train_ids)] for i in range(widest)),
+              task_ids=tuple(test_ids[e % len(test_ids)] for e in range(episodes)),
+              max_steps=max_steps, slots=slots)
 
 
 def run_env(plan: Plan) -> tuple[list[Measurement], list[str]]:
@@ -444,7 +462,8 @@ def main(argv: Sequence[str]) -> None:
     env_rows, env_notes = run_env(plan)
     rows += env_rows
     notes += env_notes
-    print(f"{env}: done after {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    print(f"{env}: done after {time.perf_counter() - start:.0f} s wall, {_cpu_seconds():.0f} s CPU",
+          file=sys.stderr, flush=True)
   print(f"{header}\n\n{table(rows)}\n")
   for env in dict.fromkeys(row.env for row in rows):
     print(f"- {env} policy: {POLICIES[env].__doc__}")

@@ -13,8 +13,8 @@ def test_quick_run_measures_every_mode_of_textcraft_on_the_same_episodes():
       [sys.executable, str(REPO / "benchmarks" / "envs.py"), "--quick", "--envs=textcraft"],
       cwd=REPO, capture_output=True, text=True, timeout=120)
   assert completed.returncode == 0, completed.stderr
-  rows = re.findall(r"^\| textcraft \| (\S+) \| (\d+) \| (\d+) \| (\d+) \| ([\d,.]+) \| ([\d.]+) \|",
-                    completed.stdout, re.MULTILINE)
+  row = r"^\| textcraft \| (\S+) \| (\d+) \| (\d+) \| (\d+) \| ([\d,.]+) \| ([\d.]+) \|"
+  rows = re.findall(row, completed.stdout, re.MULTILINE)
   modes = [mode for mode, *_ in rows]
   # TextCraft is GIL-bound, so the process backend is measured too.
   assert modes == ["in-process", "pool/thread", "pool/process", "http"], completed.stdout
