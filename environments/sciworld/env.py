@@ -39,6 +39,7 @@ starts a fresh one.
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import subprocess
 from typing import Any, Iterator, Sequence
@@ -48,6 +49,9 @@ from py4j.protocol import Py4JError
 
 from environments.base import EnvError, StepResult
 from environments.sciworld import tasks as tasks_lib
+
+# py4j logs a traceback at INFO whenever a JVM we closed on purpose drops its gateway.
+logging.getLogger("py4j").setLevel(logging.WARNING)
 
 INVALID_ACTION = "No known action matches that input."
 FULL_SCORE = 100

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from typing import Any, Callable, Sequence
 
 from environments.base import EnvError, StepResult, check_split
@@ -168,32 +169,48 @@ class SearchQAEnv:
     self._question = None
 
 
-@functools.cache
+_BUILD_LOCK = threading.RLock()
+
+
+def _shared(build: Callable) -> Callable:
+  """functools.cache that builds once even when many adapter threads ask at the same time
+  (an EnvPool or the HTTP server creates its adapters concurrently)."""
+  cached = functools.cache(build)
+
+  @functools.wraps(build)
+  def get(*args):
+    with _BUILD_LOCK:
+      return cached(*args)
+
+  return get
+
+
+@_shared
 def _generated_splits() -> dict[str, tuple[Question, ...]]:
   data = minecraft.dataset()
   return {"test": data.test, "train": data.train}
 
 
-@functools.cache
+@_shared
 def _flashrag_splits(data_dir: str, test_sources: tuple[str, ...],
                      train_sources: tuple[str, ...]) -> dict[str, tuple[Question, ...]]:
   splits = qa_data.load_flashrag(data_dir, test_sources, train_sources)
   return {split: tuple(questions) for split, questions in splits.items()}
 
 
-@functools.cache
+@_shared
 def _corpus(corpus_key: str | None) -> Sequence[Doc]:
   return minecraft.dataset().pages if corpus_key is None else JsonlCorpus(corpus_key)
 
 
-@functools.cache
+@_shared
 def _bm25(corpus_key: str | None, index_dir: str | None) -> Retriever:
   docs = _corpus(corpus_key)
   bm25 = BM25Retriever(docs, index_dir)
   return TitleFirst(bm25, docs) if corpus_key is None else bm25
 
 
-@functools.cache
+@_shared
 def _dense(corpus_key: str | None, embeddings_path: str, embed_fn: Callable) -> Retriever:
   docs = _corpus(corpus_key)
   dense = DenseRetriever(docs, load_embeddings(embeddings_path), embed_fn)
