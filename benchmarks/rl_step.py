@@ -13,10 +13,11 @@ checkpoints) and reads its per-step metrics:
               detokenizing and bookkeeping on the host;
   experience  time/experience: packing and the old/reference log-probs + advantages;
   update      time/update: the optimizer steps (ppo_epochs x num_minibatches).
-The step is rollout + experience + update. The trainer's phase timers do not wait for the
-device, so a phase ends when its work is dispatched and device work can spill into the next
-timed phase (the experience's log-probs are usually finished inside update's first call); the
-step total is exact, since the metrics row fetches every result. tokens/s is generated tokens per second of
+"phases" is rollout + experience + update. The trainer's phase timers do not wait for the
+device, so a phase ends when its work is dispatched and device work spills into the next timed
+phase (the experience's log-probs finish inside update's first call) or past the last one.
+"step" is therefore the wall time between consecutive metrics rows (whose writing fetches every
+result of the step), the phase sum for the first step; fractions are of "step". tokens/s is generated tokens per second of
 generation (the trainer's tokens_per_s) and per second of the whole step.
 
 Overlap. The trainer runs these phases one after another: while the environment steps, the
@@ -97,7 +98,8 @@ def phase_seconds(row: dict[str, Any]) -> dict[str, float]:
   out = {name: float(row.get(f"time/{name}", 0.0))
          for name in ("rollout", "generate", "env", "experience", "update")}
   out["other"] = out["rollout"] - out["generate"] - out["env"]
-  out["step"] = out["rollout"] + out["experience"] + out["update"]
+  out["phases"] = out["rollout"] + out["experience"] + out["update"]
+  out["step"] = out["phases"]
   return out
 
 
@@ -122,13 +124,15 @@ def main(argv):
     history = trainer.train(c, pathlib.Path(directory) / "run")
 
   print()
-  print("| step | " + " | ".join(f"{p} s" for p in PHASES) + " | step s | env / step "
+  print("| step | " + " | ".join(f"{p} s" for p in PHASES) + " | phases s | step s | env / step "
         "| hidden | hideable | step if hidden | gen tokens | tokens/s (gen) | tokens/s (step) "
         "| turns | reward |")
-  print("|" + "---|" * (len(PHASES) + 11))
+  print("|" + "---|" * (len(PHASES) + 12))
   measured = []
   for index, row in enumerate(history):
     seconds = phase_seconds(row)
+    if index > 0:
+      seconds["step"] = row["time"] - history[index - 1]["time"]
     label = f"{index + 1} (warm-up)" if index == 0 and len(history) > 1 else str(index + 1)
     if index > 0 or len(history) == 1:
       measured.append((seconds, row))
@@ -145,7 +149,7 @@ def _row(label: str, seconds: dict[str, float], row: dict[str, Any]) -> str:
   step, env = seconds["step"], seconds["env"]
   hideable = min(env, step - env)
   cells = [label] + [f"{seconds[p]:.2f}" for p in PHASES] + [
-      f"{step:.2f}", f"{env / step:.1%}", "0%", f"{hideable / step:.1%}",
+      f"{seconds['phases']:.2f}", f"{step:.2f}", f"{env / step:.1%}", "0%", f"{hideable / step:.1%}",
       f"{step - hideable:.2f}", f"{row['tokens_generated']:.0f}", f"{row['tokens_per_s']:.0f}",
       f"{row['tokens_generated'] / step:.0f}", f"{row['turns']:.2f}", f"{row['reward']:.2f}"]
   return "| " + " | ".join(cells) + " |"
