@@ -6,6 +6,10 @@ TEST = [
     "torch==2.13.0",
     "accelerate",
     "playwright",
+    "nbclient",
+    "nbformat",
+    "ipykernel",
+    "psutil",
     "pytest",
     "hypothesis",
 ]
