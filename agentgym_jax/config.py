@@ -7,7 +7,7 @@ start-up instead of silently doing nothing. `validate` checks every value with o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import ml_collections
 
@@ -224,3 +224,41 @@ def horizon_options(c: ml_collections.ConfigDict) -> dict[str, Any]:
   if "caps" in options:
     options["caps"] = tuple(options["caps"])
   return {"kind": kind, **options}
+
+
+def local(c: ml_collections.ConfigDict) -> None:
+  """The embedded SmolLM2-135M-Instruct on a CPU workstation: small batches, short replies."""
+  c.steps = 20
+  c.model.name = "smollm2-135m-instruct"
+  c.model.remat = "none"
+  c.rollout.tasks_per_step = 4
+  c.rollout.samples_per_task = 4
+  c.rollout.max_new_tokens = 64
+  c.rollout.max_context = 2048
+  # Horizons scaled so that the longest cap is 8 turns: TextCraft's [10, 20, 30] -> [3, 5, 8].
+  scale = 8 / max(c.horizon.caps)
+  c.horizon.caps = tuple(max(1, round(cap * scale)) for cap in c.horizon.caps)
+  c.horizon.turns = max(1, round(c.horizon.turns * scale))
+  c.horizon.every = 8
+  c.algorithm.num_minibatches = 2
+  c.optim.learning_rate = 1e-5
+  c.checkpoint.every = 5
+
+
+def fixed_horizon(turns: int) -> Callable[[ml_collections.ConfigDict], None]:
+  """A variant that replaces the staged schedule by a fixed cap (the paper's baselines)."""
+  def apply(c: ml_collections.ConfigDict) -> None:
+    c.horizon.kind = "fixed"
+    c.horizon.turns = turns
+  return apply
+
+
+def apply_variants(c: ml_collections.ConfigDict, variant: str,
+                   variants: Mapping[str, Callable[[ml_collections.ConfigDict], None]]
+                   ) -> ml_collections.ConfigDict:
+  """Applies comma-separated variants in order, e.g. `configs/x.py:short,local`."""
+  for name in filter(None, (v.strip() for v in variant.split(","))):
+    if name not in variants:
+      raise ValueError(f"unknown config variant {name!r}; expected some of {sorted(variants)}")
+    variants[name](c)
+  return c

@@ -6,35 +6,18 @@ turn caps [10, 20, 30] raised every 100 steps, 512 new tokens per turn:
 
   python launch/train.py --config=configs/grpo_textcraft.py --workdir=runs/grpo_textcraft
 
-`:local` runs the embedded SmolLM2-135M-Instruct sized for a CPU workstation:
+Variants (comma-separated): `local` runs the embedded SmolLM2-135M-Instruct sized for a CPU
+workstation; `short` and `long` are the fixed-horizon baselines (10 and 30 turns):
 
   python launch/train.py --config=configs/grpo_textcraft.py:local --workdir=runs/local
+  python launch/train.py --config=configs/grpo_textcraft.py:long --workdir=runs/fixed30
 """
 
-from agentgym_jax.config import base_config
+from agentgym_jax.config import apply_variants, base_config, fixed_horizon, local
 
 
 def get_config(variant: str = ""):
   c = base_config()
   c.env.name = "textcraft"
-  if variant == "local":
-    local(c)
-  elif variant:
-    raise ValueError(f"unknown variant {variant!r}; expected '' or 'local'")
-  return c
-
-
-def local(c):
-  """The embedded model on a CPU: small batches, short replies, short horizons."""
-  c.steps = 20
-  c.model.name = "smollm2-135m-instruct"
-  c.model.remat = "none"
-  c.rollout.tasks_per_step = 4
-  c.rollout.samples_per_task = 4
-  c.rollout.max_new_tokens = 64
-  c.rollout.max_context = 2048
-  c.horizon.caps = (4, 6, 8)
-  c.horizon.every = 8
-  c.algorithm.num_minibatches = 2
-  c.optim.learning_rate = 1e-5
-  c.checkpoint.every = 5
+  return apply_variants(c, variant, {"local": local, "short": fixed_horizon(10),
+                                     "long": fixed_horizon(30)})
