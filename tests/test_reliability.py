@@ -216,6 +216,9 @@ def test_bad_replies_get_an_observation_never_an_exception(name, adapters):
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=environments.EnvError,
+                   reason="environments/sciworld: py4j cannot encode a lone surrogate, the "
+                   "step raises EnvError and the JVM is discarded")
 def test_bad_replies_to_sciworld_get_an_observation():  # starts a JVM, ~20 s
   adapter = environments.make("sciworld")
   try:
