@@ -216,9 +216,6 @@ def test_bad_replies_get_an_observation_never_an_exception(name, adapters):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=environments.EnvError,
-                   reason="environments/sciworld: py4j cannot encode a lone surrogate, the "
-                   "step raises EnvError and the JVM is discarded")
 def test_bad_replies_to_sciworld_get_an_observation():  # starts a JVM, ~20 s
   adapter = environments.make("sciworld")
   try:
@@ -236,8 +233,10 @@ def test_sciworld_parse_action_is_one_stripped_line_or_none(reply):
   action = parse_action(reply)
   assert action is None or (action and action == action.strip() and "\n" not in action)
   marked = "Thought: t\n\nAction: " + reply
-  if reply.splitlines() and reply.splitlines()[0].strip():
-    assert parse_action(marked) == reply.splitlines()[0].strip()
+  # Lone surrogates (which the JVM bridge cannot encode) come back replaced.
+  clean = reply.encode("utf-8", "replace").decode("utf-8")
+  if clean.splitlines() and clean.splitlines()[0].strip():
+    assert parse_action(marked) == clean.splitlines()[0].strip()
 
 
 # 4. The context limit.

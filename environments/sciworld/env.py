@@ -114,7 +114,10 @@ def parse_action(reply: str) -> str | None:
   match = _ACTION_MARKER.search(reply)
   if match is None:
     return None
-  lines = [line.strip() for line in reply[match.end():].splitlines()]
+  # Text the JVM bridge cannot encode (lone surrogates) is the model's fault, not the
+  # simulator's: replace it rather than let py4j fail and take the JVM down with it.
+  text = reply[match.end():].encode("utf-8", "replace").decode("utf-8")
+  lines = [line.strip() for line in text.splitlines()]
   return next((line for line in lines if line), None)
 
 
