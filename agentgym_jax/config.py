@@ -230,7 +230,9 @@ def local(c: ml_collections.ConfigDict) -> None:
   """The embedded SmolLM2-135M-Instruct on a CPU workstation: small batches, short replies."""
   c.steps = 20
   c.model.name = "smollm2-135m-instruct"
-  c.model.remat = "none"
+  # Full remat: without it the backward pass keeps every layer's [rows, heads, T, T] attention
+  # probabilities, tens of GB at 2048 tokens.
+  c.model.remat = "full"
   c.rollout.tasks_per_step = 4
   c.rollout.samples_per_task = 4
   c.rollout.max_new_tokens = 64

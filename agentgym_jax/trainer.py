@@ -199,6 +199,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         experience, experience_metrics = learner.compute_experience(
             graphdef, state.params, ref_params, value_graphdef, state.value_params, batch,
             loss=loss, num_groups=2 * num_rows)
+        jax.block_until_ready(experience)  # So that the phase timers measure device work.
 
       # 3. Update: ppo_epochs passes of num_minibatches optimizer steps.
       with timer("update"):
@@ -212,7 +213,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
               graphdef, value_graphdef, trainable, opt_state, minibatch,
               learner.take_rows(experience, rows), optimizer=optimizer, loss=loss)
           update_metrics.append(m)
-        state = RunState(trainable[0], trainable[1], opt_state)
+        state = RunState(*jax.block_until_ready((trainable[0], trainable[1], opt_state)))
 
       done = step + 1
       step_metrics = _step_metrics(trajectories, rollout_stats, experience_metrics,
