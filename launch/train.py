@@ -11,7 +11,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from agentgym_jax import trainer
+from agentgym_jax import offline, trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/).",
                                           lock_config=True)
@@ -22,7 +22,10 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   try:
-    trainer.train(_CONFIG.value, _WORKDIR.value)
+    if _CONFIG.value.mode != "rl":
+      offline.train_offline(_CONFIG.value, _WORKDIR.value)
+    else:
+      trainer.train(_CONFIG.value, _WORKDIR.value)
   except ValueError as error:
     if str(error).startswith("invalid config"):
       sys.exit(f"error: {error}")

@@ -1,0 +1,399 @@
+"""The offline train loop: supervised fine-tuning (SFT) and DPO on fixed conversations.
+
+The same `launch/train.py` runs it when `config.mode` is "sft" or "dpo". Instead of rollouts,
+every step takes one batch of conversations (agentgym_jax/offline_data.py) and makes one
+optimizer step on it:
+
+  SFT  loss = sum_{n,t} m[n,t] (-log pi(y[n,t] | y[n,<t])) / sum_{n,t} m[n,t]
+       with m = 1 exactly on assistant reply tokens (and the <|im_end|> closing each reply):
+       a token mean, so every reply token weighs the same whatever its conversation's length.
+
+  DPO  log pi(y) = sum_t m[t] log pi(y_t | y_<t)   per conversation, over its reply tokens
+       r(y)      = beta (log pi(y) - log pi_ref(y))
+       loss      = mean over pairs of -log sigmoid(r(y_chosen) - r(y_rejected))
+       pi_ref is the initial policy, frozen; its log-probs are computed per batch.
+
+Data. `config.data.path` is a JSONL file of conversations (launch/make_demos.py writes one
+verified demonstration per line) or the workdir of a run whose logged trajectories
+(workdir/trajectories/*.jsonl) are used. SFT trains on the records whose reward is at least
+`data.min_reward` (records without a reward, plain conversations, are kept). DPO pairs the
+records of each task with `offline_data.dpo_pairs` (success beats failure, then higher reward)
+and keeps the pairs whose chosen side has a reward of at least `data.min_reward`.
+
+Metrics per step: loss, grad_norm, tokens_per_s (conversation tokens, padding excluded, per
+second of reference + update time), epoch, time/*; SFT adds nll and trained_tokens, DPO adds
+reward_accuracy, reward_margin, chosen/rejected_reward and chosen/rejected_logprob (the
+policy's mean sequence log-probs). With eval.every > 0 the policy plays eval.split of env.name
+every eval.every steps, as the RL trainer does, and the row gets eval/success etc.
+
+Resume. The batch of step s is `batches.batch(s)`, a pure function of (data, seed, s), and a
+checkpoint holds the parameters and the optimizer state, so a resumed run continues exactly as
+an uninterrupted one. The reference policy is the model `config.model.name` names, loaded
+anew, so it is the same on resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import pathlib
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from agentgym_jax import checkpoint, config as config_lib, demonstrations, evaluation, horizon
+from agentgym_jax import learner, metrics, offline_data, rl, sharding, trainer
+from agentgym_jax.learner import Batch
+from agentgym_jax.models import Decoder, weights
+from agentgym_jax.models.tokenizer import ChatTemplate
+from agentgym_jax.sampling import Sampler
+from environments.pool import EnvPool
+
+Array = jax.Array
+MODES = ("sft", "dpo")
+
+
+# --- data ----------------------------------------------------------------------------------
+
+
+def load_records(path: str | pathlib.Path) -> list[dict[str, Any]]:
+  """The conversation records at `path`: a JSONL file, or a run workdir's trajectories."""
+  path = pathlib.Path(path)
+  if path.is_dir():
+    records = metrics.read_trajectories(path)
+    if not records:
+      raise ValueError(f"invalid config: data.path={str(path)!r} is a directory without "
+                       f"logged trajectories ({path / metrics.TRAJECTORY_DIR}/step_*.jsonl); "
+                       "run RL there with log.trajectories=True, or give a JSONL of "
+                       "conversations")
+    return records
+  if not path.is_file():
+    raise ValueError(f"invalid config: data.path={str(path)!r} does not exist; make "
+                     f"demonstrations with e.g. python launch/make_demos.py --env=textcraft "
+                     f"--split=train --out={path}")
+  records = demonstrations.read_jsonl(path)
+  if not records:
+    raise ValueError(f"invalid config: data.path={str(path)!r} holds no conversations")
+  return records
+
+
+def sft_records(records: Sequence[dict[str, Any]], min_reward: float) -> list[dict[str, Any]]:
+  """The records SFT imitates: reward >= min_reward, or no reward at all (a plain
+  conversation is a demonstration by choice of whoever wrote the file)."""
+  return [r for r in records if "reward" not in r or float(r["reward"]) >= min_reward]
+
+
+def preference_pairs(records: Sequence[dict[str, Any]], min_reward: float
+                     ) -> list[offline_data.PreferencePair]:
+  """`offline_data.dpo_pairs` of the records whose chosen side reached min_reward."""
+  return [pair for pair in offline_data.dpo_pairs(records)
+          if float(pair.chosen.get("reward", 0.0)) >= min_reward]
+
+
+def make_batches(c: ml_collections.ConfigDict, records: Sequence[dict[str, Any]],
+                 chat: ChatTemplate) -> offline_data.SFTBatches | offline_data.DPOBatches:
+  """The run's batch source: `records` (from config.data.path) selected and tokenized as the
+  module docstring ("Data") says."""
+  if c.mode == "sft":
+    kept = sft_records(records, c.data.min_reward)
+    if len(kept) < c.data.batch_size:
+      raise ValueError(f"invalid config: {len(kept)} of {len(records)} records in data.path="
+                       f"{c.data.path} have a reward >= data.min_reward={c.data.min_reward}, "
+                       f"fewer than one batch of data.batch_size={c.data.batch_size}")
+    batches = offline_data.sft_batches(kept, chat, c.data.batch_size, c.data.max_length,
+                                       c.seed)
+    logging.info("SFT on %d of %d conversations (%d longer than data.max_length dropped), "
+                 "%d steps per epoch", batches.num_examples, len(records), batches.num_dropped,
+                 batches.steps_per_epoch)
+    return batches
+  pairs = preference_pairs(records, c.data.min_reward)
+  if len(pairs) < c.data.batch_size:
+    num_tasks = len({r.get("task_id") for r in records})
+    raise ValueError(f"invalid config: {len(records)} trajectories of {num_tasks} tasks in "
+                     f"data.path={c.data.path} give {len(pairs)} preference pairs, fewer than "
+                     f"one batch of data.batch_size={c.data.batch_size}: a pair needs two "
+                     f"trajectories of one task, the better with reward >= "
+                     f"data.min_reward={c.data.min_reward}")
+  batches = offline_data.dpo_batches(pairs, chat, c.data.batch_size, c.data.max_length, c.seed)
+  logging.info("DPO on %d preference pairs (%d with a side longer than data.max_length "
+               "dropped), %d steps per epoch", batches.num_pairs, batches.num_dropped,
+               batches.steps_per_epoch)
+  return batches
+
+
+def stack_pairs(chosen: Batch, rejected: Batch) -> Batch:
+  """One batch of 2B rows, chosen rows first: both sides run in one forward pass."""
+  return jax.tree.map(lambda a, b: np.concatenate([a, b]), chosen, rejected)
+
+
+def conversation_tokens(batch: Batch) -> int:
+  """Real (unpadded) tokens of a host batch: every conversation ends with a trained token
+  (a reply's <|im_end|>), so a row's length is one past its last trained position."""
+  mask = np.asarray(batch.loss_mask) > 0
+  lengths = mask.shape[1] - np.argmax(mask[:, ::-1], axis=1)
+  return int(np.sum(np.where(mask.any(axis=1), lengths, 0)))
+
+
+# --- losses and update steps --------------------------------------------------------------
+
+
+def sft_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch,
+             loss: learner.LossConfig) -> tuple[Array, dict[str, Array]]:
+  """The token-mean NLL of the reply tokens (module docstring, SFT)."""
+  logprobs, _, _ = learner.token_logprobs(graphdef, params, batch, loss)
+  _, _, mask = batch.inputs_and_targets()
+  nll, out = rl.sft_loss(logprobs, mask, aggregation="token-mean")
+  out["trained_tokens"] = jnp.sum(mask)
+  return nll, out
+
+
+def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch,
+                      loss: learner.LossConfig) -> Array:
+  """f32[N]: log pi(y) summed over each row's reply tokens."""
+  logprobs, _, _ = learner.token_logprobs(graphdef, params, batch, loss)
+  _, _, mask = batch.inputs_and_targets()
+  return rl.sequence_logprobs(logprobs, mask)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss"))
+def reference_logprobs(graphdef: nnx.GraphDef, ref_params: nnx.State, pairs: Batch, *,
+                       loss: learner.LossConfig) -> Array:
+  """f32[2B]: the frozen reference's sequence log-probs of `stack_pairs` rows."""
+  return sequence_logprobs(graphdef, ref_params, pairs, loss)
+
+
+def dpo_loss(params: nnx.State, graphdef: nnx.GraphDef, pairs: Batch, ref_logprobs: Array,
+             loss: learner.LossConfig, beta: float) -> tuple[Array, dict[str, Array]]:
+  """The DPO loss of `stack_pairs` rows (module docstring, DPO)."""
+  policy = sequence_logprobs(graphdef, params, pairs, loss)
+  num_pairs = policy.shape[0] // 2
+  value, out = rl.dpo_loss(policy[:num_pairs], policy[num_pairs:], ref_logprobs[:num_pairs],
+                           ref_logprobs[num_pairs:], beta=beta)
+  out["chosen_logprob"] = jnp.mean(policy[:num_pairs])
+  out["rejected_logprob"] = jnp.mean(policy[num_pairs:])
+  return value, out
+
+
+def _apply(params: nnx.State, opt_state: optax.OptState, grads: nnx.State,
+           optimizer: optax.GradientTransformation, out: dict[str, Array]):
+  out["grad_norm"] = optax.global_norm(grads)
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  out["nonfinite_steps"] = opt_state.notfinite_count
+  return optax.apply_updates(params, updates), opt_state, out
+
+
+def sft_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptState,
+             batch: Batch, *, optimizer: optax.GradientTransformation,
+             loss: learner.LossConfig):
+  """One SFT optimizer step. Returns (params, opt_state, metrics)."""
+  (value, out), grads = jax.value_and_grad(sft_loss, has_aux=True)(params, graphdef, batch, loss)
+  out["loss"] = value
+  return _apply(params, opt_state, grads, optimizer, out)
+
+
+def dpo_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptState,
+             pairs: Batch, ref_logprobs: Array, *, optimizer: optax.GradientTransformation,
+             loss: learner.LossConfig, beta: float):
+  """One DPO optimizer step on `stack_pairs` rows. Returns (params, opt_state, metrics)."""
+  (value, out), grads = jax.value_and_grad(dpo_loss, has_aux=True)(
+      params, graphdef, pairs, ref_logprobs, loss, beta)
+  out["loss"] = value
+  return _apply(params, opt_state, grads, optimizer, out)
+
+
+def state_shardings(params: nnx.State, opt_state: optax.OptState, mesh: Mesh
+                    ) -> tuple[Any, Any]:
+  """(param shardings, optimizer-state shardings): each parameter where the model loader put
+  it (the logical-axis rules), each optimizer moment like its parameter, counters replicated.
+
+  The update step returns its state with exactly these shardings; left to itself, XLA's
+  propagation may choose others (e.g. split a norm scale over fsdp), which moves the state
+  between steps and compiles the update a second time.
+  """
+  param_shardings = jax.tree.map(lambda x: x.sharding, params)
+  params_structure = jax.tree.structure(params)
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def like_params(subtree: Any) -> bool:
+    return jax.tree.structure(subtree) == params_structure
+
+  opt_shardings = jax.tree.map(lambda x: param_shardings if like_params(x) else replicated,
+                               opt_state, is_leaf=like_params)
+  return param_shardings, opt_shardings
+
+
+# --- the loop ------------------------------------------------------------------------------
+
+
+def learning_rate_schedule(c: ml_collections.ConfigDict) -> optax.Schedule:
+  """The RL trainer's schedule over c.steps updates: offline makes one update per step, where
+  RL makes ppo_epochs * num_minibatches."""
+  one_update_per_step = ml_collections.ConfigDict(c.to_dict())
+  one_update_per_step.algorithm.ppo_epochs = 1
+  one_update_per_step.algorithm.num_minibatches = 1
+  return trainer.learning_rate_schedule(one_update_per_step)
+
+
+def make_optimizer(c: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """The run's optimizer from config.optim (AdamW after clipping, non-finite steps skipped)."""
+  return learner.make_optimizer(
+      learning_rate_schedule(c), weight_decay=c.optim.weight_decay, b1=c.optim.b1,
+      b2=c.optim.b2, grad_clip=c.optim.grad_clip,
+      max_consecutive_nonfinite=c.optim.max_consecutive_nonfinite)
+
+
+def loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:
+  """Log-probs at temperature 1 (the model's own distribution), chunked as for RL."""
+  return learner.LossConfig(logprob_chunk=c.algorithm.logprob_chunk)
+
+
+def make_update(c: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params: nnx.State,
+                optimizer: optax.GradientTransformation, mesh: Mesh):
+  """(init, update): the jitted optimizer-state init and the jitted update step of c.mode.
+
+  update(params, opt_state, batch) for SFT, update(params, opt_state, pairs, ref_logprobs)
+  for DPO, returns (params, opt_state, metrics) with the state on `state_shardings` and its
+  input buffers donated; it compiles once per padded batch length.
+  """
+  param_shardings, opt_shardings = state_shardings(
+      params, jax.eval_shape(optimizer.init, params), mesh)
+  if c.mode == "sft":
+    step = functools.partial(sft_step, graphdef, optimizer=optimizer, loss=loss_config(c))
+  else:
+    step = functools.partial(dpo_step, graphdef, optimizer=optimizer, loss=loss_config(c),
+                             beta=c.dpo.beta)
+  return (jax.jit(optimizer.init, out_shardings=opt_shardings),
+          jax.jit(step, donate_argnums=(0, 1),
+                  out_shardings=(param_shardings, opt_shardings, None)))
+
+
+def make_evaluator(c: ml_collections.ConfigDict, mesh: Mesh, model: Decoder, chat: ChatTemplate,
+                   stack: contextlib.ExitStack):
+  """evaluate(params, step) -> eval/* metrics: success on eval.split of env.name, played as the
+  RL trainer plays it (eval.* sampling, rollout.tasks_per_step x samples_per_task episodes at a
+  time). The environment pool closes with `stack`."""
+  rows = c.rollout.tasks_per_step * c.rollout.samples_per_task
+  pool = stack.enter_context(EnvPool(c.env.name, rows, options=c.env.options.to_dict(),
+                                     backend=c.env.backend, step_timeout_s=c.env.step_timeout))
+  sampler = Sampler(model, cache_slots=c.rollout.max_context, max_batch=rows, mesh=mesh)
+  sampling, turn_cap = trainer.eval_settings(
+      c, horizon.make_horizon_schedule(config_lib.horizon_options(c)))
+  task_ids = trainer.eval_tasks(c, pool)
+  key = jax.random.key(c.seed)
+
+  def evaluate(params: nnx.State, step: int) -> dict[str, float]:
+    summary, _ = evaluation.evaluate(
+        sampler, params, pool, chat, task_ids, samples_per_task=c.eval.samples_per_task,
+        horizon=turn_cap, sampling=sampling, max_context=c.rollout.max_context,
+        key=jax.random.fold_in(key, step), rows_per_batch=rows)
+    return trainer.eval_metrics(summary)
+
+  return evaluate
+
+
+def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
+                  ) -> list[dict[str, Any]]:
+  """Runs (or resumes) SFT or DPO in `workdir`; returns the per-step metrics of this call."""
+  c = config_lib.validate(c)
+  if c.mode not in MODES:
+    raise ValueError(f"invalid config: mode={c.mode!r} is not an offline mode {MODES}")
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  records = load_records(c.data.path)  # Before the model: a bad path fails at once.
+
+  # The policy, for DPO its frozen reference, the optimizer and the jitted update.
+  mesh, model, tokenizer = trainer.load_policy(c)
+  batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+  if c.data.batch_size % batch_devices:
+    raise ValueError(f"invalid config: data.batch_size={c.data.batch_size} must be a multiple "
+                     f"of mesh data x fsdp = {batch_devices} (the rows are split over them)")
+  batches = make_batches(c, records, tokenizer.chat)
+  graphdef, params = nnx.split(model)
+  # A copy: the update donates the policy's buffers.
+  ref_params = jax.tree.map(jnp.copy, params) if c.mode == "dpo" else None
+  loss = loss_config(c)
+  optimizer = make_optimizer(c)
+  init, update = make_update(c, graphdef, params, optimizer, mesh)
+  state = trainer.RunState(params, None, init(params))
+
+  # Resume from the newest complete checkpoint; step k's checkpoint follows k updates.
+  checkpointer = checkpoint.Checkpointer(workdir / "checkpoints", keep=c.checkpoint.keep,
+                                         save_every=c.checkpoint.every or c.steps)
+  start_step = 0
+  if checkpointer.latest_step() is not None:
+    restored, meta = checkpointer.restore(state.tree())
+    state = trainer.RunState(restored["params"], None, restored["opt_state"])
+    start_step = int(meta["step"])
+    if meta.get("data_size") != _data_size(batches):
+      logging.warning("resuming with %s examples where the checkpoint saw %s: the data order "
+                      "differs from the interrupted run's", _data_size(batches),
+                      meta.get("data_size"))
+    logging.info("resumed from step %d", start_step)
+  metrics_writer = metrics.MetricsWriter(workdir, tensorboard=c.log.tensorboard,
+                                         defer_fetch=False, resume_step=start_step)
+
+  to_device = functools.partial(jax.device_put, device=sharding.batch_sharding(mesh, 1))
+  history = []
+  with contextlib.ExitStack() as stack:
+    evaluate = make_evaluator(c, mesh, model, tokenizer.chat, stack) if c.eval.every else None
+    progress = stack.enter_context(metrics.ProgressBar(
+        c.steps, keys=("loss", "reward_accuracy") if c.mode == "dpo" else ("loss",),
+        initial=start_step, enabled=None if c.log.progress_bar else False))
+    for step in range(start_step, c.steps):
+      timer = trainer.PhaseTimer()
+      with timer("data"):
+        if c.mode == "sft":
+          host_batch = batches.batch(step)
+        else:
+          host_batch = stack_pairs(*batches.batch(step))
+        batch = to_device(host_batch)
+      inputs = (batch,)
+      if c.mode == "dpo":
+        with timer("reference"):
+          inputs += (jax.block_until_ready(
+              reference_logprobs(graphdef, ref_params, batch, loss=loss)),)
+      with timer("update"):
+        params, opt_state, step_metrics = update(state.params, state.opt_state, *inputs)
+        jax.block_until_ready(step_metrics)
+      state = trainer.RunState(params, None, opt_state)
+
+      done = step + 1
+      compute_s = timer.seconds["update"] + timer.seconds.get("reference", 0.0)
+      step_metrics["tokens_per_s"] = conversation_tokens(host_batch) / max(compute_s, 1e-9)
+      step_metrics["epoch"] = done / batches.steps_per_epoch
+      if evaluate is not None and done % c.eval.every == 0:
+        with timer("eval"):
+          step_metrics.update(evaluate(state.params, done))
+      step_metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
+      metrics_writer.write(done, step_metrics)
+      history.append(metrics_writer.latest)
+      trainer._check_health(metrics_writer.latest, c)
+      progress.update(done, metrics_writer.latest)
+      if c.checkpoint.every:
+        checkpointer.save(done, state.tree(), _meta(c, done, batches), force=done == c.steps)
+  checkpointer.wait()
+  checkpointer.close()
+  metrics_writer.close()
+  if c.checkpoint.export_hf and c.steps > start_step:
+    weights.save_hf(nnx.merge(graphdef, state.params), workdir / "export")
+  return history
+
+
+def _data_size(batches: offline_data.SFTBatches | offline_data.DPOBatches) -> int:
+  """Conversations (SFT) or pairs (DPO) in the data: the batch order depends on it."""
+  if isinstance(batches, offline_data.SFTBatches):
+    return batches.num_examples
+  return batches.num_pairs
+
+
+def _meta(c: ml_collections.ConfigDict, step: int,
+          batches: offline_data.SFTBatches | offline_data.DPOBatches) -> dict[str, Any]:
+  return {"step": step, "mode": c.mode, "seed": c.seed, "data_size": _data_size(batches),
+          "epoch": step / batches.steps_per_epoch, "config": c.to_dict()}
