@@ -43,7 +43,6 @@ def local(c):
   """config.local (the embedded model; evaluation sized for a CPU), on the rollouts of
   configs/grpo_textcraft.py:local."""
   config_lib.local(c)
-  c.model.remat = "full"  # As in sft_textcraft.py:local: 2 x 2 rows of up to 2048 tokens.
   c.data.path = "runs/local"
   c.data.batch_size = 2
   c.data.max_length = 2048  # rollout.max_context of grpo_textcraft.py:local.
