@@ -188,6 +188,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(o.schedule in ("constant", "cosine"),
          f"optim.schedule={o.schedule!r} is not 'constant' or 'cosine'")
   _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+  updates = c.steps * (a.ppo_epochs * a.num_minibatches if c.mode == "rl" else 1)
+  _check(o.schedule != "cosine" or o.warmup_steps < updates,
+         f"optim.warmup_steps={o.warmup_steps} must be below the run's {updates} optimizer "
+         "updates with the cosine schedule")
   _check(o.grad_clip > 0, f"optim.grad_clip={o.grad_clip} must be > 0")
   _check(o.max_consecutive_nonfinite >= 1, "optim.max_consecutive_nonfinite must be >= 1")
   _check(c.checkpoint.every >= 0 and c.checkpoint.keep >= 1,

@@ -374,7 +374,7 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
       step_metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
       metrics_writer.write(done, step_metrics)
       history.append(metrics_writer.latest)
-      trainer._check_health(metrics_writer.latest, c)
+      trainer.check_health(metrics_writer.latest, c)
       progress.update(done, metrics_writer.latest)
       if c.checkpoint.every:
         checkpointer.save(done, state.tree(), _meta(c, done, batches), force=done == c.steps)
@@ -383,6 +383,7 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
   metrics_writer.close()
   if c.checkpoint.export_hf and c.steps > start_step:
     weights.save_hf(nnx.merge(graphdef, state.params), workdir / "export")
+    tokenizer.save_pretrained(workdir / "export")
   return history
 
 

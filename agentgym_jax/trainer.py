@@ -229,7 +229,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         step_metrics["time/eval"] = timer.seconds["eval"]
       metrics_writer.write(done, step_metrics)
       history.append(metrics_writer.latest)
-      _check_health(metrics_writer.latest, c)
+      check_health(metrics_writer.latest, c)
       if c.log.trajectories:
         trajectory_writer.write(done, [t.to_json() for t in trajectories])
       progress.update(done, metrics_writer.latest)
@@ -242,6 +242,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   metrics_writer.close()
   if c.checkpoint.export_hf and c.steps > start_step:
     weights.save_hf(nnx.merge(graphdef, state.params), workdir / "export")
+    tokenizer.save_pretrained(workdir / "export")
   return history
 
 
@@ -294,7 +295,7 @@ def _step_metrics(trajectories: Sequence[rollout.Trajectory], stats: rollout.Rol
   return out
 
 
-def _check_health(fetched: dict[str, Any], c: ml_collections.ConfigDict) -> None:
+def check_health(fetched: dict[str, Any], c: ml_collections.ConfigDict) -> None:
   """Stops the run with a clear message when the numbers say it is broken."""
   if fetched.get("nonfinite_steps", 0) >= c.optim.max_consecutive_nonfinite:
     raise FloatingPointError(

@@ -147,6 +147,7 @@ def test_launch_train_smoke_writes_checkpoint_metrics_trajectories(checkpoint_di
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
   assert len(metrics.read_trajectories(workdir, 2)) == 4
   assert (workdir / "export" / "config.json").exists()
+  assert (workdir / "export" / "tokenizer.json").exists()
 
 
 def test_launch_train_rejects_unknown_override(tmp_path):

@@ -221,6 +221,21 @@ class Tokenizer:
       raise ValueError(f"ids outside the vocabulary [0, {self.vocab_size}): {ids}")
     return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+  def save_pretrained(self, directory: str | pathlib.Path) -> None:
+    """Writes tokenizer.json and tokenizer_config.json (special tokens, chat template), which
+    `from_pretrained` and transformers' AutoTokenizer read back."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    self._backend.save(str(directory / "tokenizer.json"))
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    for name, token_id in (("bos_token", self.bos_id), ("eos_token", self.eos_id),
+                           ("pad_token", self.pad_id)):
+      if token_id is not None:
+        config[name] = self.id_to_token(token_id)
+    if self.chat_template_source is not None:
+      config["chat_template"] = self.chat_template_source
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
   @functools.cached_property
   def chat(self) -> ChatTemplate:
     """The model's chat template, checked to be ChatML (see `ChatTemplate.from_jinja`)."""
