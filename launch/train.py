@@ -32,6 +32,16 @@ def main(argv):
     raise
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a misspelt --config.key reported in one line, not a traceback."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except AttributeError as error:  # ml_collections: the key is not in the locked config.
+    message = str(error.args[0] if error.args else error)
+    message = message.replace("\\n", " ").replace("\\'", "").replace("'", "")
+    sys.exit(f"error: invalid config: unknown key {' '.join(message.split())}")
+
+
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -393,8 +393,6 @@ def test_invalid_values_fail_at_start_up_with_one_line(override, message, tmp_pa
   assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="launch/train.py: an unknown override key raises "
-                   "AttributeError inside absl flag parsing, printed as a traceback")
 def test_an_unknown_key_fails_at_start_up_with_one_line(tmp_path):
   result = _launch_with(tmp_path, "--config.rollout.temprature=0.5")
   assert result.returncode != 0 and "temprature" in result.stderr
