@@ -239,7 +239,8 @@ class Decoder(nnx.Module):
       return self._block(p, x, positions, mask, inv_freq, slots, cache_update)
 
     policy = REMAT_POLICIES[self.remat]
-    if self.remat != "none":
+    # Rematerialisation only matters for a backward pass; the cached (sampling) path has none.
+    if self.remat != "none" and cache is None:
       block = jax.checkpoint(block, policy=policy)
 
     if cache is None:
