@@ -68,6 +68,7 @@ def test_tiny_policy_learns_echo(advantage, checkpoint_dir, tmp_path, monkeypatc
   c = echo_config(checkpoint_dir, advantage)
   if advantage == "gae":
     c.algorithm.value_coef = 1.0
+    c.model.remat = "full"  # Also covers rematerialised training next to cached sampling.
   history = trainer.train(c, tmp_path)
   success = [h["success"] for h in history]
   # A random policy answers both turns right a few percent of the time.
