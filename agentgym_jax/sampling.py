@@ -179,15 +179,16 @@ def bucket(n: int, floor: int, cap: int | None = None) -> int:
   return size if cap is None else min(size, cap)
 
 
-def _state_axes() -> SamplerState:
-  """The logical axes of every array of a SamplerState."""
-  return SamplerState(cache=KVCache(k=KVCache.AXES, v=KVCache.AXES, lengths=("batch",)),
+def _state_axes(cache_dtype: Any) -> SamplerState:
+  """The logical axes of every array of a SamplerState (whose cache holds `cache_dtype`)."""
+  return SamplerState(cache=KVCache(k=KVCache.AXES, v=KVCache.AXES, lengths=("batch",),
+                                    dtype=cache_dtype),
                       hidden=("batch", "activation_embed"))
 
 
 def _constrain(state: SamplerState) -> SamplerState:
   """Keeps a state in its logical sharding inside a jitted function (a no-op without a mesh)."""
-  return jax.tree.map(sharding.constrain, state, _state_axes())
+  return jax.tree.map(sharding.constrain, state, _state_axes(state.cache.dtype))
 
 
 def _prefill(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, tokens: Array,
@@ -295,7 +296,7 @@ class Sampler:
       return state
     return jax.tree.map(
         lambda x, axes: jax.device_put(x, sharding.named_sharding(self.mesh, axes, x.shape)),
-        state, _state_axes())
+        state, _state_axes(cache.dtype))
 
   def start(self, prompts: Sequence[Sequence[int]], params: nnx.State | None = None
             ) -> SamplerState:
