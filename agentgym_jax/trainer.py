@@ -173,7 +173,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
                                   top_k=c.rollout.top_k)
   sampler = Sampler(model, cache_slots=c.rollout.max_context, max_batch=num_rows, mesh=mesh)
   eval_sampling, eval_horizon = eval_settings(c, schedule)
-  base_key, eval_key = jax.random.split(jax.random.key(c.seed))
+  base_key = jax.random.key(c.seed)
+  eval_key = jax.random.fold_in(base_key, 1 << 30)  # Distinct from every step's fold_in.
   history = []
   with EnvPool(c.env.name, num_rows, options=c.env.options.to_dict(), backend=c.env.backend,
                step_timeout_s=c.env.step_timeout) as pool:

@@ -20,7 +20,7 @@ def checkpoint_dir(tmp_path_factory):
   return str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny")))
 
 
-def echo_config(checkpoint_dir: str, advantage: str = "grpo", steps: int = 40):
+def echo_config(checkpoint_dir: str, advantage: str = "grpo", steps: int = 60):
   c = config_lib.base_config()
   c.steps = steps
   c.seed = 0
