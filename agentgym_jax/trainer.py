@@ -21,6 +21,7 @@ import numpy as np
 import optax
 from absl import logging
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from agentgym_jax import checkpoint, config as config_lib, evaluation, horizon, learner, metrics
 from agentgym_jax import rollout
@@ -143,11 +144,15 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
       b2=c.optim.b2, grad_clip=c.optim.grad_clip,
       max_consecutive_nonfinite=c.optim.max_consecutive_nonfinite)
   opt_state = jax.jit(optimizer.init)((params, value_params))
-  # Committed to their devices, as the update's outputs will be: otherwise the first step's
-  # inputs differ from the next steps' and every jitted function compiles twice.
+  # Committed to the mesh, as the update's outputs will be: otherwise the first step's inputs
+  # differ from the next steps' and every jitted function compiles twice. Leaves not already
+  # laid out on the mesh (the value head, optimizer counters) are replicated over it.
+  replicated = NamedSharding(mesh, PartitionSpec())
+  on_mesh = lambda x: (x.sharding if isinstance(x.sharding, NamedSharding)
+                       and x.sharding.mesh == mesh else replicated)
   shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
-  value_params, opt_state = jax.device_put((value_params, opt_state),
-                                           shardings_of((value_params, opt_state)))
+  value_params, opt_state = jax.device_put(
+      (value_params, opt_state), jax.tree.map(on_mesh, (value_params, opt_state)))
   state = RunState(params, value_params, opt_state)
   update_step = learner.jit_update_step(shardings_of((params, value_params)),
                                         shardings_of(opt_state))
