@@ -50,7 +50,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -132,16 +132,29 @@ def sample_tokens(keys: Array, logits: Array, params: SamplingParams
   Returns the tokens [B] int32, log p(token) under softmax(logits) and log q(token) under the
   sampling distribution (`sampling_logits`).
   """
-  model_logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  logits = logits.astype(jnp.float32)
   sample_logits = sampling_logits(logits, params)
   if params.greedy:
-    tokens = jnp.argmax(logits, axis=-1)
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   else:
-    # One draw per row from its own key, so a row's sample never depends on other rows.
-    tokens = jax.vmap(jax.random.categorical)(keys, sample_logits)
-  tokens = tokens.astype(jnp.int32)
+    tokens = exponential_race(keys, sample_logits)
   pick = lambda values: jnp.take_along_axis(values, tokens[:, None], axis=-1)[:, 0]
-  return tokens, pick(model_logprobs), pick(jax.nn.log_softmax(sample_logits, axis=-1))
+  logprob = lambda values: pick(values) - jax.nn.logsumexp(values, axis=-1)
+  return tokens, logprob(logits), logprob(sample_logits)
+
+
+def exponential_race(keys: Array, logits: Array) -> Array:
+  """One draw per row from softmax(logits) [B, V], each row from its own key [B].
+
+  With E_i ~ Exp(1) i.i.d., argmax_i p_i / E_i is i with probability p_i / sum(p): the
+  Gumbel-max trick (argmax logits_i - log E_i) with one logarithm per token instead of two,
+  which on CPU halves the cost of a draw. E_i = -log u_i with u_i on the midpoints of a 2^-23
+  grid in (0, 1), so E_i > 0 and a token of probability 0 (logit -inf) never wins.
+  """
+  bits = jax.vmap(lambda key: jax.random.bits(key, logits.shape[-1:], jnp.uint32))(keys)
+  uniform = ((bits >> 9).astype(jnp.float32) + 0.5) * 2.0**-23
+  weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+  return jnp.argmax(weights / -jnp.log(uniform), axis=-1).astype(jnp.int32)
 
 
 @struct.dataclass
@@ -179,16 +192,19 @@ def bucket(n: int, floor: int, cap: int | None = None) -> int:
   return size if cap is None else min(size, cap)
 
 
-def _state_axes(cache_dtype: Any) -> SamplerState:
-  """The logical axes of every array of a SamplerState (whose cache holds `cache_dtype`)."""
-  return SamplerState(cache=KVCache(k=KVCache.AXES, v=KVCache.AXES, lengths=("batch",),
-                                    dtype=cache_dtype),
-                      hidden=("batch", "activation_embed"))
+def _map_state(fn: Callable[[Array, tuple[str, ...]], Array], state: SamplerState
+               ) -> SamplerState:
+  """Applies fn(array, logical axes) to every array of a state."""
+  cache = state.cache
+  return SamplerState(
+      cache=cache.replace(k=fn(cache.k, KVCache.AXES), v=fn(cache.v, KVCache.AXES),
+                          lengths=fn(cache.lengths, ("batch",))),
+      hidden=fn(state.hidden, ("batch", "activation_embed")))
 
 
 def _constrain(state: SamplerState) -> SamplerState:
   """Keeps a state in its logical sharding inside a jitted function (a no-op without a mesh)."""
-  return jax.tree.map(sharding.constrain, state, _state_axes(state.cache.dtype))
+  return _map_state(sharding.constrain, state)
 
 
 def _prefill(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, tokens: Array,
@@ -294,9 +310,9 @@ class Sampler:
                          hidden=jnp.zeros((self.max_batch, self.config.hidden_size), jnp.float32))
     if self.mesh is None:
       return state
-    return jax.tree.map(
+    return _map_state(
         lambda x, axes: jax.device_put(x, sharding.named_sharding(self.mesh, axes, x.shape)),
-        state, _state_axes(cache.dtype))
+        state)
 
   def start(self, prompts: Sequence[Sequence[int]], params: nnx.State | None = None
             ) -> SamplerState:

@@ -262,8 +262,67 @@ def test_sharded_sampler_matches_the_unsharded_one(model):
     results.append((state, first, second))
   (_, *reference), (state, *outputs) = results
   # Rows over (data, fsdp) = 4 shards; CONFIG's 2 kv heads over tensor.
-  expected = NamedSharding(mesh, P(None, ("data", "fsdp"), None, "tensor", None))
+  expected = NamedSharding(mesh, P(None, ("data", "fsdp"), "tensor", None, None))
   assert state.cache.k.sharding.is_equivalent_to(expected, 5)
   for out, ref in zip(outputs, reference):
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+
+
+def test_draws_follow_the_sampling_distribution():
+  probs = np.array([0.5, 0.25, 0.15, 0.1, 0.0])
+  logits = jnp.repeat(jnp.log(jnp.asarray(probs, jnp.float32))[None], 20000, axis=0)
+  keys = jax.random.split(jax.random.key(7), 20000)
+  tokens, _, _ = jax.jit(sample_tokens, static_argnums=2)(keys, logits, SamplingParams())
+  frequencies = np.bincount(np.asarray(tokens), minlength=5) / 20000
+  # Within 4 standard errors of each probability; the token of probability 0 never appears.
+  np.testing.assert_array_less(np.abs(frequencies - probs),
+                               4 * np.sqrt(probs * (1 - probs) / 20000) + 1e-12)
+
+
+def test_bf16_sampler_matches_the_bf16_forward_pass(model):
+  # bf16 weights, matmuls and cache: the path the benchmarks run (XLA:CPU has bf16 matmul
+  # kernels only for some dot layouts, so this also proves every dot of the sampler has one).
+  bf16_model = weights.load_params(
+      weights.abstract_model(CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16),
+      weights.to_hf_state_dict(model))
+  sampler = Sampler(bf16_model, cache_slots=SLOTS, max_batch=BATCH)
+  assert sampler.cache_dtype == jnp.bfloat16
+  prompts = _prompts([7, 3])
+  state = sampler.start(prompts)
+  state, first = sampler.generate(state, jax.random.key(0), max_new_tokens=6)
+  state = sampler.append(state, {0: [4, 5, 6], 1: [7]})
+  state, second = sampler.generate(state, jax.random.key(1), max_new_tokens=6)
+  forward = nnx.jit(lambda model, ids: jax.nn.log_softmax(model(ids)))
+  for row in range(2):
+    # Turn tokens are predicted from the position before each: prompt end, then append end.
+    sequence = prompts[row] + first.token_lists()[row] + [[4, 5, 6], [7]][row]
+    positions = [len(prompts[row]) - 1 + t for t in range(6)]
+    positions += [len(sequence) - 1 + t for t in range(6)]
+    sequence += second.token_lists()[row]
+    logprobs = np.asarray(forward(bf16_model, jnp.asarray([sequence]))[0])
+    ours = np.concatenate([np.asarray(first.logprobs[row]), np.asarray(second.logprobs[row])])
+    reference = [logprobs[p, sequence[p + 1]] for p in positions]
+    # Both round the same operands to bf16; only f32 summation orders differ.
+    np.testing.assert_allclose(ours, reference, atol=2e-3)
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers_on_smollm2(tmp_path):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  import agentgym_jax  # pylint: disable=g-import-not-at-top
+  model, tokenizer = agentgym_jax.load_model("smollm2-135m-instruct")
+  weights.save_hf(model, tmp_path, dtype=jnp.float32)
+  reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path,
+                                                                dtype=torch.float32).eval()
+  prompts = [tokenizer.chat.render([{"role": "user", "content": content}])
+             for content in ("What is 2+2?", "Write a poem about the sea.", "List colors.")]
+  sampler = Sampler(model, cache_slots=256, max_batch=4)
+  _, out = sampler.generate(sampler.start(prompts), jax.random.key(0), max_new_tokens=40,
+                            temperature=0.0)
+  for row, prompt in enumerate(prompts):
+    with torch.inference_mode():
+      expected = reference.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                                    pad_token_id=0, eos_token_id=None)[0, len(prompt):]
+    assert out.token_lists()[row] == expected.tolist()

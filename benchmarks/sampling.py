@@ -1,0 +1,298 @@
+"""Sampler throughput: our jitted sampler against transformers `generate`, and multi-turn
+continuation on the live KV cache against re-prefilling the conversation every turn.
+
+  python benchmarks/sampling.py                          # batches 1, 8, 32, 64
+  python benchmarks/sampling.py --quick                  # batches 1, 8, fewer tokens and turns
+  python benchmarks/sampling.py --batches=32 --new_tokens=64 --skip_hf
+
+Model: the embedded SmolLM2-135M-Instruct (weights dequantized from its GGUF file). Ours runs
+in --dtype (weights, matmul inputs and KV cache; matmuls accumulate in f32). transformers
+loads the same weights, exported with `weights.save_hf`, in --hf_dtype.
+
+Decode throughput. Every row gets a chat-rendered prompt (a system and a user turn, 30-60
+tokens, ragged) and samples exactly --new_tokens tokens at temperature 1 (no stop ids, full
+vocabulary) on both sides. "decode tok/s" is rows * (tokens after the first) / the time after
+the prompt: ours times `Sampler.generate` after `Sampler.start` (its first token comes from the
+prefill's hidden state, so all --new_tokens steps count); transformers is timed for
+`generate(max_new_tokens=N)` and `generate(max_new_tokens=1)` and credited with
+rows * (N - 1) tokens over the difference. Every figure is the best of --repeats runs after a
+warm-up run (which compiles ours). transformers runs with the torch thread count (1 or 2)
+that was faster on a probe: torch's OpenMP threads spin on a loaded 2-core machine.
+
+FLOP/s. A decode token costs 2 * (matmul weights, with the tied LM head) + 4 * layers *
+heads * head_dim * (mean cached context) FLOPs; "of peak" divides the achieved rate by the
+best rate of a bf16 x bf16 -> f32 `jnp.dot` on --peak_size square matrices measured here.
+
+Multi-turn. --conversations rows hold a conversation of --turns turns: the assistant samples
+--turn_tokens tokens, then an observation of 10-40 tokens per row is appended as the next user
+turn plus the assistant header (`ChatTemplate.continuation_ids`). "live cache" appends to the
+state and keeps decoding; "re-prefill" starts a fresh state from the whole conversation every
+turn, as a sampler without continuation must. Both sample the same tokens from the same keys
+(the tokens-equal column checks it; bf16 prefill and decode may round differently).
+
+Other work on the machine skews every figure: the header prints the load average.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from typing import Callable, Sequence
+
+from absl import app
+from absl import flags
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import agentgym_jax
+from agentgym_jax.models import weights
+from agentgym_jax.sampling import Sampler, bucket
+
+_BATCHES = flags.DEFINE_list("batches", ["1", "8", "32", "64"], "Batch sizes to measure.")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 32, "Tokens sampled per row (--quick: 16).")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"],
+                           "Our weights, matmul inputs and KV cache.")
+_HF_DTYPE = flags.DEFINE_enum("hf_dtype", "float32", ["bfloat16", "float32"],
+                              "transformers' weights and compute.")
+_SKIP_HF = flags.DEFINE_bool("skip_hf", False, "Measure only our sampler.")
+_REPEATS = flags.DEFINE_integer("repeats", 2, "Timed runs per figure (the best is kept).")
+_TURNS = flags.DEFINE_integer("turns", 10, "Turns of the multi-turn conversation (--quick: 4).")
+_TURN_TOKENS = flags.DEFINE_integer("turn_tokens", 32, "Tokens sampled per assistant turn.")
+_CONVERSATIONS = flags.DEFINE_integer("conversations", 8, "Rows of the multi-turn benchmark.")
+_PEAK_SIZE = flags.DEFINE_integer("peak_size", 2048, "Side of the matmul measuring the peak.")
+_QUICK = flags.DEFINE_bool("quick", False, "A smoke run: batches 1 and 8, fewer tokens/turns.")
+
+_USER_MESSAGES = (
+    "Craft a wooden pickaxe. You have 3 oak logs.",
+    "What is the capital of France, and why is it famous?",
+    "Write a haiku about reinforcement learning agents exploring a grid world.",
+    "List three uses of redstone in Minecraft and explain each in one sentence.",
+    "You are in a room with a red door and a blue key. What do you do first?",
+    "Summarize the rules of chess in two sentences.",
+    "Translate 'the agent picks up the key' into French and Spanish.",
+    "Explain why the sky is blue to a five year old.",
+)
+
+
+def _best(run: Callable[[], object], repeats: int) -> float:
+  """The best wall time of `repeats` calls of run (which blocks until its result is ready)."""
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    run()
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+def _peak_flops(size: int, repeats: int = 3) -> float:
+  """FLOP/s of a bf16 x bf16 -> f32 square matmul, the best of `repeats` after a warm-up."""
+  a = jnp.ones((size, size), jnp.bfloat16)
+  b = jnp.ones((size, size), jnp.bfloat16)
+  matmul = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+  matmul(a, b).block_until_ready()
+  return 2 * size**3 / _best(lambda: matmul(a, b).block_until_ready(), repeats)
+
+
+def _decode_flops_per_token(config, context: float) -> float:
+  """Matmul FLOPs of one decode token at a mean cached context of `context` tokens."""
+  matmul_weights = config.num_params - config.hidden_size * (1 + 2 * config.num_layers)
+  attention = 4 * config.num_layers * config.num_heads * config.head_dim * context
+  return 2 * matmul_weights + attention
+
+
+def _prompts(chat, batch: int) -> list[list[int]]:
+  return [chat.render([{"role": "user", "content": _USER_MESSAGES[row % len(_USER_MESSAGES)]}])
+          for row in range(batch)]
+
+
+def _ours(model, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, float]:
+  batch = len(prompts)
+  slots = bucket(max(map(len, prompts)) + new_tokens, 128)
+  sampler = Sampler(model, cache_slots=slots, max_batch=batch)
+  timings = {"prefill": [], "decode": []}
+  for run in range(repeats + 1):  # The first run compiles.
+    start = time.perf_counter()
+    state = jax.block_until_ready(sampler.start(prompts))
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    state, out = sampler.generate(state, jax.random.key(run), max_new_tokens=new_tokens)
+    jax.block_until_ready(out)
+    decode = time.perf_counter() - start
+    if run:
+      timings["prefill"].append(prefill)
+      timings["decode"].append(decode)
+    assert int(out.lengths.min()) == new_tokens
+  prefill, decode = min(timings["prefill"]), min(timings["decode"])
+  return {"prefill_s": prefill, "decode_s": decode,
+          "decode_tps": batch * new_tokens / decode,
+          "total_tps": batch * new_tokens / (prefill + decode)}
+
+
+class _HuggingFace:
+  """transformers' generate on the same weights, with left-padded prompts."""
+
+  def __init__(self, model, dtype: str):
+    import torch  # pylint: disable=g-import-not-at-top
+    import transformers  # pylint: disable=g-import-not-at-top
+    self.torch = torch
+    directory = tempfile.mkdtemp(prefix="smollm2_hf_")
+    weights.save_hf(model, directory, dtype=jnp.float32)
+    self.model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=getattr(torch, dtype)).eval()
+    self.threads = torch.get_num_threads()
+
+  def pick_threads(self, prompts: list[list[int]]) -> None:
+    """Keeps the torch thread count (1 or 2) that decodes a probe faster."""
+    timings = {}
+    for threads in (1, 2):
+      self.torch.set_num_threads(threads)
+      self.generate(prompts, 2)
+      timings[threads] = _best(lambda: self.generate(prompts, 4), 1)
+    self.threads = min(timings, key=timings.get)
+    self.torch.set_num_threads(self.threads)
+
+  def generate(self, prompts: list[list[int]], new_tokens: int):
+    torch = self.torch
+    width = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+      ids[row, width - len(prompt):] = torch.tensor(prompt)
+      mask[row, width - len(prompt):] = 1
+    with torch.inference_mode():
+      out = self.model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=True, temperature=1.0,
+                                top_k=0, top_p=1.0, pad_token_id=0)
+    assert out.shape[1] == width + new_tokens
+    return out
+
+  def measure(self, prompts: list[list[int]], new_tokens: int, repeats: int
+              ) -> dict[str, float]:
+    self.generate(prompts, 2)
+    first = _best(lambda: self.generate(prompts, 1), repeats)
+    total = _best(lambda: self.generate(prompts, new_tokens), repeats)
+    return {"decode_tps": len(prompts) * (new_tokens - 1) / (total - first),
+            "total_tps": len(prompts) * new_tokens / total}
+
+
+def _conversation(model, chat, rows: int, turns: int, turn_tokens: int
+                  ) -> dict[str, float]:
+  """Seconds for `turns` turns on the live cache and by re-prefilling every turn."""
+  rng = np.random.RandomState(0)
+  prompts = _prompts(chat, rows)
+  observations = [[chat.continuation_ids(
+      "user", f"Observation {turn}: " + " ".join(["the agent sees a door"] *
+                                                 int(rng.randint(1, 7))))
+                   for _ in range(rows)] for turn in range(turns)]
+  length = max(map(len, prompts)) + sum(turn_tokens + max(map(len, o)) for o in observations)
+  sampler = Sampler(model, cache_slots=bucket(length, 128), max_batch=rows)
+
+  def live() -> list[list[int]]:
+    state = sampler.start(prompts)
+    generated = [[] for _ in range(rows)]
+    for turn in range(turns):
+      state, out = sampler.generate(state, jax.random.key(turn), max_new_tokens=turn_tokens)
+      for row, tokens in enumerate(out.token_lists()):
+        generated[row] += tokens
+      if turn + 1 < turns:
+        state = sampler.append(state, dict(enumerate(observations[turn])))
+    return generated
+
+  def reprefill() -> list[list[int]]:
+    conversations = [list(prompt) for prompt in prompts]
+    generated = [[] for _ in range(rows)]
+    for turn in range(turns):
+      state = sampler.start(conversations)
+      state, out = sampler.generate(state, jax.random.key(turn), max_new_tokens=turn_tokens)
+      for row, tokens in enumerate(out.token_lists()):
+        generated[row] += tokens
+        conversations[row] += tokens + (observations[turn][row] if turn + 1 < turns else [])
+    return generated
+
+  live_tokens, reprefill_tokens = live(), reprefill()  # Warm-up: compiles every bucket.
+  live_s = _best(live, 1)
+  reprefill_s = _best(reprefill, 1)
+  same = np.mean([a == b for x, y in zip(live_tokens, reprefill_tokens) for a, b in zip(x, y)])
+  return {"live_s": live_s, "reprefill_s": reprefill_s, "tokens_equal": float(same),
+          "context": length}
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  quick = _QUICK.value
+  batches = [1, 8] if quick and _BATCHES.value == _BATCHES.default else [
+      int(b) for b in _BATCHES.value]
+  new_tokens = 16 if quick and _NEW_TOKENS.value == _NEW_TOKENS.default else _NEW_TOKENS.value
+  turns = 4 if quick and _TURNS.value == _TURNS.default else _TURNS.value
+  dtype = getattr(jnp, _DTYPE.value)
+  load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+  print(f"$ python {' '.join(sys.argv)}")
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cores), "
+        f"load average at start {load}")
+
+  model, tokenizer = agentgym_jax.load_model("smollm2-135m-instruct", dtype=dtype,
+                                              param_dtype=dtype)
+  chat = tokenizer.chat
+  config = model.config
+  peak = _peak_flops(_PEAK_SIZE.value)
+  print(f"bf16 matmul peak ({_PEAK_SIZE.value}^2, f32 accumulation): {peak / 1e9:.1f} GFLOP/s")
+
+  hf = None
+  if not _SKIP_HF.value:
+    import torch  # pylint: disable=g-import-not-at-top
+    float_model, _ = agentgym_jax.load_model("smollm2-135m-instruct")
+    hf = _HuggingFace(float_model, _HF_DTYPE.value)
+    hf.pick_threads(_prompts(chat, 8))
+    print(f"transformers {__import__('transformers').__version__}, torch {torch.__version__}, "
+          f"{hf.threads} thread(s), {_HF_DTYPE.value}")
+
+  rows = []
+  for batch in batches:
+    prompts = _prompts(chat, batch)
+    ours = _ours(model, prompts, new_tokens, _REPEATS.value)
+    context = np.mean([len(p) for p in prompts]) + new_tokens / 2
+    flops = ours["decode_tps"] * _decode_flops_per_token(config, context)
+    theirs = hf.measure(prompts, new_tokens, _REPEATS.value) if hf else None
+    rows.append((batch, ours, theirs, flops))
+    ratio = f"{ours['decode_tps'] / theirs['decode_tps']:.1f}x" if theirs else "-"
+    print(f"  batch {batch}: ours {ours['decode_tps']:.1f} tok/s, "
+          f"transformers {theirs['decode_tps'] if theirs else float('nan'):.1f} tok/s, "
+          f"{ratio}", flush=True)
+
+  conversation = _conversation(model, chat, _CONVERSATIONS.value, turns, _TURN_TOKENS.value)
+
+  print()
+  print(f"Decode, SmolLM2-135M-Instruct, {new_tokens} new tokens per row at temperature 1; "
+        f"ours {_DTYPE.value}, transformers {_HF_DTYPE.value} "
+        f"({hf.threads if hf else '-'} torch thread(s)); load average {load}.")
+  print()
+  print("| batch | ours decode tok/s | transformers decode tok/s | ratio | ours prefill s "
+        "| ours end-to-end tok/s | transformers end-to-end tok/s | ours GFLOP/s | of bf16 peak |")
+  print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  for batch, ours, theirs, flops in rows:
+    hf_decode = f"{theirs['decode_tps']:.1f}" if theirs else "-"
+    hf_total = f"{theirs['total_tps']:.1f}" if theirs else "-"
+    ratio = f"{ours['decode_tps'] / theirs['decode_tps']:.1f}x" if theirs else "-"
+    print(f"| {batch} | {ours['decode_tps']:.1f} | {hf_decode} | {ratio} | "
+          f"{ours['prefill_s']:.2f} | {ours['total_tps']:.1f} | {hf_total} | "
+          f"{flops / 1e9:.1f} | {flops / peak:.0%} |")
+  print()
+  print(f"Multi-turn, {_CONVERSATIONS.value} conversations x {turns} turns of "
+        f"{_TURN_TOKENS.value} sampled tokens + a 10-40 token observation "
+        f"(up to {conversation['context']} tokens of context):")
+  print()
+  print("| live cache s | re-prefill s | speed-up | tokens equal |")
+  print("|---:|---:|---:|---:|")
+  print(f"| {conversation['live_s']:.1f} | {conversation['reprefill_s']:.1f} | "
+        f"{conversation['reprefill_s'] / conversation['live_s']:.1f}x | "
+        f"{conversation['tokens_equal']:.0%} |")
+  print(f"\nbf16 matmul peak {peak / 1e9:.1f} GFLOP/s; load average at end "
+        f"{', '.join(f'{value:.1f}' for value in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+  app.run(main)

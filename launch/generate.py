@@ -1,0 +1,93 @@
+r"""Chats with a model in the terminal, turn after turn on the sampler's live KV cache.
+
+  python launch/generate.py --prompt="Name three uses of redstone."   # one reply, then exit
+  python launch/generate.py                                           # a chat on stdin
+  python launch/generate.py --model=qwen2.5-0.5b-instruct --temperature=0.7 --top_p=0.9
+
+--model is a registry name (agentgym_jax.models.MODELS) or a Hugging Face checkpoint directory;
+the default, SmolLM2-135M-Instruct, ships with the package. Conversations use the model's chat
+template (ChatML). Each user turn is appended to the live cache as token ids after the reply's
+own ids: earlier turns are never encoded or prefilled again. An empty line or end of input ends
+the chat.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+import agentgym_jax
+from agentgym_jax.sampling import Sampler
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Registry name or HF directory.")
+_PROMPT = flags.DEFINE_string("prompt", None, "Reply to this one message and exit.")
+_SYSTEM = flags.DEFINE_string("system", None,
+                              "System message (default: the chat template's own, if any).")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 256, "Token budget of each reply.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.7, "Sampling temperature; 0 is greedy.")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0 = off).")
+_SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
+_CACHE_SLOTS = flags.DEFINE_integer("cache_slots", 4096, "Tokens the whole chat can hold.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Matmul input dtype.")
+_PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "bfloat16", ["float32", "bfloat16"],
+                                 "Weight and KV cache storage dtype.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _MAX_NEW_TOKENS.value <= 0 or _CACHE_SLOTS.value <= _MAX_NEW_TOKENS.value:
+    raise app.UsageError(f"need 0 < --max_new_tokens ({_MAX_NEW_TOKENS.value}) < "
+                         f"--cache_slots ({_CACHE_SLOTS.value})")
+  model, tokenizer = agentgym_jax.load_model(_MODEL.value, dtype=getattr(jnp, _DTYPE.value),
+                                             param_dtype=getattr(jnp, _PARAM_DTYPE.value))
+  chat = tokenizer.chat
+  sampler = Sampler(model, cache_slots=_CACHE_SLOTS.value, max_batch=1,
+                    cache_dtype=getattr(jnp, _PARAM_DTYPE.value))
+  interactive = _PROMPT.value is None
+  system = [] if _SYSTEM.value is None else [{"role": "system", "content": _SYSTEM.value}]
+  message = _PROMPT.value if not interactive else _read_user_turn()
+  if not message:
+    return
+  state = sampler.start([chat.render([*system, {"role": "user", "content": message}])])
+  key = jax.random.key(_SEED.value)
+  for turn in range(sys.maxsize):
+    state, out = sampler.generate(
+        state, jax.random.fold_in(key, turn), max_new_tokens=_MAX_NEW_TOKENS.value,
+        stop_ids=chat.turn_end_ids, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
+        top_k=_TOP_K.value)
+    reply = out.token_lists()[0]
+    print(tokenizer.decode([t for t in reply if t not in chat.turn_end_ids],
+                           skip_special_tokens=True), flush=True)
+    if not interactive:
+      return
+    if not bool(out.stopped[0]):
+      print(f"[the reply reached {_MAX_NEW_TOKENS.value} tokens or the end of the cache]",
+            file=sys.stderr)
+    message = _read_user_turn()
+    if not message:
+      return
+    # A reply that did not end on <|im_end|> (token budget, EOS) is closed first.
+    closing = [] if reply[-1:] == [chat.im_end_id] else [chat.im_end_id]
+    continuation = closing + chat.continuation_ids("user", message)
+    used = int(state.lengths[0])
+    if used + len(continuation) + _MAX_NEW_TOKENS.value > _CACHE_SLOTS.value:
+      print(f"[the chat holds {used} tokens; another turn would pass --cache_slots="
+            f"{_CACHE_SLOTS.value}]", file=sys.stderr)
+      return
+    state = sampler.append(state, {0: continuation})
+
+
+def _read_user_turn() -> str:
+  try:
+    return input("> ").strip()
+  except EOFError:
+    return ""
+
+
+if __name__ == "__main__":
+  app.run(main)
