@@ -12,6 +12,7 @@ import pytest
 import environments
 from environments import EnvError
 from environments.http import AgentGymClient, AgentGymServer, extract_action
+from environments.http.endpoint import Endpoint
 from environments.pool import EnvPool
 import toy_env
 
@@ -304,6 +305,19 @@ def test_an_unreachable_server_is_a_clear_error():
     client.reset(0)
   with pytest.raises(ValueError, match="base_url"):
     AgentGymClient("127.0.0.1:80", "toy")
+
+
+def test_retries_back_off_doubling_up_to_the_cap():
+  endpoint = Endpoint("http://127.0.0.1:1/api/", timeout_s=1.0, retries=4, backoff_s=0.1,
+                      max_backoff_s=0.3)
+  assert endpoint.base_url == "http://127.0.0.1:1/api" and endpoint.url.path == "/api"
+  # No wait before the first attempt; then 0.1, 0.2, and 0.4 capped to 0.3, twice.
+  assert list(endpoint.delays()) == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.3])
+  assert list(endpoint.delays(retries=1)) == pytest.approx([0.0, 0.1])
+  for bad in ({"retries": -1}, {"backoff_s": -0.1}, {"timeout_s": 0.0}):
+    with pytest.raises(ValueError):
+      Endpoint(**{"base_url": "http://h:1", "timeout_s": 1.0, "retries": 1, "backoff_s": 0.1,
+                  "max_backoff_s": 1.0, **bad})
 
 
 class _OriginalScoreServer(http.server.BaseHTTPRequestHandler):

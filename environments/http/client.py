@@ -21,7 +21,6 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import time
 import urllib.parse
 from typing import Any, Mapping, Sequence
 
@@ -30,10 +29,8 @@ from absl import logging
 from environments import base
 from environments.base import EnvError, StepResult
 from environments.http import protocol
+from environments.http.endpoint import NOT_DELIVERED, Endpoint, answer_field
 
-# Answers meaning the request did not reach the env (a proxy or an overloaded server), so even
-# a /step may be sent again.
-_NOT_DELIVERED = frozenset({502, 503, 504})
 # How the original servers say that an id is unknown (they answer 200 {"error": ...}).
 _LOST_ENV_PHRASES = ("is not valid", "has been deleted")
 
@@ -63,28 +60,18 @@ class AgentGymClient:
       timeout_s: the socket timeout of one request; a timed-out request is not retried.
       retries, backoff_s, max_backoff_s: the retry schedule for connection errors and 5xx.
     """
-    url = urllib.parse.urlsplit(base_url)
-    if url.scheme not in ("http", "https") or not url.hostname:
-      raise ValueError(f"base_url must look like http://host:port, got {base_url!r}")
-    if retries < 0 or backoff_s < 0 or timeout_s <= 0:
-      raise ValueError(f"need retries >= 0, backoff_s >= 0 and timeout_s > 0; got "
-                       f"{retries}, {backoff_s}, {timeout_s}")
+    self._endpoint = Endpoint(base_url, timeout_s, retries, backoff_s, max_backoff_s)
     if task_ids is not None:
       missing = set(base.SPLITS) - set(task_ids)
       if missing:
         raise ValueError(f"task_ids must give every split {base.SPLITS}; missing {missing}")
     self.name = env
-    self.base_url = base_url.rstrip("/")
+    self.base_url = self._endpoint.base_url
     self.style = protocol.style_for(env, style)
-    self._url = url
-    self._prefix = url.path.rstrip("/")
+    self._prefix = self._endpoint.url.path
     self._extract_action = extract_action
     self._instruction = instruction
     self._task_ids = {split: tuple(ids) for split, ids in task_ids.items()} if task_ids else None
-    self._timeout_s = timeout_s
-    self._retries = retries
-    self._backoff_s = backoff_s
-    self._max_backoff_s = max_backoff_s
     self._connection: http.client.HTTPConnection | None = None
     self._env_id: int | None = None
     self._running = False
@@ -96,7 +83,7 @@ class AgentGymClient:
   def instruction(self) -> str:
     if self._instruction is None:
       payload = self._get_own_route("/instruction", {}, "instruction=")
-      self._instruction = _field(payload, "instruction", str, "GET /instruction")
+      self._instruction = answer_field(payload, "instruction", str, "GET /instruction")
     return self._instruction
 
   def task_ids(self, split: str) -> Sequence[int]:
@@ -104,7 +91,7 @@ class AgentGymClient:
     if self._task_ids is not None:
       return self._task_ids[split]
     payload = self._get_own_route("/task_ids", {"split": split}, "task_ids=")
-    return tuple(_field(payload, "task_ids", list, "GET /task_ids"))
+    return tuple(answer_field(payload, "task_ids", list, "GET /task_ids"))
 
   def task_info(self, task_id: int) -> dict[str, Any]:
     payload = self._get_own_route("/task_info", {"data_idx": task_id}, "")
@@ -126,7 +113,7 @@ class AgentGymClient:
         logging.warning("AgentGymClient: %s lost env %s; creating a new one", self.base_url,
                         self._env_id)
         self._env_id = None
-    observation = _field(payload, "observation", str, "POST /reset")
+    observation = answer_field(payload, "observation", str, "POST /reset")
     if self.style.reset_has_task_description and payload.get("task_description"):
       observation = f"{payload['task_description']}\n{observation}"
     self._total = float(payload.get("score", 0.0)) if self.style.score_scale else 0.0
@@ -139,7 +126,7 @@ class AgentGymClient:
     action = protocol.extract_action(action_text) if self._extract_action else action_text
     try:
       payload = self._env_call("/step", {"id": self._env_id, "action": action},
-                               retry_statuses=_NOT_DELIVERED)
+                               retry_statuses=NOT_DELIVERED)
     except _EnvLost:
       self._env_id, self._running = None, False
       raise EnvError(f"{self.base_url} lost env mid-episode (did the server restart or close "
@@ -147,15 +134,15 @@ class AgentGymClient:
     except EnvError:
       self._running = False
       raise
-    observation = _field(payload, "observation", str, "POST /step")
-    done = _field(payload, "done", bool, "POST /step")
+    observation = answer_field(payload, "observation", str, "POST /step")
+    done = answer_field(payload, "done", bool, "POST /step")
     info = dict(payload.get("info") or {})
     scale = self.style.score_scale
     if scale is None:
-      reward = float(_field(payload, "reward", (int, float), "POST /step"))
+      reward = float(answer_field(payload, "reward", (int, float), "POST /step"))
       self._total += reward
     else:
-      score = float(_field(payload, "score", (int, float), "POST /step"))
+      score = float(answer_field(payload, "score", (int, float), "POST /step"))
       reward = (max(score, 0.0) - max(self._total, 0.0)) / scale  # See protocol.py.
       self._total = score
       info["score"] = score
@@ -182,7 +169,7 @@ class AgentGymClient:
   def _create(self) -> None:
     status, payload = self._request("POST", "/create", {})
     self._raise_for_error("POST /create", status, payload)
-    self._env_id = _field(payload, "id", int, "POST /create")
+    self._env_id = answer_field(payload, "id", int, "POST /create")
 
   def _env_call(self, route: str, body: dict[str, Any],
                 retry_statuses: frozenset[int] | None = None) -> dict[str, Any]:
@@ -222,14 +209,10 @@ class AgentGymClient:
     Connection failures are retried, and so are the answers in `retry_statuses` (by default
     every 5xx). A timeout is not: the server may still be working on the request.
     """
-    retries = self._retries if retries is None else retries
+    retries = self._endpoint.retries if retries is None else retries
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"} if data is not None else {}
-    delay = self._backoff_s
-    for attempt in range(retries + 1):
-      if attempt:
-        time.sleep(delay)
-        delay = min(2 * delay, self._max_backoff_s)
+    for attempt in self._endpoint.attempts(retries):
       try:
         connection = self._connect()
       except OSError as e:  # Nothing was sent: always safe to retry.
@@ -242,7 +225,7 @@ class AgentGymClient:
       except TimeoutError:
         self._disconnect()
         raise EnvError(f"{self.base_url} {method} {route} timed out after "
-                       f"{self._timeout_s} s") from None
+                       f"{self._endpoint.timeout_s} s") from None
       except (OSError, http.client.HTTPException) as e:  # Often a keep-alive the server ended.
         self._disconnect()
         failure = f"{type(e).__name__}: {e}"
@@ -265,9 +248,9 @@ class AgentGymClient:
   def _connect(self) -> http.client.HTTPConnection:
     """The open keep-alive connection, or a newly connected one."""
     if self._connection is None:
-      kind = (http.client.HTTPSConnection if self._url.scheme == "https"
-              else http.client.HTTPConnection)
-      connection = kind(self._url.hostname, self._url.port, timeout=self._timeout_s)
+      url = self._endpoint.url
+      kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+      connection = kind(url.hostname, url.port, timeout=self._endpoint.timeout_s)
       try:
         connection.connect()
         # http.client sends headers and body separately; see the server's TCP_NODELAY.
@@ -283,14 +266,3 @@ class AgentGymClient:
       self._connection.close()
       self._connection = None
 
-
-def _field(payload: Any, name: str, kind: type | tuple[type, ...], what: str) -> Any:
-  """payload[name], checked to be a `kind`; a malformed answer raises EnvError."""
-  if not isinstance(payload, dict):
-    raise EnvError(f"{what} answered {payload!r}, not a JSON object")
-  if name not in payload:
-    raise EnvError(f"{what} answered without {name!r}: {payload!r}")
-  value = payload[name]
-  if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-    raise EnvError(f"{what} answered {name}={value!r}, expected {kind}")
-  return value

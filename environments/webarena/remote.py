@@ -37,17 +37,14 @@ from __future__ import annotations
 
 import http.client
 import json
-import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from typing import Any, Mapping, Sequence
 
 from environments import base
 from environments.base import EnvError, StepResult
+from environments.http.endpoint import NOT_DELIVERED, Endpoint, answer_field
 from environments.webarena import tasks
-
-_NOT_DELIVERED = frozenset({502, 503, 504})
 
 
 class AgentGymWebArenaClient:
@@ -72,16 +69,11 @@ class AgentGymWebArenaClient:
         site, and its steps sleep, so it is long).
       retries, backoff_s, max_backoff_s: the retry schedule (module docstring).
     """
-    url = urllib.parse.urlsplit(base_url)
-    if url.scheme not in ("http", "https") or not url.hostname:
-      raise ValueError(f"base_url must look like http://host:port, got {base_url!r}")
-    if retries < 0 or backoff_s < 0 or timeout_s <= 0:
-      raise ValueError(f"need retries >= 0, backoff_s >= 0 and timeout_s > 0; got "
-                       f"{retries}, {backoff_s}, {timeout_s}")
+    self._endpoint = Endpoint(base_url, timeout_s, retries, backoff_s, max_backoff_s)
     if (config_dir is None) == (task_ids is None):
       raise ValueError("pass exactly one of config_dir (local copies of the server's task "
                        "configs) and task_ids ({'train': [...], 'test': [...]})")
-    self.base_url = base_url.rstrip("/")
+    self.base_url = self._endpoint.base_url
     self._tasks: dict[int, tasks.Task] = {}
     if config_dir is not None:
       self._tasks = tasks.load_tasks(config_dir)
@@ -92,10 +84,6 @@ class AgentGymWebArenaClient:
         raise ValueError(f"task_ids must give every split {base.SPLITS}; missing {missing}")
       self._splits = {split: tuple(ids) for split, ids in task_ids.items()}
     self._instruction = instruction
-    self._timeout_s = timeout_s
-    self._retries = retries
-    self._backoff_s = backoff_s
-    self._max_backoff_s = max_backoff_s
     self._env_idx: int | None = None
     self._running = False
 
@@ -120,7 +108,7 @@ class AgentGymWebArenaClient:
     self._running = False
     if self._env_idx is None:
       payload = self._post("/create", {}, idempotent=False)
-      self._env_idx = _field(payload, "env_idx", int, "POST /create")
+      self._env_idx = answer_field(payload, "env_idx", int, "POST /create")
     self._post("/reset", {"env_idx": self._env_idx, "seed": 0, "idx": task_id})
     observation = self._request("GET", f"/observation?env_idx={self._env_idx}")
     if not isinstance(observation, str):
@@ -137,10 +125,10 @@ class AgentGymWebArenaClient:
     except EnvError:
       self._running = False
       raise
-    observation = _field(payload, "observation", str, "POST /step")
-    terminated = _field(payload, "terminated", bool, "POST /step")
+    observation = answer_field(payload, "observation", str, "POST /step")
+    terminated = answer_field(payload, "terminated", bool, "POST /step")
     done = terminated or bool(payload.get("truncated", False))
-    score = float(_field(payload, "reward", (int, float), "POST /step"))
+    score = float(answer_field(payload, "reward", (int, float), "POST /step"))
     reward = score if done else 0.0  # See the module docstring.
     info = payload.get("info") if isinstance(payload.get("info"), dict) else {}
     info = {**info, "success": done and reward >= 1.0}
@@ -170,28 +158,24 @@ class AgentGymWebArenaClient:
     502/503/504 from a proxy); an idempotent one also after other 5xx answers and dropped
     connections.
     """
-    retries = self._retries if retries is None else retries
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(self.base_url + route, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
-    delay, failure = self._backoff_s, ""
-    for attempt in range(retries + 1):
-      if attempt:
-        time.sleep(delay)
-        delay = min(2 * delay, self._max_backoff_s)
+    failure = ""
+    for attempt in self._endpoint.attempts(retries):
       try:
-        with urllib.request.urlopen(request, timeout=self._timeout_s) as response:
+        with urllib.request.urlopen(request, timeout=self._endpoint.timeout_s) as response:
           return _decode(response.read())
       except urllib.error.HTTPError as e:
         failure = f"HTTP {e.code}: {_decode(e.read())!r}"
-        if not (e.code in _NOT_DELIVERED or (idempotent and e.code >= 500)):
+        if not (e.code in NOT_DELIVERED or (idempotent and e.code >= 500)):
           break
       except (urllib.error.URLError, ConnectionError, http.client.HTTPException,
               TimeoutError) as e:
         reason = e.reason if isinstance(e, urllib.error.URLError) else e
         if isinstance(reason, TimeoutError):  # The server may still be working on it.
           raise EnvError(f"{self.base_url} {method} {route} timed out after "
-                         f"{self._timeout_s} s") from None
+                         f"{self._endpoint.timeout_s} s") from None
         failure = f"{type(reason).__name__}: {reason}"
         if not (idempotent or isinstance(reason, ConnectionRefusedError)):
           break
@@ -205,11 +189,3 @@ def _decode(raw: bytes) -> Any:
   except ValueError:
     return raw.decode(errors="replace")
 
-
-def _field(payload: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
-  if name not in payload:
-    raise EnvError(f"{what} answered without {name!r}: {payload!r}")
-  value = payload[name]
-  if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-    raise EnvError(f"{what} answered {name}={value!r}, expected {kind}")
-  return value
