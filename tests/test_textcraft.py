@@ -120,6 +120,18 @@ def test_splits_are_stratified_disjoint_and_cover_every_goal():
   assert info == {"category": "depth2", "goal": "crafting_table", "depth": 2}
 
 
+def test_max_depth_keeps_the_shallow_goals_of_a_split():
+  full, shallow = TextCraftEnv(), TextCraftEnv(max_depth=2)
+  for split in ("train", "test"):
+    expected = [i for i in full.task_ids(split) if full.task_info(i)["depth"] <= 2]
+    assert list(shallow.task_ids(split)) == expected
+  assert len(shallow.task_ids("test")) == 31 + 41
+  assert len(shallow.task_ids("train")) == 352
+  for bad in (0, -1, 1.5, True, "2"):
+    with pytest.raises(ValueError, match="max_depth"):
+      TextCraftEnv(max_depth=bad)
+
+
 def test_bad_task_ids_and_splits_raise():
   env = TextCraftEnv()
   for bad in (-1, len(env_lib.goals()), "3", True, 1.0):

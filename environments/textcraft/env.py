@@ -167,7 +167,12 @@ class TextCraftEnv:
 
   name = "textcraft"
 
-  def __init__(self):
+  def __init__(self, max_depth: int | None = None):
+    """max_depth: task_ids lists only goals of crafting depth <= max_depth (a curriculum)."""
+    if max_depth is not None and (isinstance(max_depth, bool) or not isinstance(max_depth, int)
+                                  or max_depth < 1):
+      raise ValueError(f"max_depth must be an int >= 1 or None, got {max_depth!r}")
+    self._max_depth = max_depth
     self._book = RecipeBook.load()
     self._goal: str | None = None
     self._done = True
@@ -179,7 +184,10 @@ class TextCraftEnv:
     return _INSTRUCTION.format(crafted=", ".join(crafted[:-1]) + " and " + crafted[-1])
 
   def task_ids(self, split: str) -> Sequence[int]:
-    return splits()[base.check_split(split)]
+    ids = splits()[base.check_split(split)]
+    if self._max_depth is None:
+      return ids
+    return [i for i in ids if goals()[i][1] <= self._max_depth]
 
   def task_info(self, task_id: int) -> dict[str, Any]:
     goal, depth = goals()[self._check_task(task_id)]
