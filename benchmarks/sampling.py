@@ -5,23 +5,27 @@ continuation on the live KV cache against re-prefilling the conversation every t
   python benchmarks/sampling.py --quick                  # batches 1, 8, fewer tokens and turns
   python benchmarks/sampling.py --batches=32 --new_tokens=64 --skip_hf
 
-Model: the embedded SmolLM2-135M-Instruct (weights dequantized from its GGUF file). Ours runs
-in --dtype (weights, matmul inputs and KV cache; matmuls accumulate in f32). transformers
-loads the same weights, exported with `weights.save_hf`, in --hf_dtype.
+Model: the embedded SmolLM2-135M-Instruct (weights dequantized from its GGUF file). Ours keeps
+weights and KV cache in --param_dtype and multiplies in --dtype, accumulating in f32. On a CPU
+without AMX or AVX512-BF16, XLA's bf16 x bf16 matmul is slower than its f32 one, so the default
+multiplies in f32; bf16 storage halves the bytes each decode step streams but costs a
+conversion per step (--param_dtype=float32 was ~25% faster at batch 32 on a 2-core AVX2 VM).
+transformers loads the same weights, exported in f32 with `weights.save_hf`, in --hf_dtype.
 
 Decode throughput. Every row gets a chat-rendered prompt (a system and a user turn, 30-60
 tokens, ragged) and samples exactly --new_tokens tokens at temperature 1 (no stop ids, full
-vocabulary) on both sides. "decode tok/s" is rows * (tokens after the first) / the time after
-the prompt: ours times `Sampler.generate` after `Sampler.start` (its first token comes from the
-prefill's hidden state, so all --new_tokens steps count); transformers is timed for
-`generate(max_new_tokens=N)` and `generate(max_new_tokens=1)` and credited with
-rows * (N - 1) tokens over the difference. Every figure is the best of --repeats runs after a
-warm-up run (which compiles ours). transformers runs with the torch thread count (1 or 2)
-that was faster on a probe: torch's OpenMP threads spin on a loaded 2-core machine.
+vocabulary) on both sides. "decode tok/s" is rows * tokens / the time after the prompt. Ours
+times `Sampler.generate` after `Sampler.start` (each of its steps samples from the last hidden
+state, then runs the forward pass on the new token). transformers is timed by a logits
+processor that stamps each step: rows * (N - 1) tokens over the span from the prompt's logits
+to the last token's. Every figure is the best of --repeats runs after a warm-up run (which
+compiles ours). transformers runs with the torch thread count (1 or 2) that was faster on a
+probe: torch's OpenMP threads spin on a loaded 2-core machine.
 
 FLOP/s. A decode token costs 2 * (matmul weights, with the tied LM head) + 4 * layers *
 heads * head_dim * (mean cached context) FLOPs; "of peak" divides the achieved rate by the
-best rate of a bf16 x bf16 -> f32 `jnp.dot` on --peak_size square matrices measured here.
+best rate of a bf16 x bf16 -> f32 `jnp.dot` on --peak_size square matrices measured here (and of
+the f32 one, for reference).
 
 Multi-turn. --conversations rows hold a conversation of --turns turns: the assistant samples
 --turn_tokens tokens, then an observation of 10-40 tokens per row is appended as the next user
@@ -54,8 +58,10 @@ from agentgym_jax.sampling import Sampler, bucket
 
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32", "64"], "Batch sizes to measure.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 32, "Tokens sampled per row (--quick: 16).")
-_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"],
-                           "Our weights, matmul inputs and KV cache.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"],
+                           "Our matmul input dtype (matmuls accumulate in f32).")
+_PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "bfloat16", ["bfloat16", "float32"],
+                                 "Our weight and KV cache storage dtype.")
 _HF_DTYPE = flags.DEFINE_enum("hf_dtype", "float32", ["bfloat16", "float32"],
                               "transformers' weights and compute.")
 _SKIP_HF = flags.DEFINE_bool("skip_hf", False, "Measure only our sampler.")
@@ -88,10 +94,10 @@ def _best(run: Callable[[], object], repeats: int) -> float:
   return min(times)
 
 
-def _peak_flops(size: int, repeats: int = 3) -> float:
-  """FLOP/s of a bf16 x bf16 -> f32 square matmul, the best of `repeats` after a warm-up."""
-  a = jnp.ones((size, size), jnp.bfloat16)
-  b = jnp.ones((size, size), jnp.bfloat16)
+def _peak_flops(size: int, dtype, repeats: int = 3) -> float:
+  """FLOP/s of a `dtype` square matmul accumulating in f32, the best of `repeats` runs."""
+  a = jnp.ones((size, size), dtype)
+  b = jnp.ones((size, size), dtype)
   matmul = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
   matmul(a, b).block_until_ready()
   return 2 * size**3 / _best(lambda: matmul(a, b).block_until_ready(), repeats)
@@ -109,10 +115,11 @@ def _prompts(chat, batch: int) -> list[list[int]]:
           for row in range(batch)]
 
 
-def _ours(model, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, float]:
+def _ours(model, prompts: list[list[int]], new_tokens: int, repeats: int, cache_dtype
+          ) -> dict[str, float]:
   batch = len(prompts)
   slots = bucket(max(map(len, prompts)) + new_tokens, 128)
-  sampler = Sampler(model, cache_slots=slots, max_batch=batch)
+  sampler = Sampler(model, cache_slots=slots, max_batch=batch, cache_dtype=cache_dtype)
   timings = {"prefill": [], "decode": []}
   for run in range(repeats + 1):  # The first run compiles.
     start = time.perf_counter()
@@ -144,6 +151,13 @@ class _HuggingFace:
     self.model = transformers.AutoModelForCausalLM.from_pretrained(
         directory, dtype=getattr(torch, dtype)).eval()
     self.threads = torch.get_num_threads()
+    self.stamps: list[float] = []
+
+  def _stamp(self, input_ids, scores):
+    """A logits processor that only records when each token's logits are ready."""
+    del input_ids
+    self.stamps.append(time.perf_counter())
+    return scores
 
   def pick_threads(self, prompts: list[list[int]]) -> None:
     """Keeps the torch thread count (1 or 2) that decodes a probe faster."""
@@ -166,20 +180,27 @@ class _HuggingFace:
     with torch.inference_mode():
       out = self.model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                                 min_new_tokens=new_tokens, do_sample=True, temperature=1.0,
-                                top_k=0, top_p=1.0, pad_token_id=0)
+                                top_k=0, top_p=1.0, pad_token_id=0,
+                                logits_processor=[self._stamp])
     assert out.shape[1] == width + new_tokens
     return out
 
   def measure(self, prompts: list[list[int]], new_tokens: int, repeats: int
               ) -> dict[str, float]:
     self.generate(prompts, 2)
-    first = _best(lambda: self.generate(prompts, 1), repeats)
-    total = _best(lambda: self.generate(prompts, new_tokens), repeats)
-    return {"decode_tps": len(prompts) * (new_tokens - 1) / (total - first),
-            "total_tps": len(prompts) * new_tokens / total}
+    decode, total = [], []
+    for _ in range(repeats):
+      self.stamps = []
+      start = time.perf_counter()
+      self.generate(prompts, new_tokens)
+      total.append(time.perf_counter() - start)
+      # Stamp t follows the forward pass of token t; token 0's is the prompt's.
+      decode.append(self.stamps[-1] - self.stamps[0])
+    return {"decode_tps": len(prompts) * (new_tokens - 1) / min(decode),
+            "total_tps": len(prompts) * new_tokens / min(total)}
 
 
-def _conversation(model, chat, rows: int, turns: int, turn_tokens: int
+def _conversation(model, chat, rows: int, turns: int, turn_tokens: int, cache_dtype
                   ) -> dict[str, float]:
   """Seconds for `turns` turns on the live cache and by re-prefilling every turn."""
   rng = np.random.RandomState(0)
@@ -189,7 +210,8 @@ def _conversation(model, chat, rows: int, turns: int, turn_tokens: int
                                                  int(rng.randint(1, 7))))
                    for _ in range(rows)] for turn in range(turns)]
   length = max(map(len, prompts)) + sum(turn_tokens + max(map(len, o)) for o in observations)
-  sampler = Sampler(model, cache_slots=bucket(length, 128), max_batch=rows)
+  sampler = Sampler(model, cache_slots=bucket(length, 128), max_batch=rows,
+                    cache_dtype=cache_dtype)
 
   def live() -> list[list[int]]:
     state = sampler.start(prompts)
@@ -228,18 +250,20 @@ def main(argv: Sequence[str]) -> None:
       int(b) for b in _BATCHES.value]
   new_tokens = 16 if quick and _NEW_TOKENS.value == _NEW_TOKENS.default else _NEW_TOKENS.value
   turns = 4 if quick and _TURNS.value == _TURNS.default else _TURNS.value
-  dtype = getattr(jnp, _DTYPE.value)
+  dtype, param_dtype = getattr(jnp, _DTYPE.value), getattr(jnp, _PARAM_DTYPE.value)
   load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
   print(f"$ python {' '.join(sys.argv)}")
   print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cores), "
         f"load average at start {load}")
 
   model, tokenizer = agentgym_jax.load_model("smollm2-135m-instruct", dtype=dtype,
-                                              param_dtype=dtype)
+                                              param_dtype=param_dtype)
   chat = tokenizer.chat
   config = model.config
-  peak = _peak_flops(_PEAK_SIZE.value)
-  print(f"bf16 matmul peak ({_PEAK_SIZE.value}^2, f32 accumulation): {peak / 1e9:.1f} GFLOP/s")
+  peak = _peak_flops(_PEAK_SIZE.value, jnp.bfloat16)
+  f32_peak = _peak_flops(_PEAK_SIZE.value, jnp.float32)
+  print(f"matmul peaks ({_PEAK_SIZE.value}^2, f32 accumulation): bf16 {peak / 1e9:.1f}, "
+        f"f32 {f32_peak / 1e9:.1f} GFLOP/s")
 
   hf = None
   if not _SKIP_HF.value:
@@ -253,7 +277,7 @@ def main(argv: Sequence[str]) -> None:
   rows = []
   for batch in batches:
     prompts = _prompts(chat, batch)
-    ours = _ours(model, prompts, new_tokens, _REPEATS.value)
+    ours = _ours(model, prompts, new_tokens, _REPEATS.value, param_dtype)
     context = np.mean([len(p) for p in prompts]) + new_tokens / 2
     flops = ours["decode_tps"] * _decode_flops_per_token(config, context)
     theirs = hf.measure(prompts, new_tokens, _REPEATS.value) if hf else None
@@ -263,23 +287,26 @@ def main(argv: Sequence[str]) -> None:
           f"transformers {theirs['decode_tps'] if theirs else float('nan'):.1f} tok/s, "
           f"{ratio}", flush=True)
 
-  conversation = _conversation(model, chat, _CONVERSATIONS.value, turns, _TURN_TOKENS.value)
+  conversation = _conversation(model, chat, _CONVERSATIONS.value, turns, _TURN_TOKENS.value,
+                               param_dtype)
 
   print()
   print(f"Decode, SmolLM2-135M-Instruct, {new_tokens} new tokens per row at temperature 1; "
-        f"ours {_DTYPE.value}, transformers {_HF_DTYPE.value} "
+        f"ours {_DTYPE.value} matmuls on {_PARAM_DTYPE.value} weights and cache, "
+        f"transformers {_HF_DTYPE.value} "
         f"({hf.threads if hf else '-'} torch thread(s)); load average {load}.")
   print()
   print("| batch | ours decode tok/s | transformers decode tok/s | ratio | ours prefill s "
-        "| ours end-to-end tok/s | transformers end-to-end tok/s | ours GFLOP/s | of bf16 peak |")
-  print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        "| ours end-to-end tok/s | transformers end-to-end tok/s | ours GFLOP/s | of bf16 peak "
+        "| of f32 peak |")
+  print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   for batch, ours, theirs, flops in rows:
     hf_decode = f"{theirs['decode_tps']:.1f}" if theirs else "-"
     hf_total = f"{theirs['total_tps']:.1f}" if theirs else "-"
     ratio = f"{ours['decode_tps'] / theirs['decode_tps']:.1f}x" if theirs else "-"
     print(f"| {batch} | {ours['decode_tps']:.1f} | {hf_decode} | {ratio} | "
           f"{ours['prefill_s']:.2f} | {ours['total_tps']:.1f} | {hf_total} | "
-          f"{flops / 1e9:.1f} | {flops / peak:.0%} |")
+          f"{flops / 1e9:.1f} | {flops / peak:.0%} | {flops / f32_peak:.0%} |")
   print()
   print(f"Multi-turn, {_CONVERSATIONS.value} conversations x {turns} turns of "
         f"{_TURN_TOKENS.value} sampled tokens + a 10-40 token observation "
@@ -290,7 +317,8 @@ def main(argv: Sequence[str]) -> None:
   print(f"| {conversation['live_s']:.1f} | {conversation['reprefill_s']:.1f} | "
         f"{conversation['reprefill_s'] / conversation['live_s']:.1f}x | "
         f"{conversation['tokens_equal']:.0%} |")
-  print(f"\nbf16 matmul peak {peak / 1e9:.1f} GFLOP/s; load average at end "
+  print(f"\nmatmul peaks: bf16 {peak / 1e9:.1f}, f32 {f32_peak / 1e9:.1f} GFLOP/s; "
+        f"load average at end "
         f"{', '.join(f'{value:.1f}' for value in os.getloadavg())}")
 
 
