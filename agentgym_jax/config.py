@@ -234,6 +234,9 @@ def local(c: ml_collections.ConfigDict) -> None:
   """The embedded SmolLM2-135M-Instruct on a CPU workstation: small batches, short replies."""
   c.steps = 20
   c.model.name = "smollm2-135m-instruct"
+  # f32 matmuls: a CPU without AMX or AVX512-BF16 runs bf16 matmuls 1.5-3x slower than f32
+  # (benchmarks/train_step.py prints both peaks); on one with AMX, pass model.dtype=bfloat16.
+  c.model.dtype = "float32"
   # Full remat: without it the backward pass keeps every layer's [rows, heads, T, T] attention
   # probabilities, tens of GB at 2048 tokens.
   c.model.remat = "full"
