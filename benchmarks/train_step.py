@@ -1,6 +1,6 @@
 """The RL training step on SmolLM2-135M-Instruct: ours (JAX) against PyTorch + transformers.
 
-  python benchmarks/train_step.py                       # batch 8 x 512 tokens, bf16 and f32
+  python benchmarks/train_step.py                       # batch 8 x 512 tokens, f32, remat=dots
   python benchmarks/train_step.py --quick               # batch 2 x 128, a few minutes
   python benchmarks/train_step.py --remat=none,full,dots --dtypes=bfloat16
 
@@ -69,12 +69,18 @@ from agentgym_jax.models import weights
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Registry name or HF directory.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Rows per step (--quick: 2).")
 _LENGTH = flags.DEFINE_integer("length", 512, "Tokens per row (--quick: 128).")
-_DTYPES = flags.DEFINE_list("dtypes", ["bfloat16", "float32"], "Our matmul dtypes.")
+_DTYPES = flags.DEFINE_list(
+    "dtypes", ["float32"],
+    "Our matmul dtypes (add bfloat16 on a CPU with AMX or AVX512-BF16; the header prints both "
+    "matmul peaks).")
 _TORCH_DTYPES = flags.DEFINE_list(
     "torch_dtypes", ["float32"],
     "PyTorch's dtypes (bfloat16 autocast is ~50x slower than f32 on CPUs without AVX512-BF16; "
     "the header prints both of torch's matmul rates).")
-_REMAT = flags.DEFINE_list("remat", ["none"], "Our remat policies to measure: none,full,dots.")
+_REMAT = flags.DEFINE_list(
+    "remat", ["dots"],
+    "Our remat policies to measure: none,full,dots (none keeps every layer's attention "
+    "probabilities: over 24 GB at the default batch).")
 _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per variant (--quick: 2).")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed steps per variant.")
 _LOGPROB_CHUNK = flags.DEFINE_integer("logprob_chunk", 512, "Positions per log-prob chunk.")
