@@ -1,6 +1,6 @@
 """The RL training step on SmolLM2-135M-Instruct: ours (JAX) against PyTorch + transformers.
 
-  python benchmarks/train_step.py                       # batch 8 x 512 tokens, f32, remat=dots
+  python benchmarks/train_step.py                       # batch 8 x 512 tokens, f32, remat=full
   python benchmarks/train_step.py --quick               # batch 2 x 128, a few minutes
   python benchmarks/train_step.py --remat=none,full,dots --dtypes=bfloat16
 
@@ -78,9 +78,9 @@ _TORCH_DTYPES = flags.DEFINE_list(
     "PyTorch's dtypes (bfloat16 autocast is ~50x slower than f32 on CPUs without AVX512-BF16; "
     "the header prints both of torch's matmul rates).")
 _REMAT = flags.DEFINE_list(
-    "remat", ["dots"],
+    "remat", ["full"],
     "Our remat policies to measure: none,full,dots (none keeps every layer's attention "
-    "probabilities: over 24 GB at the default batch).")
+    "probabilities: over 24 GB at the default batch; dots over 14 GB).")
 _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per variant (--quick: 2).")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed steps per variant.")
 _LOGPROB_CHUNK = flags.DEFINE_integer("logprob_chunk", 512, "Positions per log-prob chunk.")
