@@ -33,9 +33,11 @@ def evaluate(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
                                 sampling=sampling, max_context=max_context,
                                 key=jax.random.fold_in(key, start))
     trajectories.extend(played)
-  categories = {task_id: str(pool.task_info(task_id).get("category", "all"))
-                for task_id in task_ids}
-  return summarize(trajectories, categories), trajectories
+  return summarize(trajectories, task_categories(pool, task_ids)), trajectories
+
+
+def task_categories(pool: EnvPool, task_ids: Sequence[int]) -> dict[int, str]:
+  return {task_id: str(pool.task_info(task_id).get("category", "all")) for task_id in task_ids}
 
 
 def summarize(trajectories: Sequence[rollout.Trajectory],

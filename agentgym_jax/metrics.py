@@ -8,7 +8,9 @@ Files under a run's workdir:
   tensorboard/                  the same scalars as TensorBoard events (tensorboardX)
   trajectories/step_000012.jsonl  one JSON object per trajectory of step 12, each with "step"
 
-Only process 0 writes; on other hosts the writers accept calls and do nothing.
+Only process 0 writes. On other hosts the trajectory writer accepts calls and does nothing;
+the metrics writer fetches each row at once into `latest` (so that every process can act on
+the same values, e.g. stop on the same step) and writes no file.
 
 Device values stay on the device until one `jax.device_get` per logged row fetches them all.
 With `defer_fetch=True` (the default) a row is fetched when the *next* row arrives (or on
@@ -130,6 +132,16 @@ def _to_host_scalar(value: Any) -> int | float | bool | None:
   return value
 
 
+def _host_row(step: int, metrics: Mapping[str, Any]) -> dict[str, int | float | bool | None]:
+  """A row's values fetched in one transfer, as JSON scalars (non-finite ones as None)."""
+  values = {key: _to_host_scalar(value) for key, value in jax.device_get(dict(metrics)).items()}
+  non_finite = sorted(key for key, value in values.items() if value is None)
+  if non_finite:
+    logging.warning("Non-finite metrics at step %d (logged as null): %s", step,
+                    ", ".join(non_finite))
+  return values
+
+
 class MetricsWriter:
   """Appends scalar metrics per step to metrics.jsonl and TensorBoard.
 
@@ -152,7 +164,8 @@ class MetricsWriter:
     self._pending: tuple[int, float, dict[str, Any]] | None = None
     self._file: TextIO | None = None
     self._tensorboard = None
-    if not _is_writer_process():
+    self._writes = _is_writer_process()
+    if not self._writes:
       return
     os.makedirs(self.workdir, exist_ok=True)
     if resume_step is not None:
@@ -177,6 +190,9 @@ class MetricsWriter:
       if not is_number or np.ndim(value) != 0:
         raise ValueError(f"Metric {key!r} at step {step} must be a scalar, got "
                          f"{type(value).__name__} of shape {np.shape(value)}.")
+    if not self._writes:
+      self.latest = {"step": step, "time": time.time(), **_host_row(step, metrics)}
+      return
     if self._file is None:
       return
     row = (step, time.time(), dict(metrics))
@@ -227,12 +243,7 @@ class MetricsWriter:
       self._emit(*pending)
 
   def _emit(self, step: int, wall_time: float, metrics: dict[str, Any]) -> None:
-    fetched = jax.device_get(metrics)  # One transfer for the whole row.
-    values = {key: _to_host_scalar(value) for key, value in fetched.items()}
-    non_finite = sorted(key for key, value in values.items() if value is None)
-    if non_finite:
-      logging.warning("Non-finite metrics at step %d (logged as null): %s", step,
-                      ", ".join(non_finite))
+    values = _host_row(step, metrics)
     row = {"step": step, "time": wall_time, **values}
     self._file.write(json.dumps(row, allow_nan=False) + "\n")
     # One line per step is cheap to push to the OS, and a crash then loses no logged step.

@@ -21,6 +21,7 @@ import time
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from agentgym_jax.learner import Batch
@@ -111,11 +112,14 @@ class RolloutStats:
 
 def collect(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
             tasks: Sequence[tuple[int, int]], *, horizon: int, sampling: TurnSampling,
-            max_context: int, key: jax.Array) -> tuple[list[Trajectory], RolloutStats]:
+            max_context: int, key: jax.Array, first_row: int = 0
+            ) -> tuple[list[Trajectory], RolloutStats]:
   """Plays one episode per (task_id, group) in `tasks`, all at once, up to `horizon` turns.
 
   Row i of the sampler and slot i of the pool belong to trajectory i. The recorded log-probs
-  are the sampler's log q(token) under the distribution it actually drew from.
+  are the sampler's log q(token) under the distribution it actually drew from. Turn t of
+  trajectory i draws from fold_in(fold_in(key, t), first_row + i): a process playing rows
+  from `first_row` of a larger batch samples what one sampler holding every row would.
   """
   if len(tasks) > min(pool.num_slots, sampler.max_batch):
     raise ValueError(f"{len(tasks)} trajectories need as many env slots and sampler rows; "
@@ -151,8 +155,10 @@ def collect(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
     if not live.any():
       break
     start = time.perf_counter()
+    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
+        jax.random.fold_in(key, turn), first_row + jnp.arange(sampler.max_batch))
     state, output = sampler.generate(
-        state, jax.random.fold_in(key, turn), max_new_tokens=sampling.max_new_tokens,
+        state, row_keys, max_new_tokens=sampling.max_new_tokens,
         stop_ids=chat.turn_end_ids, rows=np.flatnonzero(live).tolist(),
         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
         params=params)

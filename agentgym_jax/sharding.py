@@ -48,21 +48,25 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 _RULES = dict(LOGICAL_AXIS_RULES)
 
 
-def initialize_distributed() -> None:
+def initialize_distributed(coordinator_address: str | None = None,
+                           num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
   """Joins the JAX distributed runtime on multi-host set-ups; a no-op on a single host.
 
-  Cloud TPU VM pods (and SLURM / Open MPI clusters) are detected by JAX itself; elsewhere set
-  JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID.
+  The arguments (launch/train.py's --coordinator, --num_processes, --process_id) come first,
+  then JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID; Cloud TPU VM pods (and
+  SLURM / Open MPI clusters) are detected by JAX itself. On CPU the processes' collectives run
+  over Gloo (JAX's default `jax_cpu_collectives_implementation`).
   """
   if jax.distributed.is_initialized():
     return
-  explicit = "JAX_COORDINATOR_ADDRESS" in os.environ
+  coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
   on_tpu_pod = "TPU_WORKER_HOSTNAMES" in os.environ or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ
-  if explicit:
+  if coordinator_address:
     jax.distributed.initialize(
-        coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-        num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-        process_id=int(os.environ["JAX_PROCESS_ID"]))
+        coordinator_address=coordinator_address,
+        num_processes=num_processes or int(os.environ["JAX_NUM_PROCESSES"]),
+        process_id=int(os.environ["JAX_PROCESS_ID"]) if process_id is None else process_id)
   elif on_tpu_pod:
     jax.distributed.initialize()
 

@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from agentgym_jax import checkpoint, config as config_lib, evaluation, horizon, learner, metrics
-from agentgym_jax import rollout
+from agentgym_jax import multihost, rollout
 from agentgym_jax import sharding
 from agentgym_jax.models import load_model, weights
 from agentgym_jax.sampling import Sampler
@@ -176,16 +176,22 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   sampling = rollout.TurnSampling(max_new_tokens=c.rollout.max_new_tokens,
                                   temperature=c.rollout.temperature, top_p=c.rollout.top_p,
                                   top_k=c.rollout.top_k)
-  sampler = Sampler(model, cache_slots=c.rollout.max_context, max_batch=num_rows, mesh=mesh)
+  # Each process plays its rows of the step on its own devices (all of them on one process).
+  processes = multihost.Processes.of(mesh)
+  process_rows = processes.rows(num_rows)
+  sampler = Sampler(model, cache_slots=c.rollout.max_context, max_batch=len(process_rows),
+                    mesh=processes.local_mesh)
   eval_sampling, eval_horizon = eval_settings(c, schedule)
   base_key = jax.random.key(c.seed)
   eval_key = jax.random.fold_in(base_key, 1 << 30)  # Distinct from every step's fold_in.
   history = []
-  with EnvPool(c.env.name, num_rows, options=c.env.options.to_dict(), backend=c.env.backend,
-               step_timeout_s=c.env.step_timeout) as pool:
+  with EnvPool(c.env.name, len(process_rows), options=c.env.options.to_dict(),
+               backend=c.env.backend, step_timeout_s=c.env.step_timeout) as pool:
     tasks = TaskOrder(pool.task_ids("train"), c.seed)
     progress = metrics.ProgressBar(c.steps, keys=("reward", "success", "horizon_cap"),
-                                   initial=start_step, enabled=None if c.log.progress_bar else False)
+                                   initial=start_step,
+                                   enabled=None if c.log.progress_bar and processes.index == 0
+                                   else False)
     for step in range(start_step, c.steps):
       timer = PhaseTimer()
       # 1. Rollout: B tasks x n samples, up to the current horizon cap.
@@ -194,9 +200,12 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
       group_of = [(task_id, group) for group, task_id in enumerate(step_tasks)
                   for _ in range(c.rollout.samples_per_task)]
       with timer("rollout"):
-        trajectories, rollout_stats = rollout.collect(
-            sampler, state.params, pool, chat, group_of, horizon=cap, sampling=sampling,
-            max_context=c.rollout.max_context, key=jax.random.fold_in(base_key, step))
+        played, rollout_stats = rollout.collect(
+            sampler, processes.local_copy(state.params), pool, chat,
+            group_of[process_rows.start:process_rows.stop], horizon=cap, sampling=sampling,
+            max_context=c.rollout.max_context, key=jax.random.fold_in(base_key, step),
+            first_row=process_rows.start)
+        trajectories, rollout_stats = processes.gather_rollout(played, rollout_stats)
 
       # 2. Experience: old and reference log-probs, values, advantages.
       with timer("experience"):
@@ -226,11 +235,14 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
                                    update_metrics, cap, schedule.stage(step), timer)
       if c.eval.every and done % c.eval.every == 0:
         with timer("eval"):
-          summary, _ = evaluation.evaluate(
-              sampler, state.params, pool, chat, eval_tasks(c, pool),
-              samples_per_task=c.eval.samples_per_task, horizon=eval_horizon,
-              sampling=eval_sampling, max_context=c.rollout.max_context,
-              key=jax.random.fold_in(eval_key, done), rows_per_batch=num_rows)
+          task_ids = eval_tasks(c, pool)
+          _, played = evaluation.evaluate(
+              sampler, processes.local_copy(state.params), pool, chat,
+              processes.share(task_ids), samples_per_task=c.eval.samples_per_task,
+              horizon=eval_horizon, sampling=eval_sampling, max_context=c.rollout.max_context,
+              key=jax.random.fold_in(eval_key, done), rows_per_batch=len(process_rows))
+          summary = evaluation.summarize(processes.gather(played),
+                                         evaluation.task_categories(pool, task_ids))
         step_metrics.update(eval_metrics(summary))
         step_metrics["time/eval"] = timer.seconds["eval"]
       metrics_writer.write(done, step_metrics)
@@ -247,8 +259,10 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   checkpointer.close()
   metrics_writer.close()
   if c.checkpoint.export_hf and c.steps > start_step:
-    weights.save_hf(nnx.merge(graphdef, state.params), workdir / "export")
-    tokenizer.save_pretrained(workdir / "export")
+    params = processes.local_copy(state.params)
+    if processes.index == 0:
+      weights.save_hf(nnx.merge(graphdef, params), workdir / "export")
+      tokenizer.save_pretrained(workdir / "export")
   return history
 
 

@@ -137,6 +137,17 @@ def test_resume_drops_rows_after_the_restored_step(tmp_path):
       (0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
 
 
+def test_other_processes_keep_the_latest_row_but_write_nothing(tmp_path, monkeypatch):
+  monkeypatch.setattr(metrics_lib, "_is_writer_process", lambda: False)
+  writer = MetricsWriter(tmp_path / "run", defer_fetch=True)
+  writer.write(3, {"loss": jnp.float32(0.5), "nonfinite_steps": jnp.int32(2)})
+  # Fetched at once, deferral or not, so every process can stop on the same step.
+  assert (writer.latest["step"], writer.latest["loss"], writer.latest["nonfinite_steps"]) == (
+      3, 0.5, 2)
+  writer.close()
+  assert not (tmp_path / "run").exists()
+
+
 def test_truncate_after_also_drops_a_deferred_row(tmp_path):
   with MetricsWriter(tmp_path, tensorboard=False) as writer:
     for step in range(5):
