@@ -7,7 +7,9 @@ turn caps [10, 20, 30] raised every 100 steps, 512 new tokens per turn:
   python launch/train.py --config=configs/grpo_textcraft.py --workdir=runs/grpo_textcraft
 
 Variants (comma-separated): `local` runs the embedded SmolLM2-135M-Instruct sized for a CPU
-workstation; `short` and `long` are the fixed-horizon baselines (10 and 30 turns):
+workstation; `short` and `long` are the fixed-horizon baselines (10 and 30 turns); `shallow`
+keeps only goals of crafting depth 1-2 in every split (a curriculum for small models, and the
+held-out goals of the CPU learning result in the README):
 
   python launch/train.py --config=configs/grpo_textcraft.py:local --workdir=runs/local
   python launch/train.py --config=configs/grpo_textcraft.py:long --workdir=runs/fixed30
@@ -20,4 +22,8 @@ def get_config(variant: str = ""):
   c = base_config()
   c.env.name = "textcraft"
   return apply_variants(c, variant, {"local": local, "short": fixed_horizon(10),
-                                     "long": fixed_horizon(30)})
+                                     "long": fixed_horizon(30), "shallow": shallow})
+
+
+def shallow(c):
+  c.env.options.max_depth = 2
