@@ -27,13 +27,23 @@ Done, as the package's ScienceWorldEnv.step decides: the simulator says the task
 or the score is negative, or the simulator has counted more than `step_limit` moves (100, the
 package's default and AgentGym's; unparseable actions are not moves).
 
-JVM. Each adapter owns one simulator JVM (about 150 MB), started by the first reset and kept
-for every later episode: reset reloads the task only when (task, variation) changes and
-otherwise rewinds it. Steps call the JVM directly for the observation, score, completion and
-move count; the package's step() also collects the look, the inventory and every valid action
-for its info dict, which costs several times more than the step itself. close() stops the JVM
-and its py4j threads. A py4j failure raises EnvError and discards the JVM; the next reset
-starts a fresh one.
+JVM. Each adapter owns one simulator JVM, started by the first reset and kept for every later
+episode: reset reloads the task only when (task, variation) changes and otherwise rewinds it.
+Steps call the JVM directly for the observation, score, completion and move count; the
+package's step() also collects the look, the inventory and every valid action for its info
+dict, which costs several times more than the step itself. close() stops the JVM and its py4j
+threads. A py4j failure raises EnvError and discards the JVM; the next reset starts a fresh one.
+
+JVM memory. The simulator keeps about 15-25 MB alive but allocates tens of MB per episode
+(every load and rewind rebuilds the world). The package starts the JVM with Java's defaults: a
+heap of up to a quarter of the machine's memory, which the default collector (G1) grows toward
+that limit rather than collect in place, so each JVM's resident memory rose by 20-35 MB per
+episode up to about 2 GB. We start the JVM ourselves (the package has no option for it) with the
+serial collector and a heap that starts at 64 MB and is shrunk back after collections
+(`JVM_OPTIONS`), capped at `jvm_heap_mb`: a JVM then stays at about 160 MB over any number of
+episodes. The cap is for generating gold paths, which needs far more than episodes
+(test-conductivity: over 192 MB); a JVM out of memory exits, and the call raises EnvError like
+any other simulator failure.
 """
 
 from __future__ import annotations
@@ -44,8 +54,9 @@ import re
 import subprocess
 from typing import Any, Iterator, Sequence
 
-import scienceworld
+from py4j.java_gateway import GatewayParameters, JavaGateway, launch_gateway
 from py4j.protocol import Py4JError
+from scienceworld.constants import BASEPATH, JAR_PATH
 
 from environments.base import EnvError, StepResult
 from environments.sciworld import tasks as tasks_lib
@@ -56,6 +67,11 @@ logging.getLogger("py4j").setLevel(logging.WARNING)
 INVALID_ACTION = "No known action matches that input."
 FULL_SCORE = 100
 DEFAULT_STEP_LIMIT = 100
+DEFAULT_JVM_HEAP_MB = 512
+# The serial collector (one thread; several JVMs share few cores) on a heap that starts small and
+# is given back after collections, keeping 20-40 % of it free; see "JVM memory" above.
+JVM_OPTIONS = ("-XX:+UseSerialGC", "-Xms64m", "-XX:MinHeapFreeRatio=20",
+               "-XX:MaxHeapFreeRatio=40", "-XX:+ExitOnOutOfMemoryError")
 # How long close() lets the JVM exit after the gateway shuts down before killing it.
 _JVM_EXIT_GRACE_S = 10.0
 
@@ -122,20 +138,33 @@ def parse_action(reply: str) -> str | None:
 
 
 class _Simulator:
-  """One ScienceWorld JVM: the few calls an episode needs, and a close that always ends it."""
+  """One ScienceWorld JVM: the few calls an episode needs, and a close that always ends it.
 
-  def __init__(self):
-    self._package_env = scienceworld.ScienceWorldEnv()
-    # The package's close() asks the JVM to exit but does not wait for it; close() does.
-    self._java_process: subprocess.Popen = self._package_env._gateway.java_process
-    self._server = self._package_env.server
+  It talks to the simulator's Python interface as the package's ScienceWorldEnv does, without
+  the callback server (the simulator never calls Python) and with our JVM options.
+  """
+
+  def __init__(self, heap_mb: int):
+    # die_on_exit: the JVM exits when its stdin closes, so it cannot outlive this process.
+    port, self._java_process = launch_gateway(
+        classpath=JAR_PATH, javaopts=[*JVM_OPTIONS, f"-Xmx{heap_mb}m"], die_on_exit=True,
+        cwd=BASEPATH, return_proc=True)
+    try:
+      self._gateway = JavaGateway(gateway_parameters=GatewayParameters(port=port),
+                                  java_process=self._java_process)
+      self._server = self._gateway.jvm.scienceworld.runtime.pythonapi.PythonInterface()
+    except Exception:
+      self._stop_java()
+      raise
 
   @property
   def pid(self) -> int:
     return self._java_process.pid
 
   def load(self, task_name: str, variation: int, gold_path: bool = False) -> None:
-    self._package_env.load(task_name, variation, generateGoldPath=gold_path)
+    error = self._server.load(task_name, variation, "", gold_path)
+    if error:
+      raise EnvError(f"the simulator could not load {task_name} variation {variation}: {error}")
 
   def rewind(self) -> None:
     """Back to the start of the loaded task and variation."""
@@ -154,10 +183,13 @@ class _Simulator:
     return list(self._server.getGoldActionSequence())
 
   def close(self) -> None:
-    try:
-      self._package_env.close()
-    except Py4JError:
-      pass  # the JVM is already gone; the process checks below still reap or kill it
+    self._gateway.shutdown()  # never raises; a JVM already gone is fine
+    self._stop_java()
+
+  def _stop_java(self) -> None:
+    """Closes the JVM's stdin (it exits, see die_on_exit), waits for it, kills it if need be."""
+    with contextlib.suppress(OSError):
+      self._java_process.stdin.close()
     try:
       self._java_process.wait(timeout=_JVM_EXIT_GRACE_S)
     except subprocess.TimeoutExpired:
@@ -170,10 +202,15 @@ class SciWorldEnv:
 
   name = "sciworld"
 
-  def __init__(self, step_limit: int = DEFAULT_STEP_LIMIT):
-    if isinstance(step_limit, bool) or not isinstance(step_limit, int) or step_limit < 1:
-      raise ValueError(f"step_limit must be a positive int, got {step_limit!r}")
+  def __init__(self, step_limit: int = DEFAULT_STEP_LIMIT,
+               jvm_heap_mb: int = DEFAULT_JVM_HEAP_MB):
+    """Args: step_limit, the moves an episode may take; jvm_heap_mb, the simulator's heap cap
+    (see "JVM memory" in the module docstring; at least 64)."""
+    for name, value, least in (("step_limit", step_limit, 1), ("jvm_heap_mb", jvm_heap_mb, 64)):
+      if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     self.step_limit = step_limit
+    self.jvm_heap_mb = jvm_heap_mb
     self._simulator: _Simulator | None = None
     self._loaded: tuple[str, int] | None = None  # (task name, variation) in the simulator
     self._score = 0
@@ -256,7 +293,7 @@ class SciWorldEnv:
       raise RuntimeError("this SciWorldEnv is closed; make a new one")
     if self._simulator is None:
       try:
-        self._simulator = _Simulator()
+        self._simulator = _Simulator(self.jvm_heap_mb)
       except Exception as e:  # OSError without `java`; py4j raises plain Exceptions.
         raise EnvError(f"could not start the ScienceWorld JVM (is Java installed?): {e}") from e
     return self._simulator
