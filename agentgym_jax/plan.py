@@ -1,4 +1,4 @@
-"""Per-device memory of a policy's RL update step on a mesh, planned from abstract arrays only.
+"""Per-device memory of a policy's RL update step and sampler on a mesh, from abstract arrays.
 
 No weights are read and no device memory is allocated: parameters, optimizer state and the batch
 are `jax.ShapeDtypeStruct`s carrying their `NamedSharding`s, so a 7B plan for an 8-chip mesh runs
@@ -21,6 +21,19 @@ params and optimizer are exact: they follow from the shardings alone. temp is th
 compiler's schedule of the same SPMD program; a TPU's differs (other fusions and layouts), so
 read it as an estimate. The compiled step's argument bytes are checked against params +
 optimizer + batch, which catches a sharding the compiler did not honour.
+
+The sampler (`--sampler_mesh`) is planned the same way: the two programs `Sampler` compiles,
+prefill (appending `--prefill` tokens to every row, attending to `--prefill_window` cache slots,
+by default all) and decode (`--max_new_tokens` per row, attending to the whole cache) on a
+[rows, cache_slots] KV cache:
+
+  python -m agentgym_jax.plan --sampler_mesh=1,4,1 --rows=64 --cache_slots=10240
+
+  cache       the KV cache's shard, exact: layers x rows x kv heads x slots x head_dim x 2 (keys
+              and values) in the model's matmul dtype
+  peak        params + cache + the larger of the two programs' scratch and fresh outputs
+
+`--devices=N` builds N virtual CPU devices (default: as many as the largest mesh needs).
 """
 
 from __future__ import annotations
@@ -40,9 +53,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from agentgym_jax import sharding
+from agentgym_jax import sampling, sharding
 from agentgym_jax.models import weights
 from agentgym_jax.models.config import ModelConfig
+from agentgym_jax.models.decoder import KVCache
 from agentgym_jax.rl.losses import chunked_token_logprobs_and_entropy
 
 # Hugging Face config.json fields of models planned without their checkpoint on disk.
@@ -230,6 +244,97 @@ def plan(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *, dtype: Any = 
   return MemoryPlan(**figures)
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplerPlan:
+  """Per-device bytes of the sampler; the program fields are None when it was not compiled."""
+
+  mesh_shape: tuple[int, int, int]
+  rows: int
+  cache_slots: int
+  param_bytes: int
+  cache_bytes: int
+  prefill_bytes: int | None = None  # Scratch plus fresh outputs of one prefill call.
+  decode_bytes: int | None = None  # Scratch plus fresh outputs of one decode call.
+  compile_seconds: float | None = None
+
+  @property
+  def peak_bytes(self) -> int | None:
+    if self.prefill_bytes is None:
+      return None
+    return self.param_bytes + self.cache_bytes + max(self.prefill_bytes, self.decode_bytes)
+
+
+def abstract_sampler_state(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int,
+                           cache_dtype: Any) -> sampling.SamplerState:
+  """A sampler's state (KV cache and last hidden states) as sharded ShapeDtypeStructs."""
+  state = jax.eval_shape(lambda: sampling.SamplerState(
+      cache=KVCache.zeros(config, rows, cache_slots, cache_dtype),
+      hidden=jnp.zeros((rows, config.hidden_size), jnp.float32)))
+  place = lambda x, axes: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=sharding.named_sharding(mesh, axes, x.shape))
+  cache = state.cache
+  return sampling.SamplerState(
+      cache=cache.replace(k=place(cache.k, KVCache.AXES), v=place(cache.v, KVCache.AXES),
+                          lengths=place(cache.lengths, ("batch",))),
+      hidden=place(state.hidden, ("batch", "activation_embed")))
+
+
+def lower_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, *,
+                  prefill_tokens: int, max_new_tokens: int, prefill_window: int | None = None,
+                  dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32
+                  ) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
+  """The sampler's prefill and decode programs, as `Sampler` jits them, on abstract inputs.
+
+  Decode reads the whole cache (window = cache_slots), the most a call of a rollout reads;
+  prefill reads `prefill_window` slots (default: all), e.g. the first prompt's own bucket.
+  """
+  graphdef, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype,
+                                     remat="none")
+  state = abstract_sampler_state(config, mesh, rows, cache_slots, dtype)
+  per_row = lambda *shape: jax.ShapeDtypeStruct(
+      (rows,) + shape, jnp.int32,
+      sharding=sharding.named_sharding(mesh, ("batch",) + (None,) * len(shape), (rows,) + shape))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), rows))
+  keys = jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=replicated)
+  stop_ids = jax.ShapeDtypeStruct((sampling.MAX_STOP_IDS,), jnp.int32, sharding=replicated)
+  # The functions Sampler compiles, with its static arguments and donated state.
+  prefill = jax.jit(functools.partial(sampling._prefill, graphdef), static_argnames=("window",),
+                    donate_argnums=(1,))
+  decode = jax.jit(functools.partial(sampling._decode, graphdef),
+                   static_argnames=("window", "width", "sampling"), donate_argnums=(1,))
+  with jax.set_mesh(mesh):
+    return (prefill.lower(params, state, per_row(prefill_tokens), per_row(),
+                          window=prefill_window or cache_slots),
+            decode.lower(params, state, keys, per_row(), stop_ids, window=cache_slots,
+                         width=max_new_tokens, sampling=sampling.SamplingParams()))
+
+
+def plan_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, *,
+                 prefill_tokens: int = 1024, max_new_tokens: int = 512,
+                 prefill_window: int | None = None, dtype: Any = jnp.bfloat16,
+                 param_dtype: Any = jnp.float32, compile: bool = True) -> SamplerPlan:
+  """Per-device memory of the sampler; compiles prefill and decode unless `compile` is False."""
+  _, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype)
+  state = abstract_sampler_state(config, mesh, rows, cache_slots, dtype)
+  figures = dict(mesh_shape=tuple(mesh.shape[a] for a in sharding.MESH_AXES), rows=rows,
+                 cache_slots=cache_slots, param_bytes=device_bytes(params),
+                 cache_bytes=device_bytes((state.cache.k, state.cache.v)))
+  if compile:
+    start = time.perf_counter()
+    programs = [lowered.compile() for lowered in lower_sampler(
+        config, mesh, rows, cache_slots, prefill_tokens=prefill_tokens,
+        max_new_tokens=max_new_tokens, prefill_window=prefill_window, dtype=dtype,
+        param_dtype=param_dtype)]
+    figures["compile_seconds"] = time.perf_counter() - start
+    stats = [program.memory_analysis() for program in programs]
+    if None not in stats:
+      prefill, decode = (s.temp_size_in_bytes + s.output_size_in_bytes - s.alias_size_in_bytes
+                         for s in stats)
+      figures.update(prefill_bytes=prefill, decode_bytes=decode)
+  return SamplerPlan(**figures)
+
+
 def format_table(model: str, plans: Sequence[MemoryPlan]) -> str:
   """A fixed-width table, one row per mesh layout, sizes in GiB per device."""
   gib = lambda n: "-" if n is None else f"{n / 2**30:.2f}"
@@ -241,6 +346,21 @@ def format_table(model: str, plans: Sequence[MemoryPlan]) -> str:
     compile_seconds = "-" if p.compile_seconds is None else f"{p.compile_seconds:.0f}"
     lines.append(f"{','.join(map(str, p.mesh_shape)):>13} {f'{p.batch} x {p.seq}':>12} "
                  f"{gib(p.param_bytes):>8} {gib(p.optimizer_bytes):>9} {gib(p.temp_bytes):>8} "
+                 f"{gib(p.peak_bytes):>8} {compile_seconds:>9}")
+  return "\n".join(lines)
+
+
+def format_sampler_table(model: str, plans: Sequence[SamplerPlan]) -> str:
+  """A fixed-width table of sampler plans, one row per mesh layout, GiB per device."""
+  gib = lambda n: "-" if n is None else f"{n / 2**30:.2f}"
+  header = (f"{'mesh (d,f,t)':>13} {'rows x slots':>13} {'params':>8} {'kv cache':>8} "
+            f"{'prefill':>8} {'decode':>8} {'peak':>8} {'compile s':>9}")
+  lines = [f"{model} sampler: GiB per device", header, "-" * len(header)]
+  for p in plans:
+    compile_seconds = "-" if p.compile_seconds is None else f"{p.compile_seconds:.0f}"
+    lines.append(f"{','.join(map(str, p.mesh_shape)):>13} "
+                 f"{f'{p.rows} x {p.cache_slots}':>13} {gib(p.param_bytes):>8} "
+                 f"{gib(p.cache_bytes):>8} {gib(p.prefill_bytes):>8} {gib(p.decode_bytes):>8} "
                  f"{gib(p.peak_bytes):>8} {compile_seconds:>9}")
   return "\n".join(lines)
 
@@ -262,7 +382,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--model", default="qwen2.5-7b-instruct",
                       help=f"one of {sorted(HF_CONFIGS)}, or a checkpoint dir / config.json")
   parser.add_argument("--mesh", type=_mesh_shape, action="append",
-                      help="data,fsdp,tensor (repeatable; default 1,8,1 and 1,4,2)")
+                      help="data,fsdp,tensor of an update step (repeatable; default 1,8,1 and "
+                           "1,4,2 unless only samplers are planned)")
   parser.add_argument("--batch", type=int, default=8, help="sequences per step (global)")
   parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
   parser.add_argument("--dtype", default="bfloat16", help="matmul input dtype")
@@ -270,27 +391,50 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--remat", default="full", choices=["none", "full", "dots"])
   parser.add_argument("--logits_chunk", type=int, default=1024,
                       help="tokens per chunk of the vocabulary projection in the loss")
+  parser.add_argument("--sampler_mesh", type=_mesh_shape, action="append",
+                      help="data,fsdp,tensor of a sampler (repeatable)")
+  parser.add_argument("--rows", type=int, default=256, help="sampler rows (episodes at once)")
+  parser.add_argument("--cache_slots", type=int, default=10240, help="KV-cache slots per row")
+  parser.add_argument("--prefill", type=int, default=1024, help="tokens appended per prefill")
+  parser.add_argument("--prefill_window", type=int,
+                      help="cache slots a prefill attends to (default: all of them)")
+  parser.add_argument("--max_new_tokens", type=int, default=512, help="tokens per decode call")
+  parser.add_argument("--devices", type=int,
+                      help="virtual CPU devices (default: as many as the largest mesh needs)")
   parser.add_argument("--no_compile", action="store_true",
-                      help="only the exact figures (params, optimizer), without compiling")
+                      help="only the exact figures (params, optimizer, cache), without compiling")
   args = parser.parse_args(argv)
-  meshes = args.mesh or [(1, 8, 1), (1, 4, 2)]
+  sampler_meshes = args.sampler_mesh or []
+  meshes = args.mesh or ([] if sampler_meshes else [(1, 8, 1), (1, 4, 2)])
   try:
-    # The mesh is made of virtual CPU devices, as many as the largest mesh needs.
-    jax.config.update("jax_num_cpu_devices", max(math.prod(shape) for shape in meshes))
+    # The mesh is made of virtual CPU devices.
+    jax.config.update("jax_num_cpu_devices", args.devices or max(
+        math.prod(shape) for shape in meshes + sampler_meshes))
   except RuntimeError:
     pass  # A backend already runs (e.g. under pytest): plan with the devices it has.
   devices = jax.devices("cpu")
   config = model_config(args.model)
-  plans = []
-  for shape in meshes:
+  dtypes = dict(dtype=jnp.dtype(args.dtype), param_dtype=jnp.dtype(args.param_dtype))
+
+  def make_mesh(shape):
     if math.prod(shape) > len(devices):
       raise SystemExit(f"mesh {shape} needs {math.prod(shape)} devices; this process has "
                        f"{len(devices)} CPU devices (is XLA_FLAGS forcing a device count?)")
-    mesh = sharding.make_mesh(*shape, devices=devices[:math.prod(shape)])
-    plans.append(plan(config, mesh, args.batch, args.seq, dtype=jnp.dtype(args.dtype),
-                      param_dtype=jnp.dtype(args.param_dtype), remat=args.remat,
-                      logits_chunk=args.logits_chunk, compile=not args.no_compile))
-  print(format_table(args.model, plans))
+    return sharding.make_mesh(*shape, devices=devices[:math.prod(shape)])
+
+  tables = []
+  if meshes:
+    tables.append(format_table(args.model, [
+        plan(config, make_mesh(shape), args.batch, args.seq, remat=args.remat,
+             logits_chunk=args.logits_chunk, compile=not args.no_compile, **dtypes)
+        for shape in meshes]))
+  if sampler_meshes:
+    tables.append(format_sampler_table(args.model, [
+        plan_sampler(config, make_mesh(shape), args.rows, args.cache_slots,
+                     prefill_tokens=args.prefill, max_new_tokens=args.max_new_tokens,
+                     prefill_window=args.prefill_window, compile=not args.no_compile, **dtypes)
+        for shape in sampler_meshes]))
+  print("\n\n".join(tables))
 
 
 if __name__ == "__main__":

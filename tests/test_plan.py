@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from agentgym_jax import plan, sharding
+from agentgym_jax.models.config import ModelConfig
 
 QWEN_7B = plan.model_config("qwen2.5-7b-instruct")
 # Replicated on every device: the RMSNorm weights (2 per layer + the final one) ...
@@ -82,3 +83,42 @@ def test_cli_rejects_meshes_it_cannot_build():
     plan.main(["--mesh=1,8"])
   with pytest.raises(FileNotFoundError, match=r"neither a planned model"):
     plan.model_config("qwen9-1t")
+
+
+# A 2-layer Qwen2 with the 7B's structure (GQA, q/k/v biases): compiles in seconds.
+SMALL = ModelConfig.from_hf({**plan.HF_CONFIGS["qwen2.5-7b-instruct"], "vocab_size": 1024,
+                             "hidden_size": 256, "intermediate_size": 512,
+                             "num_hidden_layers": 2, "num_attention_heads": 4,
+                             "num_key_value_heads": 2})
+
+
+def test_sampler_plan_holds_the_cache_shard_and_updates_it_in_place():
+  mesh = sharding.make_mesh(2, 2, 2)
+  memory = plan.plan_sampler(SMALL, mesh, rows=8, cache_slots=256, prefill_tokens=32,
+                             max_new_tokens=16)
+  # Keys and values: 2 layers x 8 rows x 2 kv heads x 256 slots x 64 head_dim, bf16 bits; rows
+  # split over data x fsdp (4-way), kv heads over tensor (2-way).
+  assert memory.cache_bytes == 2 * (2 * 8 * 2 * 256 * 64 * 2) // 8
+  assert memory.param_bytes == plan.plan(SMALL, mesh, 8, 32, compile=False).param_bytes
+  assert memory.peak_bytes == (memory.param_bytes + memory.cache_bytes
+                               + max(memory.prefill_bytes, memory.decode_bytes))
+  prefill, decode = (lowered.compile().memory_analysis() for lowered in plan.lower_sampler(
+      SMALL, mesh, 8, 256, prefill_tokens=32, max_new_tokens=16))
+  # The donated state comes back in place: the cache is never copied.
+  assert prefill.alias_size_in_bytes == decode.alias_size_in_bytes > memory.cache_bytes
+  # Both take the planned shards of the parameters and the state: the cache, 2 rows' lengths
+  # and f32 hidden states [2, 256]. Decode adds 8 keys (64 B), 2 budgets and 8 stop ids (32 B).
+  # Prefill never reads the lm_head (f32 [256, 1024] split 4-way: 262144 B), so jit drops it,
+  # and adds a [2, 32] shard of tokens and 2 counts.
+  state_bytes = memory.cache_bytes + 2 * 4 + 2 * 256 * 4
+  assert decode.argument_size_in_bytes == memory.param_bytes + state_bytes + 64 + 2 * 4 + 32
+  assert prefill.argument_size_in_bytes == (memory.param_bytes - 262144 + state_bytes
+                                            + 2 * 32 * 4 + 2 * 4)
+
+
+def test_cli_plans_a_sampler_on_the_requested_devices(capsys):
+  plan.main(["--sampler_mesh=1,4,1", "--rows=64", "--cache_slots=10240", "--no_compile"])
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0] == "qwen2.5-7b-instruct sampler: GiB per device"
+  # 28 layers x 64 rows x 4 kv heads x 10240 slots x 128 x 2 B x 2 (k, v) / 4 = 8.75 GiB.
+  assert lines[3].split()[:6] == ["1,4,1", "64", "x", "10240", "7.09", "8.75"]

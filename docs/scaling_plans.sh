@@ -1,0 +1,33 @@
+#!/bin/bash
+# Regenerates the tables of docs/scaling.md: Qwen2.5-7B-Instruct's update step and sampler
+# compiled on abstract arrays over virtual CPU devices (python -m agentgym_jax.plan).
+# Per-device figures depend on the mesh, not on the chip, so the 16-device tables serve both
+# v4-32 and v5e-16, and the 4-device sampler tables both v5p-8 (all 256 rows on its one host)
+# and one 4-chip host of a pod (its 64 rows).
+set -e
+plan() {
+  local devices=$1
+  shift
+  echo "\$ XLA_FLAGS=--xla_force_host_platform_device_count=$devices python -m agentgym_jax.plan $*"
+  XLA_FLAGS=--xla_force_host_platform_device_count=$devices \
+      python -m agentgym_jax.plan "$@" 2>/dev/null
+  echo
+}
+cd "$(dirname "$0")/.."
+# Update step: one optimizer step on a micro-batch of 10,240-token rows, full remat.
+plan 4 --mesh=1,4,1 --mesh=1,2,2 --mesh=1,1,4 --batch=4 --seq=10240
+plan 4 --mesh=1,4,1 --batch=8 --seq=10240
+plan 4 --mesh=1,4,1 --batch=4 --seq=10240 --remat=dots
+plan 16 --mesh=1,16,1 --batch=16 --seq=10240
+plan 16 --mesh=1,4,4 --mesh=4,1,4 --batch=4 --seq=10240
+plan 16 --mesh=1,4,4 --mesh=1,8,2 --batch=8 --seq=10240
+plan 16 --mesh=1,4,4 --batch=4 --seq=4096
+plan 16 --mesh=1,4,4 --batch=8 --seq=4096
+# Sampler: an observation append (64 tokens against the whole cache), the first prompt (1024
+# tokens against its own 1024 slots) and decode (512 tokens against the whole cache).
+plan 4 --sampler_mesh=1,4,1 --sampler_mesh=1,1,4 --rows=256 --cache_slots=10240 --prefill=64
+plan 4 --sampler_mesh=1,4,1 --rows=256 --cache_slots=10240 --prefill=1024 --prefill_window=1024
+plan 4 --sampler_mesh=1,4,1 --sampler_mesh=1,1,4 --rows=64 --cache_slots=10240 --prefill=64
+plan 4 --sampler_mesh=1,1,4 --rows=64 --cache_slots=10240 --prefill=1024 --prefill_window=1024
+plan 4 --sampler_mesh=1,1,4 --rows=64 --cache_slots=4096 --prefill=64
+plan 4 --sampler_mesh=1,1,4 --rows=64 --cache_slots=4096 --prefill=1024 --prefill_window=1024
