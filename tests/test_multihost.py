@@ -6,6 +6,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -21,9 +22,9 @@ STEPS = 3
 # process plays 2 tasks on 2 devices, and the mesh's fsdp axis (4 devices) spans both processes,
 # so the sampler's copy of the policy is gathered.
 SETTINGS = [f"--config.steps={STEPS}", "--config.env.options.turns=1", "--config.horizon.turns=1",
-            "--config.rollout.tasks_per_step=4",
-            "--config.rollout.samples_per_task=4", "--config.mesh.fsdp=-1",
-            f"--config.checkpoint.every={STEPS}", "--config.log.trajectories=True"]
+            "--config.rollout.tasks_per_step=4", "--config.rollout.samples_per_task=4",
+            "--config.mesh.fsdp=-1", f"--config.checkpoint.every={STEPS}",
+            "--config.log.trajectories=True"]
 TIMEOUT_S = 300
 
 
@@ -38,28 +39,33 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(workdir: pathlib.Path, checkpoint_dir: str, devices: int, *flags: str):
+def _launch(name: str, workdir: pathlib.Path, checkpoint_dir: str, devices: int, *flags: str
+            ) -> tuple[subprocess.Popen, pathlib.Path]:
+  """Starts launch/train.py; returns the process and the file that gets its stderr."""
   command = [sys.executable, str(REPO / "launch" / "train.py"),
              f"--config={REPO / 'configs' / 'ablation_echo.py'}:long", f"--workdir={workdir}",
              f"--config.model.name={checkpoint_dir}", *SETTINGS, *flags]
   env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-  return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True)
+  log = workdir.parent / f"{name}.stderr"
+  with open(log, "w") as stderr:
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr), log
 
 
-def _wait(processes: list[subprocess.Popen]) -> list[str]:
-  """Each process's stderr; a process still running after TIMEOUT_S fails the test (a hang)."""
-  errors = []
-  try:
-    for process in processes:
-      errors.append(process.communicate(timeout=TIMEOUT_S)[1])
-  except subprocess.TimeoutExpired:
-    for process in processes:
-      process.kill()
-    pytest.fail(f"a training process did not finish within {TIMEOUT_S} s")
-  for process, stderr in zip(processes, errors):
-    assert process.returncode == 0, stderr[-3000:]
-  return errors
+def _wait(runs: list[tuple[subprocess.Popen, pathlib.Path]]) -> None:
+  """Waits for every run. One that fails, or a run still going after TIMEOUT_S (a hang in a
+  collective), stops them all and fails the test with that run's stderr."""
+  deadline = time.monotonic() + TIMEOUT_S
+  while any(process.poll() is None for process, _ in runs):
+    failed = [log for process, log in runs if process.poll() not in (None, 0)]
+    if failed or time.monotonic() > deadline:
+      for process, _ in runs:
+        process.kill()
+      log = failed[0] if failed else runs[0][1]
+      reason = "failed" if failed else f"was still running after {TIMEOUT_S} s"
+      pytest.fail(f"{log.stem} {reason}:\n{log.read_text()[-3000:]}")
+    time.sleep(0.5)
+  for process, log in runs:
+    assert process.returncode == 0, f"{log.stem} failed:\n{log.read_text()[-3000:]}"
 
 
 def _final_state(workdir: pathlib.Path) -> dict[str, np.ndarray]:
@@ -77,10 +83,10 @@ def _final_state(workdir: pathlib.Path) -> dict[str, np.ndarray]:
 
 def test_two_processes_train_as_one_process(checkpoint_dir, tmp_path):
   port = _free_port()
-  two = [_launch(tmp_path / "two", checkpoint_dir, 2, f"--coordinator=localhost:{port}",
-                 "--num_processes=2", f"--process_id={i}") for i in range(2)]
-  one = _launch(tmp_path / "one", checkpoint_dir, 4)
-  _wait(two + [one])
+  two = [_launch(f"process_{i}", tmp_path / "two", checkpoint_dir, 2,
+                 f"--coordinator=localhost:{port}", "--num_processes=2", f"--process_id={i}")
+         for i in range(2)]
+  _wait(two + [_launch("single", tmp_path / "one", checkpoint_dir, 4)])
 
   single, multi = metrics.read_metrics(tmp_path / "one"), metrics.read_metrics(tmp_path / "two")
   assert [row["step"] for row in multi] == [row["step"] for row in single] == [1, 2, 3]
