@@ -21,10 +21,9 @@ STEPS = 3
 # One-turn echo episodes, which a random policy sometimes gets right; 4 tasks x 4 samples. Each
 # process plays 2 tasks on 2 devices, and the mesh's fsdp axis (4 devices) spans both processes,
 # so the sampler's copy of the policy is gathered.
-SETTINGS = [f"--config.steps={STEPS}", "--config.env.options.turns=1", "--config.horizon.turns=1",
+SETTINGS = ["--config.env.options.turns=1", "--config.horizon.turns=1",
             "--config.rollout.tasks_per_step=4", "--config.rollout.samples_per_task=4",
-            "--config.mesh.fsdp=-1", f"--config.checkpoint.every={STEPS}",
-            "--config.log.trajectories=True"]
+            "--config.mesh.fsdp=-1", "--config.log.trajectories=True"]
 TIMEOUT_S = 300
 
 
@@ -51,6 +50,15 @@ def _launch(name: str, workdir: pathlib.Path, checkpoint_dir: str, devices: int,
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr), log
 
 
+def _two_processes(workdir: pathlib.Path, checkpoint_dir: str, *flags: str
+                   ) -> list[tuple[subprocess.Popen, pathlib.Path]]:
+  """launch/train.py as processes 0 and 1 of one run, 2 devices each."""
+  port = _free_port()
+  return [_launch(f"{workdir.name}_process_{i}", workdir, checkpoint_dir, 2, *flags,
+                  f"--coordinator=localhost:{port}", "--num_processes=2", f"--process_id={i}")
+          for i in range(2)]
+
+
 def _wait(runs: list[tuple[subprocess.Popen, pathlib.Path]]) -> None:
   """Waits for every run. One that fails, or a run still going after TIMEOUT_S (a hang in a
   collective), stops them all and fails the test with that run's stderr."""
@@ -69,7 +77,7 @@ def _wait(runs: list[tuple[subprocess.Popen, pathlib.Path]]) -> None:
 
 
 def _final_state(workdir: pathlib.Path) -> dict[str, np.ndarray]:
-  """The last checkpoint's arrays by path, read onto this process's one device."""
+  """The step-STEPS checkpoint's arrays by path, read onto this process's one device."""
   path = workdir / "checkpoints" / str(STEPS) / "state"
   with ocp.StandardCheckpointer() as checkpointer:
     stored = checkpointer.metadata(path).item_metadata.tree
@@ -81,12 +89,17 @@ def _final_state(workdir: pathlib.Path) -> dict[str, np.ndarray]:
   return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
 
 
+def _assert_same_parameters(workdir: pathlib.Path, reference: pathlib.Path) -> None:
+  state, expected = _final_state(workdir), _final_state(reference)
+  assert state.keys() == expected.keys()
+  for name in expected:
+    np.testing.assert_allclose(state[name], expected[name], rtol=0, atol=1e-5, err_msg=name)
+
+
 def test_two_processes_train_as_one_process(checkpoint_dir, tmp_path):
-  port = _free_port()
-  two = [_launch(f"process_{i}", tmp_path / "two", checkpoint_dir, 2,
-                 f"--coordinator=localhost:{port}", "--num_processes=2", f"--process_id={i}")
-         for i in range(2)]
-  _wait(two + [_launch("single", tmp_path / "one", checkpoint_dir, 4)])
+  flags = [f"--config.steps={STEPS}", f"--config.checkpoint.every={STEPS}"]
+  _wait(_two_processes(tmp_path / "two", checkpoint_dir, *flags)
+        + [_launch("one", tmp_path / "one", checkpoint_dir, 4, *flags)])
 
   single, multi = metrics.read_metrics(tmp_path / "one"), metrics.read_metrics(tmp_path / "two")
   assert [row["step"] for row in multi] == [row["step"] for row in single] == [1, 2, 3]
@@ -104,8 +117,22 @@ def test_two_processes_train_as_one_process(checkpoint_dir, tmp_path):
     assert conversations(tmp_path / "two") == conversations(tmp_path / "one")
     assert len(conversations(tmp_path / "two")) == 16
 
-  one_state, two_state = _final_state(tmp_path / "one"), _final_state(tmp_path / "two")
-  assert one_state.keys() == two_state.keys()
-  for name in one_state:
-    np.testing.assert_allclose(two_state[name], one_state[name], rtol=0, atol=1e-5,
-                               err_msg=name)
+  _assert_same_parameters(tmp_path / "two", tmp_path / "one")
+
+
+@pytest.mark.slow
+def test_two_processes_resume_from_their_checkpoint_and_export(checkpoint_dir, tmp_path):
+  # Both processes write every step's checkpoint (Orbax, each its own shards); the run stops
+  # after step 2, is resumed to step 3, and ends where an uninterrupted 1-process run does.
+  flags = ["--config.checkpoint.every=1", "--config.checkpoint.export_hf=True"]
+  _wait(_two_processes(tmp_path / "two", checkpoint_dir, "--config.steps=2", *flags)
+        + [_launch("one", tmp_path / "one", checkpoint_dir, 4, f"--config.steps={STEPS}",
+                   *flags)])
+  _wait(_two_processes(tmp_path / "two", checkpoint_dir, f"--config.steps={STEPS}", *flags))
+
+  resumed, straight = metrics.read_metrics(tmp_path / "two"), metrics.read_metrics(tmp_path / "one")
+  assert [row["step"] for row in resumed] == [1, 2, 3]
+  np.testing.assert_allclose(resumed[-1]["grad_norm"], straight[-1]["grad_norm"], rtol=1e-5)
+  _assert_same_parameters(tmp_path / "two", tmp_path / "one")
+  assert sorted(p.name for p in (tmp_path / "two" / "export").iterdir()) == sorted(
+      p.name for p in (tmp_path / "one" / "export").iterdir())
