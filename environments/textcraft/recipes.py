@@ -46,6 +46,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import threading
 from typing import Iterable, Sequence
 
 import minecraft_data
@@ -55,6 +56,7 @@ MINECRAFT_VERSION = "1.16.5"
 # A slot with at least this many alternatives is a Minecraft item tag (see the module docstring).
 _MIN_GENERIC_MEMBERS = 4
 _LOG_KINDS = frozenset({"log", "wood", "stem", "hyphae"})
+_LOAD_LOCK = threading.Lock()  # see RecipeBook.load
 
 
 def display_name(item: str) -> str:
@@ -141,9 +143,18 @@ class RecipeBook:
     self.uses = dict(uses)
 
   @classmethod
-  @functools.cache
   def load(cls) -> RecipeBook:
-    """The recipe book of Minecraft `MINECRAFT_VERSION` (cached)."""
+    """The recipe book of Minecraft `MINECRAFT_VERSION`, built once per process.
+
+    Threads asking while it is built (a pool or a server making many adapters at once) wait
+    for that build rather than each reading all of minecraft-data again.
+    """
+    with _LOAD_LOCK:
+      return cls._build()
+
+  @classmethod
+  @functools.cache
+  def _build(cls) -> RecipeBook:
     variants = _load_variants()
     recipes, generics = [], {}
     for output in sorted(variants):
