@@ -45,26 +45,22 @@ import dataclasses
 import functools
 import json
 import os
-import pathlib
 import platform
 import random
 import re
 import resource
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from absl import app
 from absl import flags
 
 import environments
 from environments.base import StepResult
+from environments.http.served import serve_in_subprocess
 from environments.pool import EnvPool
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 ENVS = ("textcraft", "babyai", "sciworld", "searchqa")
 
 _ENVS = flags.DEFINE_list("envs", list(ENVS), f"Environments to measure, from {ENVS}.")
@@ -329,53 +325,13 @@ def play_http(plan: Plan) -> Measurement:
   """Plays through an env served by a subprocess."""
   measurement = Measurement(plan.env, "http", slots=plan.slots_for("http"))
   start = time.perf_counter()
-  with _served(plan.env, max_envs=measurement.slots) as url:
+  with serve_in_subprocess(plan.env, start_timeout_s=_SERVER_START_TIMEOUT_S,
+                           max_envs=measurement.slots) as served:
     measurement.server_start_s = time.perf_counter() - start
-    options = {"base_url": url, "env": plan.env, "timeout_s": _RESET_TIMEOUT_S}
+    options = {"base_url": served.url, "env": plan.env, "timeout_s": _RESET_TIMEOUT_S}
     with EnvPool("http", measurement.slots, options=options,
                  reset_timeout_s=_RESET_TIMEOUT_S) as pool:
       return play(plan, pool, measurement)
-
-
-def _free_port() -> int:
-  with socket.socket() as probe:
-    probe.bind(("127.0.0.1", 0))
-    return probe.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _served(env: str, max_envs: int) -> Iterator[str]:
-  """Runs launch/serve_env.py for `env` in a subprocess; yields its URL once it answers."""
-  port = _free_port()
-  url = f"http://127.0.0.1:{port}"
-  command = [sys.executable, str(REPO / "launch" / "serve_env.py"), f"--env={env}",
-             f"--port={port}", f"--max_envs={max_envs}"]
-  python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-  server = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": python_path},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-  try:
-    deadline = time.monotonic() + _SERVER_START_TIMEOUT_S
-    while True:
-      if server.poll() is not None:
-        raise RuntimeError(f"{' '.join(command)} exited with code {server.returncode}:\n"
-                           f"{server.stderr.read()}")
-      try:
-        with urllib.request.urlopen(url + "/", timeout=1.0):
-          break
-      except OSError:
-        if time.monotonic() > deadline:
-          raise RuntimeError(f"{' '.join(command)} did not answer within "
-                             f"{_SERVER_START_TIMEOUT_S} s") from None
-        time.sleep(0.05)
-    yield url
-  finally:
-    server.terminate()  # serve_env.py closes every hosted env on SIGTERM.
-    try:
-      server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-      server.kill()
-      server.wait()
-    server.stderr.close()
 
 
 # The run.

@@ -7,13 +7,16 @@ import socket
 import threading
 import time
 
+import psutil
 import pytest
 
 import environments
 from environments import EnvError
 from environments.http import AgentGymClient, AgentGymServer, extract_action
 from environments.http.endpoint import Endpoint
+from environments.http.served import free_port, serve_in_subprocess
 from environments.pool import EnvPool
+from environments.textcraft import TextCraftEnv, solve
 import toy_env
 
 
@@ -147,6 +150,8 @@ _UNKNOWN = 987654321987
     ("GET", "/step", None, None, 405, "/step takes POST, not GET"),
     ("DELETE", "/create", None, None, 405, "/create takes POST"),
     ("POST", "/step", "2000 BYTES", None, 413, "2000 bytes is over the limit of 1024"),
+    # Larger than the socket buffers: the client is still sending when the server answers.
+    ("POST", "/step", "8 MIB", None, 413, "8388608 bytes is over the limit of 1024"),
     ("POST", "/step", b"5\r\nhello\r\n0\r\n\r\n", {"Transfer-Encoding": "chunked"}, 411,
      "chunked"),
     ("POST", "/step", b"{}", {"Content-Length": "-3"}, 400, "bad Content-Length"),
@@ -157,6 +162,8 @@ def test_bad_requests_get_json_4xx_answers(shared_server, method, path, body, he
     body = {**body, "id": shared_server.fresh_id}
   elif body == "2000 BYTES":
     body = b"x" * 2000
+  elif body == "8 MIB":
+    body = b"x" * (8 << 20)
   got_status, payload = _request(shared_server.port, method, path, body, headers)
   assert got_status == status, payload
   assert message in payload["error"], payload
@@ -223,6 +230,149 @@ def test_concurrent_clients_never_mix_up_states(server):
   assert server.num_envs() == 0
 
 
+# Many clients at once against launch/serve_env.py serving TextCraft.
+
+_LOAD_REPLY = "Thought: the plan says so.\n\nAction: {}"
+# What the junk client sends while the players play, and the answer each must get; the server
+# is started with a body limit of _LOAD_BODY_LIMIT bytes.
+_LOAD_BODY_LIMIT = 4096
+_JUNK_REQUESTS = (
+    ("POST", "/step", b'{"id": 1, "action": ', 400, "malformed JSON"),
+    ("POST", "/step", b'{"id": "1", "action": "inventory"}', 400, "'id' must be an integer"),
+    ("POST", "/reset", b'{"id": 1, "data_idx": [3]}', 400, "'data_idx' must be an integer"),
+    ("POST", "/step", b'{"id": 987654321987, "action": "inventory"}', 404, "unknown env id"),
+    ("POST", "/step", b"x" * (2 * _LOAD_BODY_LIMIT), 413, "over the limit"),
+)
+
+
+def _play_oracle_episodes(url, client_index, num_clients, num_steps, task_ids):
+  """One client's `num_steps` steps of TextCraft episodes played by the oracle's plan.
+
+  Client i plays tasks i, i + num_clients, ... so that no two clients play the same task at
+  once; every answer must equal what an in-process TextCraftEnv answers to the same replies,
+  and every episode played to the end of its plan must be solved. Returns the episodes solved.
+  """
+  remote = AgentGymClient(url, "textcraft", timeout_s=60.0)
+  local = TextCraftEnv()
+  steps = solved = episode = 0
+  try:
+    while steps < num_steps:
+      task_id = task_ids[(client_index + num_clients * episode) % len(task_ids)]
+      episode += 1
+      first = remote.reset(task_id)
+      assert first == local.reset(task_id), (client_index, task_id)
+      for action in solve(first):
+        if steps == num_steps:  # The budget ends this episode early.
+          return solved
+        got, expected = remote.step(_LOAD_REPLY.format(action)), local.step(
+            _LOAD_REPLY.format(action))
+        steps += 1
+        assert (got.observation, got.reward, got.done) == (
+            expected.observation, expected.reward, expected.done), (client_index, task_id, action)
+      assert got.done and got.reward == 1.0 and got.info["success"], (client_index, task_id)
+      solved += 1
+    return solved
+  finally:
+    remote.close()
+
+
+def _send_junk_until(port, stop, answers):
+  """Sends _JUNK_REQUESTS round after round until `stop`, on one keep-alive connection (opened
+  again after the server closes it); records (request index, status, error) of every answer."""
+  connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+  try:
+    while not stop.is_set():
+      for index, (method, path, body, _, _) in enumerate(_JUNK_REQUESTS):
+        connection.request(method, path, body=body)
+        response = connection.getresponse()
+        answers.append((index, response.status, json.loads(response.read()).get("error", "")))
+        if response.getheader("Connection", "").lower() == "close":
+          connection.close()  # The next request connects again.
+  finally:
+    connection.close()
+
+
+def _load_round(served, num_clients, num_steps, task_ids):
+  """Runs the clients (and the junk client) once; returns the server's peak threads and fds."""
+  server = psutil.Process(served.pid)
+  outcomes, failures, junk_answers, peaks = {}, [], [], {"threads": 0, "fds": 0}
+  stop = threading.Event()
+
+  def run(name, function, *args):
+    try:
+      outcomes[name] = function(*args)
+    except Exception as e:  # Reported below; an assert in a thread would be lost.
+      failures.append((name, e))
+
+  def watch():
+    while not stop.wait(0.05):
+      peaks["threads"] = max(peaks["threads"], server.num_threads())
+      peaks["fds"] = max(peaks["fds"], server.num_fds())
+
+  players = [threading.Thread(target=run, args=(i, _play_oracle_episodes, served.url, i,
+                                                num_clients, num_steps, task_ids))
+             for i in range(num_clients)]
+  helpers = [threading.Thread(target=watch),
+             threading.Thread(target=run, args=("junk", _send_junk_until, served.port, stop,
+                                                junk_answers))]
+  for thread in players + helpers:
+    thread.start()
+  for thread in players:
+    thread.join(timeout=120)
+  stop.set()
+  for thread in helpers:
+    thread.join(timeout=30)
+  assert not any(thread.is_alive() for thread in players + helpers)
+  assert not failures, failures[:3]
+  solved = [outcomes[i] for i in range(num_clients)]
+  assert min(solved) >= 1, solved
+  # Every junk request got its own 4xx answer, never another's, never a 200 or a 5xx.
+  assert {index for index, _, _ in junk_answers} == set(range(len(_JUNK_REQUESTS)))
+  for index, status, error in junk_answers:
+    _, _, _, expected_status, expected_message = _JUNK_REQUESTS[index]
+    assert status == expected_status and expected_message in error, (index, status, error)
+  return peaks
+
+
+def _server_resources(served):
+  server = psutil.Process(served.pid)
+  return {"threads": server.num_threads(), "fds": server.num_fds(),
+          "rss_mb": server.memory_info().rss / 2**20}
+
+
+def _check_load(num_clients, num_steps, rounds):
+  """`rounds` rounds of num_clients x num_steps against launch/serve_env.py: every answer
+  right, and the server's threads and fds back to idle after each round. Returns the server's
+  resident memory (MB) after each round."""
+  task_ids = TextCraftEnv().task_ids("train")
+  with serve_in_subprocess("textcraft", max_body_bytes=_LOAD_BODY_LIMIT) as served:
+    assert _request(served.port, "GET", "/")[1]["envs"] == 0
+    idle = _server_resources(served)
+    rss_after_rounds = []
+    for _ in range(rounds):
+      peaks = _load_round(served, num_clients, num_steps, task_ids)
+      # One handler thread and one socket per connection: one per player, the junk client's
+      # (two while a refused one closes), and a few spare for connections still closing.
+      assert peaks["threads"] <= idle["threads"] + num_clients + 6, (peaks, idle)
+      assert peaks["fds"] <= idle["fds"] + num_clients + 6, (peaks, idle)
+      # Every client closed its env and its connection: the server is back to idle.
+      assert _request(served.port, "GET", "/")[1]["envs"] == 0
+      assert _wait_until(lambda: _server_resources(served)["threads"] <= idle["threads"]), (
+          _server_resources(served), idle)
+      assert _wait_until(lambda: _server_resources(served)["fds"] <= idle["fds"]), (
+          _server_resources(served), idle)
+      rss_after_rounds.append(_server_resources(served)["rss_mb"])
+  return rss_after_rounds
+
+
+@pytest.mark.parametrize("num_steps", [60, pytest.param(200, marks=pytest.mark.slow)])
+def test_32_clients_at_once_get_their_own_answers_and_leave_nothing_behind(num_steps):
+  """32 clients x num_steps steps, twice (~8 s for 60 steps, ~17 s for 200 on 2 cores)."""
+  rss_after_rounds = _check_load(num_clients=32, num_steps=num_steps, rounds=2)
+  # The second round plays the same episodes as the first: it must not need more memory.
+  assert rss_after_rounds[1] - rss_after_rounds[0] < 8.0, rss_after_rounds
+
+
 def test_idle_envs_are_closed_and_a_reset_recreates_them():
   with AgentGymServer("toy", idle_timeout_s=0.3) as server:
     client = AgentGymClient(server.url, "toy")
@@ -251,14 +401,8 @@ def test_the_server_holds_at_most_max_envs():
     third.close()
 
 
-def _free_port():
-  with socket.socket() as probe:
-    probe.bind(("127.0.0.1", 0))
-    return probe.getsockname()[1]
-
-
 def test_the_client_rides_out_a_server_restart():
-  port = _free_port()
+  port = free_port()
   client = AgentGymClient(f"http://127.0.0.1:{port}", "toy", retries=8, backoff_s=0.05)
   servers = []
 
@@ -299,7 +443,7 @@ def test_the_client_rides_out_a_server_restart():
 
 
 def test_an_unreachable_server_is_a_clear_error():
-  url = f"http://127.0.0.1:{_free_port()}"
+  url = f"http://127.0.0.1:{free_port()}"
   client = AgentGymClient(url, "toy", retries=2, backoff_s=0.01)
   with pytest.raises(EnvError, match=rf"{url} POST /create failed after 3 attempts.*connect"):
     client.reset(0)

@@ -38,6 +38,11 @@ from environments import base
 from environments.base import Env, StepResult
 from environments.http import protocol
 
+# After refusing a body unread (411, 413, a bad length), how long and how much of it the server
+# still reads and discards before closing; see _Handler._drain_refused_body.
+_DRAIN_S = 2.0
+_DRAIN_BYTES = 64 << 20
+
 
 class HTTPError(Exception):
   """An error answer: an HTTP status and a message, plus a machine-readable code."""
@@ -442,6 +447,9 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
   """A threading HTTP server that tracks open connections so shutdown can drop them."""
 
   daemon_threads = True
+  # socketserver's listen backlog of 5 overflows when many clients connect at once (every
+  # worker of a pool at start-up), and the kernel then resets connections it could not queue.
+  request_queue_size = socket.SOMAXCONN
 
   def __init__(self, address: tuple[str, int], app: AgentGymServer):
     self.app = app
@@ -507,6 +515,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     except HTTPError as e:
       self.close_connection = True  # The unread body would be taken for the next request.
       self._send_json(e.status, {"error": e.message, "code": e.code})
+      self._drain_refused_body()
       return
     status, payload = self.server.app.handle(method, self.path, body)
     self._send_json(status, payload)
@@ -529,6 +538,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       raise HTTPError(413, f"request body of {length} bytes is over the limit of {limit}",
                       "too_large")
     return self.rfile.read(length)
+
+  def _drain_refused_body(self) -> None:
+    """Reads and drops what the client still sends after a refusal, so that it gets the answer.
+
+    A socket closed with unread data resets the connection, and a client still sending its
+    body (http.client sends it all before reading) then fails with a broken pipe instead of
+    reading our 4xx. So: stop sending, then read until the client closes, for at most
+    _DRAIN_S seconds and _DRAIN_BYTES bytes.
+    """
+    deadline = time.monotonic() + _DRAIN_S
+    drained = 0
+    with contextlib.suppress(OSError):  # Reset by the client, or timed out: done either way.
+      self.connection.shutdown(socket.SHUT_WR)
+      while drained < _DRAIN_BYTES and (left_s := deadline - time.monotonic()) > 0:
+        self.connection.settimeout(left_s)
+        chunk = self.connection.recv(1 << 16)
+        if not chunk:
+          break
+        drained += len(chunk)
 
   def _send_json(self, status: int, payload: Any) -> None:
     data = json.dumps(payload, default=str).encode()
