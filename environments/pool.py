@@ -24,8 +24,10 @@ adapter and exits if the call ever returns, as a daemon thread it does not block
 process backend kills the hung child's whole process group, so helper processes the adapter
 started (a JVM) die with it.
 
-A pool's calls run one at a time on a coordinator thread, in the order they were made, so
-`step_async` may be called again before the last future resolved.
+A pool's calls run on coordinator threads: calls that share a slot run one after another, in
+the order they were made, and calls on disjoint slots run at the same time. So `step_async` may
+be called again before the last future resolved, and the batches of two groups of slots (a
+pipelined rollout's) overlap each other.
 """
 
 from __future__ import annotations
@@ -118,8 +120,12 @@ class EnvPool:
     self._running = [False] * num_slots  # whether the slot's episode is in progress
     self._instruction: str | None = None
     self._closed = False
+    # A batch waits for the earlier batches on its slots (FIFO: they were dequeued first, so
+    # waiting never deadlocks); one thread per slot lets disjoint batches all run at once.
     self._coordinator = concurrent.futures.ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix="envpool-coordinator")
+        max_workers=num_slots, thread_name_prefix="envpool-coordinator")
+    self._last_call: dict[int, concurrent.futures.Future] = {}
+    self._submit_lock = threading.Lock()
 
   # Batches.
 
@@ -139,7 +145,7 @@ class EnvPool:
     StepResult(observation, 0.0, False, {}); a failed reset gives a done result with
     info["termination"] set, as a failed step does.
     """
-    return self._submit(self._reset_batch, list(requests))
+    return self._submit([slot for slot, _ in requests], self._reset_batch, list(requests))
 
   def step_async(self, requests: Sequence[tuple[int, str]]
                  ) -> concurrent.futures.Future[list[StepResult]]:
@@ -149,7 +155,7 @@ class EnvPool:
     pair, in request order; bad requests (unknown or repeated slots, a slot without an episode)
     raise ValueError from `future.result()`.
     """
-    return self._submit(self._step_batch, list(requests))
+    return self._submit([slot for slot, _ in requests], self._step_batch, list(requests))
 
   # What an adapter knows without an episode (asked of slot 0's adapter).
 
@@ -190,12 +196,21 @@ class EnvPool:
   def __exit__(self, *exc_info) -> None:
     self.close()
 
-  # Internals. Everything below runs on the coordinator thread.
+  # Internals. Everything below runs on coordinator threads, one batch per slot at a time.
 
-  def _submit(self, batch: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+  def _submit(self, slots: Sequence[Any], batch: Callable[..., Any], *args: Any
+              ) -> concurrent.futures.Future:
+    """Runs batch(*args) once the earlier calls on any of `slots` have finished."""
     if self._closed:
       raise RuntimeError("EnvPool is closed")
-    return self._coordinator.submit(batch, *args)
+    # Slots outside the pool are not waited on: the batch's own checks reject them.
+    slots = {slot for slot in slots if isinstance(slot, int) and 0 <= slot < self.num_slots}
+    with self._submit_lock:
+      earlier = [self._last_call[slot] for slot in slots if slot in self._last_call]
+      future = self._coordinator.submit(_after, earlier, batch, *args)
+      for slot in slots:
+        self._last_call[slot] = future
+    return future
 
   def _ask(self, call: _Call, what: str) -> Any:
     """Runs `call` on slot 0's adapter; a failure raises EnvError (there is no episode)."""
@@ -204,7 +219,7 @@ class EnvPool:
       if failure is not None:
         raise EnvError(failure.info["error"])
       return value
-    return self._submit(ask).result()
+    return self._submit([0], ask).result()
 
   def _reset_batch(self, requests: list[tuple[int, int]]) -> list[StepResult]:
     self._check_slots(requests)
@@ -285,6 +300,12 @@ class EnvPool:
         worker.stop()
     self._running[slot] = False
     return episode_failure(termination, reason)
+
+
+def _after(earlier: Sequence[concurrent.futures.Future], batch: Callable[..., Any],
+           *args: Any) -> Any:
+  concurrent.futures.wait(earlier)
+  return batch(*args)
 
 
 class _Worker:

@@ -209,6 +209,22 @@ def test_step_async_overlaps_the_callers_work_and_keeps_call_order():
     assert second.result(timeout=5)[0].observation == "Guess 2: 8 is too high."
 
 
+def test_batches_on_disjoint_slots_run_at_once_and_a_shared_slot_waits():
+  with EnvPool("toy", num_slots=3, options={"sleep_s": 0.5}) as pool:
+    pool.reset([(0, 0), (1, 1), (2, 2)])
+    start = time.monotonic()
+    first = pool.step_async([(0, "Action: guess 9")])
+    second = pool.step_async([(1, "Action: guess 9"), (2, "Action: guess 9")])
+    third = pool.step_async([(0, "Action: guess 8")])  # Slot 0 again: after `first`.
+    second.result(timeout=5)
+    disjoint = time.monotonic() - start
+    assert third.result(timeout=5)[0].observation == "Guess 2: 8 is too high."
+    shared = time.monotonic() - start
+  # One batch after another, `second` would end after 2 x 0.5 s; beside `first`, after 0.5 s.
+  assert disjoint < 0.9, disjoint
+  assert shared >= 1.0, shared
+
+
 def test_bad_requests_raise_value_errors():
   with EnvPool("toy", num_slots=2) as pool:
     pool.reset([(0, 0)])
