@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 import ml_collections
 
 DTYPES = ("float32", "bfloat16", "float16")
+CACHE_DTYPES = ("", "bfloat16", "float32")  # "": the model's matmul dtype.
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -48,6 +49,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0  # 0: off.
   c.rollout.max_logprob_gap = 1.0  # The sampler/learner log-prob gap that stops the run.
+  # Row groups whose env steps overlap the other groups' decoding (1: no pipelining).
+  c.rollout.pipeline_groups = 1
+  c.rollout.cache_dtype = ""  # KV cache: "" (model.dtype) | bfloat16 | float32
 
   c.horizon = ml_collections.ConfigDict()
   c.horizon.kind = "stepwise"  # fixed | stepwise | linear (ScalingInter-RL)
@@ -156,6 +160,13 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
   _check(r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0")
   _check(r.max_logprob_gap > 0, f"rollout.max_logprob_gap={r.max_logprob_gap} must be > 0")
+  _check(r.pipeline_groups >= 1, f"rollout.pipeline_groups={r.pipeline_groups} must be >= 1")
+  trajectories = r.tasks_per_step * r.samples_per_task
+  _check(trajectories % r.pipeline_groups == 0,
+         f"rollout.pipeline_groups={r.pipeline_groups} does not divide the {trajectories} "
+         "trajectories per step")
+  _check(r.cache_dtype in CACHE_DTYPES,
+         f"rollout.cache_dtype={r.cache_dtype!r} is not one of {CACHE_DTYPES}")
   try:
     horizon.make_horizon_schedule(horizon_options(c))
   except (ValueError, TypeError) as error:
@@ -175,7 +186,6 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algorithm.gamma and lam must be in [0, 1]")
   _check(a.ppo_epochs >= 1, f"algorithm.ppo_epochs={a.ppo_epochs} must be >= 1")
   _check(a.num_minibatches >= 1, f"algorithm.num_minibatches={a.num_minibatches} must be >= 1")
-  trajectories = r.tasks_per_step * r.samples_per_task
   _check(trajectories % a.num_minibatches == 0,
          f"algorithm.num_minibatches={a.num_minibatches} does not divide the "
          f"{trajectories} trajectories per step")

@@ -22,8 +22,10 @@ from environments.pool import EnvPool
 def evaluate(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
              task_ids: Sequence[int], *, samples_per_task: int, horizon: int,
              sampling: rollout.TurnSampling, max_context: int, key: jax.Array,
-             rows_per_batch: int) -> tuple[dict[str, Any], list[rollout.Trajectory]]:
-  """Plays every task `samples_per_task` times; returns (summary, trajectories)."""
+             rows_per_batch: int, groups: int = 1
+             ) -> tuple[dict[str, Any], list[rollout.Trajectory]]:
+  """Plays every task `samples_per_task` times, `rows_per_batch` episodes at once in `groups`
+  pipelined groups (`rollout.collect`); returns (summary, trajectories)."""
   plays = [(task_id, index) for index, task_id in enumerate(task_ids)
            for _ in range(samples_per_task)]
   trajectories: list[rollout.Trajectory] = []
@@ -31,7 +33,8 @@ def evaluate(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
     chunk = plays[start:start + rows_per_batch]
     played, _ = rollout.collect(sampler, params, pool, chat, chunk, horizon=horizon,
                                 sampling=sampling, max_context=max_context,
-                                key=jax.random.fold_in(key, start))
+                                key=jax.random.fold_in(key, start),
+                                groups=min(groups, len(chunk)))
     trajectories.extend(played)
   return summarize(trajectories, task_categories(pool, task_ids)), trajectories
 

@@ -76,13 +76,15 @@ class Processes:
   def gather_rollout(self, trajectories: Sequence[rollout.Trajectory],
                      stats: rollout.RolloutStats
                      ) -> tuple[list[rollout.Trajectory], rollout.RolloutStats]:
-    """All processes' trajectories in row order; tokens summed, times of the slowest process."""
+    """All processes' trajectories in row order; tokens summed, times of the slowest process
+    (and the least hidden env time, so the hidden fraction is a lower bound)."""
     if self.count == 1:
       return list(trajectories), stats
     parts = all_gather_objects((list(trajectories), stats))
     every = [s for _, s in parts]
     return [t for played, _ in parts for t in played], rollout.RolloutStats(
         generate_s=max(s.generate_s for s in every), env_s=max(s.env_s for s in every),
+        env_hidden_s=min(s.env_hidden_s for s in every),
         generated_tokens=sum(s.generated_tokens for s in every))
 
   def local_copy(self, params: Any) -> Any:

@@ -53,7 +53,6 @@ from agentgym_jax import learner, metrics, offline_data, rl, sharding, trainer
 from agentgym_jax.learner import Batch
 from agentgym_jax.models import Decoder, weights
 from agentgym_jax.models.tokenizer import ChatTemplate
-from agentgym_jax.sampling import Sampler
 from environments.pool import EnvPool
 
 Array = jax.Array
@@ -282,7 +281,7 @@ def make_evaluator(c: ml_collections.ConfigDict, mesh: Mesh, model: Decoder, cha
   rows = c.rollout.tasks_per_step * c.rollout.samples_per_task
   pool = stack.enter_context(EnvPool(c.env.name, rows, options=c.env.options.to_dict(),
                                      backend=c.env.backend, step_timeout_s=c.env.step_timeout))
-  sampler = Sampler(model, cache_slots=c.rollout.max_context, max_batch=rows, mesh=mesh)
+  sampler = trainer.make_sampler(c, model, mesh, rows)
   sampling, turn_cap = trainer.eval_settings(
       c, horizon.make_horizon_schedule(config_lib.horizon_options(c)))
   task_ids = trainer.eval_tasks(c, pool)
@@ -292,7 +291,8 @@ def make_evaluator(c: ml_collections.ConfigDict, mesh: Mesh, model: Decoder, cha
     summary, _ = evaluation.evaluate(
         sampler, params, pool, chat, task_ids, samples_per_task=c.eval.samples_per_task,
         horizon=turn_cap, sampling=sampling, max_context=c.rollout.max_context,
-        key=jax.random.fold_in(key, step), rows_per_batch=rows)
+        key=jax.random.fold_in(key, step), rows_per_batch=rows,
+        groups=c.rollout.pipeline_groups)
     return trainer.eval_metrics(summary)
 
   return evaluate

@@ -15,10 +15,11 @@ the next turn would not fit the context, or when the environment fails (recorded
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,8 @@ from agentgym_jax.models.tokenizer import ChatTemplate
 from agentgym_jax.sampling import Sampler
 from environments.base import EnvError
 from environments.pool import EnvPool
+
+T = TypeVar("T")
 
 # Why a trajectory ended.
 DONE, HORIZON, CONTEXT, ENV_ERROR, ENV_TIMEOUT = (
@@ -105,107 +108,242 @@ class TurnSampling:
 
 @dataclasses.dataclass
 class RolloutStats:
+  """Where a rollout's time went, from the host's clock.
+
+  generate_s is the time the device was busy generating (from each decode call to its outputs
+  being ready), env_s the time the env pool was busy (resets and steps), env_hidden_s the part
+  of env_s during which generation was in flight too: env time that pipelining hid.
+  """
+
   generate_s: float = 0.0
   env_s: float = 0.0
+  env_hidden_s: float = 0.0
   generated_tokens: int = 0
+
+  @property
+  def env_hidden_fraction(self) -> float:
+    return self.env_hidden_s / self.env_s if self.env_s > 0 else 0.0
 
 
 def collect(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
             tasks: Sequence[tuple[int, int]], *, horizon: int, sampling: TurnSampling,
-            max_context: int, key: jax.Array, first_row: int = 0
+            max_context: int, key: jax.Array, first_row: int = 0, groups: int = 1
             ) -> tuple[list[Trajectory], RolloutStats]:
   """Plays one episode per (task_id, group) in `tasks`, all at once, up to `horizon` turns.
 
-  Row i of the sampler and slot i of the pool belong to trajectory i. The recorded log-probs
-  are the sampler's log q(token) under the distribution it actually drew from. Turn t of
-  trajectory i draws from fold_in(fold_in(key, t), first_row + i): a process playing rows
-  from `first_row` of a larger batch samples what one sampler holding every row would.
+  Trajectory i plays on slot i of the pool. The recorded log-probs are the sampler's log
+  q(token) under the distribution it actually drew from. Turn t of trajectory i draws from
+  fold_in(fold_in(key, t), first_row + i): a process playing rows from `first_row` of a larger
+  batch samples what one sampler holding every row would.
+
+  Pipelining. The trajectories are split into `groups` groups of consecutive rows, each on its
+  own state of `sampler` (which needs as many rows as the largest group). The groups take
+  turns on the host: a group dispatches its decode (JAX returns before the device finishes) and
+  hands over, so the host steps another group's environments while the device decodes. A
+  trajectory samples exactly what it would in one group; only the decode batches are smaller.
   """
-  if len(tasks) > min(pool.num_slots, sampler.max_batch):
-    raise ValueError(f"{len(tasks)} trajectories need as many env slots and sampler rows; "
-                     f"the pool has {pool.num_slots}, the sampler {sampler.max_batch}")
-  stats = RolloutStats()
+  if not 1 <= groups <= max(len(tasks), 1):
+    raise ValueError(f"groups={groups} must be in [1, {len(tasks)}] for {len(tasks)} "
+                     "trajectories")
+  group_size = -(-len(tasks) // groups)
+  if len(tasks) > pool.num_slots or group_size > sampler.max_batch:
+    raise ValueError(f"{len(tasks)} trajectories in {groups} groups need {len(tasks)} env "
+                     f"slots and {group_size} sampler rows; the pool has {pool.num_slots}, "
+                     f"the sampler {sampler.max_batch}")
   categories = {t: _category(pool, t) for t in {t for t, _ in tasks}}
   trajectories = [Trajectory(task_id=t, group=g, env=pool.env_name, category=categories[t])
                   for t, g in tasks]
-  tokenizer = chat.tokenizer
-  start = time.perf_counter()
-  first = pool.reset([(i, t.task_id) for i, t in enumerate(trajectories)])
-  stats.env_s += time.perf_counter() - start
-  instruction = pool.instruction
-  live = np.zeros(len(tasks), bool)
-  prompts: list[list[int]] = []
-  prompts: dict[int, list[int]] = {}
-  for i, (trajectory, result) in enumerate(zip(trajectories, first)):
-    if result.done:  # The environment failed to start the episode.
-      _end(trajectory, result.info.get("termination", ENV_ERROR), result.info)
-      continue
-    trajectory.messages.append({"role": "user",
-                                "content": f"{instruction}\n\n{result.observation}"})
-    prompt = chat.render(trajectory.messages, add_generation_prompt=True)
-    if len(prompt) + sampling.max_new_tokens > max_context:
-      _end(trajectory, CONTEXT, {"reason": f"prompt of {len(prompt)} tokens"})
-      continue
-    trajectory.extend(prompt, trained=False)
-    prompts[i] = prompt
-    live[i] = True
+  with _Timeline(groups) as timeline:
+    first = timeline.env(pool.reset_async([(i, t.task_id) for i, t in enumerate(trajectories)]))
+    instruction = pool.instruction
+    prompts: dict[int, list[int]] = {}
+    for i, (trajectory, result) in enumerate(zip(trajectories, first.result())):
+      if result.done:  # The environment failed to start the episode.
+        _end(trajectory, result.info.get("termination", ENV_ERROR), result.info)
+        continue
+      trajectory.messages.append({"role": "user",
+                                  "content": f"{instruction}\n\n{result.observation}"})
+      prompt = chat.render(trajectory.messages, add_generation_prompt=True)
+      if len(prompt) + sampling.max_new_tokens > max_context:
+        _end(trajectory, CONTEXT, {"reason": f"prompt of {len(prompt)} tokens"})
+        continue
+      trajectory.extend(prompt, trained=False)
+      prompts[i] = prompt
 
-  state = sampler.append(sampler.empty(), prompts, params=params)
-  for turn in range(horizon):
-    if not live.any():
-      break
-    start = time.perf_counter()
-    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
-        jax.random.fold_in(key, turn), first_row + jnp.arange(sampler.max_batch))
-    state, output = sampler.generate(
-        state, row_keys, max_new_tokens=sampling.max_new_tokens,
-        stop_ids=chat.turn_end_ids, rows=np.flatnonzero(live).tolist(),
-        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-        params=params)
-    tokens = output.token_lists()
-    logprobs = np.asarray(jax.device_get(output.sampling_logprobs))
-    stats.generate_s += time.perf_counter() - start
-    requests = []
-    for i in np.flatnonzero(live):
-      generated = tokens[i]
-      stats.generated_tokens += len(generated)
-      trajectories[i].extend(generated, trained=True, logprobs=logprobs[i, :len(generated)])
-      reply = [t for t in generated if t not in chat.turn_end_ids]
-      text = tokenizer.decode(reply, skip_special_tokens=True)
-      trajectories[i].messages.append({"role": "assistant", "content": text})
-      requests.append((int(i), text))
-    start = time.perf_counter()
-    results = pool.step(requests)
-    stats.env_s += time.perf_counter() - start
+    episodes = _Episodes(sampler, params, pool, chat, trajectories, horizon=horizon,
+                         sampling=sampling, max_context=max_context, key=key,
+                         first_row=first_row, timeline=timeline)
+    _round_robin([episodes.play(range(start, min(start + group_size, len(tasks))), prompts)
+                  for start in range(0, len(tasks), group_size)])
+  return trajectories, timeline.stats(episodes.generated_tokens)
 
-    appends: dict[int, list[int]] = {}
-    for (i, _), result in zip(requests, results):
-      trajectory = trajectories[i]
-      trajectory.turn_rewards.append(float(result.reward))
-      trajectory.info = dict(result.info)
-      if result.done:
-        termination = result.info.get("termination", DONE)
-        _end(trajectory, termination if termination in (ENV_ERROR, ENV_TIMEOUT) else DONE,
-             result.info)
-        live[i] = False
-        continue
-      if turn + 1 == horizon:
-        _end(trajectory, HORIZON, result.info)
-        live[i] = False
-        continue
-      trajectory.messages.append({"role": "user", "content": result.observation})
-      # A reply cut by the token limit has no turn end yet: close it (untrained) first.
-      closing = [] if tokens[i][-1:] == [chat.im_end_id] else [chat.im_end_id]
-      continuation = closing + chat.continuation_ids("user", result.observation)
-      if len(trajectory.tokens) + len(continuation) + sampling.max_new_tokens > max_context:
-        _end(trajectory, CONTEXT, result.info)
-        live[i] = False
-        continue
-      trajectory.extend(continuation, trained=False)
-      appends[i] = continuation
-    if appends:
-      state = sampler.append(state, appends, params=params)
-  return trajectories, stats
+
+@dataclasses.dataclass
+class _Episodes:
+  """What the groups of one `collect` call share; `play` runs one group's turns."""
+
+  sampler: Sampler
+  params: Any
+  pool: EnvPool
+  chat: ChatTemplate
+  trajectories: list[Trajectory]
+  horizon: int
+  sampling: TurnSampling
+  max_context: int
+  key: jax.Array
+  first_row: int
+  timeline: _Timeline
+  generated_tokens: int = 0
+
+  def play(self, rows: range, prompts: dict[int, list[int]]) -> Iterator[None]:
+    """Plays trajectories `rows` (sampler row i - rows.start, pool slot i) turn by turn.
+
+    Yields twice a turn, once its decode is dispatched and once its env steps are: the caller
+    runs the other groups meanwhile.
+    """
+    sampler, chat, sampling = self.sampler, self.chat, self.sampling
+    live = np.zeros(sampler.max_batch, bool)
+    first = {i - rows.start: prompt for i, prompt in prompts.items() if i in rows}
+    live[list(first)] = True
+    state = sampler.append(sampler.empty(), first, params=self.params)
+    for turn in range(self.horizon):
+      if not live.any():
+        return
+      row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
+          jax.random.fold_in(self.key, turn),
+          self.first_row + rows.start + jnp.arange(sampler.max_batch))
+      started = time.perf_counter()
+      state, output = sampler.generate(
+          state, row_keys, max_new_tokens=sampling.max_new_tokens,
+          stop_ids=chat.turn_end_ids, rows=np.flatnonzero(live).tolist(),
+          temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+          params=self.params)
+      self.timeline.device(started, output)
+      yield  # The device decodes this group while the others step their envs.
+      tokens = output.token_lists()
+      logprobs = np.asarray(jax.device_get(output.sampling_logprobs))
+      requests = []
+      for row in np.flatnonzero(live):
+        generated = tokens[row]
+        self.generated_tokens += len(generated)
+        trajectory = self.trajectories[rows.start + row]
+        trajectory.extend(generated, trained=True, logprobs=logprobs[row, :len(generated)])
+        reply = [t for t in generated if t not in chat.turn_end_ids]
+        text = chat.tokenizer.decode(reply, skip_special_tokens=True)
+        trajectory.messages.append({"role": "assistant", "content": text})
+        requests.append((rows.start + int(row), text))
+      stepped = self.timeline.env(self.pool.step_async(requests))
+      yield  # The pool steps this group's envs while the device decodes the others.
+
+      appends: dict[int, list[int]] = {}
+      for (slot, _), result in zip(requests, stepped.result()):
+        row = slot - rows.start
+        trajectory = self.trajectories[slot]
+        trajectory.turn_rewards.append(float(result.reward))
+        trajectory.info = dict(result.info)
+        if result.done:
+          termination = result.info.get("termination", DONE)
+          _end(trajectory, termination if termination in (ENV_ERROR, ENV_TIMEOUT) else DONE,
+               result.info)
+          live[row] = False
+          continue
+        if turn + 1 == self.horizon:
+          _end(trajectory, HORIZON, result.info)
+          live[row] = False
+          continue
+        trajectory.messages.append({"role": "user", "content": result.observation})
+        # A reply cut by the token limit has no turn end yet: close it (untrained) first.
+        closing = [] if tokens[row][-1:] == [chat.im_end_id] else [chat.im_end_id]
+        continuation = closing + chat.continuation_ids("user", result.observation)
+        if (len(trajectory.tokens) + len(continuation) + sampling.max_new_tokens
+            > self.max_context):
+          _end(trajectory, CONTEXT, result.info)
+          live[row] = False
+          continue
+        trajectory.extend(continuation, trained=False)
+        appends[row] = continuation
+      if appends:
+        state = sampler.append(state, appends, params=self.params)
+
+
+def _round_robin(players: list[Iterator[None]]) -> None:
+  """Advances each generator by one step in turn until every one is exhausted."""
+  finished = object()
+  while players:
+    players = [player for player in players if next(player, finished) is not finished]
+
+
+class _Timeline:
+  """When the device generated and the env pool worked during one rollout (host clock).
+
+  A decode's interval runs from its call to its outputs being ready, which a watcher thread
+  per group waits for; an env batch's from its submission to its future's completion. Time
+  queued behind other work of the same kind counts as busy: that work was running.
+  """
+
+  def __init__(self, groups: int):
+    self._watcher = concurrent.futures.ThreadPoolExecutor(
+        max_workers=groups, thread_name_prefix="rollout-timeline")
+    self._device: list[concurrent.futures.Future[tuple[float, float]]] = []
+    self._env: list[tuple[float, float]] = []
+
+  def __enter__(self) -> _Timeline:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self._watcher.shutdown(wait=True)
+
+  def device(self, started: float, output: Any) -> None:
+    self._device.append(self._watcher.submit(_ready_interval, started, output))
+
+  def env(self, future: concurrent.futures.Future[T]) -> concurrent.futures.Future[T]:
+    """Watches a pool call; wait on the returned future, which resolves once it is timed."""
+    started = time.perf_counter()
+    timed: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def finished(done: concurrent.futures.Future[T]) -> None:
+      self._env.append((started, time.perf_counter()))
+      if done.exception() is not None:
+        timed.set_exception(done.exception())
+      else:
+        timed.set_result(done.result())
+
+    future.add_done_callback(finished)
+    return timed
+
+  def stats(self, generated_tokens: int) -> RolloutStats:
+    """The busy times; call after every future it watches has resolved."""
+    device = _union([future.result() for future in self._device])
+    env = _union(self._env)
+    return RolloutStats(generate_s=_length(device), env_s=_length(env),
+                        env_hidden_s=_length(_intersection(device, env)),
+                        generated_tokens=generated_tokens)
+
+
+def _ready_interval(started: float, arrays: Any) -> tuple[float, float]:
+  jax.block_until_ready(arrays)
+  return started, time.perf_counter()
+
+
+def _union(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+  """Sorted disjoint intervals covering the same time."""
+  merged: list[tuple[float, float]] = []
+  for start, end in sorted(intervals):
+    if merged and start <= merged[-1][1]:
+      merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+    else:
+      merged.append((start, end))
+  return merged
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]
+                  ) -> list[tuple[float, float]]:
+  """The time in both of two sorted disjoint interval lists."""
+  return [(max(s, t), min(e, f)) for s, e in a for t, f in b if max(s, t) < min(e, f)]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+  return sum(end - start for start, end in intervals)
 
 
 def _category(pool: EnvPool, task_id: int) -> str:

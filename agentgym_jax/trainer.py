@@ -21,12 +21,12 @@ import numpy as np
 import optax
 from absl import logging
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentgym_jax import checkpoint, config as config_lib, evaluation, horizon, learner, metrics
 from agentgym_jax import multihost, rollout
 from agentgym_jax import sharding
-from agentgym_jax.models import load_model, weights
+from agentgym_jax.models import Decoder, load_model, weights
 from agentgym_jax.sampling import Sampler
 from environments.pool import EnvPool
 
@@ -39,6 +39,16 @@ def load_policy(c: ml_collections.ConfigDict, model_name: str | None = None):
                                 param_dtype=jnp.dtype(c.model.param_dtype),
                                 remat=c.model.remat, mesh=mesh)
   return mesh, model, tokenizer
+
+
+def make_sampler(c: ml_collections.ConfigDict, model: Decoder, mesh: Mesh | None, rows: int
+                 ) -> Sampler:
+  """The sampler for playing `rows` episodes at once: rows / rollout.pipeline_groups rows of
+  rollout.max_context slots each (every group of rows has its own state on it), the KV cache
+  in rollout.cache_dtype."""
+  return Sampler(model, cache_slots=c.rollout.max_context,
+                 max_batch=-(-rows // c.rollout.pipeline_groups),
+                 cache_dtype=c.rollout.cache_dtype or None, mesh=mesh)
 
 
 def eval_settings(c: ml_collections.ConfigDict, schedule: horizon.HorizonSchedule
@@ -179,8 +189,10 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   # Each process plays its rows of the step on its own devices (all of them on one process).
   processes = multihost.Processes.of(mesh)
   process_rows = processes.rows(num_rows)
-  sampler = Sampler(model, cache_slots=c.rollout.max_context, max_batch=len(process_rows),
-                    mesh=processes.local_mesh)
+  if len(process_rows) % c.rollout.pipeline_groups:
+    raise ValueError(f"invalid config: rollout.pipeline_groups={c.rollout.pipeline_groups} does "
+                     f"not divide the {len(process_rows)} trajectories of each process")
+  sampler = make_sampler(c, model, processes.local_mesh, len(process_rows))
   eval_sampling, eval_horizon = eval_settings(c, schedule)
   base_key = jax.random.key(c.seed)
   eval_key = jax.random.fold_in(base_key, 1 << 30)  # Distinct from every step's fold_in.
@@ -204,7 +216,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
             sampler, processes.local_copy(state.params), pool, chat,
             group_of[process_rows.start:process_rows.stop], horizon=cap, sampling=sampling,
             max_context=c.rollout.max_context, key=jax.random.fold_in(base_key, step),
-            first_row=process_rows.start)
+            first_row=process_rows.start, groups=c.rollout.pipeline_groups)
         trajectories, rollout_stats = processes.gather_rollout(played, rollout_stats)
 
       # 2. Experience: old and reference log-probs, values, advantages.
@@ -240,7 +252,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
               sampler, processes.local_copy(state.params), pool, chat,
               processes.share(task_ids), samples_per_task=c.eval.samples_per_task,
               horizon=eval_horizon, sampling=eval_sampling, max_context=c.rollout.max_context,
-              key=jax.random.fold_in(eval_key, done), rows_per_batch=len(process_rows))
+              key=jax.random.fold_in(eval_key, done), rows_per_batch=len(process_rows),
+              groups=c.rollout.pipeline_groups)
           summary = evaluation.summarize(processes.gather(played),
                                          evaluation.task_categories(pool, task_ids))
         step_metrics.update(eval_metrics(summary))
@@ -301,6 +314,8 @@ def _step_metrics(trajectories: Sequence[rollout.Trajectory], stats: rollout.Rol
       "tokens_generated": stats.generated_tokens,
       "tokens_per_s": stats.generated_tokens / max(stats.generate_s, 1e-9),
       "time/generate": stats.generate_s, "time/env": stats.env_s,
+      "time/env_hidden": stats.env_hidden_s,
+      "rollout/env_hidden_fraction": stats.env_hidden_fraction,
   }
   for reason in (rollout.DONE, rollout.HORIZON, rollout.CONTEXT, rollout.ENV_ERROR,
                  rollout.ENV_TIMEOUT):

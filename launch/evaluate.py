@@ -17,7 +17,6 @@ from ml_collections import config_flags
 
 from agentgym_jax import config as config_lib
 from agentgym_jax import evaluation, horizon, metrics, trainer
-from agentgym_jax.sampling import Sampler
 from environments.pool import EnvPool
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/).",
@@ -36,13 +35,14 @@ def main(argv):
   mesh, model, tokenizer = trainer.load_policy(c, _MODEL.value)
   schedule = horizon.make_horizon_schedule(config_lib.horizon_options(c))
   sampling, turn_cap = trainer.eval_settings(c, schedule)
-  sampler = Sampler(model, cache_slots=c.rollout.max_context, max_batch=_ROWS.value, mesh=mesh)
+  sampler = trainer.make_sampler(c, model, mesh, _ROWS.value)
   with EnvPool(c.env.name, _ROWS.value, options=c.env.options.to_dict(),
                backend=c.env.backend, step_timeout_s=c.env.step_timeout) as pool:
     summary, trajectories = evaluation.evaluate(
         sampler, sampler.params, pool, tokenizer.chat, trainer.eval_tasks(c, pool),
         samples_per_task=c.eval.samples_per_task, horizon=turn_cap, sampling=sampling,
-        max_context=c.rollout.max_context, key=jax.random.key(c.seed), rows_per_batch=_ROWS.value)
+        max_context=c.rollout.max_context, key=jax.random.key(c.seed), rows_per_batch=_ROWS.value,
+        groups=c.rollout.pipeline_groups)
   print(evaluation.format_table(summary))
   if _OUT.value:
     pathlib.Path(_OUT.value).parent.mkdir(parents=True, exist_ok=True)

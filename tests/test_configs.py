@@ -46,3 +46,18 @@ def test_paper_settings_per_environment():
 def test_unknown_variant_is_refused():
   with pytest.raises(ValueError, match="unknown config variant 'tiny'"):
     load("grpo_textcraft")("tiny")
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("pipeline_groups", 0, r"rollout.pipeline_groups=0 must be >= 1"),
+    ("pipeline_groups", 3, r"rollout.pipeline_groups=3 does not divide the 256 trajectories"),
+    ("cache_dtype", "float16", r"rollout.cache_dtype='float16' is not one of"),
+])
+def test_rollout_pipeline_and_cache_keys_are_validated(key, value, message):
+  c = load("grpo_textcraft")("")
+  c.rollout.pipeline_groups = 4
+  c.rollout.cache_dtype = "bfloat16"
+  config_lib.validate(c)
+  c.rollout[key] = value
+  with pytest.raises(ValueError, match=message):
+    config_lib.validate(c)

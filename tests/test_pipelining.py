@@ -1,0 +1,142 @@
+"""Pipelined rollouts (`rollout.collect(groups=G)`): the same episodes as one group, env steps
+of one group issued while another group's decode is in flight, env faults still per episode."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import faulty_env
+import tiny
+from agentgym_jax import rollout
+from agentgym_jax.models import load_model
+from agentgym_jax.sampling import Sampler
+from environments.pool import EnvPool
+
+ROWS = 16
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+  return load_model(str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny"))),
+                    dtype=jnp.float32)
+
+
+def play(policy, env, groups, tasks, *, horizon=4, step_timeout_s=60.0, sampler=None):
+  model, tokenizer = policy
+  sampler = sampler or Sampler(model, cache_slots=96, max_batch=len(tasks) // groups)
+  with EnvPool(env, len(tasks), step_timeout_s=step_timeout_s) as pool:
+    return rollout.collect(
+        sampler, sampler.params, pool, tokenizer.chat, tasks, horizon=horizon,
+        sampling=rollout.TurnSampling(max_new_tokens=3), max_context=96,
+        key=jax.random.key(7), first_row=5, groups=groups)
+
+
+def echo_tasks():
+  return [(100 + row // 2, row // 2) for row in range(ROWS)]  # 8 tasks x 2 samples.
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_pipelined_rollout_plays_the_same_episodes_as_one_group(policy, groups):
+  echo = functools.partial(faulty_env.FaultyEchoEnv, turns=4, num_train=8)
+  expected, _ = play(policy, echo, 1, echo_tasks())
+  played, stats = play(policy, echo, groups, echo_tasks())
+  # A random policy: some episodes end at the first wrong answer, others go on (the groups'
+  # live rows differ turn by turn).
+  assert min(t.num_turns for t in expected) == 1 and max(t.num_turns for t in expected) >= 2
+  for a, b in zip(expected, played):
+    assert b.tokens == a.tokens
+    assert b.loss_mask == a.loss_mask
+    np.testing.assert_allclose(b.sampler_logprobs, a.sampler_logprobs, atol=1e-5)
+    assert (b.turn_rewards, b.termination, b.messages) == (a.turn_rewards, a.termination,
+                                                           a.messages)
+  assert stats.generated_tokens == sum(sum(t.loss_mask) for t in played)
+  assert stats.generate_s > 0 and stats.env_s > 0
+  assert 0 <= stats.env_hidden_s <= min(stats.env_s, stats.generate_s)
+
+
+def test_groups_step_their_envs_while_another_group_decodes(policy, monkeypatch):
+  events = []
+  generate, step_async = Sampler.generate, EnvPool.step_async
+
+  def logged_generate(self, state, key, **kwargs):
+    events.append(("decode", kwargs["rows"]))
+    return generate(self, state, key, **kwargs)
+
+  def logged_step_async(self, requests):
+    events.append(("env", [slot for slot, _ in requests]))
+    return step_async(self, requests)
+
+  monkeypatch.setattr(Sampler, "generate", logged_generate)
+  monkeypatch.setattr(EnvPool, "step_async", logged_step_async)
+  echo = functools.partial(faulty_env.FaultyEchoEnv, turns=4, num_train=8)
+  play(policy, echo, 2, echo_tasks(), horizon=2)
+  # Turn 0: both groups' decodes are dispatched before either group's env steps, and group 0's
+  # envs are stepped (slots 0-7) before group 1's tokens are fetched for its own env step.
+  assert [kind for kind, _ in events[:4]] == ["decode", "decode", "env", "env"]
+  assert events[2][1] == list(range(8)) and events[3][1] == list(range(8, 16))
+  # Turn 1: group 0 decodes again (its surviving rows) before group 1's envs are waited on.
+  assert events[4][0] == "decode" and max(events[4][1]) < 8
+
+
+def test_env_faults_end_only_their_episode_under_pipelining(policy):
+  # Tasks 100..103 x 2 samples; group 0 plays tasks 100-101, group 1 tasks 102-103.
+  faulty = functools.partial(faulty_env.FaultyEchoEnv, turns=2, num_train=4, raise_tasks=(1,),
+                             hang_tasks=(2,), hang_s=3.0)
+  tasks = [(100 + row // 2, row // 2) for row in range(8)]
+  played, _ = play(policy, faulty, 2, tasks, horizon=2, step_timeout_s=1.0)
+  terminations = {task_id: {t.termination for t in played if t.task_id == task_id}
+                  for task_id in range(100, 104)}
+  assert terminations[101] == {rollout.ENV_ERROR}
+  assert terminations[102] == {rollout.ENV_TIMEOUT}
+  for task_id in (100, 103):
+    assert terminations[task_id] <= {rollout.DONE, rollout.HORIZON}, terminations
+  for t in played:
+    assert t.num_turns >= 1 and sum(t.loss_mask) >= 1
+    assert len(t.tokens) == len(t.loss_mask) == len(t.sampler_logprobs)
+
+
+def test_groups_must_fit_the_sampler_rows(policy):
+  model, _ = policy
+  sampler = Sampler(model, cache_slots=96, max_batch=4)
+  echo = functools.partial(faulty_env.FaultyEchoEnv, turns=2, num_train=8)
+  with pytest.raises(ValueError, match="need 16 env slots and 8 sampler rows"):
+    play(policy, echo, 2, echo_tasks(), sampler=sampler)
+
+
+def test_the_configured_sampler_has_a_group_of_rows_and_the_cache_dtype(policy):
+  from agentgym_jax import config as config_lib, trainer
+
+  model, _ = policy
+  c = config_lib.base_config()
+  c.rollout.max_context = 96
+  c.rollout.pipeline_groups = 2
+  c.rollout.cache_dtype = "bfloat16"
+  sampler = trainer.make_sampler(c, model, None, 16)
+  assert (sampler.max_batch, sampler.cache_slots) == (8, 96)
+  # The cache holds 16-bit values as raw bits: half the bytes of the f32 model's default.
+  assert sampler.cache_dtype == jnp.bfloat16 and sampler.empty().cache.k.dtype.itemsize == 2
+  c.rollout.cache_dtype = ""
+  default = trainer.make_sampler(c, model, None, 16)
+  assert default.cache_dtype == jnp.float32 and default.empty().cache.k.dtype.itemsize == 4
+
+
+def test_training_with_two_groups_matches_one_group(tmp_path, monkeypatch):
+  from agentgym_jax import trainer
+  from test_trainer import _single_device, echo_config
+
+  _single_device(monkeypatch)
+  c = echo_config(str(tiny.make_checkpoint(tmp_path / "tiny")), steps=2)
+  c.eval.every = 2
+  c.eval.max_tasks = 6  # 6 eval episodes in batches of the step's 64 rows: groups of 3.
+  one = trainer.train(c, tmp_path / "one")
+  c.rollout.pipeline_groups = 2
+  two = trainer.train(c, tmp_path / "two")
+  for a, b in zip(one, two):
+    for key in ("reward", "turns", "tokens_generated", "loss", "grad_norm", "eval/success"):
+      if key in a:
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert 0 <= b["rollout/env_hidden_fraction"] <= 1
+  assert "eval/success" in two[-1]
