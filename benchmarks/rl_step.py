@@ -3,14 +3,15 @@
   python benchmarks/rl_step.py                                   # SmolLM2-135M on TextCraft
   python benchmarks/rl_step.py --env=echo --model=tiny           # the test model, seconds
   python benchmarks/rl_step.py --quick                           # 2 tasks x 2 samples, 2 turns
+  python benchmarks/rl_step.py --env=echo --env_delay_ms=200     # a slow env: G=1 vs G=2
 
 Runs `trainer.train` for --steps steps of the configured size (a temporary workdir, no
 checkpoints) and reads its per-step metrics:
   rollout     time/rollout: the whole multi-turn rollout, of which
-    generate  time/generate: the sampler's decode calls (including the host fetch of tokens);
+    generate  time/generate: the device generating (each decode call until its output is ready);
     env       time/env: the env pool's reset and step calls (the rollout's env_s);
-    other     rollout - generate - env: prefills of prompts and observations, tokenizing,
-              detokenizing and bookkeeping on the host;
+    other     rollout - generate - env + hidden (the time neither was busy): prefills of
+              prompts and observations, tokenizing, detokenizing and bookkeeping on the host;
   experience  time/experience: packing and the old/reference log-probs + advantages;
   update      time/update: the optimizer steps (ppo_epochs x num_minibatches).
 "phases" is rollout + experience + update. The trainer's phase timers do not wait for the
@@ -20,11 +21,16 @@ phase (the experience's log-probs finish inside update's first call) or past the
 result of the step), the phase sum for the first step; fractions are of "step". tokens/s is generated tokens per second of
 generation (the trainer's tokens_per_s) and per second of the whole step.
 
-Overlap. The trainer runs these phases one after another: while the environment steps, the
-device idles, so 0% of env time is hidden today. The "hideable" column bounds what overlapping
-env work with device work could save: min(env, step - env), the shorter of the two sides (a
-perfect pipeline, e.g. stepping finished rows' envs while the sampler decodes other rows, or
-the next rollout's envs during this update); "step if hidden" is the step minus that.
+Overlap. Each run of --pipeline_groups (default 1 and 2, side by side in one call) trains
+with rollout.pipeline_groups = G: the step's rows are split into G groups whose env steps run
+while the other groups decode. time/generate is then the time the device was generating and
+time/env the time the pool was busy; "hidden" is the env time during which generation was in
+flight too (time/env_hidden, as a fraction of the step and of env). "hideable" bounds what a
+perfect overlap could save: min(env, step - env); "step if hidden" is the step minus that.
+--env_delay_ms makes every echo step sleep, standing in for a slow simulator or a remote env:
+on a small CPU host the env pool's threads compete with XLA's for the cores, so sleeping envs
+show the mechanism best (a CPU-bound env hides less there; on an accelerator host it would not
+compete with the device).
 
 The first step compiles every program (the sampler's prefill and decode, the learner's
 experience and update) and is reported apart; the means are over the later steps.
@@ -63,11 +69,14 @@ _TURNS = flags.DEFINE_integer("turns", 4, "Horizon: turns per episode (--quick: 
 _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per turn (--quick: 32).")
 _CONTEXT = flags.DEFINE_integer("max_context", 2048, "Tokens per trajectory.")
 _QUICK = flags.DEFINE_bool("quick", False, "A small run: 2 x 2 rollouts, 2 turns, 32 tokens.")
+_GROUPS = flags.DEFINE_list("pipeline_groups", ["1", "2"],
+                            "rollout.pipeline_groups of each run, compared side by side.")
+_ENV_DELAY_MS = flags.DEFINE_integer("env_delay_ms", 0, "Sleep per echo env step (--env=echo).")
 
 PHASES = ("rollout", "generate", "env", "other", "experience", "update")
 
 
-def make_config(model: str) -> Any:
+def make_config(model: str, groups: int) -> Any:
   c = config_lib.base_config()
   quick = _QUICK.value
   c.steps = _STEPS.value
@@ -79,12 +88,14 @@ def make_config(model: str) -> Any:
   c.env.name = _ENV.value
   if _ENV.value == "echo":
     c.env.options.turns = 2 if quick else _TURNS.value
+    c.env.options.step_delay_s = _ENV_DELAY_MS.value / 1000
   c.rollout.tasks_per_step = 2 if quick else _TASKS.value
   c.rollout.samples_per_task = 2 if quick else _SAMPLES.value
   c.rollout.max_new_tokens = 32 if quick else _NEW_TOKENS.value
   c.rollout.max_context = _CONTEXT.value
   c.horizon.kind = "fixed"
   c.horizon.turns = 2 if quick else _TURNS.value
+  c.rollout.pipeline_groups = groups
   c.algorithm.num_minibatches = 2
   c.checkpoint.every = 0
   c.checkpoint.export_hf = False
@@ -96,8 +107,8 @@ def make_config(model: str) -> Any:
 
 def phase_seconds(row: dict[str, Any]) -> dict[str, float]:
   out = {name: float(row.get(f"time/{name}", 0.0))
-         for name in ("rollout", "generate", "env", "experience", "update")}
-  out["other"] = out["rollout"] - out["generate"] - out["env"]
+         for name in ("rollout", "generate", "env", "env_hidden", "experience", "update")}
+  out["other"] = out["rollout"] - out["generate"] - out["env"] + out["env_hidden"]
   out["phases"] = out["rollout"] + out["experience"] + out["update"]
   out["step"] = out["phases"]
   return out
@@ -105,10 +116,13 @@ def phase_seconds(row: dict[str, Any]) -> dict[str, float]:
 
 def main(argv):
   del argv
+  if _ENV_DELAY_MS.value and _ENV.value != "echo":
+    raise app.UsageError("--env_delay_ms needs --env=echo")
   print("command: " + " ".join([os.path.basename(sys.executable)] + sys.argv))
   print(f"host: {platform.node()}, {os.cpu_count()} CPUs, load average "
         f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}, jax {jax.__version__} "
         f"({jax.devices()[0].platform}, {jax.device_count()} devices)")
+  means = {}
   with tempfile.TemporaryDirectory() as directory:
     model = _MODEL.value
     if model == "tiny":
@@ -116,13 +130,32 @@ def main(argv):
       import tiny  # pylint: disable=g-import-not-at-top
 
       model = str(tiny.make_checkpoint(pathlib.Path(directory) / "tiny"))
-    c = make_config(model)
-    print(f"model {_MODEL.value} ({c.model.dtype}, remat {c.model.remat}), env {c.env.name}, "
-          f"{c.rollout.tasks_per_step} tasks x {c.rollout.samples_per_task} samples, "
-          f"{c.horizon.turns} turns x {c.rollout.max_new_tokens} new tokens, "
-          f"{c.algorithm.num_minibatches} minibatches")
-    history = trainer.train(c, pathlib.Path(directory) / "run")
+    for groups in map(int, _GROUPS.value):
+      c = make_config(model, groups)
+      print(f"\nmodel {_MODEL.value} ({c.model.dtype}, remat {c.model.remat}), env {c.env.name}"
+            f"{f' sleeping {_ENV_DELAY_MS.value} ms a step' if _ENV_DELAY_MS.value else ''}, "
+            f"{c.rollout.tasks_per_step} tasks x {c.rollout.samples_per_task} samples, "
+            f"{c.horizon.turns} turns x {c.rollout.max_new_tokens} new tokens, "
+            f"{c.algorithm.num_minibatches} minibatches, pipeline_groups {groups}")
+      history = trainer.train(c, pathlib.Path(directory) / f"run_g{groups}")
+      means[groups] = print_steps(history)
 
+  print("\n| pipeline groups | step s | rollout s | generate s | env s | env hidden | "
+        "tokens/s (gen) | turns | rollout vs first |")
+  print("|" + "---|" * 9)
+  baseline = means[int(_GROUPS.value[0])][0]["rollout"]
+  for groups, (seconds, row) in means.items():
+    print(f"| {groups} | {seconds['step']:.2f} | {seconds['rollout']:.2f} | "
+          f"{seconds['generate']:.2f} | {seconds['env']:.2f} | "
+          f"{row['rollout/env_hidden_fraction']:.1%} | {row['tokens_per_s']:.0f} | "
+          f"{row['turns']:.2f} | {baseline / seconds['rollout']:.2f}x |")
+  print("\nMeans over the steps after the warm-up. env hidden: the fraction of env time spent "
+        "while the device was generating. Every run plays the same episodes (each row samples "
+        "from its own key), so gen tokens and turns agree step by step; only the timing differs.")
+
+
+def print_steps(history: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, float]]:
+  """Prints one row per step; returns the mean phase seconds and metrics after the warm-up."""
   print()
   print("| step | " + " | ".join(f"{p} s" for p in PHASES) + " | phases s | step s | env / step "
         "| hidden | hideable | step if hidden | gen tokens | tokens/s (gen) | tokens/s (step) "
@@ -139,17 +172,18 @@ def main(argv):
     print(_row(label, seconds, row))
   mean_seconds = {k: float(np.mean([s[k] for s, _ in measured])) for k in measured[0][0]}
   mean_row = {k: float(np.mean([r[k] for _, r in measured]))
-              for k in ("tokens_generated", "tokens_per_s", "turns", "reward")}
+              for k in ("tokens_generated", "tokens_per_s", "turns", "reward",
+                        "rollout/env_hidden_fraction")}
   print(_row("mean", mean_seconds, mean_row))
-  print("\nhidden: env time overlapped with device work today (the trainer is sequential); "
-        "hideable: min(env, step - env), the most a perfect overlap could hide.")
+  return mean_seconds, mean_row
 
 
 def _row(label: str, seconds: dict[str, float], row: dict[str, Any]) -> str:
   step, env = seconds["step"], seconds["env"]
   hideable = min(env, step - env)
   cells = [label] + [f"{seconds[p]:.2f}" for p in PHASES] + [
-      f"{seconds['phases']:.2f}", f"{step:.2f}", f"{env / step:.1%}", "0%", f"{hideable / step:.1%}",
+      f"{seconds['phases']:.2f}", f"{step:.2f}", f"{env / step:.1%}",
+      f"{seconds['env_hidden'] / step:.1%}", f"{hideable / step:.1%}",
       f"{step - hideable:.2f}", f"{row['tokens_generated']:.0f}", f"{row['tokens_per_s']:.0f}",
       f"{row['tokens_generated'] / step:.0f}", f"{row['turns']:.2f}", f"{row['reward']:.2f}"]
   return "| " + " | ".join(cells) + " |"
