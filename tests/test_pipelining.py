@@ -140,3 +140,15 @@ def test_training_with_two_groups_matches_one_group(tmp_path, monkeypatch):
         np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=key)
     assert 0 <= b["rollout/env_hidden_fraction"] <= 1
   assert "eval/success" in two[-1]
+
+
+def test_hidden_env_time_is_the_overlap_of_busy_intervals():
+  # Device busy [0, 2] and [1, 3] -> [0, 3]; env busy [2.5, 4] and [3.5, 5] -> [2.5, 5].
+  device = rollout._union([(1.0, 3.0), (0.0, 2.0)])
+  env = rollout._union([(3.5, 5.0), (2.5, 4.0)])
+  assert device == [(0.0, 3.0)] and env == [(2.5, 5.0)]
+  # Both busy during [2.5, 3]: 0.5 s of the 2.5 s of env time were hidden.
+  assert rollout._length(rollout._intersection(device, env)) == 0.5
+  assert rollout._length(rollout._intersection([(0.0, 1.0), (2.0, 3.0)], [(0.5, 2.5)])) == 1.0
+  assert rollout.RolloutStats(env_s=2.5, env_hidden_s=0.5).env_hidden_fraction == 0.2
+  assert rollout.RolloutStats().env_hidden_fraction == 0.0
