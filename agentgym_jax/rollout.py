@@ -217,7 +217,7 @@ class _Episodes:
           state, row_keys, max_new_tokens=sampling.max_new_tokens,
           stop_ids=chat.turn_end_ids, rows=np.flatnonzero(live).tolist(),
           temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-          params=self.params)
+          params=self.params, lengths=self._lengths(rows))
       self.timeline.device(started, output)
       yield  # The device decodes this group while the others step their envs.
       tokens = output.token_lists()
@@ -263,7 +263,17 @@ class _Episodes:
         trajectory.extend(continuation, trained=False)
         appends[row] = continuation
       if appends:
+        # Reads back this group's lengths: its decode, the last work on the state, is done.
         state = sampler.append(state, appends, params=self.params)
+
+
+  def _lengths(self, rows: range) -> np.ndarray:
+    """The tokens each sampler row holds: its trajectory's, kept token for token. Passed to
+    `generate` so that it does not wait for this group's prefill, queued behind another
+    group's decode, before it can queue its own decode."""
+    lengths = np.zeros(self.sampler.max_batch, np.int32)
+    lengths[:len(rows)] = [len(self.trajectories[i].tokens) for i in rows]
+    return lengths
 
 
 def _round_robin(players: list[Iterator[None]]) -> None:

@@ -330,7 +330,7 @@ class Sampler:
     Rows not listed, or listed with no ids, are unchanged. The new ids are prefilled in one
     call, attending to everything the rows already hold.
     """
-    lengths = self._host_lengths(state)
+    lengths = self._lengths(state, None)
     counts = np.zeros(self.max_batch, np.int32)
     for row, ids in rows_tokens.items():
       self._check_row(row)
@@ -352,7 +352,8 @@ class Sampler:
   def generate(self, state: SamplerState, key: Array, *, max_new_tokens: int,
                stop_ids: Sequence[int] = (), rows: Sequence[int] | None = None,
                temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-               params: nnx.State | None = None) -> tuple[SamplerState, SampleOutput]:
+               params: nnx.State | None = None, lengths: Sequence[int] | None = None
+               ) -> tuple[SamplerState, SampleOutput]:
     """Samples up to max_new_tokens per row, continuing each row from its live cache.
 
     Args:
@@ -363,6 +364,9 @@ class Sampler:
       rows: the rows to decode (default: every row holding tokens); others generate nothing.
       temperature, top_p, top_k: see `SamplingParams`.
       params: policy params to use instead of the sampler's own.
+      lengths: the tokens each row holds ([max_batch]), if the caller keeps count; otherwise
+        they are read back from the state, which waits for the device to finish the state's
+        pending work (so a call could not be queued behind work still running).
 
     Returns:
       The new state and a `SampleOutput` of width max_new_tokens.
@@ -372,7 +376,7 @@ class Sampler:
       raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
     if len(stop_ids) > MAX_STOP_IDS:
       raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop_ids)}")
-    lengths = self._host_lengths(state)
+    lengths = self._lengths(state, lengths)
     if rows is None:
       active = lengths > 0
     else:
@@ -404,8 +408,13 @@ class Sampler:
     if not 0 <= row < self.max_batch:
       raise ValueError(f"row {row} is outside 0..{self.max_batch - 1}")
 
-  def _host_lengths(self, state: SamplerState) -> np.ndarray:
-    return np.asarray(jax.device_get(state.cache.lengths))
+  def _lengths(self, state: SamplerState, lengths: Sequence[int] | None) -> np.ndarray:
+    if lengths is None:
+      return np.asarray(jax.device_get(state.cache.lengths))
+    lengths = np.asarray(lengths, np.int32)
+    if lengths.shape != (self.max_batch,):
+      raise ValueError(f"lengths must have {self.max_batch} entries, got shape {lengths.shape}")
+    return lengths
 
   def _window(self, end: int) -> int:
     """The attention window covering slots [0, end)."""

@@ -39,7 +39,16 @@ def echo_tasks():
 
 
 @pytest.mark.parametrize("groups", [2, 4])
-def test_pipelined_rollout_plays_the_same_episodes_as_one_group(policy, groups):
+def test_pipelined_rollout_plays_the_same_episodes_as_one_group(policy, groups, monkeypatch):
+  generate, checked = Sampler.generate, []
+
+  def checked_generate(self, state, key, **kwargs):
+    # The lengths collect keeps on the host are the ones the cache holds.
+    np.testing.assert_array_equal(kwargs["lengths"], np.asarray(state.lengths))
+    checked.append(kwargs["lengths"])
+    return generate(self, state, key, **kwargs)
+
+  monkeypatch.setattr(Sampler, "generate", checked_generate)
   echo = functools.partial(faulty_env.FaultyEchoEnv, turns=4, num_train=8)
   expected, _ = play(policy, echo, 1, echo_tasks())
   played, stats = play(policy, echo, groups, echo_tasks())
@@ -53,6 +62,7 @@ def test_pipelined_rollout_plays_the_same_episodes_as_one_group(policy, groups):
     assert (b.turn_rewards, b.termination, b.messages) == (a.turn_rewards, a.termination,
                                                            a.messages)
   assert stats.generated_tokens == sum(sum(t.loss_mask) for t in played)
+  assert len(checked) > 1 + groups  # Later turns were checked too.
   assert stats.generate_s > 0 and stats.env_s > 0
   assert 0 <= stats.env_hidden_s <= min(stats.env_s, stats.generate_s)
 

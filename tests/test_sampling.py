@@ -108,6 +108,23 @@ def test_same_key_same_output_and_another_key_another(model):
   assert (first[0] != other[0]).any()
 
 
+def test_lengths_kept_by_the_caller_replace_reading_them_back(model):
+  sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
+  prompts = _prompts([4, 6, 3])
+
+  def run(lengths):
+    _, out = sampler.generate(sampler.start(prompts), jax.random.key(3), max_new_tokens=8,
+                              lengths=lengths)
+    return np.asarray(out.tokens), np.asarray(out.logprobs), np.asarray(out.lengths)
+
+  read_back, kept = run(None), run([4, 6, 3, 0])
+  for a, b in zip(read_back, kept):
+    np.testing.assert_array_equal(a, b)
+  assert kept[2][3] == 0  # The empty row is not decoded.
+  with pytest.raises(ValueError, match="lengths must have 4 entries"):
+    run([4, 6, 3])
+
+
 def test_a_row_does_not_depend_on_the_other_rows(model):
   """Row 1 samples the same episode whatever rows 0, 2 and 3 hold, when they stop, or whether
   they are there at all."""
