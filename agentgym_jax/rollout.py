@@ -145,7 +145,7 @@ def collect(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
   if not 1 <= groups <= max(len(tasks), 1):
     raise ValueError(f"groups={groups} must be in [1, {len(tasks)}] for {len(tasks)} "
                      "trajectories")
-  group_size = -(-len(tasks) // groups)
+  group_size = max(-(-len(tasks) // groups), 1)
   if len(tasks) > pool.num_slots or group_size > sampler.max_batch:
     raise ValueError(f"{len(tasks)} trajectories in {groups} groups need {len(tasks)} env "
                      f"slots and {group_size} sampler rows; the pool has {pool.num_slots}, "
