@@ -16,10 +16,13 @@ no "Action:"), so the error paths run too.
 
 Every --every episodes (by default every tenth of --minutes) a row gives, for this process plus all its descendants: resident
 memory (RSS, MB), child processes, open file descriptors and threads. The verdict fits a
-least-squares line to each column over the rows after the first (the first wave builds the
-adapters and fills caches) and calls a column growing when the fitted line rises by more than
-its tolerance over the run: memory by more than max(--rss_tolerance_mb, 5 %), counts by more
-than 0.5. A last row after the pool closed shows what the pool left behind.
+least-squares line to each column over the rows after warm-up and calls a column growing when
+the fitted line rises by more than its tolerance over those rows: memory by more than
+max(--rss_tolerance_mb, 5 %), counts by more than 0.5. Warm-up is the first row (the first wave
+builds the adapters and fills caches) and the rows within the first --warmup of the run's
+episodes: a SciWorld JVM's JIT compiler keeps adding code for its first ~200 episodes (~13 MB),
+which with 4 JVMs is the first ~800 episodes. A last row after the pool closed shows what the
+pool left behind.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ _BACKEND = flags.DEFINE_enum("backend", "thread", ["thread", "process"], "EnvPoo
 _JUNK = flags.DEFINE_float("junk", 0.1, "Probability of a bad reply instead of the policy's.")
 _RSS_TOLERANCE_MB = flags.DEFINE_float("rss_tolerance_mb", 20.0,
                                        "Memory growth over the run still called flat.")
+_WARMUP = flags.DEFINE_float("warmup", 0.25, "Fraction of the run's episodes left out of the "
+                             "verdict's fit (the first row always is).")
 _QUICK = flags.DEFINE_bool("quick", False, "A smoke run: 20 s per env, 8 slots.")
 
 _MAX_SLOTS = {"sciworld": 4}  # Each SciWorld adapter runs its own JVM (~150 MB).
@@ -149,9 +154,9 @@ def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
   return float(np.polyfit(xs, ys, 1)[0])
 
 
-def verdict(samples: Sequence[Sample], rss_tolerance_mb: float) -> list[str]:
-  """One line per column: its fitted growth over the run after the first row, and a call."""
-  steady = samples[1:]
+def verdict(samples: Sequence[Sample], rss_tolerance_mb: float, warmup: float) -> list[str]:
+  """One line per column: its fitted growth over the rows after warm-up, and a call."""
+  steady = [s for s in samples[1:] if s.episodes > warmup * samples[-1].episodes]
   if len(steady) < 2:
     return ["too few rows for a verdict: run longer or lower --every"]
   episodes = [s.episodes for s in steady]
@@ -196,7 +201,7 @@ def play_wave(pool: EnvPool, env: str, task_ids: Sequence[int], max_steps: int, 
 
 
 def soak(env: str, *, minutes: float, episodes: int, every: int, slots: int, max_steps: int,
-         backend: str, junk: float, rss_tolerance_mb: float) -> None:
+         backend: str, junk: float, rss_tolerance_mb: float, warmup: float) -> None:
   slots = min(slots, _MAX_SLOTS.get(env, slots))
   adapter = environments.make(env)
   try:
@@ -236,7 +241,7 @@ def soak(env: str, *, minutes: float, episodes: int, every: int, slots: int, max
         f"{before.children} children, {before.fds} fds, {before.threads} threads)")
   print(f"{played} episodes, {steps} steps, {played / max(after.seconds, 1e-9):.1f} "
         "episodes/s; verdict:")
-  for line in verdict(samples, rss_tolerance_mb):
+  for line in verdict(samples, rss_tolerance_mb, warmup):
     print("  " + line)
   leaks = [f"{name} {getattr(after, name)} > {getattr(before, name)}"
            for name in ("children", "threads") if getattr(after, name) > getattr(before, name)]
@@ -263,7 +268,7 @@ def main(argv: Sequence[str]) -> None:
   for env in _ENVS.value:
     soak(env, minutes=minutes, episodes=_EPISODES.value, every=_EVERY.value, slots=slots,
          max_steps=_MAX_STEPS.value, backend=_BACKEND.value, junk=_JUNK.value,
-         rss_tolerance_mb=_RSS_TOLERANCE_MB.value)
+         rss_tolerance_mb=_RSS_TOLERANCE_MB.value, warmup=_WARMUP.value)
 
 
 if __name__ == "__main__":
