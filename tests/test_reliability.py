@@ -140,19 +140,19 @@ def test_training_rides_out_an_http_server_dying(checkpoint_dir, tmp_path, monke
     servers.append(AgentGymServer("echo", options={"turns": 2}, port=port).start())
 
   rollouts = 0
-  original_collect, original_step = rollout.collect, EnvPool.step
+  original_collect, original_step = rollout.collect, EnvPool.step_async
 
   def step_killing_the_server(pool, requests):
     servers[-1].shutdown()
     threading.Timer(0.3, restart).start()
-    monkeypatch.setattr(EnvPool, "step", original_step)
+    monkeypatch.setattr(EnvPool, "step_async", original_step)
     return original_step(pool, requests)
 
   def collect(*args, **kwargs):
     nonlocal rollouts
     rollouts += 1
     if rollouts == 2:
-      monkeypatch.setattr(EnvPool, "step", step_killing_the_server)
+      monkeypatch.setattr(EnvPool, "step_async", step_killing_the_server)
     if rollouts == 4:
       servers[-1].shutdown()
       try:
