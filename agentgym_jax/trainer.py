@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import pathlib
 import time
 from typing import Any, Sequence
@@ -192,6 +193,13 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   if len(process_rows) % c.rollout.pipeline_groups:
     raise ValueError(f"invalid config: rollout.pipeline_groups={c.rollout.pipeline_groups} does "
                      f"not divide the {len(process_rows)} trajectories of each process")
+  batch_shards = math.prod(mesh.shape[axis] for axis in sharding.BATCH)
+  if (num_rows // c.algorithm.num_minibatches) % batch_shards:
+    raise ValueError(
+        f"invalid config: a minibatch of {num_rows // c.algorithm.num_minibatches} trajectories "
+        f"(tasks_per_step x samples_per_task / num_minibatches) does not split over the "
+        f"{batch_shards} devices of the mesh's data x fsdp axes; change the batch or "
+        f"mesh.data/mesh.fsdp")
   sampler = make_sampler(c, model, processes.local_mesh, len(process_rows))
   eval_sampling, eval_horizon = eval_settings(c, schedule)
   base_key = jax.random.key(c.seed)

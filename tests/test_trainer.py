@@ -1,6 +1,7 @@
 """The RL train loop end to end: learning on a toy task, horizon caps, exact resume, launch."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -129,6 +130,16 @@ def test_invalid_config_fails_at_start_with_one_line(checkpoint_dir, tmp_path):
     c.algorithm.clip_eps = 0.3
 
 
+def test_a_minibatch_that_does_not_split_over_the_mesh_fails_at_start(checkpoint_dir, tmp_path):
+  c = echo_config(checkpoint_dir)
+  c.mesh.fsdp = -1  # The 8 test devices.
+  c.rollout.tasks_per_step = 2
+  c.rollout.samples_per_task = 2
+  with pytest.raises(ValueError, match=r"a minibatch of 2 trajectories .* does not split over "
+                                       r"the 8 devices"):
+    trainer.train(c, tmp_path)
+
+
 def test_launch_train_smoke_writes_checkpoint_metrics_trajectories(checkpoint_dir, tmp_path):
   workdir = tmp_path / "run"
   command = [
@@ -140,7 +151,7 @@ def test_launch_train_smoke_writes_checkpoint_metrics_trajectories(checkpoint_di
       "--config.rollout.max_context=128", "--config.checkpoint.every=1",
       "--config.mesh.fsdp=1", "--config.mesh.data=-1"]
   result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ,
+                          env={**os.environ,
                                "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
   assert result.returncode == 0, result.stderr[-3000:]
   rows = metrics.read_metrics(workdir)
@@ -169,7 +180,10 @@ def test_launch_train_local_config_on_embedded_model(tmp_path):
       "--config.steps=2", "--config.rollout.tasks_per_step=2",
       "--config.rollout.samples_per_task=2", "--config.rollout.max_new_tokens=16",
       "--config.horizon.caps=(2,)", "--config.checkpoint.every=1"]
-  result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+  # One CPU device, as on a workstation (the test session's 8 virtual devices would not split
+  # this small batch).
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  result = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
   assert result.returncode == 0, result.stderr[-3000:]
   assert [r["step"] for r in metrics.read_metrics(workdir)] == [1, 2]
   assert (workdir / "export" / "model.safetensors").exists()
