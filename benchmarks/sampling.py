@@ -27,6 +27,11 @@ heads * head_dim * (mean cached context) FLOPs; "of peak" divides the achieved r
 best rate of a bf16 x bf16 -> f32 `jnp.dot` on --peak_size square matrices measured here (and of
 the f32 one, for reference).
 
+Roofline. A decode step cannot take less than the larger of the time to read its bytes (every
+matmul weight in --param_dtype and each row's cached keys and values in the cache dtype, at the
+read bandwidth of a jitted sum over a --bandwidth_mb array) and the time of its FLOPs at the
+--dtype matmul peak; "of roofline" is that bound over the measured step time.
+
 Multi-turn. --conversations rows hold a conversation of --turns turns: the assistant samples
 --turn_tokens tokens, then an observation of 10-40 tokens per row is appended as the next user
 turn plus the assistant header (`ChatTemplate.continuation_ids`). "live cache" appends to the
@@ -70,6 +75,8 @@ _TURNS = flags.DEFINE_integer("turns", 10, "Turns of the multi-turn conversation
 _TURN_TOKENS = flags.DEFINE_integer("turn_tokens", 32, "Tokens sampled per assistant turn.")
 _CONVERSATIONS = flags.DEFINE_integer("conversations", 8, "Rows of the multi-turn benchmark.")
 _PEAK_SIZE = flags.DEFINE_integer("peak_size", 2048, "Side of the matmul measuring the peak.")
+_BANDWIDTH_MB = flags.DEFINE_integer("bandwidth_mb", 1024,
+                                     "Size of the array whose sum measures read bandwidth.")
 _QUICK = flags.DEFINE_bool("quick", False, "A smoke run: batches 1 and 8, fewer tokens/turns.")
 
 _USER_MESSAGES = (
@@ -101,6 +108,22 @@ def _peak_flops(size: int, dtype, repeats: int = 3) -> float:
   matmul = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
   matmul(a, b).block_until_ready()
   return 2 * size**3 / _best(lambda: matmul(a, b).block_until_ready(), repeats)
+
+
+def _read_bandwidth(megabytes: int, repeats: int = 3) -> float:
+  """Bytes/s of a jitted f32 sum over a `megabytes` array, the best of `repeats` runs."""
+  a = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  total(a).block_until_ready()
+  return a.nbytes / _best(lambda: total(a).block_until_ready(), repeats)
+
+
+def _decode_step_bytes(config, batch: int, context: float, param_bytes: int,
+                       cache_bytes: int) -> float:
+  """Bytes one decode step must read: every matmul weight and each row's cached keys/values."""
+  matmul_weights = config.num_params - config.hidden_size * (1 + 2 * config.num_layers)
+  cache = 2 * config.num_layers * config.num_kv_heads * config.head_dim * context * batch
+  return matmul_weights * param_bytes + cache * cache_bytes
 
 
 def _decode_flops_per_token(config, context: float) -> float:
@@ -262,8 +285,11 @@ def main(argv: Sequence[str]) -> None:
   config = model.config
   peak = _peak_flops(_PEAK_SIZE.value, jnp.bfloat16)
   f32_peak = _peak_flops(_PEAK_SIZE.value, jnp.float32)
+  bandwidth = _read_bandwidth(_BANDWIDTH_MB.value)
   print(f"matmul peaks ({_PEAK_SIZE.value}^2, f32 accumulation): bf16 {peak / 1e9:.1f}, "
-        f"f32 {f32_peak / 1e9:.1f} GFLOP/s")
+        f"f32 {f32_peak / 1e9:.1f} GFLOP/s; read bandwidth {bandwidth / 1e9:.1f} GB/s")
+  matmul_peak = peak if _DTYPE.value == "bfloat16" else f32_peak
+  item_bytes = jnp.dtype(param_dtype).itemsize
 
   hf = None
   if not _SKIP_HF.value:
@@ -280,8 +306,12 @@ def main(argv: Sequence[str]) -> None:
     ours = _ours(model, prompts, new_tokens, _REPEATS.value, param_dtype)
     context = np.mean([len(p) for p in prompts]) + new_tokens / 2
     flops = ours["decode_tps"] * _decode_flops_per_token(config, context)
+    step_bytes = _decode_step_bytes(config, batch, context, item_bytes, item_bytes)
+    bound = max(step_bytes / bandwidth,
+                batch * _decode_flops_per_token(config, context) / matmul_peak)
+    roofline = bound / (batch / ours["decode_tps"])
     theirs = hf.measure(prompts, new_tokens, _REPEATS.value) if hf else None
-    rows.append((batch, ours, theirs, flops))
+    rows.append((batch, ours, theirs, flops, roofline))
     ratio = f"{ours['decode_tps'] / theirs['decode_tps']:.1f}x" if theirs else "-"
     print(f"  batch {batch}: ours {ours['decode_tps']:.1f} tok/s, "
           f"transformers {theirs['decode_tps'] if theirs else float('nan'):.1f} tok/s, "
@@ -298,15 +328,15 @@ def main(argv: Sequence[str]) -> None:
   print()
   print("| batch | ours decode tok/s | transformers decode tok/s | ratio | ours prefill s "
         "| ours end-to-end tok/s | transformers end-to-end tok/s | ours GFLOP/s | of bf16 peak "
-        "| of f32 peak |")
-  print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-  for batch, ours, theirs, flops in rows:
+        "| of f32 peak | of roofline |")
+  print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  for batch, ours, theirs, flops, roofline in rows:
     hf_decode = f"{theirs['decode_tps']:.1f}" if theirs else "-"
     hf_total = f"{theirs['total_tps']:.1f}" if theirs else "-"
     ratio = f"{ours['decode_tps'] / theirs['decode_tps']:.1f}x" if theirs else "-"
     print(f"| {batch} | {ours['decode_tps']:.1f} | {hf_decode} | {ratio} | "
           f"{ours['prefill_s']:.2f} | {ours['total_tps']:.1f} | {hf_total} | "
-          f"{flops / 1e9:.1f} | {flops / peak:.0%} | {flops / f32_peak:.0%} |")
+          f"{flops / 1e9:.1f} | {flops / peak:.0%} | {flops / f32_peak:.0%} | {roofline:.0%} |")
   print()
   print(f"Multi-turn, {_CONVERSATIONS.value} conversations x {turns} turns of "
         f"{_TURN_TOKENS.value} sampled tokens + a 10-40 token observation "
@@ -317,8 +347,8 @@ def main(argv: Sequence[str]) -> None:
   print(f"| {conversation['live_s']:.1f} | {conversation['reprefill_s']:.1f} | "
         f"{conversation['reprefill_s'] / conversation['live_s']:.1f}x | "
         f"{conversation['tokens_equal']:.0%} |")
-  print(f"\nmatmul peaks: bf16 {peak / 1e9:.1f}, f32 {f32_peak / 1e9:.1f} GFLOP/s; "
-        f"load average at end "
+  print(f"\nmatmul peaks: bf16 {peak / 1e9:.1f}, f32 {f32_peak / 1e9:.1f} GFLOP/s; read "
+        f"bandwidth {bandwidth / 1e9:.1f} GB/s; load average at end "
         f"{', '.join(f'{value:.1f}' for value in os.getloadavg())}")
 
 
