@@ -381,7 +381,7 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
   checkpointer.wait()
   checkpointer.close()
   metrics_writer.close()
-  if c.checkpoint.export_hf and c.steps > start_step:
+  if c.checkpoint.export_hf:
     weights.save_hf(nnx.merge(graphdef, state.params), workdir / "export")
     tokenizer.save_pretrained(workdir / "export")
   return history

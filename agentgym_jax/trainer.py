@@ -279,7 +279,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   checkpointer.wait()
   checkpointer.close()
   metrics_writer.close()
-  if c.checkpoint.export_hf and c.steps > start_step:
+  if c.checkpoint.export_hf:
     params = processes.local_copy(state.params)
     if processes.index == 0:
       weights.save_hf(nnx.merge(graphdef, params), workdir / "export")

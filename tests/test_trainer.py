@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -119,6 +120,12 @@ def test_resumed_run_matches_uninterrupted_run(checkpoint_dir, tmp_path, monkeyp
   final_resumed = weights.SafetensorsReader(tmp_path / "resumed" / "export")
   for name in final_straight:
     np.testing.assert_allclose(final_straight[name], final_resumed[name], rtol=1e-5, atol=1e-6)
+  # A run stopped between checkpoints is exported by re-running it with steps = its last one.
+  shutil.rmtree(tmp_path / "resumed" / "export")
+  assert trainer.train(c, tmp_path / "resumed") == []
+  exported = weights.SafetensorsReader(tmp_path / "resumed" / "export")
+  for name in final_straight:
+    np.testing.assert_allclose(final_straight[name], exported[name], rtol=1e-5, atol=1e-6)
 
 
 def test_invalid_config_fails_at_start_with_one_line(checkpoint_dir, tmp_path):
