@@ -118,17 +118,22 @@ def _read_bandwidth(megabytes: int, repeats: int = 3) -> float:
   return a.nbytes / _best(lambda: total(a).block_until_ready(), repeats)
 
 
+def _matmul_weights(config) -> int:
+  """Parameters a decode token multiplies by: all but the norms (the tied embedding is the LM
+  head)."""
+  return config.num_params - config.hidden_size * (1 + 2 * config.num_layers)
+
+
 def _decode_step_bytes(config, batch: int, context: float, param_bytes: int,
                        cache_bytes: int) -> float:
   """Bytes one decode step must read: every matmul weight and each row's cached keys/values."""
-  matmul_weights = config.num_params - config.hidden_size * (1 + 2 * config.num_layers)
   cache = 2 * config.num_layers * config.num_kv_heads * config.head_dim * context * batch
-  return matmul_weights * param_bytes + cache * cache_bytes
+  return _matmul_weights(config) * param_bytes + cache * cache_bytes
 
 
 def _decode_flops_per_token(config, context: float) -> float:
   """Matmul FLOPs of one decode token at a mean cached context of `context` tokens."""
-  matmul_weights = config.num_params - config.hidden_size * (1 + 2 * config.num_layers)
+  matmul_weights = _matmul_weights(config)
   attention = 4 * config.num_layers * config.num_heads * config.head_dim * context
   return 2 * matmul_weights + attention
 
@@ -305,10 +310,10 @@ def main(argv: Sequence[str]) -> None:
     prompts = _prompts(chat, batch)
     ours = _ours(model, prompts, new_tokens, _REPEATS.value, param_dtype)
     context = np.mean([len(p) for p in prompts]) + new_tokens / 2
-    flops = ours["decode_tps"] * _decode_flops_per_token(config, context)
+    token_flops = _decode_flops_per_token(config, context)
+    flops = ours["decode_tps"] * token_flops
     step_bytes = _decode_step_bytes(config, batch, context, item_bytes, item_bytes)
-    bound = max(step_bytes / bandwidth,
-                batch * _decode_flops_per_token(config, context) / matmul_peak)
+    bound = max(step_bytes / bandwidth, batch * token_flops / matmul_peak)
     roofline = bound / (batch / ours["decode_tps"])
     theirs = hf.measure(prompts, new_tokens, _REPEATS.value) if hf else None
     rows.append((batch, ours, theirs, flops, roofline))
