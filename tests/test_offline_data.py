@@ -128,8 +128,9 @@ def test_sft_batches_pad_to_buckets_and_mask_exactly_the_replies(tiny_chat):
   for step in range(2):
     batch = data.batch(step)
     assert batch.tokens.dtype == np.int32 and batch.loss_mask.dtype == np.float32
-    # An n-word reply makes 11 + (2n - 1) + 1 = 2n + 11 tokens: 128 or 256 wide (n = 100).
-    assert batch.tokens.shape[0] == 4 and batch.tokens.shape[1] in (128, 256)
+    # An n-word reply makes 11 + (2n - 1) + 1 = 2n + 11 tokens: 128, 192 (n = 90) or 256 wide
+    # (n = 100).
+    assert batch.tokens.shape[0] == 4 and batch.tokens.shape[1] in (128, 192, 256)
     assert not batch.sampler_logprobs.any()
     assert batch.group_ids.tolist() == [0, 1, 2, 3]
     for row in range(4):

@@ -12,7 +12,7 @@ import pytest
 
 import tiny
 from agentgym_jax import config as config_lib
-from agentgym_jax import metrics, trainer
+from agentgym_jax import metrics, rollout, trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -126,6 +126,15 @@ def test_resumed_run_matches_uninterrupted_run(checkpoint_dir, tmp_path, monkeyp
   exported = weights.SafetensorsReader(tmp_path / "resumed" / "export")
   for name in final_straight:
     np.testing.assert_allclose(final_straight[name], exported[name], rtol=1e-5, atol=1e-6)
+
+
+def test_rows_pad_to_few_lengths_with_under_half_a_row_of_padding():
+  assert [rollout.bucket(n) for n in (1, 128, 129, 193, 740, 769, 1025, 1300, 1537)] == [
+      128, 128, 192, 256, 768, 1024, 1536, 1536, 2048]
+  lengths = np.arange(129, 20000)
+  widths = np.array([rollout.bucket(int(n)) for n in lengths])
+  assert (widths >= lengths).all() and (widths < 1.5 * lengths).all()
+  assert len(set(widths.tolist())) == 15  # 192, 256, 384, ..., 16384, 24576: two an octave.
 
 
 def test_invalid_config_fails_at_start_with_one_line(checkpoint_dir, tmp_path):
