@@ -1,9 +1,8 @@
 #!/bin/bash
 # The CPU learning result of the README: the embedded SmolLM2-135M-Instruct on TextCraft goals of
 # crafting depth 1-2, evaluated greedily on the 72 held-out test goals after each stage
-# (base -> SFT on oracle demonstrations of train goals -> GRPO with the staged horizon: turn
-# caps 3 then 5, 3 steps each; --config.steps=9 adds the 8-turn stage, whose 2048-token rows
-# take ~14 minutes a step on 2 cores).
+# (base -> SFT on oracle demonstrations of train goals -> GRPO on the depth-1 train goals with
+# the staged horizon: turn caps 3, 5 and 8 for 4, 4 and 2 steps).
 # Writes everything under runs/cpu/ and each stage's wall time to runs/cpu/times.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,8 +28,9 @@ stage sft_eval "${EVAL[@]}" --model=$R/sft/export --out=$R/sft_eval.json \
     --trajectories=$R/sft_eval
 stage grpo python launch/train.py --config=configs/grpo_textcraft.py:shallow,local \
     --workdir=$R/grpo --config.model.name=$R/sft/export --config.rollout.cache_dtype=bfloat16 \
-    --config.steps=6 --config.rollout.tasks_per_step=2 --config.horizon.every=3 \
-    --config.checkpoint.every=3
+    --config.env.options.max_depth=1 --config.algorithm.kl_coef=0 \
+    --config.optim.learning_rate=2e-5 --config.steps=10 --config.rollout.tasks_per_step=2 \
+    --config.horizon.every=4 --config.checkpoint.every=2
 stage grpo_eval "${EVAL[@]}" --model=$R/grpo/export --out=$R/grpo_eval.json \
     --trajectories=$R/grpo_eval
 python launch/plot.py --workdir=$R/sft --out_dir=$R/sft/plots
