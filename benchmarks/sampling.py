@@ -30,7 +30,10 @@ the f32 one, for reference).
 Roofline. A decode step cannot take less than the larger of the time to read its bytes (every
 matmul weight in --param_dtype and each row's cached keys and values in the cache dtype, at the
 read bandwidth of a jitted sum over a --bandwidth_mb array) and the time of its FLOPs at the
---dtype matmul peak; "of roofline" is that bound over the measured step time.
+--dtype matmul peak; "of roofline" is that bound over the measured step time. "dense matmuls
+alone" is the same bound over the time of only the step's projection and LM-head matmuls at
+that batch (`jnp.dot` on the model's weight shapes, chained layer by layer): the most of the
+roofline any decode step built on XLA's dot reaches at that batch.
 
 Multi-turn. --conversations rows hold a conversation of --turns turns: the assistant samples
 --turn_tokens tokens, then an observation of 10-40 tokens per row is appended as the next user
@@ -136,6 +139,37 @@ def _decode_flops_per_token(config, context: float) -> float:
   matmul_weights = _matmul_weights(config)
   attention = 4 * config.num_layers * config.num_heads * config.head_dim * context
   return 2 * matmul_weights + attention
+
+
+def _dense_matmuls_seconds(config, batch: int, dtype, param_dtype, repeats: int = 3) -> float:
+  """The time of one decode step's dense matmuls alone at `batch` rows: every layer's q, k, v,
+  o, gate, up and down projections chained as in the model, then the LM head (no attention,
+  norms or sampling). Each layer has weights of its own, so every step streams them all.
+  """
+  e, v = config.hidden_size, config.vocab_size
+  heads, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+  f = config.intermediate_size
+  shapes = ((e, heads), (e, kv), (e, kv), (heads, e), (e, f), (e, f), (f, e))
+  key = jax.random.key(0)
+  layers = [[(0.02 * jax.random.normal(jax.random.fold_in(key, 7 * layer + i), shape)
+              ).astype(param_dtype) for i, shape in enumerate(shapes)]
+            for layer in range(config.num_layers)]
+  head = (0.02 * jax.random.normal(key, (e, v))).astype(param_dtype)
+  dot = lambda x, w: jnp.dot(x.astype(dtype), w.astype(dtype),
+                             preferred_element_type=jnp.float32)
+
+  @jax.jit
+  def step(x, layers, head):
+    kv_sum = 0.0
+    for wq, wk, wv, wo, wg, wu, wd in layers:
+      kv_sum += dot(x, wk).sum() + dot(x, wv).sum()
+      x = x + dot(dot(x, wq), wo)
+      x = x + dot(jax.nn.silu(dot(x, wg)) * dot(x, wu), wd)
+    return dot(x, head).sum() + kv_sum
+
+  x = jax.random.normal(key, (batch, e))
+  step(x, layers, head).block_until_ready()
+  return _best(lambda: step(x, layers, head).block_until_ready(), repeats)
 
 
 def _prompts(chat, batch: int) -> list[list[int]]:
@@ -315,8 +349,9 @@ def main(argv: Sequence[str]) -> None:
     step_bytes = _decode_step_bytes(config, batch, context, item_bytes, item_bytes)
     bound = max(step_bytes / bandwidth, batch * token_flops / matmul_peak)
     roofline = bound / (batch / ours["decode_tps"])
+    matmul_roofline = bound / _dense_matmuls_seconds(config, batch, dtype, param_dtype)
     theirs = hf.measure(prompts, new_tokens, _REPEATS.value) if hf else None
-    rows.append((batch, ours, theirs, flops, roofline))
+    rows.append((batch, ours, theirs, flops, roofline, matmul_roofline))
     ratio = f"{ours['decode_tps'] / theirs['decode_tps']:.1f}x" if theirs else "-"
     print(f"  batch {batch}: ours {ours['decode_tps']:.1f} tok/s, "
           f"transformers {theirs['decode_tps'] if theirs else float('nan'):.1f} tok/s, "
@@ -333,15 +368,16 @@ def main(argv: Sequence[str]) -> None:
   print()
   print("| batch | ours decode tok/s | transformers decode tok/s | ratio | ours prefill s "
         "| ours end-to-end tok/s | transformers end-to-end tok/s | ours GFLOP/s | of bf16 peak "
-        "| of f32 peak | of roofline |")
-  print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-  for batch, ours, theirs, flops, roofline in rows:
+        "| of f32 peak | of roofline | dense matmuls alone, of roofline |")
+  print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  for batch, ours, theirs, flops, roofline, matmul_roofline in rows:
     hf_decode = f"{theirs['decode_tps']:.1f}" if theirs else "-"
     hf_total = f"{theirs['total_tps']:.1f}" if theirs else "-"
     ratio = f"{ours['decode_tps'] / theirs['decode_tps']:.1f}x" if theirs else "-"
     print(f"| {batch} | {ours['decode_tps']:.1f} | {hf_decode} | {ratio} | "
           f"{ours['prefill_s']:.2f} | {ours['total_tps']:.1f} | {hf_total} | "
-          f"{flops / 1e9:.1f} | {flops / peak:.0%} | {flops / f32_peak:.0%} | {roofline:.0%} |")
+          f"{flops / 1e9:.1f} | {flops / peak:.0%} | {flops / f32_peak:.0%} | {roofline:.0%} | "
+          f"{matmul_roofline:.0%} |")
   print()
   print(f"Multi-turn, {_CONVERSATIONS.value} conversations x {turns} turns of "
         f"{_TURN_TOKENS.value} sampled tokens + a 10-40 token observation "
