@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import math
 import time
 from typing import Any, Iterator, Sequence, TypeVar
 
@@ -28,6 +27,7 @@ import numpy as np
 from agentgym_jax.learner import Batch
 from agentgym_jax.models.tokenizer import ChatTemplate
 from agentgym_jax.sampling import Sampler
+from agentgym_jax.sampling import bucket as sampling_bucket
 from environments.base import EnvError
 from environments.pool import EnvPool
 
@@ -370,13 +370,9 @@ def _end(trajectory: Trajectory, termination: str, info: dict[str, Any]) -> None
 
 
 def bucket(length: int, minimum: int = 128) -> int:
-  """Rounds a length up to the next 2^k or 3 * 2^(k-1), at least `minimum`.
-
-  Few distinct shapes to compile, and at most a third of a row padding (a power of two alone
-  pads a 1100-token trajectory to 2048, doubling the learner's work on it).
-  """
-  power = 1 << math.ceil(math.log2(max(length, 1)))
-  return max(minimum, 3 * power // 4 if 3 * power // 4 >= length else power)
+  """The packed length of a `length`-token trajectory: `sampling.bucket` with a floor of
+  `minimum` (at most a third of a row is padding; a 1300-token row packs to 1536, not 2048)."""
+  return sampling_bucket(length, minimum)
 
 
 def pack(trajectories: Sequence[Trajectory], *, length: int | None = None,

@@ -187,8 +187,14 @@ class SampleOutput:
 
 
 def bucket(n: int, floor: int, cap: int | None = None) -> int:
-  """The smallest power of two >= max(n, floor), at most `cap` (which then is a bucket too)."""
-  size = max(floor, 1 << max(int(n) - 1, 0).bit_length())
+  """The smallest 2^k or 3 * 2^(k-1) >= n, at least `floor` and at most `cap` (which then is a
+  bucket too).
+
+  Two sizes an octave keep the compiled shapes few and the padding under a third: a power of
+  two alone pads a 560-token prompt to 1024, nearly doubling its prefill.
+  """
+  power = 1 << max(int(n) - 1, 0).bit_length()
+  size = max(floor, 3 * power // 4 if 3 * power // 4 >= n else power)
   return size if cap is None else min(size, cap)
 
 

@@ -258,10 +258,10 @@ def test_compilations_are_bounded_over_multi_turn_episodes(model):
   for seed in range(3):
     episode(seed)
   # 3 episodes make 39 calls. Prompts and appends (1..16 tokens) share one length bucket,
-  # max_new_tokens 12..17 two widths (16, 32), and rows end below 16 + 6 * (17 + 14) = 202
-  # slots, so in windows 64, 128 or 256: at most 3 prefill and 3 * 2 decode programs.
-  assert sampler._prefill._cache_size() <= 3
-  assert sampler._decode._cache_size() <= 6
+  # max_new_tokens 12..17 three widths (12, 16, 24), and rows end below 16 + 6 * (17 + 14) = 202
+  # slots, so in windows 64, 96, 128, 192 or 256: at most 5 prefill and 5 * 3 decode programs.
+  assert sampler._prefill._cache_size() <= 5
+  assert sampler._decode._cache_size() <= 15
 
 
 def test_sharded_sampler_matches_the_unsharded_one(model):
