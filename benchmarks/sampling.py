@@ -33,7 +33,8 @@ read bandwidth of a jitted sum over a --bandwidth_mb array) and the time of its 
 --dtype matmul peak; "of roofline" is that bound over the measured step time. "dense matmuls
 alone" is the same bound over the time of only the step's projection and LM-head matmuls at
 that batch (`jnp.dot` on the model's weight shapes, chained layer by layer): the most of the
-roofline any decode step built on XLA's dot reaches at that batch.
+roofline any decode step built on XLA's dot reaches at that batch. "draw alone" times the
+step's sampling (`sample_tokens` at temperature 1 on [batch, vocabulary] logits).
 
 Multi-turn. --conversations rows hold a conversation of --turns turns: the assistant samples
 --turn_tokens tokens, then an observation of 10-40 tokens per row is appended as the next user
@@ -62,7 +63,7 @@ import numpy as np
 
 import agentgym_jax
 from agentgym_jax.models import weights
-from agentgym_jax.sampling import Sampler, bucket
+from agentgym_jax.sampling import Sampler, SamplingParams, bucket, sample_tokens
 
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32", "64"], "Batch sizes to measure.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 32, "Tokens sampled per row (--quick: 16).")
@@ -141,10 +142,11 @@ def _decode_flops_per_token(config, context: float) -> float:
   return 2 * matmul_weights + attention
 
 
-def _dense_matmuls_seconds(config, batch: int, dtype, param_dtype, repeats: int = 3) -> float:
-  """The time of one decode step's dense matmuls alone at `batch` rows: every layer's q, k, v,
-  o, gate, up and down projections chained as in the model, then the LM head (no attention,
-  norms or sampling). Each layer has weights of its own, so every step streams them all.
+def _dense_matmuls(config, dtype, param_dtype) -> Callable[[int], float]:
+  """A timer of one decode step's dense matmuls alone: batch -> seconds. The step runs every
+  layer's q, k, v, o, gate, up and down projections chained as in the model, then the LM head (no
+  attention, norms or sampling). Each layer has weights of its own (made once, here), so every
+  step streams them all.
   """
   e, v = config.hidden_size, config.vocab_size
   heads, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
@@ -167,9 +169,22 @@ def _dense_matmuls_seconds(config, batch: int, dtype, param_dtype, repeats: int 
       x = x + dot(jax.nn.silu(dot(x, wg)) * dot(x, wu), wd)
     return dot(x, head).sum() + kv_sum
 
-  x = jax.random.normal(key, (batch, e))
-  step(x, layers, head).block_until_ready()
-  return _best(lambda: step(x, layers, head).block_until_ready(), repeats)
+  def seconds(batch: int, repeats: int = 3) -> float:
+    x = jax.random.normal(key, (batch, e))
+    step(x, layers, head).block_until_ready()
+    return _best(lambda: step(x, layers, head).block_until_ready(), repeats)
+
+  return seconds
+
+
+def _draw_seconds(config, batch: int, repeats: int = 3) -> float:
+  """The time of a decode step's draw alone: `sample_tokens` at temperature 1 over the full
+  vocabulary on [batch, vocab] logits (random bits, the race, both log-probs)."""
+  keys = jax.random.split(jax.random.key(0), batch)
+  logits = jax.random.normal(jax.random.key(1), (batch, config.vocab_size))
+  draw = jax.jit(lambda keys, logits: sample_tokens(keys, logits, SamplingParams()))
+  jax.block_until_ready(draw(keys, logits))
+  return _best(lambda: jax.block_until_ready(draw(keys, logits)), repeats)
 
 
 def _prompts(chat, batch: int) -> list[list[int]]:
@@ -339,6 +354,7 @@ def main(argv: Sequence[str]) -> None:
     print(f"transformers {__import__('transformers').__version__}, torch {torch.__version__}, "
           f"{hf.threads} thread(s), {_HF_DTYPE.value}")
 
+  dense_matmuls = _dense_matmuls(config, dtype, param_dtype)
   rows = []
   for batch in batches:
     prompts = _prompts(chat, batch)
@@ -349,9 +365,10 @@ def main(argv: Sequence[str]) -> None:
     step_bytes = _decode_step_bytes(config, batch, context, item_bytes, item_bytes)
     bound = max(step_bytes / bandwidth, batch * token_flops / matmul_peak)
     roofline = bound / (batch / ours["decode_tps"])
-    matmul_roofline = bound / _dense_matmuls_seconds(config, batch, dtype, param_dtype)
+    matmul_roofline = bound / dense_matmuls(batch)
+    draw_ms = 1e3 * _draw_seconds(config, batch)
     theirs = hf.measure(prompts, new_tokens, _REPEATS.value) if hf else None
-    rows.append((batch, ours, theirs, flops, roofline, matmul_roofline))
+    rows.append((batch, ours, theirs, flops, roofline, matmul_roofline, draw_ms))
     ratio = f"{ours['decode_tps'] / theirs['decode_tps']:.1f}x" if theirs else "-"
     print(f"  batch {batch}: ours {ours['decode_tps']:.1f} tok/s, "
           f"transformers {theirs['decode_tps'] if theirs else float('nan'):.1f} tok/s, "
@@ -368,16 +385,17 @@ def main(argv: Sequence[str]) -> None:
   print()
   print("| batch | ours decode tok/s | transformers decode tok/s | ratio | ours prefill s "
         "| ours end-to-end tok/s | transformers end-to-end tok/s | ours GFLOP/s | of bf16 peak "
-        "| of f32 peak | of roofline | dense matmuls alone, of roofline |")
-  print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-  for batch, ours, theirs, flops, roofline, matmul_roofline in rows:
+        "| of f32 peak | of roofline | dense matmuls alone, of roofline | step ms "
+        "| draw alone ms |")
+  print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  for batch, ours, theirs, flops, roofline, matmul_roofline, draw_ms in rows:
     hf_decode = f"{theirs['decode_tps']:.1f}" if theirs else "-"
     hf_total = f"{theirs['total_tps']:.1f}" if theirs else "-"
     ratio = f"{ours['decode_tps'] / theirs['decode_tps']:.1f}x" if theirs else "-"
     print(f"| {batch} | {ours['decode_tps']:.1f} | {hf_decode} | {ratio} | "
           f"{ours['prefill_s']:.2f} | {ours['total_tps']:.1f} | {hf_total} | "
           f"{flops / 1e9:.1f} | {flops / peak:.0%} | {flops / f32_peak:.0%} | {roofline:.0%} | "
-          f"{matmul_roofline:.0%} |")
+          f"{matmul_roofline:.0%} | {1e3 * batch / ours['decode_tps']:.0f} | {draw_ms:.0f} |")
   print()
   print(f"Multi-turn, {_CONVERSATIONS.value} conversations x {turns} turns of "
         f"{_TURN_TOKENS.value} sampled tokens + a 10-40 token observation "
