@@ -128,7 +128,7 @@ def test_resumed_run_matches_uninterrupted_run(checkpoint_dir, tmp_path, monkeyp
     np.testing.assert_allclose(final_straight[name], exported[name], rtol=1e-5, atol=1e-6)
 
 
-def test_rows_pad_to_few_lengths_with_under_half_a_row_of_padding():
+def test_rows_pad_to_few_lengths_with_under_a_third_of_a_row_of_padding():
   assert [rollout.bucket(n) for n in (1, 128, 129, 193, 740, 769, 1025, 1300, 1537)] == [
       128, 128, 192, 256, 768, 1024, 1536, 1536, 2048]
   lengths = np.arange(129, 20000)
