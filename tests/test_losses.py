@@ -142,6 +142,24 @@ def test_k3_is_clamped_at_ten_with_no_gradient_beyond():
   np.testing.assert_allclose(grad, [[0.0, 1 - math.exp(2)]], rtol=1e-5)
 
 
+@pytest.mark.parametrize("estimator", sorted(losses.KL_ESTIMATORS))
+def test_kl_estimators_are_finite_with_finite_gradients_far_off_policy(estimator):
+  # exp(-d) overflows f32 below d = -88.7; k3 bounds d to [-20, 20] first, where every estimate
+  # is already beyond its clamp of 10, so values stay as the formula gives and gradients are 0.
+  #   k1 = d, d k1/d logp = 1;  k2 = d^2 / 2, d k2/d logp = d;  k3 = min(exp(-d) + d - 1, 10).
+  d = jnp.array([[-100.0, -30.0, 0.0, 30.0, 100.0]])
+  ref = jnp.zeros_like(d)
+  expected = {
+      "k1": ([-100.0, -30.0, 0.0, 30.0, 100.0], [1.0] * 5),
+      "k2": ([5000.0, 450.0, 0.0, 450.0, 5000.0], [-100.0, -30.0, 0.0, 30.0, 100.0]),
+      "k3": ([10.0, 10.0, 0.0, 10.0, 10.0], [0.0] * 5),
+  }[{"low_var_kl": "k3"}.get(estimator, estimator)]
+  value = kl_divergence(d, ref, estimator)
+  grad = jax.grad(lambda x: jnp.sum(kl_divergence(x, ref, estimator)))(d)
+  np.testing.assert_allclose(value, [expected[0]], rtol=1e-6)
+  np.testing.assert_allclose(grad, [expected[1]], rtol=1e-6)
+
+
 def test_kl_loss_and_penalty_rewards():
   logp = jnp.array([[-1.0, -2.0, -7.0]])
   ref = jnp.array([[-2.0, -1.0, -1.0]])

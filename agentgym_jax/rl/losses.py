@@ -147,7 +147,10 @@ def _k2(log_ratio: jax.Array) -> jax.Array:
 
 
 def _k3(log_ratio: jax.Array) -> jax.Array:
-  reverse = -log_ratio  # logp_ref - logp
+  # The log-ratio is bounded before exp(): exp(-d) overflows f32 for d < -88.7, and the clamp's
+  # gradient 0 times the inf of exp's would be NaN. Every |d| >= _MAX_LOG_RATIO already clamps the
+  # estimate (exp(20) - 21 and 19 both exceed _K3_CLAMP), so the value is unchanged.
+  reverse = -jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # logp_ref - logp
   return jnp.clip(jnp.exp(reverse) - reverse - 1.0, -_K3_CLAMP, _K3_CLAMP)
 
 
