@@ -138,7 +138,7 @@ def _node(node_id, role, name, backend=None, children=(), properties=(), ignored
 
 
 _NODES = [
-    _node("1", "RootWebArea", "Shop", 1, ["2", "3", "4", "5", "9"],
+    _node("1", "RootWebArea", "Shop", 1, ["2", "3", "4", "5", "9", "10", "11"],
           [("focusable", True), ("focused", True), ("url", "http://shop.test/")]),
     _node("2", "link", "Forums", 2, ["6"], [("focusable", True)]),
     _node("6", "StaticText", "Forums", 6, ["-100"]),  # repeats its link: dropped
@@ -150,6 +150,10 @@ _NODES = [
     _node("8", "button", "Go", 8),
     _node("9", "link", "Don't panic", 9),
     _node("2", "link", "Forums", 2, ["6"]),  # Chromium repeats nodes now and then
+    # Builds differ in the whitespace they keep around a label ("Quantity " for
+    # `<label>Quantity <input>`): names are stripped and their runs of whitespace collapsed.
+    _node("10", "textbox", " Quantity \n\t per  item ", 10),
+    _node("11", "generic", " \n ", 11),  # blank once normalised: hidden
 ]
 
 
@@ -160,8 +164,9 @@ def test_tree_renders_as_webarena_does():
                   "\t[7] StaticText '$24.99'\n"
                   "\t[4] textbox 'Search' required: False\n"
                   "\t[8] button 'Go'\n"
-                  "\t[9] link \"Don't panic\"")  # names are Python reprs
-  assert set(elements) == {"1", "2", "7", "4", "8", "9"}
+                  "\t[9] link \"Don't panic\"\n"  # names are Python reprs
+                  "\t[10] textbox 'Quantity per item'")
+  assert set(elements) == {"1", "2", "7", "4", "8", "9", "10"}
   assert elements["4"] == accessibility.Element(4, "textbox 'Search' required: False")
 
 

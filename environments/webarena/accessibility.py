@@ -11,7 +11,9 @@ indented by depth with tabs:
   	[15] StaticText '$24.99'
   	[20] textbox 'Search products' required: False
 
-Each line is `[id] role 'name'` (the name as a Python repr) and the node's properties other than
+Each line is `[id] role 'name'` (the name as a Python repr, its whitespace normalised: stripped,
+runs collapsed to one space, so that browser builds that differ only in the spaces they keep
+around a label give the same observation) and the node's properties other than
 IGNORED_PROPERTIES as `name: value`. The id is Chromium's accessibility node id, which the
 action grammar refers to. A node is left out, its children moving up a level, when
 
@@ -134,7 +136,7 @@ def _describe(node: Mapping[str, Any]) -> str | None:
     return None
   try:
     role = node["role"]["value"]
-    name = node["name"]["value"]
+    name = " ".join(str(node["name"]["value"]).split())
   except (KeyError, TypeError):
     return None
   properties = []
@@ -143,7 +145,7 @@ def _describe(node: Mapping[str, Any]) -> str | None:
     if prop.get("name") in IGNORED_PROPERTIES or "value" not in value:
       continue
     properties.append(f"{prop['name']}: {value['value']}")
-  if not str(name).strip():
+  if not name:
     if (not properties and role in UNNAMED_HIDDEN_ROLES) or role == "listitem":
       return None
   description = f"{role} {name!r}"
