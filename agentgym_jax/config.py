@@ -88,6 +88,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.optim.weight_decay = 0.01
   c.optim.b1 = 0.9
   c.optim.b2 = 0.999
+  c.optim.eps = 1e-8  # Adam's denominator floor: update = lr m / (sqrt(v) + eps)
   c.optim.grad_clip = 1.0
   c.optim.max_consecutive_nonfinite = 5
 
@@ -202,6 +203,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(o.schedule != "cosine" or o.warmup_steps < updates,
          f"optim.warmup_steps={o.warmup_steps} must be below the run's {updates} optimizer "
          "updates with the cosine schedule")
+  _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1,
+         f"optim.b1={o.b1} and optim.b2={o.b2} must be in [0, 1)")
+  _check(o.eps > 0, f"optim.eps={o.eps} must be > 0")
   _check(o.grad_clip > 0, f"optim.grad_clip={o.grad_clip} must be > 0")
   _check(o.max_consecutive_nonfinite >= 1, "optim.max_consecutive_nonfinite must be >= 1")
   _check(c.checkpoint.every >= 0 and c.checkpoint.keep >= 1,

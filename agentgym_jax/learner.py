@@ -96,12 +96,14 @@ class ValueHead(nnx.Module):
 
 
 def make_optimizer(learning_rate: float | optax.Schedule, *, weight_decay: float = 0.01,
-                   b1: float = 0.9, b2: float = 0.999, grad_clip: float = 1.0,
-                   max_consecutive_nonfinite: int = 5) -> optax.GradientTransformation:
+                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                   grad_clip: float = 1.0, max_consecutive_nonfinite: int = 5
+                   ) -> optax.GradientTransformation:
   """AdamW after global-norm clipping; a non-finite gradient skips the step (counted)."""
   return optax.apply_if_finite(
       optax.chain(optax.clip_by_global_norm(grad_clip),
-                  optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay)),
+                  optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps,
+                              weight_decay=weight_decay)),
       max_consecutive_errors=max_consecutive_nonfinite)
 
 

@@ -244,7 +244,7 @@ def make_optimizer(c: ml_collections.ConfigDict) -> optax.GradientTransformation
   """The run's optimizer from config.optim (AdamW after clipping, non-finite steps skipped)."""
   return learner.make_optimizer(
       learning_rate_schedule(c), weight_decay=c.optim.weight_decay, b1=c.optim.b1,
-      b2=c.optim.b2, grad_clip=c.optim.grad_clip,
+      b2=c.optim.b2, eps=c.optim.eps, grad_clip=c.optim.grad_clip,
       max_consecutive_nonfinite=c.optim.max_consecutive_nonfinite)
 
 

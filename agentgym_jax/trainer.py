@@ -152,7 +152,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
     value_graphdef, value_params = nnx.split(learner.ValueHead(model.config.hidden_size))
   optimizer = learner.make_optimizer(
       learning_rate_schedule(c), weight_decay=c.optim.weight_decay, b1=c.optim.b1,
-      b2=c.optim.b2, grad_clip=c.optim.grad_clip,
+      b2=c.optim.b2, eps=c.optim.eps, grad_clip=c.optim.grad_clip,
       max_consecutive_nonfinite=c.optim.max_consecutive_nonfinite)
   opt_state = jax.jit(optimizer.init)((params, value_params))
   # Committed to the mesh, as the update's outputs will be: otherwise the first step's inputs
