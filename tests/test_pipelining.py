@@ -10,6 +10,7 @@ import pytest
 
 import faulty_env
 import tiny
+import tolerances
 from agentgym_jax import rollout
 from agentgym_jax.models import load_model
 from agentgym_jax.sampling import Sampler
@@ -58,7 +59,9 @@ def test_pipelined_rollout_plays_the_same_episodes_as_one_group(policy, groups, 
   for a, b in zip(expected, played):
     assert b.tokens == a.tokens
     assert b.loss_mask == a.loss_mask
-    np.testing.assert_allclose(b.sampler_logprobs, a.sampler_logprobs, atol=1e-5)
+    # Groups of other sizes block the sampler's sums otherwise: the reordering error model.
+    atol = tolerances.reordered_logprobs(2, 128, max(np.abs(a.sampler_logprobs).max(), 1.0))
+    np.testing.assert_allclose(b.sampler_logprobs, a.sampler_logprobs, atol=atol)
     assert (b.turn_rewards, b.termination, b.messages) == (a.turn_rewards, a.termination,
                                                            a.messages)
   assert stats.generated_tokens == sum(sum(t.loss_mask) for t in played)
@@ -147,7 +150,10 @@ def test_training_with_two_groups_matches_one_group(tmp_path, monkeypatch):
   for a, b in zip(one, two):
     for key in ("reward", "turns", "tokens_generated", "loss", "grad_norm", "eval/success"):
       if key in a:
-        np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=key)
+        # The same episodes; the step's means differ by reordering alone (the sampler's
+        # log-probs enter through the logged gap), relative to their size.
+        np.testing.assert_allclose(b[key], a[key], rtol=tolerances.reordered_sum(1024),
+                                   atol=1e-6, err_msg=key)
     assert 0 <= b["rollout/env_hidden_fraction"] <= 1
   assert "eval/success" in two[-1]
 
