@@ -123,13 +123,17 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+class ConfigError(ValueError):
+  """A config value that cannot run, reported as one line naming the key."""
+
+
 def _check(condition: bool, message: str) -> None:
   if not condition:
-    raise ValueError(f"invalid config: {message}")
+    raise ConfigError(f"invalid config: {message}")
 
 
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Checks every value; raises ValueError with one line naming the key."""
+  """Checks every value; raises ConfigError with one line naming the key."""
   from agentgym_jax import horizon, rl
   from agentgym_jax.models.decoder import REMAT_POLICIES
   from environments import base as env_base
@@ -171,7 +175,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   try:
     horizon.make_horizon_schedule(horizon_options(c))
   except (ValueError, TypeError) as error:
-    raise ValueError(f"invalid config: horizon: {error}") from None
+    raise ConfigError(f"invalid config: horizon: {error}") from None
   a = c.algorithm
   _check(a.advantage in rl.ADVANTAGE_ESTIMATORS,
          f"algorithm.advantage={a.advantage!r} is not one of {sorted(rl.ADVANTAGE_ESTIMATORS)}")
@@ -235,7 +239,7 @@ def horizon_options(c: ml_collections.ConfigDict) -> dict[str, Any]:
 
   kind = c.horizon.kind
   if kind not in horizon.HORIZON_SCHEDULES:
-    raise ValueError(f"invalid config: horizon.kind={kind!r} is not one of "
+    raise ConfigError(f"invalid config: horizon.kind={kind!r} is not one of "
                      f"{sorted(horizon.HORIZON_SCHEDULES)}")
   fields = [f.name for f in dataclasses.fields(horizon.HORIZON_SCHEDULES[kind])]
   options = {name: c.horizon[name] for name in fields}
@@ -282,6 +286,6 @@ def apply_variants(c: ml_collections.ConfigDict, variant: str,
   """Applies comma-separated variants in order, e.g. `configs/x.py:short,local`."""
   for name in filter(None, (v.strip() for v in variant.split(","))):
     if name not in variants:
-      raise ValueError(f"unknown config variant {name!r}; expected some of {sorted(variants)}")
+      raise ConfigError(f"unknown config variant {name!r}; expected some of {sorted(variants)}")
     variants[name](c)
   return c

@@ -16,7 +16,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from agentgym_jax import config as config_lib
-from agentgym_jax import evaluation, horizon, metrics, trainer
+from agentgym_jax import cli, evaluation, horizon, metrics, trainer
 from environments.pool import EnvPool
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/).",
@@ -53,4 +53,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  cli.run(main)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 import agentgym_jax
+from agentgym_jax import cli
 from agentgym_jax.sampling import Sampler
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Registry name or HF directory.")
@@ -90,4 +91,4 @@ def _read_user_turn() -> str:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -21,7 +21,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from agentgym_jax import offline, sharding, trainer
+from agentgym_jax import cli, offline, sharding, trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/).",
                                           lock_config=True)
@@ -35,30 +35,16 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0.
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  workdir = cli.check_workdir(_WORKDIR.value)
   sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   if _CONFIG.value.mode != "rl" and jax.process_count() > 1:
     sys.exit(f"error: mode={_CONFIG.value.mode} runs on one process; only RL is multi-process")
-  try:
-    if _CONFIG.value.mode != "rl":
-      offline.train_offline(_CONFIG.value, _WORKDIR.value)
-    else:
-      trainer.train(_CONFIG.value, _WORKDIR.value)
-  except ValueError as error:
-    if str(error).startswith("invalid config"):
-      sys.exit(f"error: {error}")
-    raise
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with a misspelt --config.key reported in one line, not a traceback."""
-  try:
-    return app.parse_flags_with_usage(argv)
-  except AttributeError as error:  # ml_collections: the key is not in the locked config.
-    message = str(error.args[0] if error.args else error)
-    message = message.replace("\\n", " ").replace("\\'", "").replace("'", "")
-    sys.exit(f"error: invalid config: unknown key {' '.join(message.split())}")
+  if _CONFIG.value.mode != "rl":
+    offline.train_offline(_CONFIG.value, workdir)
+  else:
+    trainer.train(_CONFIG.value, workdir)
 
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main, flags_parser=parse_flags)
+  cli.run(main)

@@ -64,7 +64,7 @@ def resolve(spec: str) -> pathlib.Path | None:
       return None
     directory = models_dir() / spec
     if not (directory / "config.json").exists():
-      raise FileNotFoundError(
+      raise weights.WeightsNotFoundError(
           f"weights of {spec!r} are not on disk: put the Hugging Face checkpoint directory "
           f"(config.json, *.safetensors, tokenizer.json) at {directory} (or set "
           f"${MODELS_DIR_ENV}); on a machine with a network: "
@@ -72,7 +72,7 @@ def resolve(spec: str) -> pathlib.Path | None:
     return directory
   directory = pathlib.Path(spec).expanduser()
   if not (directory / "config.json").exists():
-    raise FileNotFoundError(
+    raise weights.WeightsNotFoundError(
         f"{spec!r} is neither a registered model ({', '.join(sorted(MODELS))}; their weights go "
         f"under {models_dir()}/<name>) nor a directory with a config.json")
   return directory

