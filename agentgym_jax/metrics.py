@@ -377,30 +377,55 @@ class TrajectoryWriter:
         os.remove(_trajectory_path(self.directory, logged))
 
 
+def _duration(seconds: float) -> str:
+  minutes, seconds = divmod(round(seconds), 60)
+  hours, minutes = divmod(minutes, 60)
+  return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+
+
 class ProgressBar:
-  """A tqdm bar showing step/total and a few chosen metrics.
+  """Console progress: a tqdm bar on a terminal, one plain line a step otherwise.
+
+  A plain line (for logs and files) reads
+    step 3/20  reward=0.25 success=0.125 time/rollout=41.2  eta 12m05s
+  with the chosen metrics and the time left at the mean pace of the steps so far.
 
   Args:
     total: the number of steps of the run.
-    keys: metric names shown next to the bar, in this order, when present.
+    keys: metric names shown, in this order, when present.
     initial: where the bar starts (a resumed run's first step).
-    enabled: None shows the bar only on a terminal; True / False force it on / off.
-    file: the stream to draw on (default sys.stderr).
+    enabled: None draws the bar when stdout is a terminal and prints plain lines when it is
+      not; True forces the bar, False shows nothing.
+    file: the stream to draw on (default: sys.stderr for the bar, sys.stdout for lines).
   """
 
   def __init__(self, total: int, keys: Sequence[str] = (), initial: int = 0,
                enabled: bool | None = None, file: TextIO | None = None):
     self.keys = tuple(keys)
+    self._total, self._initial, self._start = total, initial, time.monotonic()
+    self._lines = enabled is None and not sys.stdout.isatty()
+    self._file = file
     self._bar = tqdm.tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                          file=file, disable=None if enabled is None else not enabled)
+                          file=file,
+                          disable=self._lines or (None if enabled is None else not enabled))
 
   def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
     """Moves the bar to `step` (steps done) and shows the chosen host-side `metrics`."""
+    shown = {key: "nan" if metrics[key] is None else f"{metrics[key]:.4g}"
+             for key in self.keys if metrics and key in metrics}
+    if self._lines:
+      print(self._line(step, shown), file=self._file or sys.stdout, flush=True)
+      return
     self._bar.n = step
-    shown = {key: metrics[key] for key in self.keys if metrics and key in metrics}
-    self._bar.set_postfix({key: "nan" if value is None else f"{value:.4g}"
-                           for key, value in shown.items()}, refresh=False)
+    self._bar.set_postfix(shown, refresh=False)
     self._bar.refresh()
+
+  def _line(self, step: int, shown: Mapping[str, str]) -> str:
+    parts = [f"step {step}/{self._total}", " ".join(f"{k}={v}" for k, v in shown.items())]
+    if step > self._initial:
+      pace = (time.monotonic() - self._start) / (step - self._initial)
+      parts.append(f"eta {_duration(pace * (self._total - step))}")
+    return "  ".join(part for part in parts if part)
 
   def close(self) -> None:
     self._bar.close()

@@ -344,7 +344,8 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
   with contextlib.ExitStack() as stack:
     evaluate = make_evaluator(c, mesh, model, tokenizer.chat, stack) if c.eval.every else None
     progress = stack.enter_context(metrics.ProgressBar(
-        c.steps, keys=("loss", "reward_accuracy") if c.mode == "dpo" else ("loss",),
+        c.steps, keys=(("loss", "reward_accuracy") if c.mode == "dpo" else ("loss",))
+        + ("time/update", "time/eval"),
         initial=start_step, enabled=None if c.log.progress_bar else False))
     for step in range(start_step, c.steps):
       timer = trainer.PhaseTimer()

@@ -208,7 +208,9 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   with EnvPool(c.env.name, len(process_rows), options=c.env.options.to_dict(),
                backend=c.env.backend, step_timeout_s=c.env.step_timeout) as pool:
     tasks = TaskOrder(pool.task_ids("train"), c.seed)
-    progress = metrics.ProgressBar(c.steps, keys=("reward", "success", "horizon_cap"),
+    progress = metrics.ProgressBar(c.steps, keys=("reward", "success", "horizon_cap",
+                                                  "time/rollout", "time/experience",
+                                                  "time/update", "time/eval"),
                                    initial=start_step,
                                    enabled=None if c.log.progress_bar and processes.index == 0
                                    else False)

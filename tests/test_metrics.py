@@ -5,7 +5,9 @@ import io
 import json
 import logging
 import os
+import re
 import struct
+import sys
 import time
 
 import jax
@@ -234,9 +236,16 @@ def test_progress_bar_shows_step_of_total_and_the_chosen_metrics(tmp_path):
   assert "kl" not in shown and "absent" not in shown
 
 
-def test_progress_bar_is_silent_off_a_terminal_or_when_disabled():
-  for enabled in (None, False):  # A StringIO is not a TTY.
-    stream = io.StringIO()
-    with ProgressBar(10, keys=("loss",), enabled=enabled, file=stream) as bar:
-      bar.update(3, {"loss": 1.0})
-    assert stream.getvalue() == ""
+def test_progress_is_a_plain_line_a_step_off_a_terminal_and_silent_when_disabled(monkeypatch):
+  monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+  stream = io.StringIO()
+  with ProgressBar(10, keys=("reward", "time/update"), initial=2, file=stream) as bar:
+    bar.update(3, {"reward": 0.25, "time/update": 12.34, "loss": 1.0})
+    bar.update(4, {"reward": None})
+  first, second = stream.getvalue().splitlines()
+  assert re.fullmatch(r"step 3/10  reward=0.25 time/update=12.34  eta \dm\d\ds", first), first
+  assert re.fullmatch(r"step 4/10  reward=nan  eta \dm\d\ds", second), second
+  stream = io.StringIO()
+  with ProgressBar(10, keys=("loss",), enabled=False, file=stream) as bar:
+    bar.update(3, {"loss": 1.0})
+  assert stream.getvalue() == ""

@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -170,21 +171,17 @@ def test_launch_train_smoke_writes_checkpoint_metrics_trajectories(checkpoint_di
                           env={**os.environ,
                                "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
   assert result.returncode == 0, result.stderr[-3000:]
+  # Off a terminal: one plain line a step on stdout; no library INFO logs (Orbax's checkpoint
+  # manager, JAX's search for a TPU backend) on stderr.
+  assert [line.split("  ")[0] for line in result.stdout.splitlines()] == ["step 1/2", "step 2/2"]
+  assert not re.search(r"^I\d{4} ", result.stderr, re.MULTILINE), result.stderr[:2000]
+  assert "Unable to initialize backend" not in result.stderr
   rows = metrics.read_metrics(workdir)
   assert [r["step"] for r in rows] == [1, 2]
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
   assert len(metrics.read_trajectories(workdir, 2)) == 4
   assert (workdir / "export" / "config.json").exists()
   assert (workdir / "export" / "tokenizer.json").exists()
-
-
-def test_launch_train_rejects_unknown_override(tmp_path):
-  command = [sys.executable, str(REPO / "launch" / "train.py"),
-             f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:local",
-             f"--workdir={tmp_path}", "--config.rollout.temprature=0.5"]
-  result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-  assert result.returncode != 0
-  assert "temprature" in result.stderr
 
 
 @pytest.mark.slow
