@@ -96,6 +96,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint.every = 10
   c.checkpoint.keep = 3
   c.checkpoint.export_hf = True  # Write the final policy as a Hugging Face directory.
+  # f32 by default: a bf16 copy of a small model can degenerate under greedy decoding
+  # (SmolLM2-135M repeats itself in transformers where the same weights in f32 answer).
+  c.checkpoint.export_dtype = "float32"
 
   c.log = ml_collections.ConfigDict()
   c.log.tensorboard = True
@@ -212,6 +215,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(o.eps > 0, f"optim.eps={o.eps} must be > 0")
   _check(o.grad_clip > 0, f"optim.grad_clip={o.grad_clip} must be > 0")
   _check(o.max_consecutive_nonfinite >= 1, "optim.max_consecutive_nonfinite must be >= 1")
+  _check(c.checkpoint.export_dtype in DTYPES,
+         f"checkpoint.export_dtype={c.checkpoint.export_dtype!r} is not one of {DTYPES}")
   _check(c.checkpoint.every >= 0 and c.checkpoint.keep >= 1,
          "checkpoint.every must be >= 0 and checkpoint.keep >= 1")
   _check(c.eval.every >= 0, f"eval.every={c.eval.every} must be >= 0")

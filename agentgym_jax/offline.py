@@ -383,7 +383,8 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
   checkpointer.close()
   metrics_writer.close()
   if c.checkpoint.export_hf:
-    weights.save_hf(nnx.merge(graphdef, state.params), workdir / "export")
+    weights.save_hf(nnx.merge(graphdef, state.params), workdir / "export",
+                    dtype=c.checkpoint.export_dtype)
     tokenizer.save_pretrained(workdir / "export")
   return history
 

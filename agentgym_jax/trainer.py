@@ -284,7 +284,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   if c.checkpoint.export_hf:
     params = processes.local_copy(state.params)
     if processes.index == 0:
-      weights.save_hf(nnx.merge(graphdef, params), workdir / "export")
+      weights.save_hf(nnx.merge(graphdef, params), workdir / "export",
+                      dtype=c.checkpoint.export_dtype)
       tokenizer.save_pretrained(workdir / "export")
   return history
 

@@ -151,7 +151,7 @@ def test_bf16_checkpoint_loads_exactly(family, tmp_path):
 def test_export_loads_in_transformers_with_the_same_logits(hf_checkpoint, tmp_path):
   hf_model, directory = hf_checkpoint
   model = _load(directory)
-  weights.save_hf(model, tmp_path / "f32", dtype=jnp.float32, max_shard_bytes=30_000)
+  weights.save_hf(model, tmp_path / "f32", max_shard_bytes=30_000)  # f32 by default
   assert (tmp_path / "f32" / "model.safetensors.index.json").exists()
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "f32").eval()
   _assert_tiny_logits_close(_hf_logits(exported, INPUT_IDS), _hf_logits(hf_model, INPUT_IDS))
@@ -159,8 +159,9 @@ def test_export_loads_in_transformers_with_the_same_logits(hf_checkpoint, tmp_pa
   for ours, theirs in zip(jax.tree.leaves(model), jax.tree.leaves(reloaded)):
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
 
-  # The default export is bf16, which transformers loads as bf16.
-  weights.save_hf(model, tmp_path / "bf16")
+  assert exported.dtype == torch.float32
+  # A bf16 export, which transformers loads as bf16.
+  weights.save_hf(model, tmp_path / "bf16", dtype=jnp.bfloat16)
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").eval()
   assert exported.dtype == torch.bfloat16
   reloaded = _load(tmp_path / "bf16")

@@ -235,7 +235,7 @@ def to_hf_state_dict(model: Decoder, dtype: Any = None) -> dict[str, np.ndarray]
   return tensors
 
 
-def save_hf(model: Decoder, directory: str | pathlib.Path, dtype: Any = jnp.bfloat16,
+def save_hf(model: Decoder, directory: str | pathlib.Path, dtype: Any = jnp.float32,
             max_shard_bytes: int = 4 * 2**30) -> None:
   """Writes config.json and safetensors that transformers loads as is.
 
