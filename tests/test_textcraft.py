@@ -299,10 +299,19 @@ def test_only_crafting_the_goal_is_rewarded():
     ("Action: craft 1 minecraft:crafting_table using 4 oak_planks",
      "craft 1 minecraftcraftingtable using 4 oakplanks"),
     ("Action: get 1 oak log ✓ — ok", "get 1 oak log ok"),
+    # A line break separates words (AgentGym's client would give "ChallengesYour turn").
+    ("Action: Challenges\nYour turn in crafting", "Challenges Your turn in crafting"),
     ("", ""),
 ])
 def test_parse_action_follows_agentgym(reply, action):
   assert parse_action(reply) == action
+
+
+def test_an_unknown_multi_line_action_is_echoed_with_its_words_apart():
+  env = TextCraftEnv()
+  env.reset(env.task_ids("test")[0])
+  result = env.step("Action: Challenges\nYour turn in crafting")
+  assert result.observation == "Could not execute Challenges Your turn in crafting"
 
 
 _KNOWN_OBSERVATION = re.compile(

@@ -98,9 +98,11 @@ _COUNTED = re.compile(r"([0-9]+) (.*)")
 
 
 def parse_action(reply: str) -> str:
-  """The action in a model reply, extracted as AgentGym's client does (module docstring)."""
+  """The action in a model reply, extracted as AgentGym's client does (module docstring), except
+  that a line break separates words instead of joining them (its client turns "Challenges\nYour
+  turn" into "ChallengesYour turn", which the error observation then echoes)."""
   action = reply.split("Instruction:")[0].split("Action:")[-1]
-  action = re.sub(r"[^A-Za-z0-9, ]+", "", action)
+  action = re.sub(r"[^A-Za-z0-9, ]+", "", re.sub(r"\s+", " ", action))
   return " ".join(action.split())
 
 
