@@ -8,6 +8,7 @@ parameters and optimizer state) to continue exactly as an uninterrupted run woul
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -22,6 +23,7 @@ import numpy as np
 import optax
 from absl import logging
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentgym_jax import checkpoint, config as config_lib, evaluation, horizon, learner, metrics
@@ -135,6 +137,28 @@ class RunState:
   def tree(self) -> dict[str, Any]:
     return {"params": self.params, "value_params": self.value_params,
             "opt_state": self.opt_state}
+
+
+def trajectory_records(trajectories: Sequence[rollout.Trajectory], advantages: jax.Array,
+                       loss_mask: jax.Array) -> list[dict[str, Any]]:
+  """The step's trajectory log records, each with its sample index within its group and its
+  advantage: the mean over its trained tokens (GRPO's and RLOO's one value a row; a summary of
+  GAE's per-token ones), None for a row without trained tokens (an excluded failed episode).
+
+  advantages f32[N, T-1] are aligned with the targets, loss_mask f32[N, T] with the tokens.
+  """
+  mask = loss_mask[:, 1:]
+  trained = jnp.sum(mask, axis=-1)
+  row_advantage = jnp.sum(advantages * mask, axis=-1) / jnp.maximum(trained, 1.0)
+  row_advantage, trained = multihost_utils.process_allgather((row_advantage, trained),
+                                                             tiled=True)
+  samples = collections.Counter()
+  records = []
+  for t, advantage, count in zip(trajectories, row_advantage.tolist(), trained.tolist()):
+    records.append({**t.to_json(), "sample": samples[t.group],
+                    "advantage": advantage if count else None})
+    samples[t.group] += 1
+  return records
 
 
 def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dict[str, Any]]:
@@ -272,7 +296,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
       history.append(metrics_writer.latest)
       check_health(metrics_writer.latest, c)
       if c.log.trajectories:
-        trajectory_writer.write(done, [t.to_json() for t in trajectories])
+        trajectory_writer.write(done, trajectory_records(trajectories, experience.advantages,
+                                                         batch.loss_mask))
       progress.update(done, metrics_writer.latest)
       if c.checkpoint.every:
         checkpointer.save(done, state.tree(), _meta(c, done, schedule, cap),

@@ -106,6 +106,7 @@ def _trajectory_view(record: Mapping[str, Any], step: int) -> dict[str, Any]:
       "step": int(record.get("step", step)),
       "task_id": record.get("task_id"),
       "group": record.get("group"),
+      "sample": record.get("sample"),
       "env": str(record.get("env") or info.get("env") or ""),
       "category": str(record.get("category") or info.get("category") or ""),
       "reward": reward if reward is not None else sum(r or 0.0 for r in turn_rewards),
@@ -218,7 +219,7 @@ _PAGE = """<!doctype html>
     <table id="trajectories">
       <thead><tr>
         <th data-sort="step">Step</th><th data-sort="task_id">Task</th>
-        <th data-sort="group">Sample</th><th data-sort="env">Env</th>
+        <th data-sort="sample">Sample</th><th data-sort="env">Env</th>
         <th data-sort="success">Outcome</th><th data-sort="reward">Reward</th>
         <th data-sort="advantage">Adv.</th><th data-sort="num_turns">Turns</th>
         <th data-sort="termination">Ended by</th><th data-sort="num_tokens">Tokens</th>
@@ -420,7 +421,7 @@ _JS = r"""
       const t = TRAJ[i];
       const tr = el("tr", i === state.selected ? "selected" : "",
         el("td", "num", fmt(t.step)), el("td", "num", fmt(t.task_id)),
-        el("td", "num", fmt(t.group)),
+        el("td", "num", fmt(t.sample)),
         el("td", "", t.env || "\u2014"),
         el("td", t.success ? "ok" : "bad", t.success ? "\u2713 success" : "\u2717 failure"),
         el("td", "num", fmt(t.reward)), el("td", "num", fmt(t.advantage)),
@@ -501,7 +502,7 @@ _JS = r"""
       stats.append(el("dt", "", name), el("dd", "", value));
     }
     const title = "Step " + fmt(t.step) + " \u00b7 task " + fmt(t.task_id) + " \u00b7 sample " +
-        fmt(t.group);
+        fmt(t.sample);
     const parts = [el("h2", "", title), badges, stats];
     if (t.error) parts.push(el("div", "error", highlighted(t.error)));
     if (!t.messages.length) {

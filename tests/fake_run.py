@@ -18,7 +18,7 @@ import random
 ENVS = ("textcraft", "babyai", "sciworld")
 # Text a viewer must show literally (never interpret as markup).
 SPECIAL_TEXT = '<b>bold?</b> & "quotes" </script><script>window.__pwned = 1</script> naïve café — 日本語 🚀'
-# A word found in exactly one trajectory: (step 2, task 1003, group 1) of the default run.
+# A word found in exactly one trajectory: (step 2, task 1003, sample 1) of the default run.
 NEEDLE = "zanzibar-needle"
 NEEDLE_AT = (2, 1003, 1)
 INSTRUCTIONS = {
@@ -37,7 +37,7 @@ ACTIONS = {
 TERMINATIONS = ("done", "horizon", "context", "env_error", "env_timeout")
 
 
-def _trajectory(rng: random.Random, step: int, task_id: int, group: int) -> dict:
+def _trajectory(rng: random.Random, step: int, task_id: int, group: int, sample: int) -> dict:
   env = ENVS[task_id % len(ENVS)]
   horizon = 3 + step // 2
   failure = rng.random()
@@ -58,19 +58,19 @@ def _trajectory(rng: random.Random, step: int, task_id: int, group: int) -> dict
   messages = [{"role": "user",
                "content": f"{INSTRUCTIONS[env]}\n\nTask {task_id}: you are in a room "
                           f"with a <chest> & a 'table'."}]
-  if (step, task_id, group) == NEEDLE_AT:
+  if (step, task_id, sample) == NEEDLE_AT:
     messages[0]["content"] += f" A map of {NEEDLE.upper()} lies here."  # Found case-blind.
   for turn in range(num_turns):
     action = rng.choice(ACTIONS[env])
     thought = f"Step {turn + 1}: I should {action}."
-    if turn == 0 and group == 0:
+    if turn == 0 and sample == 0:
       thought += " " + SPECIAL_TEXT
     messages.append({"role": "assistant", "content": f"Thought: {thought}\n\nAction: {action}"})
     if turn + 1 < num_turns:  # The last observation of an episode is not logged.
       observation = f"Observation {turn + 1}: nothing happens.\n  x <= y && y > z"
       messages.append({"role": "user", "content": observation})
   record = {
-      "task_id": task_id, "group": group, "reward": sum(turn_rewards), "success": success,
+      "task_id": task_id, "group": group, "sample": sample, "reward": sum(turn_rewards), "success": success,
       "num_turns": num_turns, "termination": termination,
       "error": ("adapter crashed: <ConnectionError> & retries exhausted"
                 if termination == "env_error" else ""),
@@ -81,7 +81,7 @@ def _trajectory(rng: random.Random, step: int, task_id: int, group: int) -> dict
   if task_id % 5 != 4:  # Some records lack the optional fields.
     record["env"] = env
     record["category"] = f"depth{1 + task_id % 2}"
-  if group != 3:
+  if sample != 3:
     record["advantage"] = round(rng.uniform(-1.5, 1.5), 4)
   return record
 
@@ -98,8 +98,8 @@ def write_fake_run(workdir: str | os.PathLike[str], num_steps: int = 6, tasks_pe
   os.makedirs(os.path.join(workdir, "trajectories"), exist_ok=True)
   metric_lines = []
   for step in range(num_steps):
-    records = [_trajectory(rng, step, 1000 + (step * tasks_per_step + k) % 8, group)
-               for k in range(tasks_per_step) for group in range(samples_per_task)]
+    records = [_trajectory(rng, step, 1000 + (step * tasks_per_step + k) % 8, k, sample)
+               for k in range(tasks_per_step) for sample in range(samples_per_task)]
     with open(os.path.join(workdir, "trajectories", f"step_{step:06d}.jsonl"), "w",
               encoding="utf-8") as f:
       for record in records:

@@ -97,6 +97,17 @@ def test_horizon_schedule_caps_turns_per_stage(checkpoint_dir, tmp_path, monkeyp
     # Trajectories still going at the cap end as "horizon" (3-turn episodes never finish).
     assert all(t["termination"] in ("horizon", "done") for t in trajectories)
     assert any(t["termination"] == "horizon" for t in trajectories) or cap == 2
+    # Each record knows its sample within its group and its GRPO advantage: the group's
+    # rewards centred on their mean (and scaled by their spread), so of the same sign.
+    groups = {}
+    for t in trajectories:
+      groups.setdefault(t["group"], []).append(t)
+    assert len(groups) == c.rollout.tasks_per_step
+    for group in groups.values():
+      assert [t["sample"] for t in group] == list(range(c.rollout.samples_per_task))
+      mean = np.mean([t["reward"] for t in group])
+      for t in group:
+        assert np.sign(t["advantage"]) == np.sign(round(t["reward"] - mean, 6))
 
 
 def test_resumed_run_matches_uninterrupted_run(checkpoint_dir, tmp_path, monkeypatch):

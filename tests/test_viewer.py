@@ -62,8 +62,8 @@ def test_load_run_fills_in_missing_fields_and_skips_the_cut_metrics_line(run_dir
   views = run["trajectories"]
   assert len(views) == len(records) == NUM_TRAJECTORIES
   for view, record in zip(views, records):
-    assert (view["step"], view["task_id"], view["group"]) == (
-        record["step"], record["task_id"], record["group"])
+    assert (view["step"], view["task_id"], view["group"], view["sample"]) == (
+        record["step"], record["task_id"], record["group"], record["sample"])
     assert view["env"] == record.get("env", "")
     assert view["advantage"] == record.get("advantage")
     assert view["messages"] == record["messages"]
@@ -247,8 +247,8 @@ def test_search_finds_a_message_and_its_conversation_opens(page, tmp_path):
   page.fill("#f-search", NEEDLE)
   _wait_for_count(page, 1)
   page.click("#rows tr")
-  step, task_id, group = NEEDLE_AT
-  assert page.inner_text("#detail h2") == f"Step {step} · task {task_id} · sample {group}"
+  step, task_id, sample = NEEDLE_AT
+  assert page.inner_text("#detail h2") == f"Step {step} · task {task_id} · sample {sample}"
   assert page.inner_text("#detail mark") == NEEDLE.upper()
   page.screenshot(path=str(tmp_path / "viewer_search.png"))
   assert page.problems == []
@@ -256,7 +256,7 @@ def test_search_finds_a_message_and_its_conversation_opens(page, tmp_path):
 
 def test_conversation_shows_special_characters_literally(page, records, tmp_path):
   # The first trajectory whose first agent turn carries the special text, with an error.
-  wanted = next(r for r in records if r["group"] == 0 and r["num_turns"] >= 2
+  wanted = next(r for r in records if r["sample"] == 0 and r["num_turns"] >= 2
                 and r["termination"] == "env_error")
   page.select_option("#f-step", str(wanted["step"]))
   page.fill("#f-task", str(wanted["task_id"]))
