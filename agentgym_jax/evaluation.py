@@ -8,7 +8,7 @@ With k = 1 both are the success rate the paper reports.
 from __future__ import annotations
 
 import collections
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -22,10 +22,12 @@ from environments.pool import EnvPool
 def evaluate(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
              task_ids: Sequence[int], *, samples_per_task: int, horizon: int,
              sampling: rollout.TurnSampling, max_context: int, key: jax.Array,
-             rows_per_batch: int, groups: int = 1
+             rows_per_batch: int, groups: int = 1,
+             progress: Callable[[int, int], None] | None = None
              ) -> tuple[dict[str, Any], list[rollout.Trajectory]]:
   """Plays every task `samples_per_task` times, `rows_per_batch` episodes at once in `groups`
-  pipelined groups (`rollout.collect`); returns (summary, trajectories)."""
+  pipelined groups (`rollout.collect`); returns (summary, trajectories). `progress(done, total)`
+  is called with the episodes played after each batch."""
   plays = [(task_id, index) for index, task_id in enumerate(task_ids)
            for _ in range(samples_per_task)]
   trajectories: list[rollout.Trajectory] = []
@@ -36,6 +38,8 @@ def evaluate(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
                                 key=jax.random.fold_in(key, start),
                                 groups=min(groups, len(chunk)))
     trajectories.extend(played)
+    if progress is not None:
+      progress(len(trajectories), len(plays))
   return summarize(trajectories, task_categories(pool, task_ids)), trajectories
 
 
@@ -73,9 +77,12 @@ def summarize(trajectories: Sequence[rollout.Trajectory],
 
 
 def format_table(summary: dict[str, Any]) -> str:
-  """A plain-text table: one row per category and the total."""
-  header = f"{'category':<24} {'tasks':>6} {'avg@k':>7} {'pass@k':>7} {'turns':>6}"
-  lines = [header, "-" * len(header)]
+  """A plain-text table: one row per category and the total, under a line that says what k is."""
+  k = summary["k"]
+  header = f"{'category':<24} {'tasks':>6} {f'avg@{k}':>7} {f'pass@{k}':>7} {'turns':>6}"
+  lines = [f"k = {k} sample{'s' if k != 1 else ''} per task: avg@{k} is the mean success of "
+           f"a task's {k}, pass@{k} the share of tasks solved at least once", header,
+           "-" * len(header)]
   rows = list(summary["categories"].items()) + [("all", summary)]
   for name, s in rows:
     lines.append(f"{name:<24} {s['num_tasks']:>6} {100 * s['avg@k']:>6.2f}% "

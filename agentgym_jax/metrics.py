@@ -397,15 +397,16 @@ class ProgressBar:
     enabled: None draws the bar when stdout is a terminal and prints plain lines when it is
       not; True forces the bar, False shows nothing.
     file: the stream to draw on (default: sys.stderr for the bar, sys.stdout for lines).
+    unit: what is counted.
   """
 
   def __init__(self, total: int, keys: Sequence[str] = (), initial: int = 0,
-               enabled: bool | None = None, file: TextIO | None = None):
-    self.keys = tuple(keys)
+               enabled: bool | None = None, file: TextIO | None = None, unit: str = "step"):
+    self.keys, self._unit = tuple(keys), unit
     self._total, self._initial, self._start = total, initial, time.monotonic()
     self._lines = enabled is None and not sys.stdout.isatty()
     self._file = file
-    self._bar = tqdm.tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+    self._bar = tqdm.tqdm(total=total, initial=initial, unit=unit, dynamic_ncols=True,
                           file=file,
                           disable=self._lines or (None if enabled is None else not enabled))
 
@@ -421,7 +422,7 @@ class ProgressBar:
     self._bar.refresh()
 
   def _line(self, step: int, shown: Mapping[str, str]) -> str:
-    parts = [f"step {step}/{self._total}", " ".join(f"{k}={v}" for k, v in shown.items())]
+    parts = [f"{self._unit} {step}/{self._total}", " ".join(f"{k}={v}" for k, v in shown.items())]
     if step > self._initial:
       pace = (time.monotonic() - self._start) / (step - self._initial)
       parts.append(f"eta {_duration(pace * (self._total - step))}")

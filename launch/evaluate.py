@@ -38,11 +38,16 @@ def main(argv):
   sampler = trainer.make_sampler(c, model, mesh, _ROWS.value)
   with EnvPool(c.env.name, _ROWS.value, options=c.env.options.to_dict(),
                backend=c.env.backend, step_timeout_s=c.env.step_timeout) as pool:
+    task_ids = trainer.eval_tasks(c, pool)
+    print(f"{len(task_ids)} {c.env.name} tasks of the {c.eval.split} split, "
+          f"k = {c.eval.samples_per_task} sample(s) each, up to {turn_cap} turns", flush=True)
+    progress = metrics.ProgressBar(len(task_ids) * c.eval.samples_per_task, unit="episode")
     summary, trajectories = evaluation.evaluate(
-        sampler, sampler.params, pool, tokenizer.chat, trainer.eval_tasks(c, pool),
+        sampler, sampler.params, pool, tokenizer.chat, task_ids,
         samples_per_task=c.eval.samples_per_task, horizon=turn_cap, sampling=sampling,
         max_context=c.rollout.max_context, key=jax.random.key(c.seed), rows_per_batch=_ROWS.value,
-        groups=c.rollout.pipeline_groups)
+        groups=c.rollout.pipeline_groups, progress=lambda done, _: progress.update(done))
+    progress.close()
   print(evaluation.format_table(summary))
   if _OUT.value:
     pathlib.Path(_OUT.value).parent.mkdir(parents=True, exist_ok=True)

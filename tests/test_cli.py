@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+import tiny
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LOCAL = f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:local"
 
@@ -60,3 +62,21 @@ def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
   assert result.returncode != 0
   assert result.stderr.strip() == f"error: --workdir={workdir} is a file, not a directory"
   assert workdir.read_text() == "not a directory"
+
+
+def test_evaluate_shows_its_progress_and_says_what_k_is(tmp_path):
+  checkpoint = tiny.make_checkpoint(tmp_path / "tiny")
+  command = [sys.executable, str(REPO / "launch" / "evaluate.py"), LOCAL,
+             f"--config.model.name={checkpoint}", "--config.model.dtype=float32",
+             "--config.env.name=echo", "--config.eval.max_tasks=6",
+             "--config.eval.samples_per_task=2", "--config.rollout.max_new_tokens=4",
+             "--config.rollout.max_context=128", "--config.mesh.fsdp=1", "--rows=4"]
+  result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.splitlines()
+  assert lines[0] == "6 echo tasks of the test split, k = 2 sample(s) each, up to 8 turns"
+  assert [line.split("  ")[0] for line in lines[1:4]] == [
+      "episode 4/12", "episode 8/12", "episode 12/12"]
+  assert lines[4].startswith("k = 2 samples per task: avg@2 is the mean success")
+  assert lines[5].split() == ["category", "tasks", "avg@2", "pass@2", "turns"]
