@@ -197,9 +197,15 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(trajectories % a.num_minibatches == 0,
          f"algorithm.num_minibatches={a.num_minibatches} does not divide the "
          f"{trajectories} trajectories per step")
-  _check(a.advantage not in ("grpo", "rloo") or r.samples_per_task > 1,
+  estimator = rl.get_advantage_estimator(a.advantage)
+  _check(not estimator.needs_groups or r.samples_per_task > 1,
          f"algorithm.advantage={a.advantage!r} compares samples of a task: "
          f"rollout.samples_per_task must be > 1")
+  token_level = sorted(name for name, entry in rl.ADVANTAGE_ESTIMATORS.items()
+                       if "token_rewards" in entry.accepts)
+  _check(a.kl_in_reward_coef == 0 or a.advantage in token_level,
+         f"algorithm.kl_in_reward_coef={a.kl_in_reward_coef} needs a token-level estimator, one "
+         f"of {token_level}; {a.advantage!r} takes one reward per trajectory")
   _check(a.logprob_chunk > 0, f"algorithm.logprob_chunk={a.logprob_chunk} must be > 0")
   o = c.optim
   _check(o.learning_rate > 0, f"optim.learning_rate={o.learning_rate} must be > 0")

@@ -81,7 +81,7 @@ class LossConfig:
 
   @property
   def uses_critic(self) -> bool:
-    return self.advantage_estimator == "gae"
+    return rl.get_advantage_estimator(self.advantage_estimator).needs_values
 
 
 class ValueHead(nnx.Module):
@@ -144,14 +144,12 @@ def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nn
                                           beta=loss.kl_in_reward_coef,
                                           estimator=loss.kl_estimator)
   estimator = rl.get_advantage_estimator(loss.advantage_estimator)
-  kwargs: dict[str, Any] = dict(loss.advantage_options)
-  if loss.advantage_estimator in ("grpo", "rloo"):
-    kwargs.update(group_ids=batch.group_ids, num_groups=num_groups)
-  if loss.uses_critic:
-    kwargs["values"] = old_values
-  if token_rewards is not None:
-    kwargs["token_rewards"] = token_rewards
-  advantages, returns = estimator(batch.rewards, mask, **kwargs)
+  inputs: dict[str, Any] = dict(loss.advantage_options, token_rewards=token_rewards)
+  if estimator.needs_groups:
+    inputs.update(group_ids=batch.group_ids, num_groups=num_groups)
+  if estimator.needs_values:
+    inputs["values"] = old_values
+  advantages, returns = estimator(batch.rewards, mask, **inputs)
   # The importance-sampling check: how far the sampler's log-probs are from the learner's.
   sampler_logprobs = batch.sampler_logprobs[:, 1:]
   gap = jnp.abs(sampler_logprobs - old_logprobs)

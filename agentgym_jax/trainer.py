@@ -27,7 +27,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentgym_jax import checkpoint, config as config_lib, evaluation, horizon, learner, metrics
-from agentgym_jax import multihost, rollout
+from agentgym_jax import multihost, rl, rollout
 from agentgym_jax import sharding
 from agentgym_jax.models import Decoder, load_model, weights
 from agentgym_jax.sampling import Sampler
@@ -110,15 +110,10 @@ def learning_rate_schedule(c: ml_collections.ConfigDict) -> optax.Schedule:
 
 def loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:
   a = c.algorithm
-  options: dict[str, Any] = {}
-  if a.advantage == "grpo":
-    options["normalize_by_std"] = a.grpo_normalize_by_std
-  elif a.advantage == "reinforce_plus_plus":
-    options["gamma"] = a.gamma
-  elif a.advantage == "gae":
-    options.update(gamma=a.gamma, lam=a.lam)
+  estimator = rl.get_advantage_estimator(a.advantage)
+  options = sorted((argument, a[key]) for argument, key in estimator.hyperparameters)
   return learner.LossConfig(
-      advantage_estimator=a.advantage, advantage_options=tuple(sorted(options.items())),
+      advantage_estimator=a.advantage, advantage_options=tuple(options),
       clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
       dual_clip_c=a.dual_clip_c or None, aggregation=a.aggregation, kl_coef=a.kl_coef,
       kl_estimator=a.kl_estimator, kl_in_reward_coef=a.kl_in_reward_coef,

@@ -61,3 +61,24 @@ def test_rollout_pipeline_and_cache_keys_are_validated(key, value, message):
   c.rollout[key] = value
   with pytest.raises(ValueError, match=message):
     config_lib.validate(c)
+
+
+@pytest.mark.parametrize("advantage, kl_in_reward_coef, samples_per_task, message", [
+    ("grpo", 0.01, 8, r"kl_in_reward_coef=0.01 needs a token-level estimator, one of "
+                      r"\['gae', 'reinforce_plus_plus'\]; 'grpo' takes one reward"),
+    ("rloo", 0.0, 1, r"algorithm.advantage='rloo' compares samples of a task"),
+    ("reinforce_plus_plus", 0.01, 1, None),
+    ("gae", 0.01, 1, None),
+])
+def test_what_an_estimator_reads_is_checked_at_start_up(advantage, kl_in_reward_coef,
+                                                        samples_per_task, message):
+  # The registry entry declares its inputs; the config checks a run can give them.
+  c = load("grpo_textcraft")("")
+  c.algorithm.advantage = advantage
+  c.algorithm.kl_in_reward_coef = kl_in_reward_coef
+  c.rollout.samples_per_task = samples_per_task
+  if message is None:
+    config_lib.validate(c)
+  else:
+    with pytest.raises(config_lib.ConfigError, match=message):
+      config_lib.validate(c)

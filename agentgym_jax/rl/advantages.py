@@ -26,6 +26,7 @@ final response token, an observation token with loss_mask 0, so GAE and REINFORC
 where `returns` is the regression target for a critic (GAE) or the per-token return.
 """
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -240,20 +241,10 @@ def gae_advantages(
   return Advantages(masked.masked_whiten(raw_advantages, loss_mask, eps), returns)
 
 
-# Registry entries share one signature so a trainer can dispatch on a config string. Each
-# checks that it received the inputs it needs and refuses inputs it would silently ignore.
+# The registry: each entry declares what it reads, so the learner passes exactly that and the
+# config knows which algorithm.* keys set its hyperparameters. A new estimator is one entry here.
 
-
-def _require(name: str, **inputs):
-  for key, value in inputs.items():
-    if value is None:
-      raise ValueError(f"Advantage estimator {name!r} needs `{key}`.")
-
-
-def _refuse(name: str, **inputs):
-  for key, value in inputs.items():
-    if value is not None:
-      raise ValueError(f"Advantage estimator {name!r} does not use `{key}`; drop it.")
+_BATCH_INPUTS = ("group_ids", "num_groups", "values", "token_rewards")
 
 
 def _outcome_returns(rewards: jax.Array, loss_mask: jax.Array) -> jax.Array:
@@ -261,83 +252,68 @@ def _outcome_returns(rewards: jax.Array, loss_mask: jax.Array) -> jax.Array:
   return rewards[:, None] * loss_mask.astype(jnp.float32)
 
 
-def _grpo(
-    rewards: jax.Array,
-    loss_mask: jax.Array,
-    *,
-    group_ids: jax.Array | None = None,
-    num_groups: int | None = None,
-    values: jax.Array | None = None,
-    token_rewards: jax.Array | None = None,
-    **hyperparameters,
-) -> Advantages:
-  _require("grpo", group_ids=group_ids, num_groups=num_groups)
-  _refuse("grpo", values=values, token_rewards=token_rewards)
-  advantages = grpo_advantages(
-      rewards, loss_mask, group_ids, num_groups=num_groups, **hyperparameters
-  )
-  return Advantages(advantages, _outcome_returns(rewards, loss_mask))
+def _with_outcome_returns(advantages_fn: Callable[..., jax.Array]) -> Callable[..., Advantages]:
+  """A group estimator whose critic target is the outcome itself."""
+
+  def estimate(rewards: jax.Array, loss_mask: jax.Array, **inputs) -> Advantages:
+    return Advantages(advantages_fn(rewards, loss_mask, **inputs),
+                      _outcome_returns(rewards, loss_mask))
+
+  return estimate
 
 
-def _rloo(
-    rewards: jax.Array,
-    loss_mask: jax.Array,
-    *,
-    group_ids: jax.Array | None = None,
-    num_groups: int | None = None,
-    values: jax.Array | None = None,
-    token_rewards: jax.Array | None = None,
-    **hyperparameters,
-) -> Advantages:
-  _require("rloo", group_ids=group_ids, num_groups=num_groups)
-  _refuse("rloo", values=values, token_rewards=token_rewards)
-  advantages = rloo_advantages(
-      rewards, loss_mask, group_ids, num_groups=num_groups, **hyperparameters
-  )
-  return Advantages(advantages, _outcome_returns(rewards, loss_mask))
+@dataclasses.dataclass(frozen=True)
+class AdvantageEstimator:
+  """A registry entry, called as
+
+    advantages, returns = estimator(rewards, loss_mask, **inputs, **hyperparameters)
+
+  Attributes:
+    name: the config name (algorithm.advantage).
+    fn: the estimator; it receives the batch inputs it declares, by keyword.
+    needs: batch inputs it cannot run without (group_ids and num_groups for a group baseline,
+      values for a critic).
+    accepts: optional batch inputs it uses (token_rewards, e.g. a KL penalty).
+    hyperparameters: (argument, algorithm.* config key) pairs it reads.
+  """
+
+  name: str
+  fn: Callable[..., Advantages]
+  needs: tuple[str, ...] = ()
+  accepts: tuple[str, ...] = ()
+  hyperparameters: tuple[tuple[str, str], ...] = ()
+
+  @property
+  def needs_groups(self) -> bool:
+    return "group_ids" in self.needs
+
+  @property
+  def needs_values(self) -> bool:
+    return "values" in self.needs
+
+  def __call__(self, rewards: jax.Array, loss_mask: jax.Array, **inputs) -> Advantages:
+    for key in self.needs:
+      if inputs.get(key) is None:
+        raise ValueError(f"Advantage estimator {self.name!r} needs `{key}`.")
+    for key in _BATCH_INPUTS:
+      if inputs.get(key) is not None and key not in self.needs + self.accepts:
+        raise ValueError(f"Advantage estimator {self.name!r} does not use `{key}`; drop it.")
+    return self.fn(rewards, loss_mask,
+                   **{key: value for key, value in inputs.items() if value is not None})
 
 
-def _reinforce_plus_plus(
-    rewards: jax.Array,
-    loss_mask: jax.Array,
-    *,
-    group_ids: jax.Array | None = None,
-    num_groups: int | None = None,
-    values: jax.Array | None = None,
-    token_rewards: jax.Array | None = None,
-    **hyperparameters,
-) -> Advantages:
-  del group_ids, num_groups  # A batch-level baseline; grouping is irrelevant but harmless.
-  _refuse("reinforce_plus_plus", values=values)
-  return reinforce_plus_plus_advantages(
-      rewards, loss_mask, token_rewards=token_rewards, **hyperparameters
-  )
-
-
-def _gae(
-    rewards: jax.Array,
-    loss_mask: jax.Array,
-    *,
-    group_ids: jax.Array | None = None,
-    num_groups: int | None = None,
-    values: jax.Array | None = None,
-    token_rewards: jax.Array | None = None,
-    **hyperparameters,
-) -> Advantages:
-  del group_ids, num_groups  # The critic is the baseline; grouping is irrelevant but harmless.
-  _require("gae", values=values)
-  return gae_advantages(
-      rewards, loss_mask, values, token_rewards=token_rewards, **hyperparameters
-  )
-
-
-AdvantageEstimator = Callable[..., Advantages]
+_GROUPS = ("group_ids", "num_groups")
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "grpo": _grpo,
-    "rloo": _rloo,
-    "reinforce_plus_plus": _reinforce_plus_plus,
-    "gae": _gae,
+    estimator.name: estimator for estimator in (
+        AdvantageEstimator("grpo", _with_outcome_returns(grpo_advantages), needs=_GROUPS,
+                           hyperparameters=(("normalize_by_std", "grpo_normalize_by_std"),)),
+        AdvantageEstimator("rloo", _with_outcome_returns(rloo_advantages), needs=_GROUPS),
+        AdvantageEstimator("reinforce_plus_plus", reinforce_plus_plus_advantages,
+                           accepts=("token_rewards",), hyperparameters=(("gamma", "gamma"),)),
+        AdvantageEstimator("gae", gae_advantages, needs=("values",), accepts=("token_rewards",),
+                           hyperparameters=(("gamma", "gamma"), ("lam", "lam"))),
+    )
 }
 
 
