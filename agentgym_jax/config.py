@@ -212,7 +212,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(o.schedule in ("constant", "cosine"),
          f"optim.schedule={o.schedule!r} is not 'constant' or 'cosine'")
   _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
-  updates = c.steps * (a.ppo_epochs * a.num_minibatches if c.mode == "rl" else 1)
+  updates = optimizer_updates(c)
   _check(o.schedule != "cosine" or o.warmup_steps < updates,
          f"optim.warmup_steps={o.warmup_steps} must be below the run's {updates} optimizer "
          "updates with the cosine schedule")
@@ -238,6 +238,13 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            "data.batch_size and data.max_length must be > 0")
     _check(c.dpo.beta > 0, f"dpo.beta={c.dpo.beta} must be > 0")
   return c
+
+
+def optimizer_updates(c: ml_collections.ConfigDict) -> int:
+  """The run's optimizer updates: an RL step makes ppo_epochs x num_minibatches, an offline
+  step one."""
+  a = c.algorithm
+  return c.steps * (a.ppo_epochs * a.num_minibatches if c.mode == "rl" else 1)
 
 
 def horizon_options(c: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -43,6 +43,15 @@ def evaluate(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
   return summarize(trajectories, task_categories(pool, task_ids)), trajectories
 
 
+def as_metrics(summary: dict[str, Any]) -> dict[str, float]:
+  """Flat metrics of a summary: eval/success (Avg@k), eval/pass@k, eval/turns, per category."""
+  out = {"eval/success": summary["avg@k"], "eval/pass@k": summary["pass@k"],
+         "eval/turns": summary["turns"]}
+  for name, stats in summary["categories"].items():
+    out[f"eval/success/{name}"] = stats["avg@k"]
+  return out
+
+
 def task_categories(pool: EnvPool, task_ids: Sequence[int]) -> dict[int, str]:
   return {task_id: str(pool.task_info(task_id).get("category", "all")) for task_id in task_ids}
 

@@ -46,12 +46,12 @@ import numpy as np
 import optax
 from absl import logging
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from agentgym_jax import checkpoint, config as config_lib, demonstrations, evaluation, horizon
-from agentgym_jax import learner, metrics, offline_data, rl, sharding, trainer
+from agentgym_jax import checkpoint, config as config_lib, demonstrations, evaluation, learner
+from agentgym_jax import metrics, offline_data, rl, run, sharding
 from agentgym_jax.learner import Batch
-from agentgym_jax.models import Decoder, weights
+from agentgym_jax.models import Decoder
 from agentgym_jax.models.tokenizer import ChatTemplate
 from environments.pool import EnvPool
 
@@ -207,45 +207,7 @@ def dpo_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptStat
   return _apply(params, opt_state, grads, optimizer, out)
 
 
-def state_shardings(params: nnx.State, opt_state: optax.OptState, mesh: Mesh
-                    ) -> tuple[Any, Any]:
-  """(param shardings, optimizer-state shardings): each parameter where the model loader put
-  it (the logical-axis rules), each optimizer moment like its parameter, counters replicated.
-
-  The update step returns its state with exactly these shardings; left to itself, XLA's
-  propagation may choose others (e.g. split a norm scale over fsdp), which moves the state
-  between steps and compiles the update a second time.
-  """
-  param_shardings = jax.tree.map(lambda x: x.sharding, params)
-  params_structure = jax.tree.structure(params)
-  replicated = NamedSharding(mesh, PartitionSpec())
-
-  def like_params(subtree: Any) -> bool:
-    return jax.tree.structure(subtree) == params_structure
-
-  opt_shardings = jax.tree.map(lambda x: param_shardings if like_params(x) else replicated,
-                               opt_state, is_leaf=like_params)
-  return param_shardings, opt_shardings
-
-
 # --- the loop ------------------------------------------------------------------------------
-
-
-def learning_rate_schedule(c: ml_collections.ConfigDict) -> optax.Schedule:
-  """The RL trainer's schedule over c.steps updates: offline makes one update per step, where
-  RL makes ppo_epochs * num_minibatches."""
-  one_update_per_step = ml_collections.ConfigDict(c.to_dict())
-  one_update_per_step.algorithm.ppo_epochs = 1
-  one_update_per_step.algorithm.num_minibatches = 1
-  return trainer.learning_rate_schedule(one_update_per_step)
-
-
-def make_optimizer(c: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """The run's optimizer from config.optim (AdamW after clipping, non-finite steps skipped)."""
-  return learner.make_optimizer(
-      learning_rate_schedule(c), weight_decay=c.optim.weight_decay, b1=c.optim.b1,
-      b2=c.optim.b2, eps=c.optim.eps, grad_clip=c.optim.grad_clip,
-      max_consecutive_nonfinite=c.optim.max_consecutive_nonfinite)
 
 
 def loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:
@@ -261,7 +223,7 @@ def make_update(c: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params: nn
   for DPO, returns (params, opt_state, metrics) with the state on `state_shardings` and its
   input buffers donated; it compiles once per padded batch length.
   """
-  param_shardings, opt_shardings = state_shardings(
+  param_shardings, opt_shardings = run.state_shardings(
       params, jax.eval_shape(optimizer.init, params), mesh)
   if c.mode == "sft":
     step = functools.partial(sft_step, graphdef, optimizer=optimizer, loss=loss_config(c))
@@ -281,10 +243,9 @@ def make_evaluator(c: ml_collections.ConfigDict, mesh: Mesh, model: Decoder, cha
   rows = c.rollout.tasks_per_step * c.rollout.samples_per_task
   pool = stack.enter_context(EnvPool(c.env.name, rows, options=c.env.options.to_dict(),
                                      backend=c.env.backend, step_timeout_s=c.env.step_timeout))
-  sampler = trainer.make_sampler(c, model, mesh, rows)
-  sampling, turn_cap = trainer.eval_settings(
-      c, horizon.make_horizon_schedule(config_lib.horizon_options(c)))
-  task_ids = trainer.eval_tasks(c, pool)
+  sampler = run.make_sampler(c, model, mesh, rows)
+  sampling, turn_cap = run.eval_settings(c)
+  task_ids = run.eval_tasks(c, pool)
   key = jax.random.key(c.seed)
 
   def evaluate(params: nnx.State, step: int) -> dict[str, float]:
@@ -293,7 +254,7 @@ def make_evaluator(c: ml_collections.ConfigDict, mesh: Mesh, model: Decoder, cha
         horizon=turn_cap, sampling=sampling, max_context=c.rollout.max_context,
         key=jax.random.fold_in(key, step), rows_per_batch=rows,
         groups=c.rollout.pipeline_groups)
-    return trainer.eval_metrics(summary)
+    return evaluation.as_metrics(summary)
 
   return evaluate
 
@@ -309,7 +270,7 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
   records = load_records(c.data.path)  # Before the model: a bad path fails at once.
 
   # The policy, for DPO its frozen reference, the optimizer and the jitted update.
-  mesh, model, tokenizer = trainer.load_policy(c)
+  mesh, model, tokenizer = run.load_policy(c)
   batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
   if c.data.batch_size % batch_devices:
     raise ValueError(f"invalid config: data.batch_size={c.data.batch_size} must be a multiple "
@@ -319,23 +280,16 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
   # A copy: the update donates the policy's buffers.
   ref_params = jax.tree.map(jnp.copy, params) if c.mode == "dpo" else None
   loss = loss_config(c)
-  optimizer = make_optimizer(c)
+  optimizer = run.make_optimizer(c)
   init, update = make_update(c, graphdef, params, optimizer, mesh)
-  state = trainer.RunState(params, None, init(params))
-
   # Resume from the newest complete checkpoint; step k's checkpoint follows k updates.
   checkpointer = checkpoint.Checkpointer(workdir / "checkpoints", keep=c.checkpoint.keep,
                                          save_every=c.checkpoint.every or c.steps)
-  start_step = 0
-  if checkpointer.latest_step() is not None:
-    restored, meta = checkpointer.restore(state.tree())
-    state = trainer.RunState(restored["params"], None, restored["opt_state"])
-    start_step = int(meta["step"])
-    if meta.get("data_size") != _data_size(batches):
-      logging.warning("resuming with %s examples where the checkpoint saw %s: the data order "
-                      "differs from the interrupted run's", _data_size(batches),
-                      meta.get("data_size"))
-    logging.info("resumed from step %d", start_step)
+  state, start_step, meta = run.resume(checkpointer, run.RunState(params, None, init(params)))
+  if start_step and meta.get("data_size") != _data_size(batches):
+    logging.warning("resuming with %s examples where the checkpoint saw %s: the data order "
+                    "differs from the interrupted run's", _data_size(batches),
+                    meta.get("data_size"))
   metrics_writer = metrics.MetricsWriter(workdir, tensorboard=c.log.tensorboard,
                                          defer_fetch=False, resume_step=start_step)
 
@@ -348,7 +302,7 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
         + ("time/update", "time/eval"),
         initial=start_step, enabled=None if c.log.progress_bar else False))
     for step in range(start_step, c.steps):
-      timer = trainer.PhaseTimer()
+      timer = run.PhaseTimer()
       with timer("data"):
         if c.mode == "sft":
           host_batch = batches.batch(step)
@@ -363,7 +317,7 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
       with timer("update"):
         params, opt_state, step_metrics = update(state.params, state.opt_state, *inputs)
         jax.block_until_ready(step_metrics)
-      state = trainer.RunState(params, None, opt_state)
+      state = run.RunState(params, None, opt_state)
 
       done = step + 1
       compute_s = timer.seconds["update"] + timer.seconds.get("reference", 0.0)
@@ -375,17 +329,14 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
       step_metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
       metrics_writer.write(done, step_metrics)
       history.append(metrics_writer.latest)
-      trainer.check_health(metrics_writer.latest, c)
+      run.check_health(metrics_writer.latest, c)
       progress.update(done, metrics_writer.latest)
       if c.checkpoint.every:
         checkpointer.save(done, state.tree(), _meta(c, done, batches), force=done == c.steps)
   checkpointer.wait()
   checkpointer.close()
   metrics_writer.close()
-  if c.checkpoint.export_hf:
-    weights.save_hf(nnx.merge(graphdef, state.params), workdir / "export",
-                    dtype=c.checkpoint.export_dtype)
-    tokenizer.save_pretrained(workdir / "export")
+  run.export_policy(c, nnx.merge(graphdef, state.params), tokenizer, workdir)
   return history
 
 

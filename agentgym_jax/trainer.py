@@ -9,72 +9,20 @@ parameters and optimizer state) to continue exactly as an uninterrupted run woul
 from __future__ import annotations
 
 import collections
-import contextlib
-import dataclasses
 import math
 import pathlib
-import time
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
-from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentgym_jax import checkpoint, config as config_lib, evaluation, horizon, learner, metrics
-from agentgym_jax import multihost, rl, rollout
-from agentgym_jax import sharding
-from agentgym_jax.models import Decoder, load_model, weights
-from agentgym_jax.sampling import Sampler
+from agentgym_jax import multihost, rl, rollout, run, sharding
 from environments.pool import EnvPool
-
-
-def load_policy(c: ml_collections.ConfigDict, model_name: str | None = None):
-  """(mesh, model, tokenizer): the policy loaded sharded on the configured mesh."""
-  sharding.initialize_distributed()
-  mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
-  model, tokenizer = load_model(model_name or c.model.name, dtype=jnp.dtype(c.model.dtype),
-                                param_dtype=jnp.dtype(c.model.param_dtype),
-                                remat=c.model.remat, mesh=mesh)
-  return mesh, model, tokenizer
-
-
-def make_sampler(c: ml_collections.ConfigDict, model: Decoder, mesh: Mesh | None, rows: int
-                 ) -> Sampler:
-  """The sampler for playing `rows` episodes at once: rows / rollout.pipeline_groups rows of
-  rollout.max_context slots each (every group of rows has its own state on it), the KV cache
-  in rollout.cache_dtype."""
-  return Sampler(model, cache_slots=c.rollout.max_context,
-                 max_batch=-(-rows // c.rollout.pipeline_groups),
-                 cache_dtype=c.rollout.cache_dtype or None, mesh=mesh)
-
-
-def eval_settings(c: ml_collections.ConfigDict, schedule: horizon.HorizonSchedule
-                  ) -> tuple[rollout.TurnSampling, int]:
-  """How evaluation samples (eval.temperature, the rollout's other settings) and its turn cap."""
-  sampling = rollout.TurnSampling(max_new_tokens=c.rollout.max_new_tokens,
-                                  temperature=c.eval.temperature, top_p=c.rollout.top_p,
-                                  top_k=c.rollout.top_k)
-  return sampling, c.eval.horizon or schedule.max_turns
-
-
-def eval_tasks(c: ml_collections.ConfigDict, pool: EnvPool) -> list[int]:
-  task_ids = list(pool.task_ids(c.eval.split))
-  return task_ids[:c.eval.max_tasks] if c.eval.max_tasks else task_ids
-
-
-def eval_metrics(summary: dict[str, Any]) -> dict[str, float]:
-  """Flat metrics of an evaluation summary: eval/success (Avg@k), eval/pass@k, per category."""
-  out = {"eval/success": summary["avg@k"], "eval/pass@k": summary["pass@k"],
-         "eval/turns": summary["turns"]}
-  for name, stats in summary["categories"].items():
-    out[f"eval/success/{name}"] = stats["avg@k"]
-  return out
 
 
 class TaskOrder:
@@ -97,17 +45,6 @@ class TaskOrder:
     return out
 
 
-def learning_rate_schedule(c: ml_collections.ConfigDict) -> optax.Schedule:
-  o = c.optim
-  if o.schedule == "cosine":
-    return optax.warmup_cosine_decay_schedule(0.0, o.learning_rate, max(o.warmup_steps, 1),
-                                              c.steps * c.algorithm.ppo_epochs
-                                              * c.algorithm.num_minibatches)
-  if o.warmup_steps:
-    return optax.linear_schedule(0.0, o.learning_rate, o.warmup_steps)
-  return optax.constant_schedule(o.learning_rate)
-
-
 def loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:
   a = c.algorithm
   estimator = rl.get_advantage_estimator(a.advantage)
@@ -119,19 +56,6 @@ def loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:
       kl_estimator=a.kl_estimator, kl_in_reward_coef=a.kl_in_reward_coef,
       entropy_coef=a.entropy_coef, value_coef=a.value_coef, value_clip_eps=a.value_clip_eps,
       temperature=c.rollout.temperature, logprob_chunk=a.logprob_chunk)
-
-
-@dataclasses.dataclass
-class RunState:
-  """What a checkpoint restores: the trained parameters and the optimizer state."""
-
-  params: nnx.State
-  value_params: nnx.State | None
-  opt_state: optax.OptState
-
-  def tree(self) -> dict[str, Any]:
-    return {"params": self.params, "value_params": self.value_params,
-            "opt_state": self.opt_state}
 
 
 def trajectory_records(trajectories: Sequence[rollout.Trajectory], advantages: jax.Array,
@@ -161,7 +85,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   c = config_lib.validate(c)
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  mesh, model, tokenizer = load_policy(c)
+  mesh, model, tokenizer = run.load_policy(c)
   chat = tokenizer.chat
   graphdef, params = nnx.split(model)
   loss = loss_config(c)
@@ -169,34 +93,20 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   value_graphdef = value_params = None
   if loss.uses_critic:
     value_graphdef, value_params = nnx.split(learner.ValueHead(model.config.hidden_size))
-  optimizer = learner.make_optimizer(
-      learning_rate_schedule(c), weight_decay=c.optim.weight_decay, b1=c.optim.b1,
-      b2=c.optim.b2, eps=c.optim.eps, grad_clip=c.optim.grad_clip,
-      max_consecutive_nonfinite=c.optim.max_consecutive_nonfinite)
-  opt_state = jax.jit(optimizer.init)((params, value_params))
+  optimizer = run.make_optimizer(c)
   # Committed to the mesh, as the update's outputs will be: otherwise the first step's inputs
-  # differ from the next steps' and every jitted function compiles twice. Leaves not already
-  # laid out on the mesh (the value head, optimizer counters) are replicated over it.
-  replicated = NamedSharding(mesh, PartitionSpec())
-  on_mesh = lambda x: (x.sharding if isinstance(x.sharding, NamedSharding)
-                       and x.sharding.mesh == mesh else replicated)
-  shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
-  value_params, opt_state = jax.device_put(
-      (value_params, opt_state), jax.tree.map(on_mesh, (value_params, opt_state)))
-  state = RunState(params, value_params, opt_state)
-  update_step = learner.jit_update_step(shardings_of((params, value_params)),
-                                        shardings_of(opt_state))
+  # differ from the next steps' and every jitted function compiles twice.
+  trainable_shardings, opt_shardings = run.state_shardings(
+      (params, value_params), jax.eval_shape(optimizer.init, (params, value_params)), mesh)
+  value_params = jax.device_put(value_params, trainable_shardings[1])
+  opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)((params, value_params))
+  update_step = learner.jit_update_step(trainable_shardings, opt_shardings)
 
   # Resume from the newest complete checkpoint, if any. Steps count completed RL steps: the
   # checkpoint, metrics row and trajectory file of step k are written after k updates.
   checkpointer = checkpoint.Checkpointer(workdir / "checkpoints", keep=c.checkpoint.keep,
                                          save_every=c.checkpoint.every or c.steps)
-  start_step = 0
-  if checkpointer.latest_step() is not None:
-    restored, meta = checkpointer.restore(state.tree())
-    state = RunState(restored["params"], restored["value_params"], restored["opt_state"])
-    start_step = int(meta["step"])
-    logging.info("resumed from step %d", start_step)
+  state, start_step, _ = run.resume(checkpointer, run.RunState(params, value_params, opt_state))
   metrics_writer = metrics.MetricsWriter(workdir, tensorboard=c.log.tensorboard,
                                          defer_fetch=False, resume_step=start_step)
   trajectory_writer = metrics.TrajectoryWriter(workdir, resume_step=start_step)
@@ -219,8 +129,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         f"(tasks_per_step x samples_per_task / num_minibatches) does not split over the "
         f"{batch_shards} devices of the mesh's data x fsdp axes; change the batch or "
         f"mesh.data/mesh.fsdp")
-  sampler = make_sampler(c, model, processes.local_mesh, len(process_rows))
-  eval_sampling, eval_horizon = eval_settings(c, schedule)
+  sampler = run.make_sampler(c, model, processes.local_mesh, len(process_rows))
+  eval_sampling, eval_horizon = run.eval_settings(c)
   base_key = jax.random.key(c.seed)
   eval_key = jax.random.fold_in(base_key, 1 << 30)  # Distinct from every step's fold_in.
   history = []
@@ -234,7 +144,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
                                    enabled=None if c.log.progress_bar and processes.index == 0
                                    else False)
     for step in range(start_step, c.steps):
-      timer = PhaseTimer()
+      timer = run.PhaseTimer()
       # 1. Rollout: B tasks x n samples, up to the current horizon cap.
       cap = schedule.cap(step)
       step_tasks = tasks.take(step * c.rollout.tasks_per_step, c.rollout.tasks_per_step)
@@ -269,14 +179,14 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
               graphdef, value_graphdef, trainable, opt_state, minibatch,
               learner.take_rows(experience, rows), optimizer=optimizer, loss=loss)
           update_metrics.append(m)
-        state = RunState(*jax.block_until_ready((trainable[0], trainable[1], opt_state)))
+        state = run.RunState(*jax.block_until_ready((trainable[0], trainable[1], opt_state)))
 
       done = step + 1
       step_metrics = _step_metrics(trajectories, rollout_stats, experience_metrics,
                                    update_metrics, cap, schedule.stage(step), timer)
       if c.eval.every and done % c.eval.every == 0:
         with timer("eval"):
-          task_ids = eval_tasks(c, pool)
+          task_ids = run.eval_tasks(c, pool)
           _, played = evaluation.evaluate(
               sampler, processes.local_copy(state.params), pool, chat,
               processes.share(task_ids), samples_per_task=c.eval.samples_per_task,
@@ -285,11 +195,11 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
               groups=c.rollout.pipeline_groups)
           summary = evaluation.summarize(processes.gather(played),
                                          evaluation.task_categories(pool, task_ids))
-        step_metrics.update(eval_metrics(summary))
+        step_metrics.update(evaluation.as_metrics(summary))
         step_metrics["time/eval"] = timer.seconds["eval"]
       metrics_writer.write(done, step_metrics)
       history.append(metrics_writer.latest)
-      check_health(metrics_writer.latest, c)
+      run.check_health(metrics_writer.latest, c)
       if c.log.trajectories:
         trajectory_writer.write(done, trajectory_records(trajectories, experience.advantages,
                                                          batch.loss_mask))
@@ -304,25 +214,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   if c.checkpoint.export_hf:
     params = processes.local_copy(state.params)
     if processes.index == 0:
-      weights.save_hf(nnx.merge(graphdef, params), workdir / "export",
-                      dtype=c.checkpoint.export_dtype)
-      tokenizer.save_pretrained(workdir / "export")
+      run.export_policy(c, nnx.merge(graphdef, params), tokenizer, workdir)
   return history
-
-
-class PhaseTimer:
-  """Wall time per named phase of a step: `with timer("update"): ...`."""
-
-  def __init__(self):
-    self.seconds: dict[str, float] = {}
-
-  @contextlib.contextmanager
-  def __call__(self, name: str):
-    start = time.perf_counter()
-    try:
-      yield
-    finally:
-      self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 def _meta(c: ml_collections.ConfigDict, step: int, schedule: horizon.HorizonSchedule,
@@ -335,7 +228,7 @@ def _meta(c: ml_collections.ConfigDict, step: int, schedule: horizon.HorizonSche
 def _step_metrics(trajectories: Sequence[rollout.Trajectory], stats: rollout.RolloutStats,
                   experience_metrics: dict[str, jax.Array],
                   update_metrics: list[dict[str, jax.Array]], cap: int, stage: int,
-                  timer: PhaseTimer) -> dict[str, Any]:
+                  timer: run.PhaseTimer) -> dict[str, Any]:
   """Host-side rollout statistics plus device metrics (fetched once by the writer)."""
   rewards = np.array([t.reward for t in trajectories])
   turns = np.array([t.num_turns for t in trajectories])
@@ -359,17 +252,3 @@ def _step_metrics(trajectories: Sequence[rollout.Trajectory], stats: rollout.Rol
     out[key] = jnp.mean(jnp.stack([m[key] for m in update_metrics]))
   out["nonfinite_steps"] = update_metrics[-1]["nonfinite_steps"]
   return out
-
-
-def check_health(fetched: dict[str, Any], c: ml_collections.ConfigDict) -> None:
-  """Stops the run with a clear message when the numbers say it is broken."""
-  if fetched.get("nonfinite_steps", 0) >= c.optim.max_consecutive_nonfinite:
-    raise FloatingPointError(
-        f"{int(fetched['nonfinite_steps'])} consecutive updates had non-finite gradients; "
-        f"stopping (optim.max_consecutive_nonfinite={c.optim.max_consecutive_nonfinite})")
-  gap = fetched.get("logprob_gap_mean")
-  if gap is not None and gap > c.rollout.max_logprob_gap:
-    raise RuntimeError(
-        f"the sampler's and the learner's log-probs differ by {gap:.3g} nats per token on "
-        f"average (> rollout.max_logprob_gap={c.rollout.max_logprob_gap}): the sampled "
-        "tokens are no longer on-policy")

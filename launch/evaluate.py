@@ -16,7 +16,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from agentgym_jax import config as config_lib
-from agentgym_jax import cli, evaluation, horizon, metrics, trainer
+from agentgym_jax import cli, evaluation, metrics, run
 from environments.pool import EnvPool
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/).",
@@ -32,13 +32,12 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   c = config_lib.validate(_CONFIG.value)
-  mesh, model, tokenizer = trainer.load_policy(c, _MODEL.value)
-  schedule = horizon.make_horizon_schedule(config_lib.horizon_options(c))
-  sampling, turn_cap = trainer.eval_settings(c, schedule)
-  sampler = trainer.make_sampler(c, model, mesh, _ROWS.value)
+  mesh, model, tokenizer = run.load_policy(c, _MODEL.value)
+  sampling, turn_cap = run.eval_settings(c)
+  sampler = run.make_sampler(c, model, mesh, _ROWS.value)
   with EnvPool(c.env.name, _ROWS.value, options=c.env.options.to_dict(),
                backend=c.env.backend, step_timeout_s=c.env.step_timeout) as pool:
-    task_ids = trainer.eval_tasks(c, pool)
+    task_ids = run.eval_tasks(c, pool)
     print(f"{len(task_ids)} {c.env.name} tasks of the {c.eval.split} split, "
           f"k = {c.eval.samples_per_task} sample(s) each, up to {turn_cap} turns", flush=True)
     progress = metrics.ProgressBar(len(task_ids) * c.eval.samples_per_task, unit="episode")

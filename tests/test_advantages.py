@@ -1,6 +1,5 @@
 """Advantage estimators: worked examples, textbook-loop parity, outcome-reward placement."""
 
-import functools
 
 import jax
 import jax.numpy as jnp

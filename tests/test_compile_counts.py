@@ -16,7 +16,7 @@ import pytest
 from jax import monitoring
 
 import tiny
-from agentgym_jax import metrics, sharding, trainer
+from agentgym_jax import metrics, run, sharding, trainer
 from agentgym_jax.sampling import Sampler
 from test_trainer import echo_config
 
@@ -64,7 +64,7 @@ def test_horizon_stages_compile_only_the_first_continuation_prefill(checkpoint_d
       samplers.append(self)
 
   monkeypatch.setattr(metrics.MetricsWriter, "write", write_and_count)
-  monkeypatch.setattr(trainer, "Sampler", RecordedSampler)
+  monkeypatch.setattr(run, "Sampler", RecordedSampler)
   c = echo_config(checkpoint_dir, steps=5)
   c.env.options.turns = 3
   c.horizon.kind = "stepwise"

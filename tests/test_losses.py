@@ -1,6 +1,5 @@
 """Losses and per-token log-probs: worked values, clipping bounds, and chunked-vs-full parity."""
 
-import functools
 import math
 
 import jax

@@ -15,7 +15,7 @@ from flax import nnx
 
 import tiny
 from agentgym_jax import checkpoint, config as config_lib, demonstrations, learner, metrics
-from agentgym_jax import offline, offline_data, sharding, trainer
+from agentgym_jax import offline, offline_data, run, sharding
 from agentgym_jax.models import load_model
 from environments import base
 
@@ -100,7 +100,7 @@ def _trained_params(c, workdir):
   """The policy parameters of the newest checkpoint in `workdir`, restored as a resume does."""
   model, _ = load_model(c.model.name)
   _, params = nnx.split(model)
-  template = trainer.RunState(params, None, offline.make_optimizer(c).init(params)).tree()
+  template = run.RunState(params, None, run.make_optimizer(c).init(params)).tree()
   with checkpoint.Checkpointer(pathlib.Path(workdir) / "checkpoints") as checkpointer:
     restored, _ = checkpointer.restore(template)
   return restored["params"]
@@ -203,7 +203,7 @@ def test_update_compiles_once_per_batch_length(checkpoint_dir, tmp_path):
   model, tokenizer = load_model(checkpoint_dir, mesh=mesh)
   graphdef, params = nnx.split(model)
   c = offline_config(checkpoint_dir, tmp_path)
-  optimizer = offline.make_optimizer(c)
+  optimizer = run.make_optimizer(c)
   init, update = offline.make_update(c, graphdef, params, optimizer, mesh)
   opt_state = init(params)
   batches = offline_data.sft_batches(DEMOS, tokenizer.chat, c.data.batch_size,

@@ -120,19 +120,19 @@ def test_groups_must_fit_the_sampler_rows(policy):
 
 
 def test_the_configured_sampler_has_a_group_of_rows_and_the_cache_dtype(policy):
-  from agentgym_jax import config as config_lib, trainer
+  from agentgym_jax import config as config_lib, run
 
   model, _ = policy
   c = config_lib.base_config()
   c.rollout.max_context = 96
   c.rollout.pipeline_groups = 2
   c.rollout.cache_dtype = "bfloat16"
-  sampler = trainer.make_sampler(c, model, None, 16)
+  sampler = run.make_sampler(c, model, None, 16)
   assert (sampler.max_batch, sampler.cache_slots) == (8, 96)
   # The cache holds 16-bit values as raw bits: half the bytes of the f32 model's default.
   assert sampler.cache_dtype == jnp.bfloat16 and sampler.empty().cache.k.dtype.itemsize == 2
   c.rollout.cache_dtype = ""
-  default = trainer.make_sampler(c, model, None, 16)
+  default = run.make_sampler(c, model, None, 16)
   assert default.cache_dtype == jnp.float32 and default.empty().cache.k.dtype.itemsize == 4
 
 

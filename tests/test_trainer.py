@@ -1,6 +1,5 @@
 """The RL train loop end to end: learning on a toy task, horizon caps, exact resume, launch."""
 
-import json
 import os
 import pathlib
 import re
