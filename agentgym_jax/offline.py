@@ -50,7 +50,7 @@ from jax.sharding import Mesh
 
 from agentgym_jax import checkpoint, config as config_lib, demonstrations, evaluation, learner
 from agentgym_jax import metrics, offline_data, rl, run, sharding
-from agentgym_jax.learner import Batch
+from agentgym_jax.batch import Batch
 from agentgym_jax.models import Decoder
 from agentgym_jax.models.tokenizer import ChatTemplate
 from environments.pool import EnvPool

@@ -12,8 +12,8 @@ By ChatTemplate's invariant these tokens equal chat.render(conversation,
 add_generation_prompt=False) without its final "\\n". A conversation ends with a reply (a rollout
 does not append the observation that answers its last reply).
 
-Batches are `learner.Batch`es of numpy arrays, rows right-padded with 0 to a bucketed length
-(`rollout.bucket`, capped at `max_length`), so a run compiles one program per bucket. A
+Batches are `batch.Batch`es of numpy arrays, rows right-padded with 0 to a bucketed length
+(`batch.bucket`, capped at `max_length`), so a run compiles one program per bucket. A
 conversation longer than `max_length` is dropped and counted, never cut: a cut would train on a
 reply without its end or on a context the policy never sees whole.
 
@@ -35,9 +35,9 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 from absl import logging
 
-from agentgym_jax.learner import Batch
+from agentgym_jax.batch import Batch, bucket
 from agentgym_jax.models.tokenizer import ChatTemplate
-from agentgym_jax.rollout import ENV_ERROR, ENV_TIMEOUT, bucket
+from environments.base import ENV_ERROR, ENV_TIMEOUT
 
 Message = Mapping[str, str]
 # A conversation: a record with "messages" (and optionally "reward"), or the message list.

@@ -24,19 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentgym_jax.learner import Batch
+from agentgym_jax.batch import Batch, bucket
 from agentgym_jax.models.tokenizer import ChatTemplate
 from agentgym_jax.sampling import Sampler
-from agentgym_jax.sampling import bucket as sampling_bucket
-from environments.base import EnvError
+from environments.base import CONTEXT, DONE, ENV_ERROR, ENV_TIMEOUT, HORIZON, EnvError
 from environments.pool import EnvPool
 
 T = TypeVar("T")
-
-# Why a trajectory ended.
-DONE, HORIZON, CONTEXT, ENV_ERROR, ENV_TIMEOUT = (
-    "done", "horizon", "context", "env_error", "env_timeout")
-
 
 @dataclasses.dataclass
 class Trajectory:
@@ -367,12 +361,6 @@ def _end(trajectory: Trajectory, termination: str, info: dict[str, Any]) -> None
   trajectory.termination = termination
   trajectory.success = bool(info.get("success", False))
   trajectory.error = str(info.get("error", ""))
-
-
-def bucket(length: int, minimum: int = 128) -> int:
-  """The packed length of a `length`-token trajectory: `sampling.bucket` with a floor of
-  `minimum` (at most a third of a row is padding; a 1300-token row packs to 1536, not 2048)."""
-  return sampling_bucket(length, minimum)
 
 
 def pack(trajectories: Sequence[Trajectory], *, length: int | None = None,

@@ -11,7 +11,7 @@ reference (one epoch, one minibatch):
   update      forward + backward of the clipped surrogate + KL loss, global-norm clipping and
               AdamW on every parameter.
 Ours is the real code path: `learner.compute_experience` and `learner.jit_update_step` on a
-synthetic `learner.Batch` (random tokens, the first quarter of each row a prompt outside the
+synthetic `batch.Batch` (random tokens, the first quarter of each row a prompt outside the
 loss). The PyTorch step is the same computation written for transformers'
 AutoModelForCausalLM, loaded from our weights exported with `weights.save_hf` (f32): a
 no-grad forward of the policy and of a reference copy, then forward + backward + clipping +
@@ -63,6 +63,7 @@ import numpy as np
 from flax import nnx
 
 import agentgym_jax
+from agentgym_jax import batch as batch_lib
 from agentgym_jax import learner
 from agentgym_jax.models import weights
 
@@ -127,12 +128,12 @@ def step_flops(config, batch: int, length: int) -> tuple[float, int]:
   return 5.0 * forward, n
 
 
-def synthetic_batch(vocab: int, batch: int, length: int) -> learner.Batch:
+def synthetic_batch(vocab: int, batch: int, length: int) -> batch_lib.Batch:
   """Random tokens; each row's first quarter is a prompt, the rest generated; groups of 2."""
   rng = np.random.default_rng(0)
   loss_mask = np.zeros((batch, length), np.float32)
   loss_mask[:, length // 4:] = 1.0
-  return learner.Batch(
+  return batch_lib.Batch(
       tokens=rng.integers(0, vocab, (batch, length)).astype(np.int32),
       loss_mask=loss_mask,
       sampler_logprobs=np.where(loss_mask > 0, -10.0, 0.0).astype(np.float32),
@@ -140,7 +141,7 @@ def synthetic_batch(vocab: int, batch: int, length: int) -> learner.Batch:
       group_ids=(np.arange(batch) // 2).astype(np.int32))
 
 
-def ours_step(model, dtype: str, remat: str, batch: learner.Batch) -> Callable[[], None]:
+def ours_step(model, dtype: str, remat: str, batch: batch_lib.Batch) -> Callable[[], None]:
   """A closure running one step (experience + update) of our learner, blocking on its end."""
   model.dtype = jnp.dtype(dtype)
   model.remat = remat
@@ -174,7 +175,7 @@ def ours_step(model, dtype: str, remat: str, batch: learner.Batch) -> Callable[[
   return step
 
 
-def torch_step(directory: pathlib.Path, dtype: str, batch: learner.Batch) -> Callable[[], None]:
+def torch_step(directory: pathlib.Path, dtype: str, batch: batch_lib.Batch) -> Callable[[], None]:
   """The same step in PyTorch + transformers (see the module docstring)."""
   import torch
   import transformers

@@ -21,6 +21,11 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 SPLITS = ("train", "test")
 
+# Why an episode ended: its own end, the rollout's turn cap or context limit, or a failure of
+# its environment (an exception, or a step slower than the pool's timeout).
+DONE, HORIZON, CONTEXT, ENV_ERROR, ENV_TIMEOUT = (
+    "done", "horizon", "context", "env_error", "env_timeout")
+
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:

@@ -48,7 +48,7 @@ from typing import Any, Callable, Mapping, Sequence
 from absl import logging
 
 from environments import base
-from environments.base import Env, EnvError, StepResult
+from environments.base import ENV_ERROR, ENV_TIMEOUT, Env, EnvError, StepResult
 
 BACKENDS = ("thread", "process")
 # How long close() waits for a worker to close its adapter before giving up on (thread) or
@@ -232,7 +232,7 @@ class EnvPool:
     for (slot, task_id), (observation, failure) in zip(
         requests, self._run(calls, self._reset_timeout_s, "reset")):
       if failure is None and not isinstance(observation, str):
-        failure = self._fail(slot, "env_error",
+        failure = self._fail(slot, ENV_ERROR,
                              f"reset({task_id}) returned {type(observation).__name__}, not str")
       self._running[slot] = failure is None
       results.append(failure or StepResult(observation, 0.0, False, {}))
@@ -250,7 +250,7 @@ class EnvPool:
     for (slot, _), (result, failure) in zip(
         requests, self._run(calls, self._step_timeout_s, "step")):
       if failure is None and not isinstance(result, StepResult):
-        failure = self._fail(slot, "env_error",
+        failure = self._fail(slot, ENV_ERROR,
                              f"step returned {type(result).__name__}, not StepResult")
       result = failure or result
       self._running[slot] = not result.done
@@ -280,10 +280,10 @@ class EnvPool:
         outcomes.append((future.result(timeout=max(0.0, deadline - time.monotonic())), None))
       except Exception as e:
         if not future.done():  # The wait timed out, not the adapter raising TimeoutError.
-          failure = self._fail(slot, "env_timeout",
+          failure = self._fail(slot, ENV_TIMEOUT,
                                f"{self.env_name} {what} in slot {slot} took over {timeout_s} s")
         else:
-          failure = self._fail(slot, "env_error",
+          failure = self._fail(slot, ENV_ERROR,
                                f"{self.env_name} {what} in slot {slot} raised "
                                f"{type(e).__name__}: {e}")
         outcomes.append((None, failure))
@@ -294,7 +294,7 @@ class EnvPool:
     logging.warning("EnvPool: %s; discarding the adapter", reason)
     worker, self._workers[slot] = self._workers[slot], None
     if worker is not None:
-      if termination == "env_timeout":
+      if termination == ENV_TIMEOUT:
         worker.kill()
       else:
         worker.stop()

@@ -12,7 +12,7 @@ import pytest
 
 import tiny
 from agentgym_jax import config as config_lib
-from agentgym_jax import metrics, rollout, trainer
+from agentgym_jax import batch, metrics, trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -140,10 +140,10 @@ def test_resumed_run_matches_uninterrupted_run(checkpoint_dir, tmp_path, monkeyp
 
 
 def test_rows_pad_to_few_lengths_with_under_a_third_of_a_row_of_padding():
-  assert [rollout.bucket(n) for n in (1, 128, 129, 193, 740, 769, 1025, 1300, 1537)] == [
+  assert [batch.bucket(n) for n in (1, 128, 129, 193, 740, 769, 1025, 1300, 1537)] == [
       128, 128, 192, 256, 768, 1024, 1536, 1536, 2048]
   lengths = np.arange(129, 20000)
-  widths = np.array([rollout.bucket(int(n)) for n in lengths])
+  widths = np.array([batch.bucket(int(n)) for n in lengths])
   assert (widths >= lengths).all() and (widths < 1.5 * lengths).all()
   assert len(set(widths.tolist())) == 15  # 192, 256, 384, ..., 16384, 24576: two an octave.
 

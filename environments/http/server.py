@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Mapping
 from absl import logging
 
 from environments import base
-from environments.base import Env, StepResult
+from environments.base import ENV_ERROR, Env, StepResult
 from environments.http import protocol
 
 # After refusing a body unread (411, 413, a bad length), how long and how much of it the server
@@ -346,7 +346,7 @@ class AgentGymServer:
     if adapter is not None:
       _close_quietly(adapter)
     raise HTTPError(500, message + "; POST /reset starts over with a fresh adapter",
-                    "env_error") from error
+                    ENV_ERROR) from error
 
   def _make_adapter(self, what: str) -> Env:
     try:
@@ -355,7 +355,7 @@ class AgentGymServer:
       logging.warning("AgentGymServer: building a %s adapter failed", self.env_name,
                       exc_info=True)
       raise HTTPError(500, f"could not build a {self.env_name} adapter ({what}): "
-                      f"{type(e).__name__}: {e}", "env_error") from e
+                      f"{type(e).__name__}: {e}", ENV_ERROR) from e
 
   @contextlib.contextmanager
   def _use(self, env_id: int) -> Iterator[_HostedEnv]:
@@ -422,7 +422,7 @@ class AgentGymServer:
         adapter, self._meta_adapter = self._meta_adapter, None
         _close_quietly(adapter)
         raise HTTPError(500, f"the {self.env_name} adapter failed in {what}: "
-                        f"{type(e).__name__}: {e}", "env_error") from e
+                        f"{type(e).__name__}: {e}", ENV_ERROR) from e
 
   def _task_ids(self) -> dict[str, tuple[int, ...]]:
     """The task ids of each split, asked once of the spare adapter."""
