@@ -290,6 +290,16 @@ def local(c: ml_collections.ConfigDict) -> None:
   c.checkpoint.every = 5
 
 
+def quiet(c: ml_collections.ConfigDict) -> None:
+  """A run that writes only metrics.jsonl: no checkpoints, export, TensorBoard, trajectory
+  logs or progress bar (tests, benchmarks, small ablations)."""
+  c.checkpoint.every = 0
+  c.checkpoint.export_hf = False
+  c.log.tensorboard = False
+  c.log.trajectories = False
+  c.log.progress_bar = False
+
+
 def fixed_horizon(turns: int) -> Callable[[ml_collections.ConfigDict], None]:
   """A variant that replaces the staged schedule by a fixed cap (the paper's baselines)."""
   def apply(c: ml_collections.ConfigDict) -> None:

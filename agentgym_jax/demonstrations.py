@@ -39,8 +39,6 @@ import collections
 import copy
 import dataclasses
 import importlib.util
-import json
-import os
 import re
 import shutil
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -548,39 +546,3 @@ EXPERTS: dict[str, tuple[str, Expert]] = {
     "babyai": (BOT, babyai_bot),
     "sciworld": (GOLD, sciworld_gold),
 }
-
-
-# --- files ---------------------------------------------------------------------------------
-
-
-def write_jsonl(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any]]) -> int:
-  """Writes one JSON object per line through a temporary file and a rename; returns the count."""
-  path = os.fspath(path)
-  directory = os.path.dirname(path)
-  if directory:
-    os.makedirs(directory, exist_ok=True)
-  temporary = path + ".tmp"
-  count = 0
-  with open(temporary, "w", encoding="utf-8") as f:
-    for record in records:
-      f.write(json.dumps(record, ensure_ascii=False) + "\n")
-      count += 1
-  os.replace(temporary, path)
-  return count
-
-
-def read_jsonl(path: str | os.PathLike[str]) -> list[Record]:
-  """The JSON objects of a JSONL file (blank lines skipped); a bad line raises with its number."""
-  records = []
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as error:
-        raise ValueError(f"{path}:{number} is not valid JSON ({error}): {line[:200]!r}") from error
-      if not isinstance(record, dict):
-        raise ValueError(f"{path}:{number} is a JSON {type(record).__name__}, not an object")
-      records.append(record)
-  return records

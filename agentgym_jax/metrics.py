@@ -48,6 +48,8 @@ import numpy as np
 import tqdm
 from absl import logging
 
+from environments import jsonl
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 TRAJECTORY_DIR = "trajectories"
@@ -94,28 +96,9 @@ def _replace_file(path: str, lines: Sequence[str]) -> None:
 
 
 def _parse_jsonl(path: str) -> list[dict[str, Any]]:
-  """The JSON objects of a JSONL file; an unterminated unparsable last line is skipped.
-
-  A process killed mid-append can leave the last line cut short; any other bad line means the
-  file is corrupt and raises.
-  """
-  if not os.path.exists(path):
-    return []
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
-  lines = text.split("\n")
-  records = []
-  for number, line in enumerate(lines, start=1):
-    if not line.strip():
-      continue
-    try:
-      records.append(json.loads(line))
-    except json.JSONDecodeError as e:
-      if number == len(lines):  # The last piece has no newline after it: a cut-off append.
-        logging.warning("Skipping the truncated last line of %s: %r", path, line[:80])
-        continue
-      raise ValueError(f"{path}:{number} is not valid JSON ({e}): {line[:200]!r}") from e
-  return records
+  """The JSON objects of a JSONL file ([] if there is none yet). A process killed mid-append
+  can leave the last line cut short, which is skipped; any other bad line raises."""
+  return jsonl.read(path, allow_truncated_tail=True) if os.path.exists(path) else []
 
 
 def read_metrics(workdir: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -275,31 +258,11 @@ class MetricsWriter:
         f.truncate(cut)
 
 
-def _json_safe(value: Any) -> Any:
-  """`value` with arrays as lists and NaN / infinities as None, so the JSON is strict."""
-  if isinstance(value, Mapping):
-    return {str(k): _json_safe(v) for k, v in value.items()}
-  if isinstance(value, list | tuple):
-    return [_json_safe(v) for v in value]
-  if isinstance(value, np.ndarray | np.generic | jax.Array):
-    return _json_safe(np.asarray(value).tolist())
-  if isinstance(value, float) and not math.isfinite(value):
-    return None
-  return value
-
-
-def _array_to_list(value: Any) -> Any:
-  """json.dumps `default` hook: arrays and NumPy scalars as plain Python values."""
-  if isinstance(value, np.ndarray | np.generic | jax.Array):
-    return np.asarray(value).tolist()
-  raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
-
-
 def _trajectory_line(record: dict[str, Any]) -> str:
   try:
-    return json.dumps(record, default=_array_to_list, allow_nan=False) + "\n"
+    return json.dumps(record, default=jsonl.json_safe, allow_nan=False) + "\n"
   except ValueError:  # A NaN somewhere: take the slower path that nulls it.
-    return json.dumps(_json_safe(record), allow_nan=False) + "\n"
+    return json.dumps(jsonl.json_safe(record), allow_nan=False) + "\n"
 
 
 def _trajectory_path(directory: str, step: int) -> str:

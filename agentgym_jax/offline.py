@@ -48,11 +48,12 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
-from agentgym_jax import checkpoint, config as config_lib, demonstrations, evaluation, learner
-from agentgym_jax import metrics, offline_data, rl, run, sharding
+from agentgym_jax import checkpoint, config as config_lib, evaluation, learner, metrics
+from agentgym_jax import offline_data, rl, run, sharding
 from agentgym_jax.batch import Batch
 from agentgym_jax.models import Decoder
 from agentgym_jax.models.tokenizer import ChatTemplate
+from environments import jsonl
 from environments.pool import EnvPool
 
 Array = jax.Array
@@ -77,7 +78,7 @@ def load_records(path: str | pathlib.Path) -> list[dict[str, Any]]:
     raise ValueError(f"invalid config: data.path={str(path)!r} does not exist; make "
                      f"demonstrations with e.g. python launch/make_demos.py --env=textcraft "
                      f"--split=train --out={path}")
-  records = demonstrations.read_jsonl(path)
+  records = jsonl.read(path)
   if not records:
     raise ValueError(f"invalid config: data.path={str(path)!r} holds no conversations")
   return records

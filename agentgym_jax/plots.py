@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agentgym_jax import metrics
+from environments import jsonl
 
 OVERVIEW_FILE = "training_curves.png"
 PANEL_SIZE = (6.0, 3.6)  # Inches; at DPI this is 600 x 360 pixels per panel image.
@@ -58,13 +59,6 @@ PANELS: tuple[Panel, ...] = (
 )
 
 
-def _finite(value: Any) -> float | None:
-  """`value` as a float if it is a finite real number (bools excluded), else None."""
-  if isinstance(value, bool) or not isinstance(value, int | float):
-    return None
-  return float(value) if math.isfinite(value) else None
-
-
 def matching_keys(rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> list[str]:
   """The logged metric names selected by `keys`: exact names, then every name under a prefix.
 
@@ -85,7 +79,7 @@ def metric_series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int
   """
   by_step = {}
   for row in rows:
-    step, value = _finite(row.get("step")), _finite(row.get(key))
+    step, value = jsonl.finite(row.get("step")), jsonl.finite(row.get(key))
     if step is not None and value is not None:
       by_step[int(step)] = value
   steps = sorted(by_step)

@@ -27,6 +27,7 @@ import numpy as np
 from agentgym_jax.batch import Batch, bucket
 from agentgym_jax.models.tokenizer import ChatTemplate
 from agentgym_jax.sampling import Sampler
+from environments import jsonl
 from environments.base import CONTEXT, DONE, ENV_ERROR, ENV_TIMEOUT, HORIZON, EnvError
 from environments.pool import EnvPool
 
@@ -77,17 +78,7 @@ class Trajectory:
             "termination": self.termination, "error": self.error,
             "turn_rewards": self.turn_rewards, "messages": self.messages,
             "num_tokens": len(self.tokens), "num_trained_tokens": int(sum(self.loss_mask)),
-            "info": _jsonable(self.info)}
-
-
-def _jsonable(value: Any) -> Any:
-  if isinstance(value, dict):
-    return {str(k): _jsonable(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_jsonable(v) for v in value]
-  if isinstance(value, (str, int, float, bool)) or value is None:
-    return value
-  return repr(value)
+            "info": jsonl.json_safe(self.info)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime
 import html
 import json
-import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -31,6 +30,7 @@ from typing import Any
 
 from agentgym_jax import metrics
 from agentgym_jax import plots
+from environments import jsonl
 
 # (title, metric keys or key prefixes ending in "/", drawn as a step function).
 CHARTS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
@@ -46,27 +46,9 @@ _FROM_TRAJECTORIES = {"success": "success", "reward": "reward", "turns": "num_tu
 _SLOT = re.compile(r"__(TITLE|CSS|JS|DATA)__")
 
 
-def _finite(value: Any) -> float | None:
-  """`value` as a float if it is a finite real number (bools excluded), else None."""
-  if isinstance(value, bool) or not isinstance(value, int | float):
-    return None
-  return float(value) if math.isfinite(value) else None
-
-
 def _int_or(value: Any, default: int) -> int:
-  number = _finite(value)
+  number = jsonl.finite(value)
   return default if number is None else int(number)
-
-
-def _json_safe(value: Any) -> Any:
-  """`value` with NaN and infinities as None, so it serializes as strict JSON."""
-  if isinstance(value, Mapping):
-    return {str(k): _json_safe(v) for k, v in value.items()}
-  if isinstance(value, list | tuple):
-    return [_json_safe(v) for v in value]
-  if isinstance(value, float) and not math.isfinite(value):
-    return None
-  return value
 
 
 def chart_series(rows: Sequence[Mapping[str, Any]],
@@ -100,8 +82,8 @@ def _trajectory_view(record: Mapping[str, Any], step: int) -> dict[str, Any]:
   info = record.get("info") if isinstance(record.get("info"), Mapping) else {}
   messages = [{"role": str(m.get("role", "")), "content": str(m.get("content", ""))}
               for m in record.get("messages") or () if isinstance(m, Mapping)]
-  turn_rewards = [_finite(r) for r in record.get("turn_rewards") or ()]
-  reward = _finite(record.get("reward"))
+  turn_rewards = [jsonl.finite(r) for r in record.get("turn_rewards") or ()]
+  reward = jsonl.finite(record.get("reward"))
   return {
       "step": int(record.get("step", step)),
       "task_id": record.get("task_id"),
@@ -114,12 +96,12 @@ def _trajectory_view(record: Mapping[str, Any], step: int) -> dict[str, Any]:
       "num_turns": _int_or(record.get("num_turns"), len(turn_rewards)),
       "termination": str(record.get("termination") or ""),
       "error": str(record.get("error") or ""),
-      "advantage": _finite(record.get("advantage")),
+      "advantage": jsonl.finite(record.get("advantage")),
       "turn_rewards": turn_rewards,
       "num_tokens": record.get("num_tokens"),
       "num_trained_tokens": record.get("num_trained_tokens"),
       "messages": messages,
-      "info": _json_safe(info),
+      "info": jsonl.json_safe(info),
   }
 
 
@@ -151,7 +133,7 @@ def load_run(workdir: str | os.PathLike[str], max_steps: int = 0) -> dict[str, A
       "num_metric_rows": len(rows),
       "logged_steps": logged_steps,
       "shown_steps": shown_steps,
-      "charts": _json_safe(chart_series(rows, trajectories)),
+      "charts": jsonl.json_safe(chart_series(rows, trajectories)),
       "trajectories": trajectories,
   }
 

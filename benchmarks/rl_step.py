@@ -97,11 +97,7 @@ def make_config(model: str, groups: int) -> Any:
   c.horizon.turns = 2 if quick else _TURNS.value
   c.rollout.pipeline_groups = groups
   c.algorithm.num_minibatches = 2
-  c.checkpoint.every = 0
-  c.checkpoint.export_hf = False
-  c.log.tensorboard = False
-  c.log.trajectories = False
-  c.log.progress_bar = False
+  config_lib.quiet(c)
   return c
 
 

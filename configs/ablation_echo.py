@@ -27,7 +27,7 @@ notebooks/scalinginter_ablation.ipynb does):
       --config.model.name=/path/to/tiny_checkpoint --config.mesh.fsdp=1
 """
 
-from agentgym_jax.config import base_config
+from agentgym_jax.config import base_config, quiet
 
 TURNS = 4
 VARIANTS = ("short", "long", "scaling")
@@ -57,11 +57,7 @@ def get_config(variant: str = "scaling"):
   c.algorithm.logprob_chunk = 64
   c.optim.learning_rate = 3e-3
   c.optim.weight_decay = 0.0
-  c.checkpoint.every = 0
-  c.checkpoint.export_hf = False
-  c.log.tensorboard = False
-  c.log.trajectories = False
-  c.log.progress_bar = False
+  quiet(c)
   if variant == "short":
     c.horizon.kind = "fixed"
     c.horizon.turns = TURNS // 2

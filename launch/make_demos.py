@@ -22,6 +22,7 @@ from absl import logging
 
 import environments
 from agentgym_jax import demonstrations
+from environments import jsonl
 from agentgym_jax import metrics
 
 _ENV = flags.DEFINE_string("env", None, "Environment: textcraft, babyai or sciworld (any "
@@ -86,7 +87,7 @@ def main(argv: list[str]) -> None:
                        len(result.demos), time.perf_counter() - start)
   finally:
     env.close()
-  demonstrations.write_jsonl(_OUT.value, result.demos)
+  jsonl.write(_OUT.value, result.demos)
   print(result.summary())
   print(f"wrote {len(result.demos)} demonstrations to {_OUT.value}")
 

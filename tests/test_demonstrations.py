@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from agentgym_jax import demonstrations as demos_lib
-from environments import base
+from environments import base, jsonl
 from environments.babyai import actions as babyai_actions
 from environments.textcraft import oracle, parse_action
 
@@ -247,12 +247,12 @@ def test_from_rollouts_rejects_records_without_messages(textcraft):
 def test_jsonl_round_trip_and_bad_lines(tmp_path, textcraft):
   demos = demos_lib.collect(textcraft, textcraft.task_ids("train")[:3]).demos
   path = tmp_path / "sub" / "demos.jsonl"
-  assert demos_lib.write_jsonl(path, demos) == 3
-  assert demos_lib.read_jsonl(path) == demos
+  assert jsonl.write(path, demos) == 3
+  assert jsonl.read(path) == demos
   assert not (tmp_path / "sub" / "demos.jsonl.tmp").exists()
   path.write_text(path.read_text() + "\n{not json\n")
   with pytest.raises(ValueError, match=r"demos.jsonl:5 is not valid JSON"):
-    demos_lib.read_jsonl(path)
+    jsonl.read(path)
 
 
 def test_make_demos_writes_verified_textcraft_demos(tmp_path):
@@ -260,7 +260,7 @@ def test_make_demos_writes_verified_textcraft_demos(tmp_path):
   subprocess.run([sys.executable, "launch/make_demos.py", "--env=textcraft", "--split=train",
                   f"--out={out}", "--max_depth=1", "--limit=5"], cwd=REPO, check=True,
                  capture_output=True, text=True)
-  demos = demos_lib.read_jsonl(out)
+  demos = jsonl.read(out)
   assert len(demos) == 5
   assert all(d["success"] and d["category"] == "depth1" for d in demos)
   env = base.make("textcraft")

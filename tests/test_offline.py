@@ -82,10 +82,7 @@ def offline_config(checkpoint_dir, data_path, mode="sft", steps=40):
   c.algorithm.logprob_chunk = 16
   c.optim.learning_rate = 3e-3
   c.optim.weight_decay = 0.0
-  c.checkpoint.every = 0
-  c.checkpoint.export_hf = False
-  c.log.tensorboard = False
-  c.log.progress_bar = False
+  config_lib.quiet(c)
   return c
 
 

@@ -47,11 +47,7 @@ def echo_config(checkpoint_dir: str, advantage: str = "grpo", steps: int = 60):
   c.algorithm.logprob_chunk = 64
   c.optim.learning_rate = 3e-3
   c.optim.weight_decay = 0.0
-  c.checkpoint.every = 0
-  c.checkpoint.export_hf = False
-  c.log.tensorboard = False
-  c.log.trajectories = False
-  c.log.progress_bar = False
+  config_lib.quiet(c)
   return c
 
 

@@ -25,9 +25,10 @@ Each question's category is its source under the paper's name (NQ, TriviaQA, Pop
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Mapping, Sequence
+
+from environments import jsonl
 
 TEST_SOURCES = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 TRAIN_SOURCES = ("nq", "hotpotqa")
@@ -66,19 +67,7 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
       raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow), or convert it to "
                         "JSONL") from None
     return pyarrow.parquet.read_table(path).to_pylist()
-  records = []
-  with open(path, encoding="utf-8") as lines:
-    for number, line in enumerate(lines, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as error:
-        raise ValueError(f"{path}:{number}: not valid JSON: {error}") from None
-      if not isinstance(record, dict):
-        raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-      records.append(record)
-  return records
+  return jsonl.read(path)
 
 
 def question_from_record(record: Mapping[str, Any], source: str, where: str) -> Question:

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import os
 import re
 from typing import Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
+
+from environments import jsonl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,25 +88,16 @@ class JsonlCorpus(Sequence[Doc]):
       return [self[i] for i in range(*index.indices(len(self)))]
     with open(self.path, "rb") as corpus:
       corpus.seek(int(self._offsets[index]))
-      return self._parse(corpus.readline(), index)
+      return self._document(corpus.readline(), index)
 
   def __iter__(self) -> Iterator[Doc]:
     with open(self.path, "rb") as corpus:
-      index = 0
-      for line in corpus:
-        if line.strip():
-          yield self._parse(line, index)
-          index += 1
+      lines = (line for line in corpus if line.strip())
+      yield from (self._document(line, index) for index, line in enumerate(lines))
 
-  def _parse(self, line: bytes, index: int) -> Doc:
+  def _document(self, line: bytes, index: int) -> Doc:
     where = f"{self.path}: document {index}"
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as error:
-      raise ValueError(f"{where} is not valid JSON: {error}") from None
-    if not isinstance(record, dict):
-      raise ValueError(f"{where} is not a JSON object")
-    return parse_document(record, where)
+    return parse_document(jsonl.parse_line(line, where), where)
 
 
 def s_stem(word: str) -> str:
