@@ -12,10 +12,8 @@ Only process 0 writes. On other hosts the trajectory writer accepts calls and do
 the metrics writer fetches each row at once into `latest` (so that every process can act on
 the same values, e.g. stop on the same step) and writes no file.
 
-Device values stay on the device until one `jax.device_get` per logged row fetches them all.
-With `defer_fetch=True` (the default) a row is fetched when the *next* row arrives (or on
-`flush`/`close`), so logging step t never waits for step t's computation to finish: by the
-time step t+1 is logged, step t's values are long computed.
+Device values stay on the device until one `jax.device_get` per logged row fetches them all,
+when the row is written: the loops act on them at once (health checks, the progress line).
 
 Resuming. A run killed after step 40 but restored from the step-30 checkpoint would log steps
 31..40 twice. Open the writers with `resume_step=30`: metrics.jsonl keeps only rows with
@@ -24,7 +22,7 @@ files of later steps are deleted. A line cut short by a crash is dropped when me
 reopened, so appends stay valid JSONL; `read_metrics` skips such a line too.
 
   with MetricsWriter(workdir, resume_step=start - 1) as writer, \\
-       ProgressBar(num_steps, initial=start, keys=("reward/mean", "loss")) as bar:
+       ProgressBar(num_steps, initial=start, keys=("reward", "loss")) as bar:
     for step in range(start, num_steps):
       ...
       writer.write(step, metrics)        # dict of scalars; jax.Array values are fine
@@ -131,20 +129,16 @@ class MetricsWriter:
   Args:
     workdir: the run directory (local filesystem).
     tensorboard: also write TensorBoard events to workdir/tensorboard.
-    defer_fetch: fetch a row's device values when the next row arrives (see module docstring)
-      instead of at once.
     resume_step: the restored checkpoint step of a resumed run; logged rows after it are
       dropped (see module docstring).
   """
 
   def __init__(self, workdir: str | os.PathLike[str], tensorboard: bool = True,
-               defer_fetch: bool = True, resume_step: int | None = None):
+               resume_step: int | None = None):
     self.workdir = os.fspath(workdir)
     self.path = os.path.join(self.workdir, METRICS_FILE)
-    self.defer_fetch = defer_fetch
-    # The last row written, as host values, for displays; with defer_fetch one step behind.
+    # The last row written, as host values, for health checks and displays.
     self.latest: dict[str, Any] = {}
-    self._pending: tuple[int, float, dict[str, Any]] | None = None
     self._file: TextIO | None = None
     self._tensorboard = None
     self._writes = _is_writer_process()
@@ -178,24 +172,18 @@ class MetricsWriter:
       return
     if self._file is None:
       return
-    row = (step, time.time(), dict(metrics))
-    if self.defer_fetch:
-      self._emit_pending()
-      self._pending = row
-    else:
-      self._emit(*row)
+    self._emit(step, time.time(), dict(metrics))
 
   def flush(self) -> None:
-    """Writes a deferred row and flushes both outputs."""
+    """Flushes both outputs."""
     if self._file is None:
       return
-    self._emit_pending()
     self._file.flush()
     if self._tensorboard is not None:
       self._tensorboard.flush()
 
   def truncate_after(self, step: int) -> None:
-    """Drops rows with a step after `step` from metrics.jsonl (a deferred one included)."""
+    """Drops rows with a step after `step` from metrics.jsonl."""
     step = _check_step(step)
     if self._file is None:
       return
@@ -219,11 +207,6 @@ class MetricsWriter:
 
   def __exit__(self, *exc_info: Any) -> None:
     self.close()
-
-  def _emit_pending(self) -> None:
-    if self._pending is not None:
-      pending, self._pending = self._pending, None
-      self._emit(*pending)
 
   def _emit(self, step: int, wall_time: float, metrics: dict[str, Any]) -> None:
     values = _host_row(step, metrics)

@@ -292,7 +292,7 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
                     "differs from the interrupted run's", _data_size(batches),
                     meta.get("data_size"))
   metrics_writer = metrics.MetricsWriter(workdir, tensorboard=c.log.tensorboard,
-                                         defer_fetch=False, resume_step=start_step)
+                                         resume_step=start_step)
 
   to_device = functools.partial(jax.device_put, device=sharding.batch_sharding(mesh, 1))
   history = []

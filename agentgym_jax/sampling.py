@@ -34,9 +34,9 @@ top-k, top-p applied; 0 for greedy, a point mass). A row stops after a stop id (
 token), after `max_new_tokens`, or when its cache is full.
 
 Compilation. Shapes are bucketed so a rollout compiles a handful of programs: appended and
-prompt lengths are rounded up to powers of two (at least `min_bucket`), `max_new_tokens` to a
-power of two, and the attention window (the cache prefix a call reads, which must cover every
-row's end) to a power of two of at least `min_window`, capped at `cache_slots`. The sampling
+prompt lengths are rounded up by `bucket` (the next 2^k or 3 * 2^(k-1), at least `min_bucket`),
+`max_new_tokens` likewise, and the attention window (the cache prefix a call reads, which must
+cover every row's end) to a bucket of at least `min_window`, capped at `cache_slots`. The sampling
 settings (temperature, top_p, top_k) are compile-time constants. Stop ids are padded to
 `MAX_STOP_IDS`.
 

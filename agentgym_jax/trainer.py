@@ -108,7 +108,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
                                          save_every=c.checkpoint.every or c.steps)
   state, start_step, _ = run.resume(checkpointer, run.RunState(params, value_params, opt_state))
   metrics_writer = metrics.MetricsWriter(workdir, tensorboard=c.log.tensorboard,
-                                         defer_fetch=False, resume_step=start_step)
+                                         resume_step=start_step)
   trajectory_writer = metrics.TrajectoryWriter(workdir, resume_step=start_step)
 
   schedule = horizon.make_horizon_schedule(config_lib.horizon_options(c))

@@ -229,13 +229,6 @@ def test_sequence_logprobs_sum_trained_tokens():
   np.testing.assert_allclose(losses.sequence_logprobs(token_logprobs, mask), [-3.0, -0.5])
 
 
-def test_loss_registry():
-  assert losses.get_loss("policy_gradient") is losses.policy_gradient_loss
-  assert set(losses.LOSSES) == {"policy_gradient", "kl", "entropy_bonus", "value", "sft", "dpo"}
-  with pytest.raises(ValueError, match="Unknown loss 'ppo'.*'dpo', 'entropy_bonus', 'kl'"):
-    losses.get_loss("ppo")
-
-
 _B, _T, _D, _V = 2, 11, 8, 37
 
 

@@ -47,7 +47,7 @@ def _tensorboard_scalars(logdir):
 
 def test_rows_hold_step_time_and_host_values_of_device_arrays(tmp_path):
   before = time.time()
-  with MetricsWriter(tmp_path, tensorboard=False, defer_fetch=False) as writer:
+  with MetricsWriter(tmp_path, tensorboard=False) as writer:
     writer.write(1, {"loss": jnp.float32(0.5), "turns": jnp.asarray(3), "count": 7,
                      "kl": np.float64(0.25), "solved": True})
     writer.write(2, {"loss": jnp.float32(0.25)})
@@ -61,7 +61,7 @@ def test_rows_hold_step_time_and_host_values_of_device_arrays(tmp_path):
   assert read_metrics(tmp_path) == _strict_json_lines(tmp_path / "metrics.jsonl")
 
 
-def test_deferred_rows_are_fetched_once_each_when_the_next_row_arrives(tmp_path, monkeypatch):
+def test_each_row_is_fetched_in_one_device_get_when_written(tmp_path, monkeypatch):
   fetches = []
   real_device_get = jax.device_get
   monkeypatch.setattr(jax, "device_get", lambda tree: fetches.append(tree) or real_device_get(tree))
@@ -69,9 +69,8 @@ def test_deferred_rows_are_fetched_once_each_when_the_next_row_arrives(tmp_path,
                           "entropy": jnp.float32(0.5)}
   writer = MetricsWriter(tmp_path, tensorboard=False)
   writer.write(1, metrics(1))
-  assert read_metrics(tmp_path) == [] and not fetches  # Step 1 may still be computing.
+  assert [row["step"] for row in read_metrics(tmp_path)] == [1] and len(fetches) == 1
   writer.write(2, metrics(2))
-  assert [row["step"] for row in read_metrics(tmp_path)] == [1]
   writer.close()
   rows = read_metrics(tmp_path)
   assert [(row["step"], row["loss"], row["reward"]) for row in rows] == [(1, 1.0, 2.0),
@@ -81,7 +80,7 @@ def test_deferred_rows_are_fetched_once_each_when_the_next_row_arrives(tmp_path,
 
 
 def test_non_finite_values_are_null_and_logged(tmp_path, caplog):
-  with caplog.at_level(logging.WARNING), MetricsWriter(tmp_path, defer_fetch=False) as writer:
+  with caplog.at_level(logging.WARNING), MetricsWriter(tmp_path) as writer:
     writer.write(5, {"loss": jnp.float32(jnp.nan), "ratio": float("inf"), "reward": 1.0})
   (row,) = _strict_json_lines(tmp_path / "metrics.jsonl")
   assert row["loss"] is None and row["ratio"] is None and row["reward"] == 1.0
@@ -141,16 +140,16 @@ def test_resume_drops_rows_after_the_restored_step(tmp_path):
 
 def test_other_processes_keep_the_latest_row_but_write_nothing(tmp_path, monkeypatch):
   monkeypatch.setattr(metrics_lib, "_is_writer_process", lambda: False)
-  writer = MetricsWriter(tmp_path / "run", defer_fetch=True)
+  writer = MetricsWriter(tmp_path / "run")
   writer.write(3, {"loss": jnp.float32(0.5), "nonfinite_steps": jnp.int32(2)})
-  # Fetched at once, deferral or not, so every process can stop on the same step.
+  # Fetched at once, so every process can stop on the same step.
   assert (writer.latest["step"], writer.latest["loss"], writer.latest["nonfinite_steps"]) == (
       3, 0.5, 2)
   writer.close()
   assert not (tmp_path / "run").exists()
 
 
-def test_truncate_after_also_drops_a_deferred_row(tmp_path):
+def test_truncate_after_drops_later_rows(tmp_path):
   with MetricsWriter(tmp_path, tensorboard=False) as writer:
     for step in range(5):
       writer.write(step, {"loss": jnp.float32(step)})

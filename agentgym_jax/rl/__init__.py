@@ -14,12 +14,10 @@ from agentgym_jax.rl.losses import aggregate
 from agentgym_jax.rl.losses import chunked_token_logprobs_and_entropy
 from agentgym_jax.rl.losses import dpo_loss
 from agentgym_jax.rl.losses import entropy_bonus
-from agentgym_jax.rl.losses import get_loss
 from agentgym_jax.rl.losses import KL_ESTIMATORS
 from agentgym_jax.rl.losses import kl_divergence
 from agentgym_jax.rl.losses import kl_loss
 from agentgym_jax.rl.losses import kl_penalty_rewards
-from agentgym_jax.rl.losses import LOSSES
 from agentgym_jax.rl.losses import policy_gradient_loss
 from agentgym_jax.rl.losses import sequence_logprobs
 from agentgym_jax.rl.losses import sft_loss

@@ -315,23 +315,6 @@ def dpo_loss(
   return loss, metrics
 
 
-LossFn = Callable[..., tuple[jax.Array, Metrics]]
-
-LOSSES: dict[str, LossFn] = {
-    "policy_gradient": policy_gradient_loss,
-    "kl": kl_loss,
-    "entropy_bonus": entropy_bonus,
-    "value": value_loss,
-    "sft": sft_loss,
-    "dpo": dpo_loss,
-}
-
-
-def get_loss(name: str) -> LossFn:
-  """The loss registered as `name`; a ValueError lists the valid names otherwise."""
-  return registry.lookup(LOSSES, name, "loss")
-
-
 def token_logprobs_and_entropy(
     logits: jax.Array, targets: jax.Array, *, temperature: float = 1.0
 ) -> tuple[jax.Array, jax.Array]:
