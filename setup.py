@@ -20,7 +20,8 @@ setup(
     description="JAX/TPU-native multi-turn reinforcement learning for LLM agents (AgentGym-RL).",
     python_requires=">=3.10",
     packages=find_packages(include=["agentgym_jax*", "environments*"]),
-    package_data={"environments": ["**/*.json", "**/*.txt"]},
+    package_data={"environments": ["**/*.json", "**/*.txt"],
+                  "agentgym_jax": ["tools/viewer.html", "tools/viewer.css", "tools/viewer.js"]},
     install_requires=[
         "jax",
         "flax>=0.12",

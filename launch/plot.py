@@ -11,7 +11,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from agentgym_jax import plots
+from agentgym_jax.tools import plots
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (its metrics.jsonl).",
                                required=True)

@@ -2,7 +2,7 @@
 
   python launch/view.py --workdir=/tmp/run [--out=/tmp/run/viewer.html] [--max_steps=20]
 
-The page (agentgym_jax/viewer.py) has its data, styles and scripts inline: open it from disk in
+The page (agentgym_jax/tools/viewer.py) has its data, styles and scripts inline: open it from disk in
 any browser, offline, or copy it anywhere.
 """
 
@@ -12,7 +12,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from agentgym_jax import viewer
+from agentgym_jax.tools import viewer
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (metrics.jsonl, trajectories/).",
                                required=True)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from agentgym_jax import plots
+from agentgym_jax.tools import plots
 from fake_run import write_fake_run
 
 _PANEL_PIXELS = (600, 360)  # plots.PANEL_SIZE inches x plots.DPI.

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from agentgym_jax import viewer
+from agentgym_jax.tools import viewer
 from fake_run import NEEDLE, NEEDLE_AT, SPECIAL_TEXT, read_fake_trajectories, write_fake_run
 
 CHROMIUM = "/usr/bin/chromium"

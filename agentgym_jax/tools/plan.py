@@ -4,7 +4,7 @@ No weights are read and no device memory is allocated: parameters, optimizer sta
 are `jax.ShapeDtypeStruct`s carrying their `NamedSharding`s, so a 7B plan for an 8-chip mesh runs
 on a workstation (the mesh is made of virtual CPU devices).
 
-    python -m agentgym_jax.plan --model=qwen2.5-7b-instruct --mesh=1,8,1 --mesh=1,4,2 \
+    python -m agentgym_jax.tools.plan --model=qwen2.5-7b-instruct --mesh=1,8,1 --mesh=1,4,2 \
         --batch=8 --seq=4096
 
 Per device, for one update step (forward + backward + AdamW on a [batch, seq] token batch):
@@ -27,7 +27,7 @@ prefill (appending `--prefill` tokens to every row, attending to `--prefill_wind
 by default all) and decode (`--max_new_tokens` per row, attending to the whole cache) on a
 [rows, cache_slots] KV cache:
 
-  python -m agentgym_jax.plan --sampler_mesh=1,4,1 --rows=64 --cache_slots=10240
+  python -m agentgym_jax.tools.plan --sampler_mesh=1,4,1 --rows=64 --cache_slots=10240
 
   cache       the KV cache's shard, exact: layers x rows x kv heads x slots x head_dim x 2 (keys
               and values) in the model's matmul dtype
@@ -377,7 +377,7 @@ def _mesh_shape(text: str) -> tuple[int, int, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m agentgym_jax.plan",
+  parser = argparse.ArgumentParser(prog="python -m agentgym_jax.tools.plan",
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--model", default="qwen2.5-7b-instruct",
                       help=f"one of {sorted(HF_CONFIGS)}, or a checkpoint dir / config.json")
