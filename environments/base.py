@@ -21,6 +21,15 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 SPLITS = ("train", "test")
 
+
+def react_reply(thought: str, action: str) -> str:
+  """A reply in the format every environment's instruction asks for (ReAct)."""
+  return f"Thought: {thought}\n\nAction: {action}"
+
+
+class ExpertError(RuntimeError):
+  """An environment's expert could not produce replies for a task."""
+
 # Why an episode ended: its own end, the rollout's turn cap or context limit, or a failure of
 # its environment (an exception, or a step slower than the pool's timeout).
 DONE, HORIZON, CONTEXT, ENV_ERROR, ENV_TIMEOUT = (

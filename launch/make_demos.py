@@ -23,6 +23,7 @@ from absl import logging
 import environments
 from agentgym_jax import demonstrations
 from environments import jsonl
+from environments.babyai import expert as babyai_expert
 from agentgym_jax import metrics
 
 _ENV = flags.DEFINE_string("env", None, "Environment: textcraft, babyai or sciworld (any "
@@ -61,7 +62,7 @@ def main(argv: list[str]) -> None:
     except ValueError as error:
       raise app.UsageError(str(error)) from error
     if _ENV.value == "babyai" and not _HIGH_LEVEL.value:
-      expert = functools.partial(demonstrations.babyai_bot, high_level=False)
+      expert = functools.partial(babyai_expert.replies, high_level=False)
   env = environments.make(_ENV.value)
   try:
     task_ids = _tasks(env)

@@ -11,6 +11,9 @@ import pytest
 from agentgym_jax import demonstrations as demos_lib
 from environments import base, jsonl
 from environments.babyai import actions as babyai_actions
+from environments.babyai import expert as babyai_expert
+from environments.sciworld import expert as sciworld_expert
+from environments.textcraft import expert as textcraft_expert
 from environments.textcraft import oracle, parse_action
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +68,7 @@ def test_textcraft_thoughts_say_what_each_action_is_for():
   plan = ["get 2 oak logs", "craft 4 oak planks using 1 oak logs",
           "craft 4 oak planks using 1 oak logs", "craft 1 chest using 8 oak planks"]
   # The chest takes 8 oak planks = 2 crafts of 4, which take 2 x 1 oak logs.
-  assert [demos_lib.textcraft_thought(plan, i, "chest") for i in range(4)] == [
+  assert [textcraft_expert.thought(plan, i, "chest") for i in range(4)] == [
       "To craft the oak planks I need 2 oak logs, which I can get directly, so I get 2.",
       "To craft the chest I need 8 oak planks, which I craft from oak logs.",
       "I have 4 of the 8 oak planks for the chest, so I craft again.",
@@ -75,7 +78,7 @@ def test_textcraft_thoughts_say_what_each_action_is_for():
 
 def test_replay_rejects_replies_that_do_not_finish_or_fail(textcraft):
   task_id = textcraft.task_ids("train")[0]
-  replies = demos_lib.textcraft_oracle(textcraft, task_id)
+  replies = textcraft_expert.replies(textcraft, task_id)
   record, reason = demos_lib.replay(textcraft, task_id, replies[:-1], source="test")
   assert reason == f"not done after {len(replies) - 1} replies"
   assert not record["success"] and record["reward"] == 0.0
@@ -116,9 +119,9 @@ def test_high_level_demos_are_shorter_and_score_at_least_as_well(babyai):
   # Task 121 (GoToRedBall): the bot walks 14 primitive steps; "go to red ball 1" once it sees
   # the ball replaces the walk.
   primitive, reason = demos_lib.demonstrate(
-      babyai, 121, lambda env, t: demos_lib.babyai_bot(env, t, high_level=False), "bot")
+      babyai, 121, lambda env, t: babyai_expert.replies(env, t, high_level=False), "bot")
   assert reason == ""
-  high_level, reason = demos_lib.demonstrate(babyai, 121, demos_lib.babyai_bot, "bot")
+  high_level, reason = demos_lib.demonstrate(babyai, 121, babyai_expert.replies, "bot")
   assert reason == ""
   assert primitive["num_turns"] == 14
   assert high_level["num_turns"] < primitive["num_turns"]
@@ -154,10 +157,10 @@ def test_sciworld_gold_demos_succeed_on_replay():
 
 
 def test_sciworld_thoughts_follow_the_verb():
-  assert demos_lib.sciworld_thought("move metal pot to sink") == "I move the metal pot to the sink."
-  assert demos_lib.sciworld_thought("focus on substance in metal pot") == (
+  assert sciworld_expert.thought("move metal pot to sink") == "I move the metal pot to the sink."
+  assert sciworld_expert.thought("focus on substance in metal pot") == (
       "The task is about the substance in the metal pot, so I focus on it.")
-  assert demos_lib.sciworld_thought("0") == "Several things match my action; I choose option 0."
+  assert sciworld_expert.thought("0") == "Several things match my action; I choose option 0."
 
 
 # --- rollouts and files --------------------------------------------------------------------
@@ -177,8 +180,8 @@ def _rollout(task_id, replies, *, reward, success, messages=None):
 
 def test_from_rollouts_filters_dedupes_and_replays(textcraft):
   a, b = textcraft.task_ids("train")[:2]
-  good_a = demos_lib.textcraft_oracle(textcraft, a)
-  good_b = demos_lib.textcraft_oracle(textcraft, b)
+  good_a = textcraft_expert.replies(textcraft, a)
+  good_b = textcraft_expert.replies(textcraft, b)
   records = [
       _rollout(a, good_a, reward=1.0, success=True),
       _rollout(a, good_a, reward=1.0, success=True),  # the same replies again: kept once
