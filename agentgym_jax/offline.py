@@ -48,7 +48,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
-from agentgym_jax import checkpoint, config as config_lib, evaluation, learner, metrics
+from agentgym_jax import checkpoint, evaluation, learner, metrics
 from agentgym_jax import offline_data, rl, run, sharding
 from agentgym_jax.batch import Batch
 from agentgym_jax.models import Decoder
@@ -211,48 +211,43 @@ def dpo_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptStat
 # --- the loop ------------------------------------------------------------------------------
 
 
-def loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:
-  """Log-probs at temperature 1 (the model's own distribution), chunked as for RL."""
-  return learner.LossConfig(logprob_chunk=c.algorithm.logprob_chunk)
-
-
-def make_update(c: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params: nnx.State,
-                optimizer: optax.GradientTransformation, mesh: Mesh):
+def make_update(settings: run.Settings, graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh):
   """(init, update): the jitted optimizer-state init and the jitted update step of c.mode.
 
   update(params, opt_state, batch) for SFT, update(params, opt_state, pairs, ref_logprobs)
   for DPO, returns (params, opt_state, metrics) with the state on `state_shardings` and its
   input buffers donated; it compiles once per padded batch length.
   """
+  optimizer = settings.optimizer
   param_shardings, opt_shardings = run.state_shardings(
       params, jax.eval_shape(optimizer.init, params), mesh)
-  if c.mode == "sft":
-    step = functools.partial(sft_step, graphdef, optimizer=optimizer, loss=loss_config(c))
+  if settings.c.mode == "sft":
+    step = functools.partial(sft_step, graphdef, optimizer=optimizer, loss=settings.loss)
   else:
-    step = functools.partial(dpo_step, graphdef, optimizer=optimizer, loss=loss_config(c),
-                             beta=c.dpo.beta)
+    step = functools.partial(dpo_step, graphdef, optimizer=optimizer, loss=settings.loss,
+                             beta=settings.c.dpo.beta)
   return (jax.jit(optimizer.init, out_shardings=opt_shardings),
           jax.jit(step, donate_argnums=(0, 1),
                   out_shardings=(param_shardings, opt_shardings, None)))
 
 
-def make_evaluator(c: ml_collections.ConfigDict, mesh: Mesh, model: Decoder, chat: ChatTemplate,
+def make_evaluator(settings: run.Settings, mesh: Mesh, model: Decoder, chat: ChatTemplate,
                    stack: contextlib.ExitStack):
   """evaluate(params, step) -> eval/* metrics: success on eval.split of env.name, played as the
   RL trainer plays it (eval.* sampling, rollout.tasks_per_step x samples_per_task episodes at a
   time). The environment pool closes with `stack`."""
-  rows = c.rollout.tasks_per_step * c.rollout.samples_per_task
+  c, rows = settings.c, settings.rows
   pool = stack.enter_context(EnvPool(c.env.name, rows, options=c.env.options.to_dict(),
                                      backend=c.env.backend, step_timeout_s=c.env.step_timeout))
   sampler = run.make_sampler(c, model, mesh, rows)
-  sampling, turn_cap = run.eval_settings(c)
   task_ids = run.eval_tasks(c, pool)
   key = jax.random.key(c.seed)
 
   def evaluate(params: nnx.State, step: int) -> dict[str, float]:
     summary, _ = evaluation.evaluate(
         sampler, params, pool, chat, task_ids, samples_per_task=c.eval.samples_per_task,
-        horizon=turn_cap, sampling=sampling, max_context=c.rollout.max_context,
+        horizon=settings.eval_horizon, sampling=settings.eval_sampling,
+        max_context=c.rollout.max_context,
         key=jax.random.fold_in(key, step), rows_per_batch=rows,
         groups=c.rollout.pipeline_groups)
     return evaluation.as_metrics(summary)
@@ -263,7 +258,8 @@ def make_evaluator(c: ml_collections.ConfigDict, mesh: Mesh, model: Decoder, cha
 def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
                   ) -> list[dict[str, Any]]:
   """Runs (or resumes) SFT or DPO in `workdir`; returns the per-step metrics of this call."""
-  c = config_lib.validate(c)
+  settings = run.Settings.from_config(c)
+  c, loss = settings.c, settings.loss
   if c.mode not in MODES:
     raise ValueError(f"invalid config: mode={c.mode!r} is not an offline mode {MODES}")
   workdir = pathlib.Path(workdir)
@@ -280,9 +276,7 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
   graphdef, params = nnx.split(model)
   # A copy: the update donates the policy's buffers.
   ref_params = jax.tree.map(jnp.copy, params) if c.mode == "dpo" else None
-  loss = loss_config(c)
-  optimizer = run.make_optimizer(c)
-  init, update = make_update(c, graphdef, params, optimizer, mesh)
+  init, update = make_update(settings, graphdef, params, mesh)
   # Resume from the newest complete checkpoint; step k's checkpoint follows k updates.
   checkpointer = checkpoint.Checkpointer(workdir / "checkpoints", keep=c.checkpoint.keep,
                                          save_every=c.checkpoint.every or c.steps)
@@ -297,7 +291,8 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
   to_device = functools.partial(jax.device_put, device=sharding.batch_sharding(mesh, 1))
   history = []
   with contextlib.ExitStack() as stack:
-    evaluate = make_evaluator(c, mesh, model, tokenizer.chat, stack) if c.eval.every else None
+    evaluate = (make_evaluator(settings, mesh, model, tokenizer.chat, stack) if c.eval.every
+                else None)
     progress = stack.enter_context(metrics.ProgressBar(
         c.steps, keys=(("loss", "reward_accuracy") if c.mode == "dpo" else ("loss",))
         + ("time/update", "time/eval"),

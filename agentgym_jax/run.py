@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import math
 import pathlib
 import time
 from typing import Any
@@ -21,11 +23,84 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from agentgym_jax import checkpoint, config as config_lib, horizon, learner, rollout, sharding
+from agentgym_jax import checkpoint, config as config_lib, horizon, learner, rl, rollout
+from agentgym_jax import sharding
 from agentgym_jax.models import Decoder, load_model, weights
 from agentgym_jax.models.tokenizer import Tokenizer
 from agentgym_jax.sampling import Sampler
 from environments.pool import EnvPool
+
+
+# --- the settings ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What a run derives from its config, built and validated once (`from_config`) and handed
+  to the loops, which read the config's plain values through `c` but derive nothing from it.
+
+  Attributes:
+    c: the validated config.
+    schedule: the ScalingInter-RL horizon schedule (the turn cap of every step).
+    sampling: how rollout turns are sampled.
+    eval_sampling, eval_horizon: how evaluation turns are sampled, and its turn cap
+      (eval.horizon, or the schedule's largest cap).
+    optimizer: AdamW over the run's optimizer updates.
+    loss: the static loss settings compiled into the update (offline modes read only the
+      log-prob chunk and score the model's own distribution, temperature 1).
+    rows: trajectories per RL step (tasks_per_step x samples_per_task).
+  """
+
+  c: ml_collections.ConfigDict
+  schedule: horizon.HorizonSchedule
+  sampling: rollout.TurnSampling
+  eval_sampling: rollout.TurnSampling
+  eval_horizon: int
+  optimizer: optax.GradientTransformation
+  loss: learner.LossConfig
+  rows: int
+
+  @classmethod
+  def from_config(cls, c: ml_collections.ConfigDict) -> Settings:
+    c = config_lib.validate(c)
+    schedule = horizon.make_horizon_schedule(config_lib.horizon_options(c))
+    turn = functools.partial(rollout.TurnSampling, max_new_tokens=c.rollout.max_new_tokens,
+                             top_p=c.rollout.top_p, top_k=c.rollout.top_k)
+    return cls(c=c, schedule=schedule, sampling=turn(temperature=c.rollout.temperature),
+               eval_sampling=turn(temperature=c.eval.temperature),
+               eval_horizon=c.eval.horizon or schedule.max_turns, optimizer=make_optimizer(c),
+               loss=_loss_config(c), rows=c.rollout.tasks_per_step * c.rollout.samples_per_task)
+
+  def check_layout(self, mesh: Mesh, process_count: int) -> None:
+    """What the config can only be checked against once the mesh and processes are known."""
+    c = self.c
+    process_rows = self.rows // process_count
+    if process_rows % c.rollout.pipeline_groups:
+      raise config_lib.ConfigError(
+          f"invalid config: rollout.pipeline_groups={c.rollout.pipeline_groups} does not divide "
+          f"the {process_rows} trajectories of each of the {process_count} processes")
+    batch_shards = math.prod(mesh.shape[axis] for axis in sharding.BATCH)
+    minibatch = self.rows // c.algorithm.num_minibatches
+    if minibatch % batch_shards:
+      raise config_lib.ConfigError(
+          f"invalid config: a minibatch of {minibatch} trajectories (tasks_per_step x "
+          f"samples_per_task / num_minibatches) does not split over the {batch_shards} devices "
+          "of the mesh's data x fsdp axes; change the batch or mesh.data/mesh.fsdp")
+
+
+def _loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:
+  a = c.algorithm
+  if c.mode != "rl":
+    return learner.LossConfig(logprob_chunk=a.logprob_chunk)
+  estimator = rl.get_advantage_estimator(a.advantage)
+  options = sorted((argument, a[key]) for argument, key in estimator.hyperparameters)
+  return learner.LossConfig(
+      advantage_estimator=a.advantage, advantage_options=tuple(options),
+      clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
+      dual_clip_c=a.dual_clip_c or None, aggregation=a.aggregation, kl_coef=a.kl_coef,
+      kl_estimator=a.kl_estimator, kl_in_reward_coef=a.kl_in_reward_coef,
+      entropy_coef=a.entropy_coef, value_coef=a.value_coef, value_clip_eps=a.value_clip_eps,
+      temperature=c.rollout.temperature, logprob_chunk=a.logprob_chunk)
 
 
 # --- the policy ----------------------------------------------------------------------------
@@ -50,16 +125,6 @@ def make_sampler(c: ml_collections.ConfigDict, model: Decoder, mesh: Mesh | None
   return Sampler(model, cache_slots=c.rollout.max_context,
                  max_batch=-(-rows // c.rollout.pipeline_groups),
                  cache_dtype=c.rollout.cache_dtype or None, mesh=mesh)
-
-
-def eval_settings(c: ml_collections.ConfigDict) -> tuple[rollout.TurnSampling, int]:
-  """How evaluation samples (eval.temperature, the rollout's other settings) and its turn cap:
-  eval.horizon, or the largest cap of the horizon schedule."""
-  sampling = rollout.TurnSampling(max_new_tokens=c.rollout.max_new_tokens,
-                                  temperature=c.eval.temperature, top_p=c.rollout.top_p,
-                                  top_k=c.rollout.top_k)
-  schedule = horizon.make_horizon_schedule(config_lib.horizon_options(c))
-  return sampling, c.eval.horizon or schedule.max_turns
 
 
 def eval_tasks(c: ml_collections.ConfigDict, pool: EnvPool) -> list[int]:

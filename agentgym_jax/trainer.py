@@ -9,7 +9,6 @@ parameters and optimizer state) to continue exactly as an uninterrupted run woul
 from __future__ import annotations
 
 import collections
-import math
 import pathlib
 from typing import Any, Sequence
 
@@ -20,8 +19,8 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from agentgym_jax import checkpoint, config as config_lib, evaluation, horizon, learner, metrics
-from agentgym_jax import multihost, rl, rollout, run, sharding
+from agentgym_jax import checkpoint, evaluation, horizon, learner, metrics
+from agentgym_jax import multihost, rollout, run, sharding
 from environments.pool import EnvPool
 
 
@@ -43,19 +42,6 @@ class TaskOrder:
       permutation = np.random.default_rng([self.seed, epoch]).permutation(n)
       out.append(int(self.task_ids[permutation[index]]))
     return out
-
-
-def loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:
-  a = c.algorithm
-  estimator = rl.get_advantage_estimator(a.advantage)
-  options = sorted((argument, a[key]) for argument, key in estimator.hyperparameters)
-  return learner.LossConfig(
-      advantage_estimator=a.advantage, advantage_options=tuple(options),
-      clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
-      dual_clip_c=a.dual_clip_c or None, aggregation=a.aggregation, kl_coef=a.kl_coef,
-      kl_estimator=a.kl_estimator, kl_in_reward_coef=a.kl_in_reward_coef,
-      entropy_coef=a.entropy_coef, value_coef=a.value_coef, value_clip_eps=a.value_clip_eps,
-      temperature=c.rollout.temperature, logprob_chunk=a.logprob_chunk)
 
 
 def trajectory_records(trajectories: Sequence[rollout.Trajectory], advantages: jax.Array,
@@ -82,18 +68,17 @@ def trajectory_records(trajectories: Sequence[rollout.Trajectory], advantages: j
 
 def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dict[str, Any]]:
   """Runs (or resumes) training in `workdir`; returns the per-step metrics of this call."""
-  c = config_lib.validate(c)
+  settings = run.Settings.from_config(c)
+  c, loss, optimizer, num_rows = settings.c, settings.loss, settings.optimizer, settings.rows
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   mesh, model, tokenizer = run.load_policy(c)
   chat = tokenizer.chat
   graphdef, params = nnx.split(model)
-  loss = loss_config(c)
   ref_params = jax.tree.map(jnp.copy, params) if loss.uses_reference else None
   value_graphdef = value_params = None
   if loss.uses_critic:
     value_graphdef, value_params = nnx.split(learner.ValueHead(model.config.hidden_size))
-  optimizer = run.make_optimizer(c)
   # Committed to the mesh, as the update's outputs will be: otherwise the first step's inputs
   # differ from the next steps' and every jitted function compiles twice.
   trainable_shardings, opt_shardings = run.state_shardings(
@@ -111,26 +96,12 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
                                          resume_step=start_step)
   trajectory_writer = metrics.TrajectoryWriter(workdir, resume_step=start_step)
 
-  schedule = horizon.make_horizon_schedule(config_lib.horizon_options(c))
-  num_rows = c.rollout.tasks_per_step * c.rollout.samples_per_task
-  sampling = rollout.TurnSampling(max_new_tokens=c.rollout.max_new_tokens,
-                                  temperature=c.rollout.temperature, top_p=c.rollout.top_p,
-                                  top_k=c.rollout.top_k)
+  schedule = settings.schedule
   # Each process plays its rows of the step on its own devices (all of them on one process).
   processes = multihost.Processes.of(mesh)
+  settings.check_layout(mesh, processes.count)
   process_rows = processes.rows(num_rows)
-  if len(process_rows) % c.rollout.pipeline_groups:
-    raise ValueError(f"invalid config: rollout.pipeline_groups={c.rollout.pipeline_groups} does "
-                     f"not divide the {len(process_rows)} trajectories of each process")
-  batch_shards = math.prod(mesh.shape[axis] for axis in sharding.BATCH)
-  if (num_rows // c.algorithm.num_minibatches) % batch_shards:
-    raise ValueError(
-        f"invalid config: a minibatch of {num_rows // c.algorithm.num_minibatches} trajectories "
-        f"(tasks_per_step x samples_per_task / num_minibatches) does not split over the "
-        f"{batch_shards} devices of the mesh's data x fsdp axes; change the batch or "
-        f"mesh.data/mesh.fsdp")
   sampler = run.make_sampler(c, model, processes.local_mesh, len(process_rows))
-  eval_sampling, eval_horizon = run.eval_settings(c)
   base_key = jax.random.key(c.seed)
   eval_key = jax.random.fold_in(base_key, 1 << 30)  # Distinct from every step's fold_in.
   history = []
@@ -153,7 +124,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
       with timer("rollout"):
         played, rollout_stats = rollout.collect(
             sampler, processes.local_copy(state.params), pool, chat,
-            group_of[process_rows.start:process_rows.stop], horizon=cap, sampling=sampling,
+            group_of[process_rows.start:process_rows.stop], horizon=cap,
+            sampling=settings.sampling,
             max_context=c.rollout.max_context, key=jax.random.fold_in(base_key, step),
             first_row=process_rows.start, groups=c.rollout.pipeline_groups)
         trajectories, rollout_stats = processes.gather_rollout(played, rollout_stats)
@@ -190,7 +162,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
           _, played = evaluation.evaluate(
               sampler, processes.local_copy(state.params), pool, chat,
               processes.share(task_ids), samples_per_task=c.eval.samples_per_task,
-              horizon=eval_horizon, sampling=eval_sampling, max_context=c.rollout.max_context,
+              horizon=settings.eval_horizon, sampling=settings.eval_sampling,
+              max_context=c.rollout.max_context,
               key=jax.random.fold_in(eval_key, done), rows_per_batch=len(process_rows),
               groups=c.rollout.pipeline_groups)
           summary = evaluation.summarize(processes.gather(played),

@@ -15,7 +15,6 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from agentgym_jax import config as config_lib
 from agentgym_jax import cli, evaluation, metrics, run
 from environments.pool import EnvPool
 
@@ -31,9 +30,9 @@ _ROWS = flags.DEFINE_integer("rows", 32, "Episodes played at once.")
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  c = config_lib.validate(_CONFIG.value)
+  settings = run.Settings.from_config(_CONFIG.value)
+  c, sampling, turn_cap = settings.c, settings.eval_sampling, settings.eval_horizon
   mesh, model, tokenizer = run.load_policy(c, _MODEL.value)
-  sampling, turn_cap = run.eval_settings(c)
   sampler = run.make_sampler(c, model, mesh, _ROWS.value)
   with EnvPool(c.env.name, _ROWS.value, options=c.env.options.to_dict(),
                backend=c.env.backend, step_timeout_s=c.env.step_timeout) as pool:

@@ -200,8 +200,7 @@ def test_update_compiles_once_per_batch_length(checkpoint_dir, tmp_path):
   model, tokenizer = load_model(checkpoint_dir, mesh=mesh)
   graphdef, params = nnx.split(model)
   c = offline_config(checkpoint_dir, tmp_path)
-  optimizer = run.make_optimizer(c)
-  init, update = offline.make_update(c, graphdef, params, optimizer, mesh)
+  init, update = offline.make_update(run.Settings.from_config(c), graphdef, params, mesh)
   opt_state = init(params)
   batches = offline_data.sft_batches(DEMOS, tokenizer.chat, c.data.batch_size,
                                      c.data.max_length)
