@@ -37,10 +37,14 @@ def test_sharded_parameters_take_an_eighth_per_device(mesh_shape, per_device_par
   assert memory.param_bytes == 4 * per_device_params  # f32 parameters.
   # The replicated 0.3M norm and bias weights put it 0.03% above an even eighth.
   assert abs(memory.param_bytes / (4 * QWEN_7B.num_params / 8) - 1) < 5e-4
-  # AdamW: two f32 moments per parameter, sharded alike, and an int32 step count.
-  assert memory.optimizer_bytes == 2 * memory.param_bytes + 4
-  # The int32 token batch splits over data x fsdp only; tensor devices hold the same rows.
-  assert memory.batch_bytes == 8 * 4096 * 4 // (mesh_shape[0] * mesh_shape[1])
+  # AdamW: two f32 moments per parameter, sharded alike, its int32 step count, and the
+  # non-finite guard's counters (two int32 and a bool).
+  assert memory.optimizer_bytes == 2 * memory.param_bytes + 4 + 9
+  # The minibatch splits over data x fsdp only; tensor devices hold the same rows: per row the
+  # Batch's tokens, loss mask and sampler log-probs over 4096 positions, its reward and group,
+  # and the Experience's five f32 arrays over the 4095 targets.
+  rows = 8 // (mesh_shape[0] * mesh_shape[1])
+  assert memory.batch_bytes == rows * (3 * 4096 * 4 + 4 + 4 + 5 * 4095 * 4)
 
 
 def test_forward_lowers_and_compiles_on_abstract_sharded_inputs():
@@ -49,7 +53,8 @@ def test_forward_lowers_and_compiles_on_abstract_sharded_inputs():
   stats = compiled.memory_analysis()
   # The compiled program takes exactly the planned shards: nothing was gathered at the input.
   expected = plan.plan(QWEN_7B, mesh, batch=8, seq=128, compile=False)
-  assert stats.argument_size_in_bytes == expected.param_bytes + expected.batch_bytes
+  assert stats.argument_size_in_bytes == expected.param_bytes + plan.device_bytes(
+      plan.abstract_batch(mesh, 8, 128))
   # Logits [8, 128, 152064] f32 leave split over the 8 batch rows.
   assert stats.output_size_in_bytes == 128 * 152064 * 4
 
@@ -57,10 +62,16 @@ def test_forward_lowers_and_compiles_on_abstract_sharded_inputs():
 def test_train_step_compiles_with_donated_sharded_state():
   mesh = sharding.make_mesh(1, 4, 2)
   memory = plan.plan(QWEN_7B, mesh, batch=8, seq=128, dtype=jnp.bfloat16, remat="full")
-  assert memory.argument_bytes == (memory.param_bytes + memory.optimizer_bytes
-                                   + memory.batch_bytes)
-  # Parameters and moments are updated in place: only the scalar loss is a fresh output.
-  assert memory.alias_bytes == memory.param_bytes + memory.optimizer_bytes
+  # The learner's own update step takes every parameter and moment shard as planned (a
+  # gathered one would add gigabytes) and, jit dropping inputs it never reads, of the optimizer
+  # state all but the non-finite guard's 1-byte `last_finite` flag (written, never read), and
+  # of the minibatch what GRPO's update reads: tokens and loss mask (2 rows x 128 positions a
+  # device) and old log-probs and advantages (2 rows x 127 targets), 4 bytes each.
+  state = memory.param_bytes + memory.optimizer_bytes - 1
+  assert memory.argument_bytes == state + 2 * (2 * 128 * 4 + 2 * 127 * 4)
+  # Parameters and moments are updated in place: only the flag and the scalar metrics are
+  # fresh outputs.
+  assert memory.alias_bytes == state
   assert memory.output_bytes - memory.alias_bytes < 1024
   # The f32 gradients (as large as the parameters' shards) live in the step's scratch space.
   assert memory.param_bytes < memory.temp_bytes

@@ -7,7 +7,8 @@ on a workstation (the mesh is made of virtual CPU devices).
     python -m agentgym_jax.tools.plan --model=qwen2.5-7b-instruct --mesh=1,8,1 --mesh=1,4,2 \
         --batch=8 --seq=4096
 
-Per device, for one update step (forward + backward + AdamW on a [batch, seq] token batch):
+Per device, for one update step: the learner's own `update_step` (GRPO's clipped policy loss on
+chunked log-probs, forward + backward, AdamW after clipping) on a [batch, seq] minibatch:
 
   params      sum over parameters of its shard's bytes under sharding.LOGICAL_AXIS_RULES
   optimizer   AdamW's two moments, sharded like the parameters: mu in f32, nu in the parameters'
@@ -53,11 +54,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from agentgym_jax import sampling, sharding
+from agentgym_jax import learner, run, sampling, sharding
+from agentgym_jax.batch import Batch
 from agentgym_jax.models import weights
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import KVCache
-from agentgym_jax.rl.losses import chunked_token_logprobs_and_entropy
 
 # Hugging Face config.json fields of models planned without their checkpoint on disk.
 HF_CONFIGS: dict[str, dict[str, Any]] = {
@@ -142,29 +143,34 @@ def abstract_params(config: ModelConfig, mesh: Mesh, *, dtype: Any = jnp.bfloat1
   return graphdef, jax.tree.map(place, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def abstract_optimizer_state(optimizer: optax.GradientTransformation, params: nnx.State,
+def abstract_optimizer_state(optimizer: optax.GradientTransformation, trainable: Any,
                              mesh: Mesh) -> Any:
-  """The optimizer state as ShapeDtypeStructs: per-parameter moments sharded like parameters."""
-  state = jax.eval_shape(optimizer.init, params)
-  params_structure = jax.tree.structure(params)
-  replicated = NamedSharding(mesh, PartitionSpec())
-
-  def place(subtree):
-    if jax.tree.structure(subtree) == params_structure:
-      return jax.tree.map(
-          lambda moment, param: jax.ShapeDtypeStruct(moment.shape, moment.dtype,
-                                                     sharding=param.sharding),
-          subtree, params)
-    return jax.ShapeDtypeStruct(subtree.shape, subtree.dtype, sharding=replicated)
-
-  return jax.tree.map(place, state,
-                      is_leaf=lambda x: jax.tree.structure(x) == params_structure)
+  """The optimizer state as ShapeDtypeStructs, laid out as the loops lay it out
+  (run.state_shardings: moments like their arrays, counters replicated)."""
+  state = jax.eval_shape(optimizer.init, trainable)
+  _, shardings = run.state_shardings(trainable, state, mesh)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      state, shardings)
 
 
 def abstract_batch(mesh: Mesh, batch: int, seq: int) -> jax.ShapeDtypeStruct:
   """Token ids [batch, seq], split over data x fsdp like every batch."""
-  spec = sharding.logical_to_spec(("batch", "seq"), (batch, seq), mesh)
-  return jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=NamedSharding(mesh, spec))
+  return _rows(mesh, (batch, seq), jnp.int32)
+
+
+def abstract_minibatch(mesh: Mesh, batch: int, seq: int) -> tuple[Batch, learner.Experience]:
+  """One update's inputs: a rollout Batch of [batch, seq] rows and its Experience."""
+  rows = functools.partial(_rows, mesh)
+  return (Batch(tokens=rows((batch, seq), jnp.int32), loss_mask=rows((batch, seq), jnp.float32),
+                sampler_logprobs=rows((batch, seq), jnp.float32),
+                rewards=rows((batch,), jnp.float32), group_ids=rows((batch,), jnp.int32)),
+          learner.Experience(*(rows((batch, seq - 1), jnp.float32) for _ in range(5))))
+
+
+def _rows(mesh: Mesh, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+  """An array of rows, split over data x fsdp like every batch."""
+  spec = sharding.logical_to_spec(("batch", "seq")[:len(shape)], shape, mesh)
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
 
 def lower_forward(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
@@ -179,44 +185,24 @@ def lower_forward(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
     return jax.jit(forward).lower(params, abstract_batch(mesh, batch, seq))
 
 
-def adamw(learning_rate: float = 1e-6) -> optax.GradientTransformation:
-  """The planned optimizer; its state's size does not depend on the hyper-parameters."""
-  return optax.adamw(learning_rate, mu_dtype=jnp.float32)
-
-
 def lower_train_step(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
                      dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
                      remat: str = "full", logits_chunk: int = 1024) -> jax.stages.Lowered:
-  """One AdamW step on the token log-likelihood, lowered on abstract sharded inputs.
-
-  The loss has the memory shape of every RL loss: per-token log-probs from chunked logits
-  (`chunked_token_logprobs_and_entropy`), so [batch, seq, vocab] never exists at once.
-  Parameters and optimizer state are donated and come back with their own shardings.
-  """
+  """The learner's `update_step` on one minibatch, lowered on abstract sharded inputs, jitted
+  as the RL trainer jits it (learner.jit_update_step): parameters and optimizer state donated,
+  returned with their own shardings. Its log-probs come from chunked logits, so [batch, seq,
+  vocab] never exists at once."""
   graphdef, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype,
                                      remat=remat)
-  optimizer = adamw()
-  opt_state = abstract_optimizer_state(optimizer, params, mesh)
-
-  def loss_fn(params, input_ids):
-    model = nnx.merge(graphdef, params)
-    hidden, _ = model.hidden_states(input_ids)
-    targets = jnp.roll(input_ids, -1, axis=1)
-    logprobs, _ = chunked_token_logprobs_and_entropy(hidden, targets, model.logits,
-                                                     chunk_size=min(logits_chunk, seq))
-    return -logprobs.mean()
-
-  def step(params, opt_state, input_ids):
-    loss, grads = jax.value_and_grad(loss_fn)(params, input_ids)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
+  optimizer = learner.make_optimizer(1e-6)
+  trainable = (params, None)
+  opt_state = abstract_optimizer_state(optimizer, trainable, mesh)
+  loss = learner.LossConfig(logprob_chunk=min(logits_chunk, seq - 1))
   shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
-  jitted = jax.jit(step, donate_argnums=(0, 1),
-                   out_shardings=(shardings(params), shardings(opt_state),
-                                  NamedSharding(mesh, PartitionSpec())))
+  step = learner.jit_update_step(shardings(trainable), shardings(opt_state))
   with jax.set_mesh(mesh):
-    return jitted.lower(params, opt_state, abstract_batch(mesh, batch, seq))
+    return step.lower(graphdef, None, trainable, opt_state, *abstract_minibatch(mesh, batch, seq),
+                      optimizer=optimizer, loss=loss)
 
 
 def plan(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *, dtype: Any = jnp.bfloat16,
@@ -224,12 +210,12 @@ def plan(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *, dtype: Any = 
          compile: bool = True) -> MemoryPlan:
   """Per-device memory of one update step; compiles the step unless `compile` is False."""
   _, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype, remat=remat)
-  opt_state = abstract_optimizer_state(adamw(), params, mesh)
+  opt_state = abstract_optimizer_state(learner.make_optimizer(1e-6), (params, None), mesh)
   figures = dict(
       mesh_shape=tuple(mesh.shape[a] for a in sharding.MESH_AXES), batch=batch, seq=seq,
       num_params=config.num_params, param_bytes=device_bytes(params),
       optimizer_bytes=device_bytes(opt_state),
-      batch_bytes=device_bytes(abstract_batch(mesh, batch, seq)))
+      batch_bytes=device_bytes(abstract_minibatch(mesh, batch, seq)))
   if compile:
     start = time.perf_counter()
     compiled = lower_train_step(config, mesh, batch, seq, dtype=dtype, param_dtype=param_dtype,
