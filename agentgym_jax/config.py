@@ -300,6 +300,29 @@ def quiet(c: ml_collections.ConfigDict) -> None:
   c.log.progress_bar = False
 
 
+def tiny_echo(c: ml_collections.ConfigDict) -> None:
+  """A small policy (tests/tiny.py's random model) on the echo task, on one device in f32:
+  8 tasks x 8 samples of 2-token replies, plain GRPO with a step large enough to learn echo in
+  tens of steps (with 2e-3 it did not within 30), quiet."""
+  c.model.dtype = "float32"
+  c.model.remat = "none"
+  c.mesh.data = 1
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+  c.env.name = "echo"
+  c.rollout.tasks_per_step = 8
+  c.rollout.samples_per_task = 8
+  c.rollout.max_new_tokens = 2  # A symbol and the end-of-turn token.
+  c.algorithm.kl_coef = 0.0
+  c.algorithm.entropy_coef = 0.0
+  c.algorithm.num_minibatches = 2
+  c.algorithm.ppo_epochs = 2
+  c.algorithm.logprob_chunk = 64
+  c.optim.learning_rate = 3e-3
+  c.optim.weight_decay = 0.0
+  quiet(c)
+
+
 def fixed_horizon(turns: int) -> Callable[[ml_collections.ConfigDict], None]:
   """A variant that replaces the staged schedule by a fixed cap (the paper's baselines)."""
   def apply(c: ml_collections.ConfigDict) -> None:

@@ -27,7 +27,7 @@ notebooks/scalinginter_ablation.ipynb does):
       --config.model.name=/path/to/tiny_checkpoint --config.mesh.fsdp=1
 """
 
-from agentgym_jax.config import base_config, quiet
+from agentgym_jax.config import base_config, tiny_echo
 
 TURNS = 4
 VARIANTS = ("short", "long", "scaling")
@@ -37,27 +37,10 @@ def get_config(variant: str = "scaling"):
   c = base_config()
   c.steps = 30
   c.model.name = ""  # Set by the caller: a checkpoint directory (see the module docstring).
-  c.model.dtype = "float32"
-  c.model.remat = "none"
-  c.mesh.data = 1
-  c.mesh.fsdp = 1
-  c.mesh.tensor = 1
-  c.env.name = "echo"
+  # Plain GRPO with a large step size (a step this large can also undo what it learnt).
+  tiny_echo(c)
   c.env.options.turns = TURNS
-  c.rollout.tasks_per_step = 8
-  c.rollout.samples_per_task = 8
-  c.rollout.max_new_tokens = 2  # A symbol and the end-of-turn token.
   c.rollout.max_context = 128  # Instruction plus four turns of ~10 tokens each.
-  # Plain GRPO with a large step size, so the tiny model can learn echo in tens of steps
-  # (with 2e-3 it did not within 30 steps); a step this large can also undo it again.
-  c.algorithm.kl_coef = 0.0
-  c.algorithm.entropy_coef = 0.0
-  c.algorithm.num_minibatches = 2
-  c.algorithm.ppo_epochs = 2
-  c.algorithm.logprob_chunk = 64
-  c.optim.learning_rate = 3e-3
-  c.optim.weight_decay = 0.0
-  quiet(c)
   if variant == "short":
     c.horizon.kind = "fixed"
     c.horizon.turns = TURNS // 2

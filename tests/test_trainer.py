@@ -27,27 +27,12 @@ def echo_config(checkpoint_dir: str, advantage: str = "grpo", steps: int = 60):
   c.steps = steps
   c.seed = 0
   c.model.name = checkpoint_dir
-  c.model.dtype = "float32"
-  c.model.remat = "none"
-  c.mesh.fsdp = 1
-  c.mesh.data = 1
-  c.env.name = "echo"
+  config_lib.tiny_echo(c)
   c.env.options.turns = 2
-  c.rollout.tasks_per_step = 8
-  c.rollout.samples_per_task = 8
-  c.rollout.max_new_tokens = 2
   c.rollout.max_context = 64
   c.horizon.kind = "fixed"
   c.horizon.turns = 2
   c.algorithm.advantage = advantage
-  c.algorithm.kl_coef = 0.0
-  c.algorithm.entropy_coef = 0.0
-  c.algorithm.num_minibatches = 2
-  c.algorithm.ppo_epochs = 2
-  c.algorithm.logprob_chunk = 64
-  c.optim.learning_rate = 3e-3
-  c.optim.weight_decay = 0.0
-  config_lib.quiet(c)
   return c
 
 
