@@ -64,7 +64,7 @@ def run(main: Callable[[list[str]], None]) -> None:
       logging.set_verbosity(logging.WARNING)
     try:
       main(argv)
-    except (config_lib.ConfigError, weights.WeightsNotFoundError) as error:
+    except (config_lib.ConfigError, weights.WeightsNotFoundError, app.UsageError) as error:
       sys.exit(f"error: {error}")
 
   app.run(guarded, flags_parser=parse_flags)

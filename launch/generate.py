@@ -5,7 +5,8 @@ r"""Chats with a model in the terminal, turn after turn on the sampler's live KV
   python launch/generate.py --model=qwen2.5-0.5b-instruct --temperature=0.7 --top_p=0.9
 
 --model is a registry name (agentgym_jax.models.MODELS) or a Hugging Face checkpoint directory;
-the default, SmolLM2-135M-Instruct, ships with the package. Conversations use the model's chat
+the default, SmolLM2-135M-Instruct, ships with the package. Replies are printed as they are
+sampled, --stream_tokens at a time (each chunk continues the row on the live cache). Conversations use the model's chat
 template (ChatML). Each user turn is appended to the live cache as token ids after the reply's
 own ids: earlier turns are never encoded or prefilled again. An empty line or end of input ends
 the chat.
@@ -36,11 +37,15 @@ _CACHE_SLOTS = flags.DEFINE_integer("cache_slots", 4096, "Tokens the whole chat 
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Matmul input dtype.")
 _PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "bfloat16", ["float32", "bfloat16"],
                                  "Weight and KV cache storage dtype.")
+_STREAM_TOKENS = flags.DEFINE_integer("stream_tokens", 8,
+                                      "Tokens sampled between two prints of the reply.")
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _STREAM_TOKENS.value <= 0:
+    raise app.UsageError(f"--stream_tokens={_STREAM_TOKENS.value} must be > 0")
   if _MAX_NEW_TOKENS.value <= 0 or _CACHE_SLOTS.value <= _MAX_NEW_TOKENS.value:
     raise app.UsageError(f"need 0 < --max_new_tokens ({_MAX_NEW_TOKENS.value}) < "
                          f"--cache_slots ({_CACHE_SLOTS.value})")
@@ -57,16 +62,11 @@ def main(argv):
   state = sampler.start([chat.render([*system, {"role": "user", "content": message}])])
   key = jax.random.key(_SEED.value)
   for turn in range(sys.maxsize):
-    state, out = sampler.generate(
-        state, jax.random.fold_in(key, turn), max_new_tokens=_MAX_NEW_TOKENS.value,
-        stop_ids=chat.turn_end_ids, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
-        top_k=_TOP_K.value)
-    reply = out.token_lists()[0]
-    print(tokenizer.decode([t for t in reply if t not in chat.turn_end_ids],
-                           skip_special_tokens=True), flush=True)
+    state, reply, stopped = _stream_reply(sampler, state, jax.random.fold_in(key, turn),
+                                          tokenizer)
     if not interactive:
       return
-    if not bool(out.stopped[0]):
+    if not stopped:
       print(f"[the reply reached {_MAX_NEW_TOKENS.value} tokens or the end of the cache]",
             file=sys.stderr)
     message = _read_user_turn()
@@ -81,6 +81,31 @@ def main(argv):
             f"{_CACHE_SLOTS.value}]", file=sys.stderr)
       return
     state = sampler.append(state, {0: continuation})
+
+
+def _stream_reply(sampler: Sampler, state, key: jax.Array, tokenizer
+                  ) -> tuple[object, list[int], bool]:
+  """Samples a reply --stream_tokens at a time, printing its text as it grows; returns (state,
+  reply ids, whether it ended on a turn-end id)."""
+  chat, reply, shown = tokenizer.chat, [], ""
+  while len(reply) < _MAX_NEW_TOKENS.value:
+    budget = min(_STREAM_TOKENS.value, _MAX_NEW_TOKENS.value - len(reply))
+    state, out = sampler.generate(
+        state, jax.random.fold_in(key, len(reply)), max_new_tokens=budget,
+        stop_ids=chat.turn_end_ids, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
+        top_k=_TOP_K.value)
+    chunk = out.token_lists()[0]
+    reply += chunk
+    # Decoding the whole reply, not the chunk: a character may span tokens of two chunks.
+    text = tokenizer.decode([t for t in reply if t not in chat.turn_end_ids],
+                            skip_special_tokens=True)
+    print(text[len(shown):], end="", flush=True)
+    shown = text
+    if bool(out.stopped[0]) or len(chunk) < budget:  # A turn end, or a full cache.
+      print(flush=True)
+      return state, reply, bool(out.stopped[0])
+  print(flush=True)
+  return state, reply, False
 
 
 def _read_user_turn() -> str:

@@ -32,6 +32,8 @@ MISTAKES = {
     "missing config file": ("train.py", ["--config=configs/no_such_config.py:local"],
                             "No such file or directory: 'configs/no_such_config.py'"),
     "no config": ("train.py", [], "--config must have a value"),
+    "bad flag value, generate": ("generate.py", ["--stream_tokens=0"],
+                                 "error: --stream_tokens=0 must be > 0"),
     "registry model without weights": (
         "train.py", [LOCAL, "--config.model.name=qwen2.5-0.5b-instruct"],
         "huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir {models}"
@@ -62,6 +64,22 @@ def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
   assert result.returncode != 0
   assert result.stderr.strip() == f"error: --workdir={workdir} is a file, not a directory"
   assert workdir.read_text() == "not a directory"
+
+
+def test_generate_streams_the_reply_it_would_print_at_once(tmp_path):
+  checkpoint = tiny.make_checkpoint(tmp_path / "tiny")
+
+  def reply(stream_tokens):
+    command = [sys.executable, str(REPO / "launch" / "generate.py"), f"--model={checkpoint}",
+               "--prompt=hello", "--temperature=0", "--max_new_tokens=12",
+               "--param_dtype=float32", f"--stream_tokens={stream_tokens}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+  # Greedy: printed 3 tokens at a time, on the live cache, the reply is the one-shot reply.
+  streamed, at_once = reply(3), reply(12)
+  assert streamed == at_once and streamed.strip()
 
 
 def test_evaluate_shows_its_progress_and_says_what_k_is(tmp_path):
