@@ -121,6 +121,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.min_reward = 1.0  # Rollouts kept as SFT data / DPO needs a reward gap.
   c.dpo = ml_collections.ConfigDict()
   c.dpo.beta = 0.1
+
+  # An RL run's SFT warm start on verified expert demonstrations (agentgym_jax/pipeline.py).
+  c.warm_start = ml_collections.ConfigDict()
+  c.warm_start.steps = 0  # SFT steps before RL; 0: off (the paper's recipe).
+  c.warm_start.demonstrations = ""  # A JSONL of conversations; "": made with the env's expert.
+  c.warm_start.max_tasks = 0  # Train tasks the expert demonstrates; 0: all.
+  c.warm_start.learning_rate = 1e-4
+  c.warm_start.batch_size = 4
   c.lock()
   c.env.options.unlock()  # Adapter keyword arguments differ per environment.
   return c
@@ -232,6 +240,16 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(c.eval.max_tasks >= 0, f"eval.max_tasks={c.eval.max_tasks} must be >= 0")
   _check(c.eval.temperature >= 0, f"eval.temperature={c.eval.temperature} must be >= 0")
   _check(c.eval.horizon >= 0, f"eval.horizon={c.eval.horizon} must be >= 0")
+  w = c.warm_start
+  _check(w.steps >= 0 and w.max_tasks >= 0, "warm_start.steps and max_tasks must be >= 0")
+  if w.steps:
+    from agentgym_jax import demonstrations  # pylint: disable=import-outside-toplevel
+    _check(c.mode == "rl", f"warm_start is a stage of an RL run, not of mode={c.mode!r}")
+    _check(bool(w.demonstrations) or c.env.name in demonstrations.EXPERTS,
+           f"warm_start.demonstrations must name a JSONL of conversations: env {c.env.name!r} "
+           f"has no expert (experts: {sorted(demonstrations.EXPERTS)})")
+    _check(w.learning_rate > 0 and w.batch_size > 0,
+           "warm_start.learning_rate and batch_size must be > 0")
   if c.mode != "rl":
     _check(bool(c.data.path), f"mode={c.mode!r} needs data.path (conversations JSONL or a run)")
     _check(c.data.batch_size > 0 and c.data.max_length > 0,

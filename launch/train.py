@@ -21,7 +21,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from agentgym_jax import cli, offline, sharding, trainer
+from agentgym_jax import cli, offline, pipeline, sharding
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/).",
                                           lock_config=True)
@@ -42,7 +42,7 @@ def main(argv):
   if _CONFIG.value.mode != "rl":
     offline.train_offline(_CONFIG.value, workdir)
   else:
-    trainer.train(_CONFIG.value, workdir)
+    pipeline.train(_CONFIG.value, workdir)
 
 
 if __name__ == "__main__":

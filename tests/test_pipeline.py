@@ -1,0 +1,111 @@
+"""The recipe of a run: a warm start on demonstrations, then RL from the warm-started policy,
+each stage resumed where it stopped."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import tiny
+from agentgym_jax import config as config_lib
+from agentgym_jax import demonstrations, metrics, pipeline, run, sharding, trainer
+from environments import jsonl
+
+# Echo conversations (a prompt of symbols, the reply repeating them).
+DEMOS = [{"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]}
+         for prompt, reply in (("1 0", "1 0"), ("0 0", "0 0"), ("1 1", "1 1"), ("0 1", "0 1"))]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+  return str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(autouse=True)
+def single_device(monkeypatch):
+  # The runs use one device, as on a workstation; sharding is tested elsewhere.
+  monkeypatch.setattr(sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
+      np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
+
+
+def config(checkpoint_dir, demos_path):
+  c = config_lib.base_config()
+  c.model.name = checkpoint_dir
+  config_lib.tiny_echo(c)
+  c.steps = 2
+  c.env.options.turns = 1
+  c.horizon.kind = "fixed"
+  c.horizon.turns = 1
+  c.rollout.tasks_per_step = 2
+  c.rollout.samples_per_task = 2
+  c.rollout.max_context = 64
+  c.warm_start.steps = 4
+  c.warm_start.demonstrations = str(demos_path)
+  c.warm_start.batch_size = 2
+  c.checkpoint.every = 2
+  return c
+
+
+def test_rl_starts_from_the_warm_started_policy_and_a_stopped_warm_start_resumes(
+    checkpoint_dir, tmp_path, monkeypatch):
+  demos = tmp_path / "demos.jsonl"
+  jsonl.write(demos, DEMOS)
+  c = config(checkpoint_dir, demos)
+  # Stop the first attempt after the SFT's last checkpoint, before its export.
+  export, stops = run.export_policy, []
+
+  def stop_once(*args):
+    if not stops:
+      stops.append(1)
+      raise KeyboardInterrupt
+    export(*args)
+
+  monkeypatch.setattr(run, "export_policy", stop_once)
+  with pytest.raises(KeyboardInterrupt):
+    pipeline.train(c, tmp_path / "run")
+  policies = []
+  rl_train = trainer.train
+  monkeypatch.setattr(trainer, "train",
+                      lambda rl, workdir: policies.append(rl.model.name) or rl_train(rl, workdir))
+  history = pipeline.train(c, tmp_path / "run")
+
+  warm = tmp_path / "run" / "warm_start"
+  # The SFT run resumed at its step-4 checkpoint: 4 logged steps, none twice, then exported.
+  assert [row["step"] for row in metrics.read_metrics(warm)] == [1, 2, 3, 4]
+  assert (warm / "export" / "config.json").exists()
+  assert policies == [str(warm / "export")]
+  assert [row["step"] for row in history] == [1, 2]
+  # Started again once finished, the warm start is not run a second time.
+  monkeypatch.setattr(pipeline.offline, "train_offline",
+                      lambda *args: pytest.fail("the warm start ran twice"))
+  assert pipeline.warm_start(c, warm) == warm / "export"
+
+
+def test_demonstrations_are_made_with_the_expert_once(tmp_path, monkeypatch):
+  c = config_lib.base_config()
+  c.env.name = "textcraft"
+  c.warm_start.steps = 1
+  c.warm_start.max_tasks = 2
+  path = pipeline.demonstrations_file(c, tmp_path)
+  records = [json.loads(line) for line in path.read_text().splitlines()]
+  assert len(records) == 2 and all(r["success"] and r["source"] == demonstrations.ORACLE
+                                   for r in records)
+  monkeypatch.setattr(demonstrations, "collect", lambda *a, **k: pytest.fail("made twice"))
+  assert pipeline.demonstrations_file(c, tmp_path) == path
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("env.name", "echo", r"warm_start.demonstrations must name a JSONL .* env 'echo' has no "
+                         r"expert"),
+    ("mode", "sft", r"warm_start is a stage of an RL run, not of mode='sft'"),
+    ("warm_start.learning_rate", 0.0, r"warm_start.learning_rate and batch_size must be > 0"),
+])
+def test_warm_start_settings_are_checked_at_start_up(key, value, message):
+  c = config_lib.base_config()
+  c.warm_start.steps = 10
+  c.data.path = "demos.jsonl"
+  section, name = key.rsplit(".", 1) if "." in key else ("", key)
+  (c[section] if section else c)[name] = value
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(c)
