@@ -65,6 +65,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.algorithm = ml_collections.ConfigDict()
   c.algorithm.advantage = "grpo"  # grpo | rloo | reinforce_plus_plus | gae
   c.algorithm.grpo_normalize_by_std = True
+  # population (ours) | unbiased (torch.std, as verl, TRL and AgentGym-RL): the latter's
+  # advantages are ours times sqrt((n - 1) / n) for a group of n.
+  c.algorithm.grpo_std = "population"
+  c.algorithm.grpo_eps = 1e-6  # A = (r - mean) / (std + eps).
   c.algorithm.gamma = 1.0
   c.algorithm.lam = 1.0
   c.algorithm.clip_eps_low = 0.2
@@ -72,8 +76,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.algorithm.dual_clip_c = 0.0  # 0: off; else c > 1.
   c.algorithm.aggregation = "token-mean"
   c.algorithm.kl_coef = 1e-3  # KL to the reference as a loss.
-  c.algorithm.kl_estimator = "low_var_kl"  # k1 | k2 | k3 | low_var_kl
+  c.algorithm.kl_estimator = "low_var_kl"  # k1 | k2 | k3 | low_var_kl | kl | mse | abs
   c.algorithm.kl_in_reward_coef = 0.0  # KL to the reference as a reward penalty.
+  # The penalty's per-token estimate: k1, an estimate of the KL's gradient direction as a
+  # reward (REINFORCE++ eq. 9, verl); k3 estimates the KL's value, the loss term's job.
+  c.algorithm.kl_in_reward_estimator = "k1"
   c.algorithm.entropy_coef = 1e-3
   c.algorithm.value_coef = 0.5
   c.algorithm.value_clip_eps = 0.2
@@ -192,8 +199,12 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"algorithm.advantage={a.advantage!r} is not one of {sorted(rl.ADVANTAGE_ESTIMATORS)}")
   _check(a.aggregation in rl.AGGREGATIONS,
          f"algorithm.aggregation={a.aggregation!r} is not one of {sorted(rl.AGGREGATIONS)}")
-  _check(a.kl_estimator in rl.KL_ESTIMATORS,
-         f"algorithm.kl_estimator={a.kl_estimator!r} is not one of {sorted(rl.KL_ESTIMATORS)}")
+  for key in ("kl_estimator", "kl_in_reward_estimator"):
+    _check(a[key] in rl.KL_ESTIMATORS,
+           f"algorithm.{key}={a[key]!r} is not one of {sorted(rl.KL_ESTIMATORS)}")
+  _check(a.grpo_std in ("population", "unbiased"),
+         f"algorithm.grpo_std={a.grpo_std!r} is not 'population' or 'unbiased'")
+  _check(a.grpo_eps >= 0, f"algorithm.grpo_eps={a.grpo_eps} must be >= 0")
   _check(a.clip_eps_low > 0 and a.clip_eps_high > 0, "algorithm.clip_eps_* must be > 0")
   _check(a.dual_clip_c == 0 or a.dual_clip_c > 1,
          f"algorithm.dual_clip_c={a.dual_clip_c} must be 0 (off) or > 1")

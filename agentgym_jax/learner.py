@@ -50,6 +50,7 @@ class LossConfig:
   kl_coef: float = 0.0
   kl_estimator: str = "low_var_kl"
   kl_in_reward_coef: float = 0.0
+  kl_in_reward_estimator: str = "k1"
   entropy_coef: float = 0.0
   value_coef: float = 0.0
   value_clip_eps: float = 0.2
@@ -123,7 +124,7 @@ def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nn
   if loss.kl_in_reward_coef > 0:
     token_rewards = rl.kl_penalty_rewards(old_logprobs, ref_logprobs, mask,
                                           beta=loss.kl_in_reward_coef,
-                                          estimator=loss.kl_estimator)
+                                          estimator=loss.kl_in_reward_estimator)
   estimator = rl.get_advantage_estimator(loss.advantage_estimator)
   inputs: dict[str, Any] = dict(loss.advantage_options, token_rewards=token_rewards)
   if estimator.needs_groups:

@@ -99,6 +99,7 @@ def _loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:
       clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
       dual_clip_c=a.dual_clip_c or None, aggregation=a.aggregation, kl_coef=a.kl_coef,
       kl_estimator=a.kl_estimator, kl_in_reward_coef=a.kl_in_reward_coef,
+      kl_in_reward_estimator=a.kl_in_reward_estimator,
       entropy_coef=a.entropy_coef, value_coef=a.value_coef, value_clip_eps=a.value_clip_eps,
       temperature=c.rollout.temperature, logprob_chunk=a.logprob_chunk)
 

@@ -10,7 +10,7 @@ from agentgym_jax.rl import advantages as adv
 
 # Every estimator is exercised under jit: that proves it traces with static shapes, and one
 # compile per call is much faster than running the ops one by one.
-grpo = jax.jit(adv.grpo_advantages, static_argnames=("num_groups", "normalize_by_std"))
+grpo = jax.jit(adv.grpo_advantages, static_argnames=("num_groups", "normalize_by_std", "std"))
 rloo = jax.jit(adv.rloo_advantages, static_argnames=("num_groups",))
 reinforce_plus_plus = jax.jit(adv.reinforce_plus_plus_advantages)
 gae = jax.jit(adv.gae_advantages)
@@ -247,3 +247,19 @@ def test_registry_errors_are_clear():
     )
   with pytest.raises(ValueError, match="'gae' needs `values`"):
     adv.get_advantage_estimator("gae")(jnp.zeros(2), mask)
+
+
+def test_grpo_unbiased_std_is_torch_std_and_scales_by_the_bessel_factor():
+  # Group [1, 0, 0, 1]: mean 0.5, population std 0.5, torch.std (Bessel) 0.5 sqrt(4/3) = 0.57735,
+  # so A = +-0.5 / 0.57735 = +-0.866025 = +-1 x sqrt(3/4). A second group [2, 0]: mean 1,
+  # population std 1, unbiased sqrt(2): A = +-1 / sqrt(2) = +-0.707107.
+  rewards = jnp.array([1.0, 0.0, 0.0, 1.0, 2.0, 0.0])
+  groups = jnp.array([0, 0, 0, 0, 1, 1])
+  mask = jnp.ones((6, 1))
+  unbiased = grpo(rewards, mask, groups, num_groups=2, std="unbiased", eps=0.0)[:, 0]
+  population = grpo(rewards, mask, groups, num_groups=2, eps=0.0)[:, 0]
+  expected = [0.866025, -0.866025, -0.866025, 0.866025, 0.707107, -0.707107]
+  np.testing.assert_allclose(unbiased, expected, rtol=1e-5)
+  np.testing.assert_allclose(population, [1, -1, -1, 1, 1, -1], rtol=1e-6)
+  with pytest.raises(ValueError, match="std='sample' is not 'population' or 'unbiased'"):
+    grpo(rewards, mask, groups, num_groups=2, std="sample")

@@ -82,3 +82,19 @@ def test_what_an_estimator_reads_is_checked_at_start_up(advantage, kl_in_reward_
   else:
     with pytest.raises(config_lib.ConfigError, match=message):
       config_lib.validate(c)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("grpo_std", "sample", r"algorithm.grpo_std='sample' is not 'population' or 'unbiased'"),
+    ("grpo_eps", -1e-6, r"algorithm.grpo_eps=-1e-06 must be >= 0"),
+    ("kl_in_reward_estimator", "k4", r"algorithm.kl_in_reward_estimator='k4' is not one of"),
+    ("kl_estimator", "kl", None),  # verl's name for k1
+])
+def test_verl_compatible_algorithm_keys_are_validated(key, value, message):
+  c = load("grpo_textcraft")("")
+  c.algorithm[key] = value
+  if message is None:
+    config_lib.validate(c)
+  else:
+    with pytest.raises(config_lib.ConfigError, match=message):
+      config_lib.validate(c)

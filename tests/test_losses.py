@@ -141,6 +141,18 @@ def test_k3_is_clamped_at_ten_with_no_gradient_beyond():
   np.testing.assert_allclose(grad, [[0.0, 1 - math.exp(2)]], rtol=1e-5)
 
 
+# jax.numpy.abs's derivative at 0 (a subgradient in [-1, 1]).
+ABS_GRAD_AT_0 = float(jax.grad(jnp.abs)(0.0))
+
+
+def test_kl_estimators_answer_to_verls_names_too():
+  # verl's kl / mse / low_var_kl are k1 / k2 / k3; abs is |d|: d = -1.5 -> 1.5.
+  for alias, name in (("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3")):
+    assert losses.KL_ESTIMATORS[alias] is losses.KL_ESTIMATORS[name]
+  logp, ref = jnp.array([[-2.5, -1.0]]), jnp.array([[-1.0, -1.0]])
+  np.testing.assert_allclose(kl_divergence(logp, ref, "abs"), [[1.5, 0.0]])
+
+
 @pytest.mark.parametrize("estimator", sorted(losses.KL_ESTIMATORS))
 def test_kl_estimators_are_finite_with_finite_gradients_far_off_policy(estimator):
   # exp(-d) overflows f32 below d = -88.7; k3 bounds d to [-20, 20] first, where every estimate
@@ -152,7 +164,8 @@ def test_kl_estimators_are_finite_with_finite_gradients_far_off_policy(estimator
       "k1": ([-100.0, -30.0, 0.0, 30.0, 100.0], [1.0] * 5),
       "k2": ([5000.0, 450.0, 0.0, 450.0, 5000.0], [-100.0, -30.0, 0.0, 30.0, 100.0]),
       "k3": ([10.0, 10.0, 0.0, 10.0, 10.0], [0.0] * 5),
-  }[{"low_var_kl": "k3"}.get(estimator, estimator)]
+      "abs": ([100.0, 30.0, 0.0, 30.0, 100.0], [-1.0, -1.0, ABS_GRAD_AT_0, 1.0, 1.0]),
+  }[{"low_var_kl": "k3", "kl": "k1", "mse": "k2"}.get(estimator, estimator)]
   value = kl_divergence(d, ref, estimator)
   grad = jax.grad(lambda x: jnp.sum(kl_divergence(x, ref, estimator)))(d)
   np.testing.assert_allclose(value, [expected[0]], rtol=1e-6)

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from agentgym_jax import config as config_lib
 from agentgym_jax import learner, run
 
 
@@ -28,3 +29,16 @@ def test_optimizer_moments_shard_like_their_arrays_and_counters_replicate():
     assert moment.addressable_shards[0].data.shape == (2, 4)
   counters = [leaf for path, leaf in leaves if leaf.ndim == 0]
   assert counters and all(leaf.sharding.spec == P() for leaf in counters)
+
+
+def test_the_loss_settings_carry_what_the_estimator_reads_from_the_config():
+  c = config_lib.base_config()
+  c.algorithm.grpo_std = "unbiased"
+  c.algorithm.grpo_eps = 1e-4
+  loss = run.Settings.from_config(c).loss
+  assert loss.advantage_options == (("eps", 1e-4), ("normalize_by_std", True),
+                                    ("std", "unbiased"))
+  # The in-reward penalty's estimator is its own key, k1 by default, whatever the loss's is.
+  assert (loss.kl_estimator, loss.kl_in_reward_estimator) == ("low_var_kl", "k1")
+  c.algorithm.advantage = "gae"
+  assert run.Settings.from_config(c).loss.advantage_options == (("gamma", 1.0), ("lam", 1.0))

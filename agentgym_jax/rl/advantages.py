@@ -95,6 +95,7 @@ def grpo_advantages(
     *,
     num_groups: int,
     normalize_by_std: bool = True,
+    std: str = "population",
     eps: float = 1e-6,
 ) -> jax.Array:
   """Group-relative advantage (GRPO), broadcast over the trajectory's trained tokens.
@@ -103,16 +104,22 @@ def grpo_advantages(
     A_i =  r_i - mean_g(r)                        otherwise ("Dr. GRPO": no std scaling, which
                                                   would up-weight near-uniform groups)
 
-  with mean and population std over the group g of trajectory i. A group of size 1, or whose
-  rewards are all equal, gets A = 0 (its numerator is exactly 0). The reference's torch.std is
-  Bessel-corrected; the population std used here makes [1, 0, 0, 1] -> [1, -1, -1, 1].
+  with the mean and std over the group g of trajectory i. `std` is "population" (the default:
+  [1, 0, 0, 1] -> [1, -1, -1, 1]) or "unbiased", Bessel-corrected as torch.std is in verl, TRL
+  and AgentGym-RL: the population std times sqrt(n / (n - 1)) for a group of n, so their
+  advantages are those of "population" times sqrt((n - 1) / n) (up to eps). A group of size 1,
+  or whose rewards are all equal, gets A = 0 (its numerator is exactly 0).
 
   Returns:
     f32[B, T] advantages, A_i on row i's trained tokens and 0 elsewhere.
   """
-  mean, std, _ = group_mean_and_std(rewards, group_ids, num_groups)
+  if std not in ("population", "unbiased"):
+    raise ValueError(f"std={std!r} is not 'population' or 'unbiased'")
+  mean, spread, size = group_mean_and_std(rewards, group_ids, num_groups)
+  if std == "unbiased":
+    spread = spread * jnp.sqrt(size / jnp.maximum(size - 1, 1))
   centred = rewards - mean
-  scores = centred / (std + eps) if normalize_by_std else centred
+  scores = centred / (spread + eps) if normalize_by_std else centred
   return scores[:, None] * loss_mask.astype(jnp.float32)
 
 
@@ -307,7 +314,8 @@ _GROUPS = ("group_ids", "num_groups")
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     estimator.name: estimator for estimator in (
         AdvantageEstimator("grpo", _with_outcome_returns(grpo_advantages), needs=_GROUPS,
-                           hyperparameters=(("normalize_by_std", "grpo_normalize_by_std"),)),
+                           hyperparameters=(("normalize_by_std", "grpo_normalize_by_std"),
+                                            ("std", "grpo_std"), ("eps", "grpo_eps"))),
         AdvantageEstimator("rloo", _with_outcome_returns(rloo_advantages), needs=_GROUPS),
         AdvantageEstimator("reinforce_plus_plus", reinforce_plus_plus_advantages,
                            accepts=("token_rewards",), hyperparameters=(("gamma", "gamma"),)),

@@ -154,11 +154,19 @@ def _k3(log_ratio: jax.Array) -> jax.Array:
   return jnp.clip(jnp.exp(reverse) - reverse - 1.0, -_K3_CLAMP, _K3_CLAMP)
 
 
+def _abs(log_ratio: jax.Array) -> jax.Array:
+  return jnp.abs(log_ratio)
+
+
+# Under their names and verl's: kl (k1), mse (k2), low_var_kl (k3), abs.
 KL_ESTIMATORS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "k1": _k1,
+    "kl": _k1,
     "k2": _k2,
+    "mse": _k2,
     "k3": _k3,
     "low_var_kl": _k3,
+    "abs": _abs,
 }
 
 
@@ -172,6 +180,9 @@ def kl_divergence(
     k2 = d^2 / 2                     biased, low variance
     k3 = exp(-d) + d - 1             unbiased, low variance, >= 0 ("low_var_kl"),
                                      clamped to [-10, 10] as the reference does
+    abs = |d|
+
+  Names as verl's too: "kl" is k1, "mse" k2, "low_var_kl" k3.
 
   Returns:
     f32[B, T] per-token estimates (untrained tokens are not masked here).
