@@ -48,13 +48,12 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
-from agentgym_jax import checkpoint, evaluation, learner, metrics
+from agentgym_jax import evaluation, learner, metrics
 from agentgym_jax import offline_data, rl, run, sharding
 from agentgym_jax.batch import Batch
 from agentgym_jax.models import Decoder
 from agentgym_jax.models.tokenizer import ChatTemplate
 from environments import jsonl
-from environments.pool import EnvPool
 
 Array = jax.Array
 MODES = ("sft", "dpo")
@@ -97,31 +96,33 @@ def preference_pairs(records: Sequence[dict[str, Any]], min_reward: float
           if float(pair.chosen.get("reward", 0.0)) >= min_reward]
 
 
-def make_batches(c: ml_collections.ConfigDict, records: Sequence[dict[str, Any]],
+def make_batches(settings: run.Settings, records: Sequence[dict[str, Any]],
                  chat: ChatTemplate) -> offline_data.SFTBatches | offline_data.DPOBatches:
-  """The run's batch source: `records` (from config.data.path) selected and tokenized as the
-  module docstring ("Data") says."""
-  if c.mode == "sft":
-    kept = sft_records(records, c.data.min_reward)
-    if len(kept) < c.data.batch_size:
+  """The run's batch source: `records` (from data.path) selected and tokenized as the module
+  docstring ("Data") says."""
+  data = settings.data
+  if settings.mode == "sft":
+    kept = sft_records(records, data.min_reward)
+    if len(kept) < data.batch_size:
       raise ValueError(f"invalid config: {len(kept)} of {len(records)} records in data.path="
-                       f"{c.data.path} have a reward >= data.min_reward={c.data.min_reward}, "
-                       f"fewer than one batch of data.batch_size={c.data.batch_size}")
-    batches = offline_data.sft_batches(kept, chat, c.data.batch_size, c.data.max_length,
-                                       c.seed)
+                       f"{data.path} have a reward >= data.min_reward={data.min_reward}, "
+                       f"fewer than one batch of data.batch_size={data.batch_size}")
+    batches = offline_data.sft_batches(kept, chat, data.batch_size, data.max_length,
+                                       settings.seed)
     logging.info("SFT on %d of %d conversations (%d longer than data.max_length dropped), "
                  "%d steps per epoch", batches.num_examples, len(records), batches.num_dropped,
                  batches.steps_per_epoch)
     return batches
-  pairs = preference_pairs(records, c.data.min_reward)
-  if len(pairs) < c.data.batch_size:
+  pairs = preference_pairs(records, data.min_reward)
+  if len(pairs) < data.batch_size:
     num_tasks = len({r.get("task_id") for r in records})
     raise ValueError(f"invalid config: {len(records)} trajectories of {num_tasks} tasks in "
-                     f"data.path={c.data.path} give {len(pairs)} preference pairs, fewer than "
-                     f"one batch of data.batch_size={c.data.batch_size}: a pair needs two "
+                     f"data.path={data.path} give {len(pairs)} preference pairs, fewer than "
+                     f"one batch of data.batch_size={data.batch_size}: a pair needs two "
                      f"trajectories of one task, the better with reward >= "
-                     f"data.min_reward={c.data.min_reward}")
-  batches = offline_data.dpo_batches(pairs, chat, c.data.batch_size, c.data.max_length, c.seed)
+                     f"data.min_reward={data.min_reward}")
+  batches = offline_data.dpo_batches(pairs, chat, data.batch_size, data.max_length,
+                                     settings.seed)
   logging.info("DPO on %d preference pairs (%d with a side longer than data.max_length "
                "dropped), %d steps per epoch", batches.num_pairs, batches.num_dropped,
                batches.steps_per_epoch)
@@ -212,7 +213,7 @@ def dpo_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptStat
 
 
 def make_update(settings: run.Settings, graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh):
-  """(init, update): the jitted optimizer-state init and the jitted update step of c.mode.
+  """(init, update): the jitted optimizer-state init and the jitted update step of the mode.
 
   update(params, opt_state, batch) for SFT, update(params, opt_state, pairs, ref_logprobs)
   for DPO, returns (params, opt_state, metrics) with the state on `state_shardings` and its
@@ -221,11 +222,11 @@ def make_update(settings: run.Settings, graphdef: nnx.GraphDef, params: nnx.Stat
   optimizer = settings.optimizer
   param_shardings, opt_shardings = run.state_shardings(
       params, jax.eval_shape(optimizer.init, params), mesh)
-  if settings.c.mode == "sft":
+  if settings.mode == "sft":
     step = functools.partial(sft_step, graphdef, optimizer=optimizer, loss=settings.loss)
   else:
     step = functools.partial(dpo_step, graphdef, optimizer=optimizer, loss=settings.loss,
-                             beta=settings.c.dpo.beta)
+                             beta=settings.dpo_beta)
   return (jax.jit(optimizer.init, out_shardings=opt_shardings),
           jax.jit(step, donate_argnums=(0, 1),
                   out_shardings=(param_shardings, opt_shardings, None)))
@@ -236,20 +237,18 @@ def make_evaluator(settings: run.Settings, mesh: Mesh, model: Decoder, chat: Cha
   """evaluate(params, step) -> eval/* metrics: success on eval.split of env.name, played as the
   RL trainer plays it (eval.* sampling, rollout.tasks_per_step x samples_per_task episodes at a
   time). The environment pool closes with `stack`."""
-  c, rows = settings.c, settings.rows
-  pool = stack.enter_context(EnvPool(c.env.name, rows, options=c.env.options.to_dict(),
-                                     backend=c.env.backend, step_timeout_s=c.env.step_timeout))
-  sampler = run.make_sampler(c, model, mesh, rows)
-  task_ids = run.eval_tasks(c, pool)
-  key = jax.random.key(c.seed)
+  rows, plan = settings.rows, settings.evaluation
+  pool = stack.enter_context(settings.env_pool(rows))
+  sampler = settings.sampler(model, mesh, rows)
+  task_ids = plan.tasks(pool)
+  key = jax.random.key(settings.seed)
 
   def evaluate(params: nnx.State, step: int) -> dict[str, float]:
     summary, _ = evaluation.evaluate(
-        sampler, params, pool, chat, task_ids, samples_per_task=c.eval.samples_per_task,
-        horizon=settings.eval_horizon, sampling=settings.eval_sampling,
-        max_context=c.rollout.max_context,
+        sampler, params, pool, chat, task_ids, samples_per_task=plan.samples_per_task,
+        horizon=plan.horizon, sampling=plan.sampling, max_context=settings.max_context,
         key=jax.random.fold_in(key, step), rows_per_batch=rows,
-        groups=c.rollout.pipeline_groups)
+        groups=settings.pipeline_groups)
     return evaluation.as_metrics(summary)
 
   return evaluate
@@ -259,54 +258,53 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
                   ) -> list[dict[str, Any]]:
   """Runs (or resumes) SFT or DPO in `workdir`; returns the per-step metrics of this call."""
   settings = run.Settings.from_config(c)
-  c, loss = settings.c, settings.loss
-  if c.mode not in MODES:
-    raise ValueError(f"invalid config: mode={c.mode!r} is not an offline mode {MODES}")
+  loss, mode = settings.loss, settings.mode
+  if mode not in MODES:
+    raise ValueError(f"invalid config: mode={mode!r} is not an offline mode {MODES}")
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  records = load_records(c.data.path)  # Before the model: a bad path fails at once.
+  records = load_records(settings.data.path)  # Before the model: a bad path fails at once.
 
   # The policy, for DPO its frozen reference, the optimizer and the jitted update.
-  mesh, model, tokenizer = run.load_policy(c)
+  mesh, model, tokenizer = settings.load_policy()
   batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
-  if c.data.batch_size % batch_devices:
-    raise ValueError(f"invalid config: data.batch_size={c.data.batch_size} must be a multiple "
-                     f"of mesh data x fsdp = {batch_devices} (the rows are split over them)")
-  batches = make_batches(c, records, tokenizer.chat)
+  if settings.data.batch_size % batch_devices:
+    raise ValueError(f"invalid config: data.batch_size={settings.data.batch_size} must be a "
+                     f"multiple of mesh data x fsdp = {batch_devices} (the rows are split over "
+                     "them)")
+  batches = make_batches(settings, records, tokenizer.chat)
   graphdef, params = nnx.split(model)
   # A copy: the update donates the policy's buffers.
-  ref_params = jax.tree.map(jnp.copy, params) if c.mode == "dpo" else None
+  ref_params = jax.tree.map(jnp.copy, params) if mode == "dpo" else None
   init, update = make_update(settings, graphdef, params, mesh)
   # Resume from the newest complete checkpoint; step k's checkpoint follows k updates.
-  checkpointer = checkpoint.Checkpointer(workdir / "checkpoints", keep=c.checkpoint.keep,
-                                         save_every=c.checkpoint.every or c.steps)
+  checkpointer = settings.checkpointer(workdir)
   state, start_step, meta = run.resume(checkpointer, run.RunState(params, None, init(params)))
   if start_step and meta.get("data_size") != _data_size(batches):
     logging.warning("resuming with %s examples where the checkpoint saw %s: the data order "
                     "differs from the interrupted run's", _data_size(batches),
                     meta.get("data_size"))
-  metrics_writer = metrics.MetricsWriter(workdir, tensorboard=c.log.tensorboard,
-                                         resume_step=start_step)
+  metrics_writer = settings.metrics_writer(workdir, start_step)
 
   to_device = functools.partial(jax.device_put, device=sharding.batch_sharding(mesh, 1))
   history = []
   with contextlib.ExitStack() as stack:
-    evaluate = (make_evaluator(settings, mesh, model, tokenizer.chat, stack) if c.eval.every
+    evaluate_every = settings.evaluation.every
+    evaluate = (make_evaluator(settings, mesh, model, tokenizer.chat, stack) if evaluate_every
                 else None)
-    progress = stack.enter_context(metrics.ProgressBar(
-        c.steps, keys=(("loss", "reward_accuracy") if c.mode == "dpo" else ("loss",))
-        + ("time/update", "time/eval"),
-        initial=start_step, enabled=None if c.log.progress_bar else False))
-    for step in range(start_step, c.steps):
+    progress = stack.enter_context(settings.progress(
+        (("loss", "reward_accuracy") if mode == "dpo" else ("loss",))
+        + ("time/update", "time/eval"), initial=start_step))
+    for step in range(start_step, settings.steps):
       timer = run.PhaseTimer()
       with timer("data"):
-        if c.mode == "sft":
+        if mode == "sft":
           host_batch = batches.batch(step)
         else:
           host_batch = stack_pairs(*batches.batch(step))
         batch = to_device(host_batch)
       inputs = (batch,)
-      if c.mode == "dpo":
+      if mode == "dpo":
         with timer("reference"):
           inputs += (jax.block_until_ready(
               reference_logprobs(graphdef, ref_params, batch, loss=loss)),)
@@ -319,20 +317,24 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
       compute_s = timer.seconds["update"] + timer.seconds.get("reference", 0.0)
       step_metrics["tokens_per_s"] = conversation_tokens(host_batch) / max(compute_s, 1e-9)
       step_metrics["epoch"] = done / batches.steps_per_epoch
-      if evaluate is not None and done % c.eval.every == 0:
+      if evaluate is not None and done % evaluate_every == 0:
         with timer("eval"):
           step_metrics.update(evaluate(state.params, done))
       step_metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
       metrics_writer.write(done, step_metrics)
       history.append(metrics_writer.latest)
-      run.check_health(metrics_writer.latest, c)
+      settings.check_health(metrics_writer.latest)
       progress.update(done, metrics_writer.latest)
-      if c.checkpoint.every:
-        checkpointer.save(done, state.tree(), _meta(c, done, batches), force=done == c.steps)
+      if settings.checkpoint_every:
+        checkpointer.save(done, state.tree(),
+                          settings.meta(done, mode=mode, data_size=_data_size(batches),
+                                        epoch=done / batches.steps_per_epoch),
+                          force=done == settings.steps)
   checkpointer.wait()
   checkpointer.close()
   metrics_writer.close()
-  run.export_policy(c, nnx.merge(graphdef, state.params), tokenizer, workdir)
+  if settings.export_hf:
+    settings.export_policy(nnx.merge(graphdef, state.params), tokenizer, workdir)
   return history
 
 
@@ -341,9 +343,3 @@ def _data_size(batches: offline_data.SFTBatches | offline_data.DPOBatches) -> in
   if isinstance(batches, offline_data.SFTBatches):
     return batches.num_examples
   return batches.num_pairs
-
-
-def _meta(c: ml_collections.ConfigDict, step: int,
-          batches: offline_data.SFTBatches | offline_data.DPOBatches) -> dict[str, Any]:
-  return {"step": step, "mode": c.mode, "seed": c.seed, "data_size": _data_size(batches),
-          "epoch": step / batches.steps_per_epoch, "config": c.to_dict()}

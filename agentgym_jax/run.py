@@ -23,7 +23,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from agentgym_jax import checkpoint, config as config_lib, horizon, learner, rl, rollout
+from agentgym_jax import checkpoint, config as config_lib, horizon, learner, metrics, rl, rollout
 from agentgym_jax import sharding
 from agentgym_jax.models import Decoder, load_model, weights
 from agentgym_jax.models.tokenizer import Tokenizer
@@ -35,30 +35,84 @@ from environments.pool import EnvPool
 
 
 @dataclasses.dataclass(frozen=True)
+class Evaluation:
+  """How a run evaluates: every `every` steps (0: never), the first `max_tasks` tasks (0: all)
+  of `split`, `samples_per_task` episodes each, turns sampled by `sampling` up to `horizon`."""
+
+  every: int
+  split: str
+  max_tasks: int
+  samples_per_task: int
+  sampling: rollout.TurnSampling
+  horizon: int
+
+  def tasks(self, pool: EnvPool) -> list[int]:
+    task_ids = list(pool.task_ids(self.split))
+    return task_ids[:self.max_tasks] if self.max_tasks else task_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+  """An offline run's conversations: the file or run at `path`, the records with a reward of at
+  least `min_reward`, `batch_size` conversations (pairs, for DPO) a step, each at most
+  `max_length` tokens."""
+
+  path: str
+  min_reward: float
+  batch_size: int
+  max_length: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
   """What a run derives from its config, built and validated once (`from_config`) and handed
-  to the loops, which read the config's plain values through `c` but derive nothing from it.
+  to the loops, which read nothing else: their plain values, the objects they run with
+  (horizon schedule, turn samplings, optimizer, loss settings) and the factories of what they
+  open (policy, sampler, environment pool, checkpointer, writers).
 
   Attributes:
-    c: the validated config.
+    config: the validated config, for the factories below and the checkpoints' meta.
+    mode, seed, steps: the run's kind (rl | sft | dpo), its seed and its number of steps.
     schedule: the ScalingInter-RL horizon schedule (the turn cap of every step).
     sampling: how rollout turns are sampled.
-    eval_sampling, eval_horizon: how evaluation turns are sampled, and its turn cap
-      (eval.horizon, or the schedule's largest cap).
+    evaluation: what, how and how often the run evaluates.
     optimizer: AdamW over the run's optimizer updates.
     loss: the static loss settings compiled into the update (offline modes read only the
       log-prob chunk and score the model's own distribution, temperature 1).
     rows: trajectories per RL step (tasks_per_step x samples_per_task).
+    tasks_per_step, samples_per_task: an RL step's tasks and the size of each task's group.
+    max_context, pipeline_groups: tokens per trajectory (KV-cache slots), and the row groups
+      whose environment steps overlap the other groups' decoding.
+    failed_episodes: how environment faults enter the loss (exclude | zero_reward).
+    num_minibatches, ppo_epochs: an RL step's updates.
+    checkpoint_every: steps between checkpoints (0: none but the last).
+    export_hf: whether the run ends by exporting its policy (`export_policy`).
+    log_trajectories: whether RL steps log their trajectories.
+    data, dpo_beta: an offline run's conversations, and DPO's beta.
   """
 
-  c: ml_collections.ConfigDict
+  config: ml_collections.ConfigDict
+  mode: str
+  seed: int
+  steps: int
   schedule: horizon.HorizonSchedule
   sampling: rollout.TurnSampling
-  eval_sampling: rollout.TurnSampling
-  eval_horizon: int
+  evaluation: Evaluation
   optimizer: optax.GradientTransformation
   loss: learner.LossConfig
   rows: int
+  tasks_per_step: int
+  samples_per_task: int
+  max_context: int
+  pipeline_groups: int
+  failed_episodes: str
+  num_minibatches: int
+  ppo_epochs: int
+  checkpoint_every: int
+  export_hf: bool
+  log_trajectories: bool
+  data: Data
+  dpo_beta: float
 
   @classmethod
   def from_config(cls, c: ml_collections.ConfigDict) -> Settings:
@@ -66,26 +120,107 @@ class Settings:
     schedule = horizon.make_horizon_schedule(config_lib.horizon_options(c))
     turn = functools.partial(rollout.TurnSampling, max_new_tokens=c.rollout.max_new_tokens,
                              top_p=c.rollout.top_p, top_k=c.rollout.top_k)
-    return cls(c=c, schedule=schedule, sampling=turn(temperature=c.rollout.temperature),
-               eval_sampling=turn(temperature=c.eval.temperature),
-               eval_horizon=c.eval.horizon or schedule.max_turns, optimizer=make_optimizer(c),
-               loss=_loss_config(c), rows=c.rollout.tasks_per_step * c.rollout.samples_per_task)
+    r, e = c.rollout, c.eval
+    evaluation = Evaluation(every=e.every, split=e.split, max_tasks=e.max_tasks,
+                            samples_per_task=e.samples_per_task,
+                            sampling=turn(temperature=e.temperature),
+                            horizon=e.horizon or schedule.max_turns)
+    data = Data(path=c.data.path, min_reward=c.data.min_reward, batch_size=c.data.batch_size,
+                max_length=c.data.max_length)
+    return cls(config=c, mode=c.mode, seed=c.seed, steps=c.steps, schedule=schedule,
+               sampling=turn(temperature=r.temperature), evaluation=evaluation,
+               optimizer=make_optimizer(c), loss=_loss_config(c),
+               rows=r.tasks_per_step * r.samples_per_task, tasks_per_step=r.tasks_per_step,
+               samples_per_task=r.samples_per_task, max_context=r.max_context,
+               pipeline_groups=r.pipeline_groups, failed_episodes=c.env.failed_episodes,
+               num_minibatches=c.algorithm.num_minibatches, ppo_epochs=c.algorithm.ppo_epochs,
+               checkpoint_every=c.checkpoint.every, export_hf=c.checkpoint.export_hf,
+               log_trajectories=c.log.trajectories,
+               data=data, dpo_beta=c.dpo.beta)
 
   def check_layout(self, mesh: Mesh, process_count: int) -> None:
     """What the config can only be checked against once the mesh and processes are known."""
-    c = self.c
     process_rows = self.rows // process_count
-    if process_rows % c.rollout.pipeline_groups:
+    if process_rows % self.pipeline_groups:
       raise config_lib.ConfigError(
-          f"invalid config: rollout.pipeline_groups={c.rollout.pipeline_groups} does not divide "
+          f"invalid config: rollout.pipeline_groups={self.pipeline_groups} does not divide "
           f"the {process_rows} trajectories of each of the {process_count} processes")
     batch_shards = math.prod(mesh.shape[axis] for axis in sharding.BATCH)
-    minibatch = self.rows // c.algorithm.num_minibatches
+    minibatch = self.rows // self.num_minibatches
     if minibatch % batch_shards:
       raise config_lib.ConfigError(
           f"invalid config: a minibatch of {minibatch} trajectories (tasks_per_step x "
           f"samples_per_task / num_minibatches) does not split over the {batch_shards} devices "
           "of the mesh's data x fsdp axes; change the batch or mesh.data/mesh.fsdp")
+
+  # --- what a loop opens
+
+  def load_policy(self, model_name: str | None = None) -> tuple[Mesh, Decoder, Tokenizer]:
+    """(mesh, model, tokenizer): the policy (model.name, or `model_name`) loaded sharded on
+    the configured mesh."""
+    c = self.config
+    sharding.initialize_distributed()
+    mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+    model, tokenizer = load_model(model_name or c.model.name, dtype=jnp.dtype(c.model.dtype),
+                                  param_dtype=jnp.dtype(c.model.param_dtype),
+                                  remat=c.model.remat, mesh=mesh)
+    return mesh, model, tokenizer
+
+  def sampler(self, model: Decoder, mesh: Mesh | None, rows: int) -> Sampler:
+    """The sampler for playing `rows` episodes at once: rows / pipeline_groups rows of
+    max_context slots each (every group of rows has its own state on it), the KV cache in
+    rollout.cache_dtype."""
+    return Sampler(model, cache_slots=self.max_context,
+                   max_batch=-(-rows // self.pipeline_groups),
+                   cache_dtype=self.config.rollout.cache_dtype or None, mesh=mesh)
+
+  def env_pool(self, rows: int) -> EnvPool:
+    """A pool of `rows` episodes of the configured environment."""
+    env = self.config.env
+    return EnvPool(env.name, rows, options=env.options.to_dict(), backend=env.backend,
+                   step_timeout_s=env.step_timeout)
+
+  def checkpointer(self, workdir: pathlib.Path) -> checkpoint.Checkpointer:
+    """workdir/checkpoints, saved every checkpoint_every steps (or only at the last step),
+    keeping the newest checkpoint.keep."""
+    return checkpoint.Checkpointer(workdir / "checkpoints", keep=self.config.checkpoint.keep,
+                                   save_every=self.checkpoint_every or self.steps)
+
+  def metrics_writer(self, workdir: pathlib.Path, start_step: int) -> metrics.MetricsWriter:
+    return metrics.MetricsWriter(workdir, tensorboard=self.config.log.tensorboard,
+                                 resume_step=start_step)
+
+  def progress(self, keys: tuple[str, ...], initial: int, shown: bool = True
+               ) -> metrics.ProgressBar:
+    """The console progress of the run's steps, off if log.progress_bar is or not `shown`."""
+    return metrics.ProgressBar(self.steps, keys=keys, initial=initial,
+                               enabled=None if self.config.log.progress_bar and shown else False)
+
+  def meta(self, step: int, **extra: Any) -> dict[str, Any]:
+    """A checkpoint's meta: the step, `extra`, the seed and the config."""
+    return {"step": step, **extra, "seed": self.seed, "config": self.config.to_dict()}
+
+  # --- the end of each step, and of the run
+
+  def check_health(self, fetched: dict[str, Any]) -> None:
+    """Stops the run with a clear message when the numbers say it is broken."""
+    most_nonfinite = self.config.optim.max_consecutive_nonfinite
+    if fetched.get("nonfinite_steps", 0) >= most_nonfinite:
+      raise FloatingPointError(
+          f"{int(fetched['nonfinite_steps'])} consecutive updates had non-finite gradients; "
+          f"stopping (optim.max_consecutive_nonfinite={most_nonfinite})")
+    gap, most_gap = fetched.get("logprob_gap_mean"), self.config.rollout.max_logprob_gap
+    if gap is not None and gap > most_gap:
+      raise RuntimeError(
+          f"the sampler's and the learner's log-probs differ by {gap:.3g} nats per token on "
+          f"average (> rollout.max_logprob_gap={most_gap}): the sampled tokens are no longer "
+          "on-policy")
+
+  def export_policy(self, model: Decoder, tokenizer: Tokenizer, workdir: pathlib.Path) -> None:
+    """The trained policy as a Hugging Face directory, workdir/export, in
+    checkpoint.export_dtype."""
+    weights.save_hf(model, workdir / "export", dtype=self.config.checkpoint.export_dtype)
+    tokenizer.save_pretrained(workdir / "export")
 
 
 def _loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:
@@ -102,36 +237,6 @@ def _loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:
       kl_in_reward_estimator=a.kl_in_reward_estimator,
       entropy_coef=a.entropy_coef, value_coef=a.value_coef, value_clip_eps=a.value_clip_eps,
       temperature=c.rollout.temperature, logprob_chunk=a.logprob_chunk)
-
-
-# --- the policy ----------------------------------------------------------------------------
-
-
-def load_policy(c: ml_collections.ConfigDict, model_name: str | None = None
-                ) -> tuple[Mesh, Decoder, Tokenizer]:
-  """(mesh, model, tokenizer): the policy loaded sharded on the configured mesh."""
-  sharding.initialize_distributed()
-  mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
-  model, tokenizer = load_model(model_name or c.model.name, dtype=jnp.dtype(c.model.dtype),
-                                param_dtype=jnp.dtype(c.model.param_dtype),
-                                remat=c.model.remat, mesh=mesh)
-  return mesh, model, tokenizer
-
-
-def make_sampler(c: ml_collections.ConfigDict, model: Decoder, mesh: Mesh | None, rows: int
-                 ) -> Sampler:
-  """The sampler for playing `rows` episodes at once: rows / rollout.pipeline_groups rows of
-  rollout.max_context slots each (every group of rows has its own state on it), the KV cache
-  in rollout.cache_dtype."""
-  return Sampler(model, cache_slots=c.rollout.max_context,
-                 max_batch=-(-rows // c.rollout.pipeline_groups),
-                 cache_dtype=c.rollout.cache_dtype or None, mesh=mesh)
-
-
-def eval_tasks(c: ml_collections.ConfigDict, pool: EnvPool) -> list[int]:
-  """The evaluation's tasks: eval.split of the pool's environment, the first eval.max_tasks."""
-  task_ids = list(pool.task_ids(c.eval.split))
-  return task_ids[:c.eval.max_tasks] if c.eval.max_tasks else task_ids
 
 
 # --- the optimizer and the state -----------------------------------------------------------
@@ -219,28 +324,3 @@ class PhaseTimer:
       yield
     finally:
       self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-
-def check_health(fetched: dict[str, Any], c: ml_collections.ConfigDict) -> None:
-  """Stops the run with a clear message when the numbers say it is broken."""
-  if fetched.get("nonfinite_steps", 0) >= c.optim.max_consecutive_nonfinite:
-    raise FloatingPointError(
-        f"{int(fetched['nonfinite_steps'])} consecutive updates had non-finite gradients; "
-        f"stopping (optim.max_consecutive_nonfinite={c.optim.max_consecutive_nonfinite})")
-  gap = fetched.get("logprob_gap_mean")
-  if gap is not None and gap > c.rollout.max_logprob_gap:
-    raise RuntimeError(
-        f"the sampler's and the learner's log-probs differ by {gap:.3g} nats per token on "
-        f"average (> rollout.max_logprob_gap={c.rollout.max_logprob_gap}): the sampled "
-        "tokens are no longer on-policy")
-
-
-# --- the end ------------------------------------------------------------------------------
-
-
-def export_policy(c: ml_collections.ConfigDict, model: Decoder, tokenizer: Tokenizer,
-                  workdir: pathlib.Path) -> None:
-  """The trained policy as a Hugging Face directory, workdir/export, if checkpoint.export_hf."""
-  if c.checkpoint.export_hf:
-    weights.save_hf(model, workdir / "export", dtype=c.checkpoint.export_dtype)
-    tokenizer.save_pretrained(workdir / "export")

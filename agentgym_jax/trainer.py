@@ -19,9 +19,8 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from agentgym_jax import checkpoint, evaluation, horizon, learner, metrics
+from agentgym_jax import evaluation, learner, metrics
 from agentgym_jax import multihost, rollout, run, sharding
-from environments.pool import EnvPool
 
 
 class TaskOrder:
@@ -69,10 +68,10 @@ def trajectory_records(trajectories: Sequence[rollout.Trajectory], advantages: j
 def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dict[str, Any]]:
   """Runs (or resumes) training in `workdir`; returns the per-step metrics of this call."""
   settings = run.Settings.from_config(c)
-  c, loss, optimizer, num_rows = settings.c, settings.loss, settings.optimizer, settings.rows
+  loss, optimizer, num_rows = settings.loss, settings.optimizer, settings.rows
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  mesh, model, tokenizer = run.load_policy(c)
+  mesh, model, tokenizer = settings.load_policy()
   chat = tokenizer.chat
   graphdef, params = nnx.split(model)
   ref_params = jax.tree.map(jnp.copy, params) if loss.uses_reference else None
@@ -89,11 +88,9 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
 
   # Resume from the newest complete checkpoint, if any. Steps count completed RL steps: the
   # checkpoint, metrics row and trajectory file of step k are written after k updates.
-  checkpointer = checkpoint.Checkpointer(workdir / "checkpoints", keep=c.checkpoint.keep,
-                                         save_every=c.checkpoint.every or c.steps)
+  checkpointer = settings.checkpointer(workdir)
   state, start_step, _ = run.resume(checkpointer, run.RunState(params, value_params, opt_state))
-  metrics_writer = metrics.MetricsWriter(workdir, tensorboard=c.log.tensorboard,
-                                         resume_step=start_step)
+  metrics_writer = settings.metrics_writer(workdir, start_step)
   trajectory_writer = metrics.TrajectoryWriter(workdir, resume_step=start_step)
 
   schedule = settings.schedule
@@ -101,38 +98,34 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   processes = multihost.Processes.of(mesh)
   settings.check_layout(mesh, processes.count)
   process_rows = processes.rows(num_rows)
-  sampler = run.make_sampler(c, model, processes.local_mesh, len(process_rows))
-  base_key = jax.random.key(c.seed)
+  sampler = settings.sampler(model, processes.local_mesh, len(process_rows))
+  base_key = jax.random.key(settings.seed)
   eval_key = jax.random.fold_in(base_key, 1 << 30)  # Distinct from every step's fold_in.
   history = []
-  with EnvPool(c.env.name, len(process_rows), options=c.env.options.to_dict(),
-               backend=c.env.backend, step_timeout_s=c.env.step_timeout) as pool:
-    tasks = TaskOrder(pool.task_ids("train"), c.seed)
-    progress = metrics.ProgressBar(c.steps, keys=("reward", "success", "horizon_cap",
-                                                  "time/rollout", "time/experience",
-                                                  "time/update", "time/eval"),
-                                   initial=start_step,
-                                   enabled=None if c.log.progress_bar and processes.index == 0
-                                   else False)
-    for step in range(start_step, c.steps):
+  with settings.env_pool(len(process_rows)) as pool:
+    tasks = TaskOrder(pool.task_ids("train"), settings.seed)
+    progress = settings.progress(("reward", "success", "horizon_cap", "time/rollout",
+                                  "time/experience", "time/update", "time/eval"),
+                                 initial=start_step, shown=processes.index == 0)
+    for step in range(start_step, settings.steps):
       timer = run.PhaseTimer()
       # 1. Rollout: B tasks x n samples, up to the current horizon cap.
       cap = schedule.cap(step)
-      step_tasks = tasks.take(step * c.rollout.tasks_per_step, c.rollout.tasks_per_step)
+      step_tasks = tasks.take(step * settings.tasks_per_step, settings.tasks_per_step)
       group_of = [(task_id, group) for group, task_id in enumerate(step_tasks)
-                  for _ in range(c.rollout.samples_per_task)]
+                  for _ in range(settings.samples_per_task)]
       with timer("rollout"):
         played, rollout_stats = rollout.collect(
             sampler, processes.local_copy(state.params), pool, chat,
             group_of[process_rows.start:process_rows.stop], horizon=cap,
-            sampling=settings.sampling,
-            max_context=c.rollout.max_context, key=jax.random.fold_in(base_key, step),
-            first_row=process_rows.start, groups=c.rollout.pipeline_groups)
+            sampling=settings.sampling, max_context=settings.max_context,
+            key=jax.random.fold_in(base_key, step), first_row=process_rows.start,
+            groups=settings.pipeline_groups)
         trajectories, rollout_stats = processes.gather_rollout(played, rollout_stats)
 
       # 2. Experience: old and reference log-probs, values, advantages.
       with timer("experience"):
-        batch = rollout.pack(trajectories, failed_episodes=c.env.failed_episodes)
+        batch = rollout.pack(trajectories, failed_episodes=settings.failed_episodes)
         batch = jax.device_put(batch, sharding.batch_sharding(mesh, 1))
         experience, experience_metrics = learner.compute_experience(
             graphdef, state.params, ref_params, value_graphdef, state.value_params, batch,
@@ -142,10 +135,10 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
       # 3. Update: ppo_epochs passes of num_minibatches optimizer steps.
       with timer("update"):
         trainable, opt_state = (state.params, state.value_params), state.opt_state
-        rng = np.random.default_rng([c.seed, step])
+        rng = np.random.default_rng([settings.seed, step])
         update_metrics = []
-        for rows in learner.minibatch_indices(num_rows, c.algorithm.num_minibatches,
-                                              c.algorithm.ppo_epochs, rng):
+        for rows in learner.minibatch_indices(num_rows, settings.num_minibatches,
+                                              settings.ppo_epochs, rng):
           minibatch = learner.take_rows(batch, rows)
           trainable, opt_state, m = update_step(
               graphdef, value_graphdef, trainable, opt_state, minibatch,
@@ -156,46 +149,41 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
       done = step + 1
       step_metrics = _step_metrics(trajectories, rollout_stats, experience_metrics,
                                    update_metrics, cap, schedule.stage(step), timer)
-      if c.eval.every and done % c.eval.every == 0:
+      if settings.evaluation.every and done % settings.evaluation.every == 0:
         with timer("eval"):
-          task_ids = run.eval_tasks(c, pool)
+          task_ids = settings.evaluation.tasks(pool)
           _, played = evaluation.evaluate(
               sampler, processes.local_copy(state.params), pool, chat,
-              processes.share(task_ids), samples_per_task=c.eval.samples_per_task,
-              horizon=settings.eval_horizon, sampling=settings.eval_sampling,
-              max_context=c.rollout.max_context,
-              key=jax.random.fold_in(eval_key, done), rows_per_batch=len(process_rows),
-              groups=c.rollout.pipeline_groups)
+              processes.share(task_ids), samples_per_task=settings.evaluation.samples_per_task,
+              horizon=settings.evaluation.horizon, sampling=settings.evaluation.sampling,
+              max_context=settings.max_context, key=jax.random.fold_in(eval_key, done),
+              rows_per_batch=len(process_rows), groups=settings.pipeline_groups)
           summary = evaluation.summarize(processes.gather(played),
                                          evaluation.task_categories(pool, task_ids))
         step_metrics.update(evaluation.as_metrics(summary))
         step_metrics["time/eval"] = timer.seconds["eval"]
       metrics_writer.write(done, step_metrics)
       history.append(metrics_writer.latest)
-      run.check_health(metrics_writer.latest, c)
-      if c.log.trajectories:
+      settings.check_health(metrics_writer.latest)
+      if settings.log_trajectories:
         trajectory_writer.write(done, trajectory_records(trajectories, experience.advantages,
                                                          batch.loss_mask))
       progress.update(done, metrics_writer.latest)
-      if c.checkpoint.every:
-        checkpointer.save(done, state.tree(), _meta(c, done, schedule, cap),
-                          force=done == c.steps)
+      if settings.checkpoint_every:
+        checkpointer.save(done, state.tree(),
+                          settings.meta(done, horizon_stage=schedule.stage(done),
+                                        horizon_cap=cap,
+                                        task_cursor=done * settings.tasks_per_step),
+                          force=done == settings.steps)
     progress.close()
   checkpointer.wait()
   checkpointer.close()
   metrics_writer.close()
-  if c.checkpoint.export_hf:
+  if settings.export_hf:
     params = processes.local_copy(state.params)
     if processes.index == 0:
-      run.export_policy(c, nnx.merge(graphdef, params), tokenizer, workdir)
+      settings.export_policy(nnx.merge(graphdef, params), tokenizer, workdir)
   return history
-
-
-def _meta(c: ml_collections.ConfigDict, step: int, schedule: horizon.HorizonSchedule,
-          cap: int) -> dict[str, Any]:
-  return {"step": step, "horizon_stage": schedule.stage(step), "horizon_cap": cap,
-          "task_cursor": step * c.rollout.tasks_per_step, "seed": c.seed,
-          "config": c.to_dict()}
 
 
 def _step_metrics(trajectories: Sequence[rollout.Trajectory], stats: rollout.RolloutStats,

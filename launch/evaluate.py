@@ -16,7 +16,6 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from agentgym_jax import cli, evaluation, metrics, run
-from environments.pool import EnvPool
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/).",
                                           lock_config=True)
@@ -31,20 +30,20 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   settings = run.Settings.from_config(_CONFIG.value)
-  c, sampling, turn_cap = settings.c, settings.eval_sampling, settings.eval_horizon
-  mesh, model, tokenizer = run.load_policy(c, _MODEL.value)
-  sampler = run.make_sampler(c, model, mesh, _ROWS.value)
-  with EnvPool(c.env.name, _ROWS.value, options=c.env.options.to_dict(),
-               backend=c.env.backend, step_timeout_s=c.env.step_timeout) as pool:
-    task_ids = run.eval_tasks(c, pool)
-    print(f"{len(task_ids)} {c.env.name} tasks of the {c.eval.split} split, "
-          f"k = {c.eval.samples_per_task} sample(s) each, up to {turn_cap} turns", flush=True)
-    progress = metrics.ProgressBar(len(task_ids) * c.eval.samples_per_task, unit="episode")
+  plan, rows = settings.evaluation, _ROWS.value
+  mesh, model, tokenizer = settings.load_policy(_MODEL.value)
+  sampler = settings.sampler(model, mesh, rows)
+  with settings.env_pool(rows) as pool:
+    task_ids = plan.tasks(pool)
+    print(f"{len(task_ids)} {settings.config.env.name} tasks of the {plan.split} split, "
+          f"k = {plan.samples_per_task} sample(s) each, up to {plan.horizon} turns", flush=True)
+    progress = metrics.ProgressBar(len(task_ids) * plan.samples_per_task, unit="episode")
     summary, trajectories = evaluation.evaluate(
         sampler, sampler.params, pool, tokenizer.chat, task_ids,
-        samples_per_task=c.eval.samples_per_task, horizon=turn_cap, sampling=sampling,
-        max_context=c.rollout.max_context, key=jax.random.key(c.seed), rows_per_batch=_ROWS.value,
-        groups=c.rollout.pipeline_groups, progress=lambda done, _: progress.update(done))
+        samples_per_task=plan.samples_per_task, horizon=plan.horizon, sampling=plan.sampling,
+        max_context=settings.max_context, key=jax.random.key(settings.seed),
+        rows_per_batch=rows, groups=settings.pipeline_groups,
+        progress=lambda done, _: progress.update(done))
     progress.close()
   print(evaluation.format_table(summary))
   if _OUT.value:

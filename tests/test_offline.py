@@ -255,13 +255,13 @@ def test_run_workdir_data_filtered_for_sft_and_paired_for_dpo(checkpoint_dir, ti
   c.data.min_reward = 1.0
   records = offline.load_records(tmp_path)
   assert len(records) == 8
-  assert offline.make_batches(c, records, tokenizer.chat).num_examples == 4  # The successes.
+  assert offline.make_batches(run.Settings.from_config(c), records, tokenizer.chat).num_examples == 4  # The successes.
   c.mode = "dpo"
-  assert offline.make_batches(c, records, tokenizer.chat).num_pairs == 4
+  assert offline.make_batches(run.Settings.from_config(c), records, tokenizer.chat).num_pairs == 4
   # No pair has a chosen side with reward >= 2.
   c.data.min_reward = 2.0
   with pytest.raises(ValueError, match="give 0 preference pairs"):
-    offline.make_batches(c, records, tokenizer.chat)
+    offline.make_batches(run.Settings.from_config(c), records, tokenizer.chat)
 
 
 def test_bad_data_and_batch_settings_fail_with_a_clear_message(checkpoint_dir, tmp_path):

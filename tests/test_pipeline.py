@@ -53,7 +53,7 @@ def test_rl_starts_from_the_warm_started_policy_and_a_stopped_warm_start_resumes
   jsonl.write(demos, DEMOS)
   c = config(checkpoint_dir, demos)
   # Stop the first attempt after the SFT's last checkpoint, before its export.
-  export, stops = run.export_policy, []
+  export, stops = run.Settings.export_policy, []
 
   def stop_once(*args):
     if not stops:
@@ -61,7 +61,7 @@ def test_rl_starts_from_the_warm_started_policy_and_a_stopped_warm_start_resumes
       raise KeyboardInterrupt
     export(*args)
 
-  monkeypatch.setattr(run, "export_policy", stop_once)
+  monkeypatch.setattr(run.Settings, "export_policy", stop_once)
   with pytest.raises(KeyboardInterrupt):
     pipeline.train(c, tmp_path / "run")
   policies = []

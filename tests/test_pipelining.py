@@ -125,14 +125,15 @@ def test_the_configured_sampler_has_a_group_of_rows_and_the_cache_dtype(policy):
   model, _ = policy
   c = config_lib.base_config()
   c.rollout.max_context = 96
+  c.rollout.max_new_tokens = 32
   c.rollout.pipeline_groups = 2
   c.rollout.cache_dtype = "bfloat16"
-  sampler = run.make_sampler(c, model, None, 16)
+  sampler = run.Settings.from_config(c).sampler(model, None, 16)
   assert (sampler.max_batch, sampler.cache_slots) == (8, 96)
   # The cache holds 16-bit values as raw bits: half the bytes of the f32 model's default.
   assert sampler.cache_dtype == jnp.bfloat16 and sampler.empty().cache.k.dtype.itemsize == 2
   c.rollout.cache_dtype = ""
-  default = run.make_sampler(c, model, None, 16)
+  default = run.Settings.from_config(c).sampler(model, None, 16)
   assert default.cache_dtype == jnp.float32 and default.empty().cache.k.dtype.itemsize == 4
 
 
