@@ -52,6 +52,10 @@ def base_config() -> ml_collections.ConfigDict:
   # Row groups whose env steps overlap the other groups' decoding (1: no pipelining).
   c.rollout.pipeline_groups = 1
   c.rollout.cache_dtype = ""  # KV cache: "" (model.dtype) | bfloat16 | float32
+  # A curriculum: per horizon stage, the task categories (env task_info "category", e.g.
+  # TextCraft's "depth1") its training tasks are drawn from; a stage past the last entry keeps
+  # the last one. (): every train task at every stage.
+  c.rollout.curriculum = ()
 
   c.horizon = ml_collections.ConfigDict()
   c.horizon.kind = "stepwise"  # fixed | stepwise | linear (ScalingInter-RL)
@@ -118,6 +122,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval.samples_per_task = 1
   c.eval.max_tasks = 0  # 0: the whole split.
   c.eval.temperature = 0.0  # 0: greedy.
+  # Evaluate each stage of the recipe (pipeline.py): the initial policy, the warm-started one
+  # and the trained one, into workdir/evaluation, ending with a table of the three.
+  c.eval.stages = False
   c.eval.horizon = 0  # Turn cap; 0: the horizon schedule's largest cap.
 
   # Offline paradigms (mode sft or dpo): conversations instead of rollouts.
@@ -251,6 +258,15 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(c.eval.max_tasks >= 0, f"eval.max_tasks={c.eval.max_tasks} must be >= 0")
   _check(c.eval.temperature >= 0, f"eval.temperature={c.eval.temperature} must be >= 0")
   _check(c.eval.horizon >= 0, f"eval.horizon={c.eval.horizon} must be >= 0")
+  _check(not c.eval.stages or (c.mode == "rl" and c.checkpoint.export_hf),
+         "eval.stages evaluates the stages of an RL run's recipe from their exports: it needs "
+         "mode='rl' and checkpoint.export_hf=True")
+  curriculum = c.rollout.curriculum
+  _check(isinstance(curriculum, (tuple, list)) and all(
+      isinstance(stage, (tuple, list)) and stage and all(isinstance(n, str) for n in stage)
+      for stage in curriculum),
+         f"rollout.curriculum={curriculum!r} must be a tuple of non-empty tuples of category "
+         "names, one a horizon stage, e.g. (('depth1',), ('depth1', 'depth2'))")
   w = c.warm_start
   _check(w.steps >= 0 and w.max_tasks >= 0, "warm_start.steps and max_tasks must be >= 0")
   if w.steps:

@@ -1,40 +1,115 @@
 """The whole recipe of a run: an optional SFT warm start on verified expert demonstrations, then
-RL from the warm-started policy.
+RL from the warm-started policy, with (eval.stages) an evaluation of each stage's policy.
 
     workdir/warm_start/demos.jsonl    the demonstrations (made once with the environment's expert
                                       over its train tasks, or copied from warm_start.demonstrations)
     workdir/warm_start/               the SFT run: its checkpoints, metrics and export
     workdir/                          the RL run, starting from workdir/warm_start/export
+    workdir/evaluation/<stage>.json   eval.stages: the summary of each stage's policy (initial,
+                                      warm start, RL) on eval.split, played as evaluations are
+    workdir/evaluation/table.txt      and the table of all of them, also printed at the end
 
 Each stage resumes by itself (the SFT run from its checkpoints, RL from its own), so a run
 stopped anywhere, mid-warm-start included, continues where it was when started again. A stage
-that has finished is not run again: the warm start is done once its export exists.
+that has finished is not run again: the warm start is done once its export exists, an
+evaluation once its summary exists.
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
+import jax
 import ml_collections
 from absl import logging
 
 from agentgym_jax import config as config_lib
-from agentgym_jax import demonstrations, offline, trainer
+from agentgym_jax import demonstrations, evaluation, offline, rollout, run, trainer
 from environments import base, jsonl
 
 WARM_START_DIR = "warm_start"
+EVALUATION_DIR = "evaluation"
 
 
 def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dict[str, Any]]:
-  """Runs (or resumes) the warm start, if warm_start.steps > 0, then RL; returns RL's metrics."""
+  """Runs (or resumes) the warm start, if warm_start.steps > 0, then RL, each stage's policy
+  evaluated if eval.stages; returns RL's metrics."""
   c = config_lib.validate(c)
   workdir = pathlib.Path(workdir)
+  summaries = {}
+
+  def evaluate(stage: str, policy: str) -> None:
+    if c.eval.stages:
+      path = workdir / EVALUATION_DIR / f"{stage.replace(' ', '_').lower()}.json"
+      summaries[stage] = evaluate_stage(c, policy, path)
+
+  evaluate("initial", c.model.name)
   if c.warm_start.steps:
     policy = warm_start(c, workdir / WARM_START_DIR)
+    evaluate("warm start", str(policy))
     c = ml_collections.ConfigDict(c.to_dict())
     c.model.name = str(policy)
-  return trainer.train(c, workdir)
+  history = trainer.train(c, workdir)
+  evaluate("RL", str(workdir / "export"))
+  if summaries:
+    table = stage_table(summaries)
+    (workdir / EVALUATION_DIR / "table.txt").write_text(table + "\n")
+    print(table, flush=True)
+  return history
+
+
+def evaluate_policy(settings: run.Settings, model_name: str | None, rows: int,
+                    start: Callable[[int], Callable[[int, int], None]] | None = None
+                    ) -> tuple[dict[str, Any], list[rollout.Trajectory]]:
+  """(summary, trajectories): the policy `model_name` (the config's by default) played on
+  settings.evaluation's tasks, `rows` episodes at a time, seeded with the run's seed.
+  `start(tasks)`, if given, is called before the first episode and returns the progress
+  callback, called with (episodes done, episodes) after each batch."""
+  plan = settings.evaluation
+  mesh, model, tokenizer = settings.load_policy(model_name)
+  sampler = settings.sampler(model, mesh, rows)
+  with settings.env_pool(rows) as pool:
+    task_ids = plan.tasks(pool)
+    return evaluation.evaluate(
+        sampler, sampler.params, pool, tokenizer.chat, task_ids,
+        samples_per_task=plan.samples_per_task, horizon=plan.horizon, sampling=plan.sampling,
+        max_context=settings.max_context, key=jax.random.key(settings.seed),
+        rows_per_batch=rows, groups=settings.pipeline_groups,
+        progress=start(len(task_ids)) if start else None)
+
+
+def evaluate_stage(c: ml_collections.ConfigDict, policy: str, path: pathlib.Path
+                   ) -> dict[str, Any]:
+  """The summary of `policy` on the evaluation, kept at `path` (read, if there, instead of
+  played again)."""
+  if path.exists():
+    return json.loads(path.read_text())
+  settings = run.Settings.from_config(c)
+  summary, _ = evaluate_policy(settings, policy, settings.rows)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(summary, indent=2))
+  logging.info("evaluated %s: success %.3f", policy, summary["avg@k"])
+  return summary
+
+
+def stage_table(summaries: dict[str, dict[str, Any]]) -> str:
+  """One row per category and the total; per stage, Avg@k and Pass@k (in %) of its policy."""
+  k = next(iter(summaries.values()))["k"]
+  stages = list(summaries)
+  categories = sorted({name for s in summaries.values() for name in s["categories"]})
+  header = f"{'category':<16} {'tasks':>5}" + "".join(
+      f" {stage + f' avg@{k}':>18} {f'pass@{k}':>7}" for stage in stages)
+  lines = [f"k = {k} sample{'s' if k != 1 else ''} per task; avg@{k}: mean success of a task's "
+           f"{k}, pass@{k}: share of tasks solved at least once", header, "-" * len(header)]
+  for name in categories + ["all"]:
+    stats = [s if name == "all" else s["categories"].get(name) for s in summaries.values()]
+    tasks = next(x["num_tasks"] for x in stats if x is not None)
+    cells = "".join(f" {100 * x['avg@k']:>17.1f}% {100 * x['pass@k']:>6.1f}%" if x else
+                    f" {'-':>18} {'-':>7}" for x in stats)
+    lines.append(f"{name:<16} {tasks:>5}{cells}")
+  return "\n".join(lines)
 
 
 def warm_start(c: ml_collections.ConfigDict, directory: pathlib.Path) -> pathlib.Path:
@@ -87,4 +162,5 @@ def sft_config(c: ml_collections.ConfigDict, data: pathlib.Path) -> ml_collectio
   sft.optim.warmup_steps = 0
   sft.checkpoint.export_hf = True
   sft.eval.every = 0
+  sft.eval.stages = False
   return config_lib.validate(sft)

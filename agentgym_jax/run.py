@@ -81,6 +81,7 @@ class Settings:
       log-prob chunk and score the model's own distribution, temperature 1).
     rows: trajectories per RL step (tasks_per_step x samples_per_task).
     tasks_per_step, samples_per_task: an RL step's tasks and the size of each task's group.
+    curriculum: per horizon stage, the categories of the tasks it trains on (() for all).
     max_context, pipeline_groups: tokens per trajectory (KV-cache slots), and the row groups
       whose environment steps overlap the other groups' decoding.
     failed_episodes: how environment faults enter the loss (exclude | zero_reward).
@@ -103,6 +104,7 @@ class Settings:
   rows: int
   tasks_per_step: int
   samples_per_task: int
+  curriculum: tuple[tuple[str, ...], ...]
   max_context: int
   pipeline_groups: int
   failed_episodes: str
@@ -131,7 +133,9 @@ class Settings:
                sampling=turn(temperature=r.temperature), evaluation=evaluation,
                optimizer=make_optimizer(c), loss=_loss_config(c),
                rows=r.tasks_per_step * r.samples_per_task, tasks_per_step=r.tasks_per_step,
-               samples_per_task=r.samples_per_task, max_context=r.max_context,
+               samples_per_task=r.samples_per_task,
+               curriculum=tuple(tuple(stage) for stage in r.curriculum),
+               max_context=r.max_context,
                pipeline_groups=r.pipeline_groups, failed_episodes=c.env.failed_episodes,
                num_minibatches=c.algorithm.num_minibatches, ppo_epochs=c.algorithm.ppo_epochs,
                checkpoint_every=c.checkpoint.every, export_hf=c.checkpoint.export_hf,

@@ -2,7 +2,7 @@
 
 Everything random derives from (config.seed, step): the rollout key is fold_in(seed key, step),
 the minibatch order is seeded with (seed, step), and the task order is a per-epoch permutation
-seeded with (seed, epoch). A resumed run therefore needs only the checkpointed step (plus the
+seeded with (seed, epoch) of the tasks the step's horizon stage trains on (rollout.curriculum). A resumed run therefore needs only the checkpointed step (plus the
 parameters and optimizer state) to continue exactly as an uninterrupted run would.
 """
 
@@ -19,8 +19,9 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from agentgym_jax import evaluation, learner, metrics
+from agentgym_jax import config as config_lib, evaluation, learner, metrics
 from agentgym_jax import multihost, rollout, run, sharding
+from environments.pool import EnvPool
 
 
 class TaskOrder:
@@ -41,6 +42,25 @@ class TaskOrder:
       permutation = np.random.default_rng([self.seed, epoch]).permutation(n)
       out.append(int(self.task_ids[permutation[index]]))
     return out
+
+
+def stage_task_orders(pool: EnvPool, curriculum: Sequence[Sequence[str]], seed: int
+                      ) -> list[TaskOrder]:
+  """The training task order of each horizon stage: the train tasks whose category is one of
+  curriculum[stage] (the last entry for later stages), or all of them without a curriculum."""
+  train = list(pool.task_ids("train"))
+  if not curriculum:
+    return [TaskOrder(train, seed)]
+  categories = evaluation.task_categories(pool, train)
+  orders = []
+  for stage, allowed in enumerate(curriculum):
+    task_ids = [t for t in train if categories[t] in allowed]
+    if not task_ids:
+      raise config_lib.ConfigError(
+          f"invalid config: rollout.curriculum[{stage}]={tuple(allowed)} matches none of the "
+          f"{len(train)} train tasks (their categories: {sorted(set(categories.values()))})")
+    orders.append(TaskOrder(task_ids, seed))
+  return orders
 
 
 def trajectory_records(trajectories: Sequence[rollout.Trajectory], advantages: jax.Array,
@@ -103,7 +123,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   eval_key = jax.random.fold_in(base_key, 1 << 30)  # Distinct from every step's fold_in.
   history = []
   with settings.env_pool(len(process_rows)) as pool:
-    tasks = TaskOrder(pool.task_ids("train"), settings.seed)
+    task_orders = stage_task_orders(pool, settings.curriculum, settings.seed)
     progress = settings.progress(("reward", "success", "horizon_cap", "time/rollout",
                                   "time/experience", "time/update", "time/eval"),
                                  initial=start_step, shown=processes.index == 0)
@@ -111,6 +131,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
       timer = run.PhaseTimer()
       # 1. Rollout: B tasks x n samples, up to the current horizon cap.
       cap = schedule.cap(step)
+      tasks = task_orders[min(schedule.stage(step), len(task_orders) - 1)]
       step_tasks = tasks.take(step * settings.tasks_per_step, settings.tasks_per_step)
       group_of = [(task_id, group) for group, task_id in enumerate(step_tasks)
                   for _ in range(settings.samples_per_task)]

@@ -11,11 +11,10 @@ is eval.horizon, or the largest cap of the config's horizon schedule.
 import json
 import pathlib
 
-import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from agentgym_jax import cli, evaluation, metrics, run
+from agentgym_jax import cli, evaluation, metrics, pipeline, run
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/).",
                                           lock_config=True)
@@ -30,21 +29,17 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   settings = run.Settings.from_config(_CONFIG.value)
-  plan, rows = settings.evaluation, _ROWS.value
-  mesh, model, tokenizer = settings.load_policy(_MODEL.value)
-  sampler = settings.sampler(model, mesh, rows)
-  with settings.env_pool(rows) as pool:
-    task_ids = plan.tasks(pool)
-    print(f"{len(task_ids)} {settings.config.env.name} tasks of the {plan.split} split, "
+  plan, bars = settings.evaluation, []
+
+  def start(tasks: int):
+    print(f"{tasks} {settings.config.env.name} tasks of the {plan.split} split, "
           f"k = {plan.samples_per_task} sample(s) each, up to {plan.horizon} turns", flush=True)
-    progress = metrics.ProgressBar(len(task_ids) * plan.samples_per_task, unit="episode")
-    summary, trajectories = evaluation.evaluate(
-        sampler, sampler.params, pool, tokenizer.chat, task_ids,
-        samples_per_task=plan.samples_per_task, horizon=plan.horizon, sampling=plan.sampling,
-        max_context=settings.max_context, key=jax.random.key(settings.seed),
-        rows_per_batch=rows, groups=settings.pipeline_groups,
-        progress=lambda done, _: progress.update(done))
-    progress.close()
+    bars.append(metrics.ProgressBar(tasks * plan.samples_per_task, unit="episode"))
+    return lambda done, _: bars[0].update(done)
+
+  summary, trajectories = pipeline.evaluate_policy(settings, _MODEL.value, _ROWS.value, start)
+  for bar in bars:
+    bar.close()
   print(evaluation.format_table(summary))
   if _OUT.value:
     pathlib.Path(_OUT.value).parent.mkdir(parents=True, exist_ok=True)

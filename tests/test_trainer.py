@@ -212,3 +212,48 @@ def test_rollout_with_bf16_rematerialised_policy(checkpoint_dir):
   for t in trajectories:
     assert t.num_turns >= 1 and sum(t.loss_mask) >= 1
     assert len(t.tokens) == len(t.loss_mask) == len(t.sampler_logprobs)
+
+
+class _CategorisedTasks:
+  """The pool surface a curriculum reads: train task ids and each task's category."""
+
+  def __init__(self, categories):
+    self.categories = categories
+
+  def task_ids(self, split):
+    assert split == "train"
+    return list(self.categories)
+
+  def task_info(self, task_id):
+    return {"category": self.categories[task_id]}
+
+
+def test_a_curriculum_draws_each_stage_from_its_categories():
+  pool = _CategorisedTasks({0: "depth1", 1: "depth2", 2: "depth1", 3: "depth3", 4: "depth2"})
+  orders = trainer.stage_task_orders(pool, (("depth1",), ("depth1", "depth2")), seed=7)
+  assert sorted(orders[0].take(0, 2)) == [0, 2]  # One epoch of the two depth-1 tasks.
+  assert sorted(orders[1].take(0, 4)) == [0, 1, 2, 4]
+  assert set(orders[1].take(4, 40)) == {0, 1, 2, 4}  # Depth 3 never comes up.
+  # Orders are pure functions of (tasks, seed), as a resumed run needs.
+  again = trainer.stage_task_orders(pool, (("depth1",), ("depth1", "depth2")), seed=7)
+  assert again[1].take(3, 9) == orders[1].take(3, 9)
+  # No curriculum: one order over every train task.
+  (everything,) = trainer.stage_task_orders(pool, (), seed=7)
+  assert sorted(everything.take(0, 5)) == [0, 1, 2, 3, 4]
+
+
+def test_a_curriculum_stage_without_tasks_fails_with_the_categories_there_are():
+  pool = _CategorisedTasks({0: "depth1", 1: "depth2"})
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"rollout.curriculum\[1\]=\('depth9',\) matches none of the 2 train "
+                           r"tasks \(their categories: \['depth1', 'depth2'\]\)"):
+    trainer.stage_task_orders(pool, (("depth1",), ("depth9",)), seed=0)
+
+
+@pytest.mark.parametrize("curriculum", [("depth1",), ((),), (("depth1", 2),)])
+def test_a_malformed_curriculum_fails_at_start_up(curriculum):
+  c = config_lib.base_config()
+  c.rollout.curriculum = curriculum
+  with pytest.raises(config_lib.ConfigError, match="rollout.curriculum=.* must be a tuple of "
+                                                   "non-empty tuples of category names"):
+    config_lib.validate(c)
