@@ -24,7 +24,8 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   c.model.name = "qwen2.5-7b-instruct"  # A registry name or a Hugging Face checkpoint dir.
-  c.model.dtype = "bfloat16"  # Matmul inputs.
+  # Matmul inputs; auto: bf16 where the hardware runs it fast (agentgym_jax/hardware.py).
+  c.model.dtype = "bfloat16"
   c.model.param_dtype = "float32"
   c.model.remat = "full"  # none | full | dots
 
@@ -165,7 +166,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
   _check(c.mode in ("rl", "sft", "dpo"), f"mode={c.mode!r} is not 'rl', 'sft' or 'dpo'")
   _check(c.steps > 0, f"steps={c.steps} must be > 0")
-  _check(c.model.dtype in DTYPES, f"model.dtype={c.model.dtype!r} is not one of {DTYPES}")
+  _check(c.model.dtype in DTYPES + ("auto",),
+         f"model.dtype={c.model.dtype!r} is not one of {DTYPES + ('auto',)}")
   _check(c.model.param_dtype in DTYPES,
          f"model.param_dtype={c.model.param_dtype!r} is not one of {DTYPES}")
   _check(c.model.remat in REMAT_POLICIES,
@@ -315,9 +317,9 @@ def local(c: ml_collections.ConfigDict) -> None:
   """The embedded SmolLM2-135M-Instruct on a CPU workstation: small batches, short replies."""
   c.steps = 20
   c.model.name = "smollm2-135m-instruct"
-  # f32 matmuls: a CPU without AMX or AVX512-BF16 runs bf16 matmuls 1.5-3x slower than f32
-  # (benchmarks/train_step.py prints both peaks); on one with AMX, pass model.dtype=bfloat16.
-  c.model.dtype = "float32"
+  # bf16 matmuls on a CPU with AMX or AVX512-BF16, f32 on one without (there bf16 runs 1.5-3x
+  # slower than f32; benchmarks/train_step.py prints both peaks).
+  c.model.dtype = "auto"
   # Full remat: without it the backward pass keeps every layer's [rows, heads, T, T] attention
   # probabilities, tens of GB at 2048 tokens.
   c.model.remat = "full"

@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentgym_jax import checkpoint, config as config_lib, horizon, learner, metrics, rl, rollout
-from agentgym_jax import sharding
+from agentgym_jax import hardware, sharding
 from agentgym_jax.models import Decoder, load_model, weights
 from agentgym_jax.models.tokenizer import Tokenizer
 from agentgym_jax.sampling import Sampler
@@ -165,7 +165,10 @@ class Settings:
     c = self.config
     sharding.initialize_distributed()
     mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
-    model, tokenizer = load_model(model_name or c.model.name, dtype=jnp.dtype(c.model.dtype),
+    dtype = hardware.matmul_dtype(c.model.dtype)
+    if c.model.dtype == "auto":
+      logging.info("model.dtype=auto: %s, as %s", dtype, hardware.auto_dtype()[1])
+    model, tokenizer = load_model(model_name or c.model.name, dtype=jnp.dtype(dtype),
                                   param_dtype=jnp.dtype(c.model.param_dtype),
                                   remat=c.model.remat, mesh=mesh)
     return mesh, model, tokenizer

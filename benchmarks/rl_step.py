@@ -52,7 +52,7 @@ import jax
 import numpy as np
 
 from agentgym_jax import config as config_lib
-from agentgym_jax import trainer
+from agentgym_jax import hardware, trainer
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -60,7 +60,8 @@ _ENV = flags.DEFINE_enum("env", "textcraft", ["textcraft", "echo"], "Environment
 _MODEL = flags.DEFINE_string(
     "model", "smollm2-135m-instruct",
     "Registry name, HF checkpoint directory, or 'tiny' (tests/tiny.py's random 2-layer model).")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", config_lib.DTYPES, "Matmul dtype.")
+_DTYPE = flags.DEFINE_enum("dtype", "auto", config_lib.DTYPES + ("auto",),
+                           "Matmul dtype (auto: bf16 where the hardware runs it fast).")
 _REMAT = flags.DEFINE_enum("remat", "none", ["none", "full", "dots"], "Remat policy.")
 _STEPS = flags.DEFINE_integer("steps", 3, "RL steps, the first of them the warm-up.")
 _TASKS = flags.DEFINE_integer("tasks", 4, "Tasks per step (--quick: 2).")
@@ -115,6 +116,7 @@ def main(argv):
   if _ENV_DELAY_MS.value and _ENV.value != "echo":
     raise app.UsageError("--env_delay_ms needs --env=echo")
   print("command: " + " ".join([os.path.basename(sys.executable)] + sys.argv))
+  print(hardware.describe())
   print(f"host: {platform.node()}, {os.cpu_count()} CPUs, load average "
         f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}, jax {jax.__version__} "
         f"({jax.devices()[0].platform}, {jax.device_count()} devices)")

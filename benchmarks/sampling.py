@@ -62,13 +62,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import agentgym_jax
+from agentgym_jax import hardware
 from agentgym_jax.models import weights
 from agentgym_jax.sampling import Sampler, SamplingParams, bucket, sample_tokens
 
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32", "64"], "Batch sizes to measure.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 32, "Tokens sampled per row (--quick: 16).")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"],
-                           "Our matmul input dtype (matmuls accumulate in f32).")
+_DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "bfloat16", "float32"],
+                           "Our matmul input dtype (matmuls accumulate in f32; auto: bf16 where "
+                           "the hardware runs it fast).")
 _PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "bfloat16", ["bfloat16", "float32"],
                                  "Our weight and KV cache storage dtype.")
 _HF_DTYPE = flags.DEFINE_enum("hf_dtype", "float32", ["bfloat16", "float32"],
@@ -327,9 +329,11 @@ def main(argv: Sequence[str]) -> None:
       int(b) for b in _BATCHES.value]
   new_tokens = 16 if quick and _NEW_TOKENS.value == _NEW_TOKENS.default else _NEW_TOKENS.value
   turns = 4 if quick and _TURNS.value == _TURNS.default else _TURNS.value
-  dtype, param_dtype = getattr(jnp, _DTYPE.value), getattr(jnp, _PARAM_DTYPE.value)
+  dtype_name = hardware.matmul_dtype(_DTYPE.value)
+  dtype, param_dtype = getattr(jnp, dtype_name), getattr(jnp, _PARAM_DTYPE.value)
   load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
   print(f"$ python {' '.join(sys.argv)}")
+  print(hardware.describe())
   print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cores), "
         f"load average at start {load}")
 
@@ -342,7 +346,7 @@ def main(argv: Sequence[str]) -> None:
   bandwidth = _read_bandwidth(_BANDWIDTH_MB.value)
   print(f"matmul peaks ({_PEAK_SIZE.value}^2, f32 accumulation): bf16 {peak / 1e9:.1f}, "
         f"f32 {f32_peak / 1e9:.1f} GFLOP/s; read bandwidth {bandwidth / 1e9:.1f} GB/s")
-  matmul_peak = peak if _DTYPE.value == "bfloat16" else f32_peak
+  matmul_peak = peak if dtype_name == "bfloat16" else f32_peak
   item_bytes = jnp.dtype(param_dtype).itemsize
 
   hf = None
@@ -379,7 +383,7 @@ def main(argv: Sequence[str]) -> None:
 
   print()
   print(f"Decode, SmolLM2-135M-Instruct, {new_tokens} new tokens per row at temperature 1; "
-        f"ours {_DTYPE.value} matmuls on {_PARAM_DTYPE.value} weights and cache, "
+        f"ours {dtype_name} matmuls on {_PARAM_DTYPE.value} weights and cache, "
         f"transformers {_HF_DTYPE.value} "
         f"({hf.threads if hf else '-'} torch thread(s)); load average {load}.")
   print()

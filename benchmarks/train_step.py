@@ -64,20 +64,20 @@ from flax import nnx
 
 import agentgym_jax
 from agentgym_jax import batch as batch_lib
-from agentgym_jax import learner
+from agentgym_jax import hardware, learner
 from agentgym_jax.models import weights
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Registry name or HF directory.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Rows per step (--quick: 2).")
 _LENGTH = flags.DEFINE_integer("length", 512, "Tokens per row (--quick: 128).")
 _DTYPES = flags.DEFINE_list(
-    "dtypes", ["float32"],
-    "Our matmul dtypes (add bfloat16 on a CPU with AMX or AVX512-BF16; the header prints both "
-    "matmul peaks).")
+    "dtypes", ["auto"],
+    "Our matmul dtypes (auto: bf16 on a CPU with AMX or AVX512-BF16, f32 otherwise; the header "
+    "prints both matmul peaks).")
 _TORCH_DTYPES = flags.DEFINE_list(
-    "torch_dtypes", ["float32"],
-    "PyTorch's dtypes (bfloat16 autocast is ~50x slower than f32 on CPUs without AVX512-BF16; "
-    "the header prints both of torch's matmul rates).")
+    "torch_dtypes", ["auto"],
+    "PyTorch's dtypes (auto as ours: bfloat16 autocast is ~50x slower than f32 on CPUs without "
+    "AVX512-BF16; the header prints both of torch's matmul rates).")
 _REMAT = flags.DEFINE_list(
     "remat", ["full"],
     "Our remat policies to measure: none,full,dots (none keeps every layer's attention "
@@ -242,6 +242,7 @@ def main(argv):
   batch_size, length = (2, 128) if _QUICK.value else (_BATCH.value, _LENGTH.value)
   timed_steps = 2 if _QUICK.value else _STEPS.value
   print("command: " + " ".join([os.path.basename(sys.executable)] + sys.argv))
+  print(hardware.describe())
   print(f"host: {platform.node()}, {os.cpu_count()} CPUs, load average "
         f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}, jax {jax.__version__} "
         f"({jax.devices()[0].platform})")
@@ -271,13 +272,13 @@ def main(argv):
 
       weights.save_hf(model, directory, dtype=jnp.float32)
       print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-      for dtype in _TORCH_DTYPES.value:
+      for dtype in map(hardware.matmul_dtype, _TORCH_DTYPES.value):
         first, seconds = measure(torch_step(pathlib.Path(directory), dtype, batch),
                                  _WARMUP.value, timed_steps)
         torch_seconds[dtype] = seconds
         rows.append(("torch+transformers", dtype, "-", first, seconds))
         print(f"measured torch {dtype}: {seconds:.2f} s/step", flush=True)
-    for dtype in _DTYPES.value:
+    for dtype in map(hardware.matmul_dtype, _DTYPES.value):
       for remat in _REMAT.value:
         first, seconds = measure(ours_step(model, dtype, remat, batch), _WARMUP.value,
                                  timed_steps)

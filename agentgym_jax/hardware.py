@@ -1,0 +1,65 @@
+"""What the hardware runs fast: the matmul dtype `model.dtype=auto` picks, and why.
+
+bf16 matmuls run at up to twice the f32 rate (or more) on TPUs, GPUs and on CPUs with bf16 dot
+instructions: AMX (Intel Sapphire Rapids and later: amx_bf16) or AVX512-BF16 (Intel Cooper Lake,
+AMD Zen 4 and later: avx512_bf16). A CPU without them (AVX2 only) converts bf16 to f32 around
+every dot, so bf16 matmuls there run slower than f32 ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+
+import jax
+
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@functools.cache
+def _cpuinfo(field: str) -> str:
+  """The first `field` line of Linux's /proc/cpuinfo ("" elsewhere)."""
+  try:
+    text = pathlib.Path("/proc/cpuinfo").read_text()
+  except OSError:
+    return ""
+  for line in text.splitlines():
+    name, _, value = line.partition(":")
+    if name.strip() == field:
+      return value.strip()
+  return ""
+
+
+def cpu_flags() -> frozenset[str]:
+  """The instruction-set flags of this machine's CPU (empty where unknown)."""
+  return frozenset(_cpuinfo("flags").split())
+
+
+def cpu_model() -> str:
+  """This machine's CPU model name, for benchmark headers."""
+  return _cpuinfo("model name") or "unknown CPU"
+
+
+def auto_dtype(backend: str | None = None, flags: frozenset[str] | None = None
+               ) -> tuple[str, str]:
+  """(matmul dtype, why) for `backend` (default: JAX's) and, on a CPU, its `flags`."""
+  backend = backend or jax.default_backend()
+  if backend != "cpu":
+    return "bfloat16", f"the {backend} backend runs bf16 matmuls natively"
+  flags = cpu_flags() if flags is None else flags
+  found = [flag for flag in BF16_CPU_FLAGS if flag in flags]
+  if found:
+    return "bfloat16", f"the CPU has bf16 dot instructions ({', '.join(found)})"
+  return "float32", (f"the CPU has no bf16 dot instructions ({' or '.join(BF16_CPU_FLAGS)}), "
+                     "so bf16 matmuls would run slower than f32")
+
+
+def matmul_dtype(name: str) -> str:
+  """A config's model.dtype with "auto" resolved."""
+  return auto_dtype()[0] if name == "auto" else name
+
+
+def describe() -> str:
+  """One line for benchmark headers: the CPU, and what model.dtype=auto picks here and why."""
+  dtype, why = auto_dtype()
+  return f"CPU: {cpu_model()}; model.dtype=auto picks {dtype}: {why}"
