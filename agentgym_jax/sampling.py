@@ -64,6 +64,7 @@ from agentgym_jax.models.decoder import Decoder, KVCache
 
 Array = jax.Array
 MAX_STOP_IDS = 8
+INVERSE_CDF_BLOCK = 256  # Weights summed per block by `inverse_cdf`'s first level.
 _NO_STOP = -1
 
 
@@ -137,24 +138,45 @@ def sample_tokens(keys: Array, logits: Array, params: SamplingParams
   if params.greedy:
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   else:
-    tokens = exponential_race(keys, sample_logits)
+    tokens = inverse_cdf(keys, sample_logits)
   pick = lambda values: jnp.take_along_axis(values, tokens[:, None], axis=-1)[:, 0]
   logprob = lambda values: pick(values) - jax.nn.logsumexp(values, axis=-1)
   return tokens, logprob(logits), logprob(sample_logits)
 
 
-def exponential_race(keys: Array, logits: Array) -> Array:
+def inverse_cdf(keys: Array, logits: Array) -> Array:
   """One draw per row from softmax(logits) [B, V], each row from its own key [B].
 
-  With E_i ~ Exp(1) i.i.d., argmax_i p_i / E_i is i with probability p_i / sum(p): the
-  Gumbel-max trick (argmax logits_i - log E_i) with one logarithm per token instead of two,
-  which on CPU halves the cost of a draw. E_i = -log u_i with u_i on the midpoints of a 2^-23
-  grid in (0, 1), so E_i > 0 and a token of probability 0 (logit -inf) never wins.
+  With weights w_i = exp(logits_i - max), cumulative sums C_i = w_0 + ... + w_i and one
+  uniform u per row, the draw is the first i with C_i > u * C_{V-1}: token i is drawn with
+  probability w_i / sum(w). u lies on a 2^-23 grid in [0, 1), so u * C_{V-1} < C_{V-1} and a
+  token of weight 0 (logit -inf) never wins: its C_i equals the C_{i-1} that did not pass.
+
+  One random word per row (a race of exponentials, or Gumbel-max, takes one per vocabulary
+  entry: at 49k entries generating them cost more than the rest of the draw). The sums run in
+  two levels, over blocks of INVERSE_CDF_BLOCK weights and then inside the chosen block, so the
+  scan is short; a rounding difference between the two levels can leave the threshold past the
+  chosen block's last in-block sum, so the draw is kept at the block's last positive weight.
   """
-  bits = jax.vmap(lambda key: jax.random.bits(key, logits.shape[-1:], jnp.uint32))(keys)
-  uniform = ((bits >> 9).astype(jnp.float32) + 0.5) * 2.0**-23
+  bits = jax.vmap(lambda key: jax.random.bits(key, (), jnp.uint32))(keys)
+  return inverse_cdf_at((bits >> 9).astype(jnp.float32) * 2.0**-23, logits)
+
+
+def inverse_cdf_at(uniform: Array, logits: Array) -> Array:
+  """The tokens [B] at which each row's cumulative distribution passes uniform [B] in [0, 1)
+  (see `inverse_cdf`)."""
+  batch, vocab = logits.shape
   weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-  return jnp.argmax(weights / -jnp.log(uniform), axis=-1).astype(jnp.int32)
+  block = INVERSE_CDF_BLOCK
+  blocks = jnp.pad(weights, ((0, 0), (0, -vocab % block))).reshape(batch, -1, block)
+  block_sums = jnp.cumsum(jnp.sum(blocks, axis=-1), axis=-1)  # [B, blocks]
+  threshold = (uniform * block_sums[:, -1])[:, None]
+  chosen = jnp.sum(block_sums <= threshold, axis=-1)  # < blocks, as threshold < the total.
+  before = jnp.take_along_axis(jnp.pad(block_sums, ((0, 0), (1, 0))), chosen[:, None], axis=1)
+  inner = jnp.take_along_axis(blocks, chosen[:, None, None], axis=1)[:, 0]  # [B, block]
+  within = jnp.sum(before + jnp.cumsum(inner, axis=-1) <= threshold, axis=-1)
+  last_positive = block - 1 - jnp.argmax((inner > 0)[:, ::-1], axis=-1)
+  return (chosen * block + jnp.minimum(within, last_positive)).astype(jnp.int32)
 
 
 @struct.dataclass
@@ -225,6 +247,35 @@ def _prefill(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, tok
                                       cache_window=window)
   last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
   hidden = jnp.where((counts > 0)[:, None], last, state.hidden)
+  return _constrain(SamplerState(cache=cache, hidden=hidden))
+
+
+def _prefill_shared(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState,
+                    tokens: Array, counts: Array, sources: Array, *, window: int
+                    ) -> SamplerState:
+  """Prefills the distinct prompts tokens [U, T] (the first counts[u] real) once, on U rows of
+  their own, and copies prompt sources[b] into every row b with sources[b] >= 0 (rows that were
+  empty; the others are unchanged).
+
+  The copy reads and writes only the first `window` slots of the cache, which hold the prompts.
+  """
+  model = nnx.merge(graphdef, params)
+  prompts = KVCache.zeros(model.config, tokens.shape[0], window, state.cache.dtype)
+  mask = jnp.arange(tokens.shape[1])[None, :] < counts[:, None]
+  hidden, prompts = model.hidden_states(tokens, attention_mask=mask, cache=prompts)
+  last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
+  copied = sources >= 0
+  source = jnp.maximum(sources, 0)
+
+  def place(bits: Array, prompt_bits: Array) -> Array:
+    new = jnp.where(copied[None, :, None, None, None], jnp.take(prompt_bits, source, axis=1),
+                    bits[:, :, :, :window])
+    return jax.lax.dynamic_update_slice_in_dim(bits, new, 0, axis=3)
+
+  cache = state.cache.replace(
+      k=place(state.cache.k, prompts.k), v=place(state.cache.v, prompts.v),
+      lengths=jnp.where(copied, prompts.lengths[source], state.cache.lengths))
+  hidden = jnp.where(copied[:, None], last[source], state.hidden)
   return _constrain(SamplerState(cache=cache, hidden=hidden))
 
 
@@ -306,6 +357,8 @@ class Sampler:
     # The state is donated: its cache is updated in place instead of copied every call.
     self._prefill = jax.jit(functools.partial(_prefill, self.graphdef),
                             static_argnames=("window",), donate_argnums=(1,))
+    self._prefill_shared = jax.jit(functools.partial(_prefill_shared, self.graphdef),
+                                   static_argnames=("window",), donate_argnums=(1,))
     self._decode = jax.jit(functools.partial(_decode, self.graphdef),
                            static_argnames=("window", "width", "sampling"), donate_argnums=(1,))
 
@@ -334,7 +387,9 @@ class Sampler:
     """Appends token ids to the listed rows (e.g. an observation turn and the assistant header).
 
     Rows not listed, or listed with no ids, are unchanged. The new ids are prefilled in one
-    call, attending to everything the rows already hold.
+    call, attending to everything the rows already hold. When every listed row is empty (the
+    start of episodes), each distinct list of ids is prefilled once and copied into the rows
+    that share it: the samples of one task share their prompt.
     """
     lengths = self._lengths(state, None)
     counts = np.zeros(self.max_batch, np.int32)
@@ -346,6 +401,8 @@ class Sampler:
                          f"cache_slots={self.cache_slots}")
     if not counts.any():
       return state
+    if not lengths[counts > 0].any():
+      return self._append_shared(state, rows_tokens, params)
     width = bucket(counts.max(), self.min_bucket)
     tokens = np.zeros((self.max_batch, width), np.int32)
     for row, ids in rows_tokens.items():
@@ -354,6 +411,26 @@ class Sampler:
     with self._mesh_context():
       return self._prefill(self._params(params), state, self._place_batch(tokens),
                            self._place_batch(counts), window=window)
+
+  def _append_shared(self, state: SamplerState, rows_tokens: Mapping[int, Sequence[int]],
+                     params: nnx.State | None) -> SamplerState:
+    """`append` to empty rows: each distinct list of ids prefilled once, then copied."""
+    distinct: dict[tuple[int, ...], int] = {}
+    sources = np.full(self.max_batch, -1, np.int32)
+    for row, ids in rows_tokens.items():
+      if len(ids):
+        sources[row] = distinct.setdefault(tuple(ids), len(distinct))
+    width = bucket(max(map(len, distinct)), self.min_bucket)
+    tokens = np.zeros((bucket(len(distinct), 1, self.max_batch), width), np.int32)
+    counts = np.zeros(tokens.shape[0], np.int32)
+    for ids, index in distinct.items():
+      tokens[index, :len(ids)] = ids
+      counts[index] = len(ids)
+    window = self._window(counts.max())
+    with self._mesh_context():
+      return self._prefill_shared(self._params(params), state, jnp.asarray(tokens),
+                                  jnp.asarray(counts), self._place_batch(sources),
+                                  window=window)
 
   def generate(self, state: SamplerState, key: Array, *, max_new_tokens: int,
                stop_ids: Sequence[int] = (), rows: Sequence[int] | None = None,

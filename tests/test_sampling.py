@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from agentgym_jax import sharding
+from agentgym_jax import sampling, sharding
 from agentgym_jax.models import weights
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import Decoder
@@ -362,3 +362,89 @@ def test_greedy_matches_transformers_on_smollm2(tmp_path):
       expected = reference.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
                                     pad_token_id=0, eos_token_id=None)[0, len(prompt):]
     assert out.token_lists()[row] == expected.tolist()
+
+
+def test_inverse_cdf_draws_a_distribution_spread_over_many_blocks():
+  # 1,000 tokens over four 256-weight blocks: a zero block, zeros between positive weights and
+  # at the end (the padding of the last block is zero too).
+  rng = np.random.default_rng(0)
+  weights = rng.uniform(0.5, 1.5, 1000) * (rng.uniform(size=1000) < 0.3)
+  weights[256:512] = 0.0
+  weights[[3, 700, 999]] = [40.0, 25.0, 0.0]
+  probs = weights / weights.sum()
+  rows = 50_000
+  logits = jnp.repeat(jnp.log(jnp.asarray(probs, jnp.float32))[None], rows, axis=0)
+  tokens = np.asarray(jax.jit(sampling.inverse_cdf)(jax.random.split(jax.random.key(3), rows),
+                                                     logits))
+  counts = np.bincount(tokens, minlength=1000)
+  assert counts[probs == 0].sum() == 0
+  # Chi-square over the tokens of positive weight (each expected over 5 times): with ~250
+  # degrees of freedom the 99.99% quantile is under dof + 4.5 sqrt(2 dof).
+  expected = rows * probs
+  big = expected >= 5
+  observed, expected = counts[big], expected[big]
+  assert counts[~big].sum() == 0  # Every positive weight here is expected >= 5 times.
+  dof = len(observed) - 1
+  chi2 = np.sum((observed - expected) ** 2 / expected)
+  assert chi2 < dof + 4.5 * np.sqrt(2 * dof), (chi2, dof)
+
+
+def test_inverse_cdf_never_lands_on_a_zero_weight_at_the_ends_of_the_unit_interval():
+  # Each row's positive weights sit mid-block with zeros after them, so a threshold past the
+  # in-block sums (u near 1, or a rounding difference between the two levels) must stay on the
+  # last positive weight.
+  logits = np.full((3, 600), -np.inf, np.float32)
+  logits[0, [10, 20]] = 0.0
+  logits[1, [300, 301]] = [0.0, 5.0]
+  logits[2, 599] = 0.0
+  for u, expected in ((0.0, [10, 300, 599]), (1 - 2.0**-23, [20, 301, 599])):
+    tokens = sampling.inverse_cdf_at(jnp.full((3,), u, jnp.float32), jnp.asarray(logits))
+    assert np.asarray(tokens).tolist() == expected
+
+
+def test_a_draw_takes_one_random_word_a_row_not_one_a_token():
+  keys = jax.random.split(jax.random.key(0), 4)
+  jaxpr = jax.make_jaxpr(sampling.inverse_cdf)(keys, jnp.zeros((4, 49152)))
+  random_shapes = [v.aval.shape for eqn in jaxpr.jaxpr.eqns if "random" in eqn.primitive.name
+                   for v in eqn.outvars]
+  assert random_shapes and all(np.prod(shape, dtype=int) <= 4 for shape in random_shapes)
+
+
+def test_rows_sharing_a_prompt_prefill_it_once_and_continue_as_their_own(model, forward):
+  sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
+  shared, other = _prompts([9, 4], seed=5)
+  prefilled = []
+  prefill = sampler._prefill_shared
+  sampler._prefill_shared = lambda params, state, tokens, *a, **k: (
+      prefilled.append(tokens.shape[0]) or prefill(params, state, tokens, *a, **k))
+  state = sampler.start([shared, shared, other, shared])
+  assert prefilled == [2]  # Two distinct prompts, two rows prefilled.
+  assert np.asarray(state.lengths).tolist() == [9, 9, 4, 9]
+  # Each row then decodes as if it had been prefilled alone: greedy equals the argmax
+  # continuation of plain forward passes over its own sequence.
+  state, out = sampler.generate(state, jax.random.key(0), max_new_tokens=6, temperature=0.0)
+  for row, prompt in enumerate([shared, shared, other, shared]):
+    sequence = list(prompt)
+    for _ in range(6):
+      sequence.append(int(np.argmax(forward(sequence)[-1])))
+    assert out.token_lists()[row] == sequence[len(prompt):]
+    np.testing.assert_allclose(
+        np.asarray(out.logprobs[row]),
+        [forward(sequence[:t])[-1][sequence[t]] for t in range(len(prompt), len(sequence))],
+        rtol=0, atol=_logprob_tolerance(np.asarray(out.logprobs)))
+  # Appending to rows that hold tokens takes the plain prefill, attending to what they hold.
+  state = sampler.append(state, {0: [5, 6], 1: [5, 6]})
+  assert prefilled == [2] and np.asarray(state.lengths).tolist() == [17, 17, 10, 15]
+
+
+def test_a_shared_start_leaves_rows_not_given_a_prompt_untouched(model):
+  sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
+  state = sampler.start(_prompts([3, 3, 5], seed=1))
+  before = jax.device_get((state.cache.k, state.cache.lengths, state.hidden))
+  prompt = _prompts([6], seed=2)[0]
+  # Row 3 is empty: a shared append there copies nothing into rows 0-2.
+  state = sampler.append(state, {3: prompt})
+  after = jax.device_get((state.cache.k, state.cache.lengths, state.hidden))
+  np.testing.assert_array_equal(after[0][:, :3], before[0][:, :3])
+  np.testing.assert_array_equal(after[2][:3], before[2][:3])
+  assert after[1].tolist() == [3, 3, 5, 6]
