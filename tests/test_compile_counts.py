@@ -4,8 +4,8 @@ Every jitted function that compiles lowers its jaxpr to an MLIR module first, an
 each lowering as a "/jax/core/compile/jaxpr_to_mlir_module_duration" event naming the function.
 A lowering happens exactly when a call misses the in-process jit cache (a persistent compilation
 cache hit still lowers), so counting these events per training step counts the programs each
-step adds: the learner's compute_experience and update_step, the sampler's _prefill and
-_decode, and every small eager op (jnp.stack, indexing, ...) alike.
+step adds: the learner's compute_experience and update_step, the sampler's _prefill_shared
+(prompts), _prefill (continuations) and _decode, and every small eager op (jnp.stack, indexing, ...) alike.
 """
 
 import collections
@@ -82,15 +82,16 @@ def test_horizon_stages_compile_only_the_first_continuation_prefill(checkpoint_d
   # Multi-turn episodes really happened in the later stages (the policy is random).
   assert max(h["turns"] for h in history[1:]) > 1
   warm_up, first_cap2, first_cap3, *repeats = per_step
-  assert {"_prefill", "_decode", "compute_experience", "update_step"} <= set(warm_up)
-  # The one new program once turns follow turns: the prefill appending an observation (a
-  # handful of tokens, width bucket 16) next to the prompt's wider bucket. The attention window
+  assert {"_prefill_shared", "_decode", "compute_experience", "update_step"} <= set(warm_up)
+  # The one new program once turns follow turns: the prefill appending an observation to rows
+  # that hold tokens (the prompts went through the shared prefill). The attention window
   # cannot grow: it is capped at cache_slots = max_context = 64, below min_window. Packed
   # batches stay at the minimum length bucket (128 >= 64), so the learner's shapes never change.
   assert first_cap2 == collections.Counter({"_prefill": 1}), first_cap2
   # A third turn reuses every shape of the second; repeating a stage compiles nothing at all.
   assert first_cap3 == collections.Counter(), first_cap3
   assert repeats == [collections.Counter()] * 2, repeats
-  # The same count from the jit caches: two prefill programs (prompt, continuation), one decode.
+  # The same count from the jit caches: a prompt prefill, a continuation prefill, one decode.
   (sampler,) = samplers
-  assert (sampler._prefill._cache_size(), sampler._decode._cache_size()) == (2, 1)
+  assert (sampler._prefill_shared._cache_size(), sampler._prefill._cache_size(),
+          sampler._decode._cache_size()) == (1, 1, 1)
