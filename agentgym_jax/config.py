@@ -91,6 +91,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.algorithm.value_clip_eps = 0.2
   c.algorithm.ppo_epochs = 1
   c.algorithm.num_minibatches = 4
+  # Rows per forward/backward pass in the experience pass and the update, the gradient of a
+  # minibatch accumulated over its micro-batches (learner.py); 0: a minibatch at once.
+  c.algorithm.micro_batch_rows = 0
   c.algorithm.logprob_chunk = 512
 
   c.optim = ml_collections.ConfigDict()
@@ -225,6 +228,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(trajectories % a.num_minibatches == 0,
          f"algorithm.num_minibatches={a.num_minibatches} does not divide the "
          f"{trajectories} trajectories per step")
+  minibatch = trajectories // max(a.num_minibatches, 1)
+  _check(a.micro_batch_rows == 0 or (a.micro_batch_rows > 0 and minibatch % a.micro_batch_rows
+                                     == 0),
+         f"algorithm.micro_batch_rows={a.micro_batch_rows} must be 0 (off) or divide the "
+         f"minibatch of {minibatch} trajectories")
   estimator = rl.get_advantage_estimator(a.advantage)
   _check(not estimator.needs_groups or r.samples_per_task > 1,
          f"algorithm.advantage={a.advantage!r} compares samples of a task: "

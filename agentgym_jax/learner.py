@@ -5,6 +5,13 @@ Every per-token array it computes (logprobs, entropies, values, advantages) is a
 
 The update is PPO-style: `ppo_epochs` passes over the batch in `num_minibatches` shuffled
 minibatches, each one optimizer step, against old log-probs computed once before the first pass.
+
+Micro-batches (`LossConfig.micro_batch_rows`, 0 for none) bound the activations of a forward and
+backward pass: the experience pass runs its forward passes micro-batch by micro-batch, and the
+update accumulates the gradient of each micro-batch's loss weighted by its share of the
+aggregation's units (trained tokens for token-mean, rows for the sequence means), which sums to
+the gradient of the whole minibatch's loss. Micro-batch j of an [M, T] batch holds rows j, j + n,
+j + 2n, ... (n = M / micro_batch_rows), so on a mesh every micro-batch spans every device's rows.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ class LossConfig:
   value_clip_eps: float = 0.2
   temperature: float = 1.0
   logprob_chunk: int = 512
+  micro_batch_rows: int = 0
 
   @property
   def uses_reference(self) -> bool:
@@ -107,6 +115,35 @@ def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch,
   return logprobs, entropies, values
 
 
+def micro_batches(tree: Any, micro_batch_rows: int) -> Any:
+  """Splits every [M, ...] array of `tree` into [n, micro_batch_rows, ...] micro-batches, the
+  j-th holding rows j, j + n, j + 2n, ... (n = M / micro_batch_rows)."""
+  def split(x):
+    n = x.shape[0] // micro_batch_rows
+    return x.reshape(micro_batch_rows, n, *x.shape[1:]).swapaxes(0, 1)
+  return jax.tree.map(split, tree)
+
+
+def join_micro_batches(tree: Any) -> Any:
+  """The inverse of `micro_batches`."""
+  return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), tree)
+
+
+def _splits(rows: int, loss: LossConfig) -> bool:
+  return 0 < loss.micro_batch_rows < rows
+
+
+def _micro_token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch,
+                          loss: LossConfig, value_head: ValueHead | None = None
+                          ) -> tuple[Array, Array, Array]:
+  """`token_logprobs`, micro-batch by micro-batch when loss.micro_batch_rows splits the batch."""
+  if not _splits(batch.tokens.shape[0], loss):
+    return token_logprobs(graphdef, params, batch, loss, value_head)
+  per_micro = jax.lax.map(lambda b: token_logprobs(graphdef, params, b, loss, value_head),
+                          micro_batches(batch, loss.micro_batch_rows))
+  return join_micro_batches(per_micro)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "value_graphdef", "loss", "num_groups"))
 def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nnx.State | None,
                        value_graphdef: nnx.GraphDef | None, value_params: nnx.State | None,
@@ -114,10 +151,11 @@ def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nn
                        ) -> tuple[Experience, dict[str, Array]]:
   """Old and reference log-probs, values and advantages for one rollout batch."""
   value_head = nnx.merge(value_graphdef, value_params) if value_graphdef is not None else None
-  old_logprobs, entropies, old_values = token_logprobs(graphdef, params, batch, loss, value_head)
+  old_logprobs, entropies, old_values = _micro_token_logprobs(graphdef, params, batch, loss,
+                                                               value_head)
   _, _, mask = batch.inputs_and_targets()
   if loss.uses_reference:
-    ref_logprobs, _, _ = token_logprobs(graphdef, ref_params, batch, loss)
+    ref_logprobs, _, _ = _micro_token_logprobs(graphdef, ref_params, batch, loss)
   else:
     ref_logprobs = jnp.zeros_like(old_logprobs)
   token_rewards = None
@@ -198,13 +236,56 @@ def update_step(graphdef: nnx.GraphDef, value_graphdef: nnx.GraphDef | None,
                 batch: Batch, experience: Experience, *, optimizer: optax.GradientTransformation,
                 loss: LossConfig):
   """One optimizer step on one minibatch. Returns (trainable, opt_state, metrics)."""
-  grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
-  (_, metrics), grads = grad_fn(trainable, graphdef, value_graphdef, batch, experience, loss)
+  grads, metrics = _gradients(trainable, graphdef, value_graphdef, batch, experience, loss)
   metrics["grad_norm"] = optax.global_norm(grads)
   updates, opt_state = optimizer.update(grads, opt_state, trainable)
   trainable = optax.apply_updates(trainable, updates)
   metrics["nonfinite_steps"] = opt_state.notfinite_count
   return trainable, opt_state, metrics
+
+
+# How micro-batches combine the update's metrics: losses (keys ending in "loss") as the loss
+# does, by each part's share of the aggregation's units; maxima over tokens by max; the others,
+# means over trained tokens, by each part's share of the tokens.
+MAX_METRICS = ("policy/ratio_max",)
+
+
+def _gradients(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.GraphDef,
+               value_graphdef: nnx.GraphDef | None, batch: Batch, experience: Experience,
+               loss: LossConfig) -> tuple[Any, dict[str, Array]]:
+  """(gradient of the minibatch's loss, its metrics), accumulated over micro-batches when
+  loss.micro_batch_rows splits the minibatch (the module docstring's weighting)."""
+  grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
+  if not _splits(batch.tokens.shape[0], loss):
+    (_, metrics), grads = grad_fn(trainable, graphdef, value_graphdef, batch, experience, loss)
+    return grads, metrics
+  mask = lambda b: b.inputs_and_targets()[2]
+  units = lambda b: rl.aggregation_units(mask(b), loss.aggregation)
+  tokens = lambda b: rl.aggregation_units(mask(b), "token-mean")
+  total_units, total_tokens = jnp.maximum(units(batch), 1.0), jnp.maximum(tokens(batch), 1.0)
+
+  def accumulate(carry, micro):
+    micro_batch, micro_experience = micro
+    (_, metrics), grads = grad_fn(trainable, graphdef, value_graphdef, micro_batch,
+                                  micro_experience, loss)
+    share, token_share = units(micro_batch) / total_units, tokens(micro_batch) / total_tokens
+    sums, maxima = carry
+    grads = jax.tree.map(lambda total, x: total + share * x, sums[0], grads)
+    means = {k: total + (share if k.endswith("loss") else token_share) * metrics[k]
+             for k, total in sums[1].items()}
+    maxima = {k: jnp.maximum(maxima[k], metrics[k]) for k in maxima}
+    return ((grads, means), maxima), None
+
+  parts = micro_batches((batch, experience), loss.micro_batch_rows)
+  shapes = jax.eval_shape(lambda b, e: grad_fn(trainable, graphdef, value_graphdef, b, e, loss),
+                          *jax.tree.map(lambda x: x[0], parts))
+  (_, metric_shapes), grad_shapes = shapes
+  zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
+  sums = (zeros(grad_shapes), zeros({k: v for k, v in metric_shapes.items()
+                                     if k not in MAX_METRICS}))
+  maxima = {k: jnp.full((), -jnp.inf) for k in metric_shapes if k in MAX_METRICS}
+  ((grads, metrics), maxima), _ = jax.lax.scan(accumulate, (sums, maxima), parts)
+  return grads, {**metrics, **maxima}
 
 
 def minibatch_indices(num_rows: int, num_minibatches: int, epochs: int,

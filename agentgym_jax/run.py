@@ -156,6 +156,11 @@ class Settings:
           f"invalid config: a minibatch of {minibatch} trajectories (tasks_per_step x "
           f"samples_per_task / num_minibatches) does not split over the {batch_shards} devices "
           "of the mesh's data x fsdp axes; change the batch or mesh.data/mesh.fsdp")
+    micro = self.loss.micro_batch_rows
+    if micro and micro % batch_shards:
+      raise config_lib.ConfigError(
+          f"invalid config: algorithm.micro_batch_rows={micro} does not split over the "
+          f"{batch_shards} devices of the mesh's data x fsdp axes")
 
   # --- what a loop opens
 
@@ -243,7 +248,8 @@ def _loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:
       kl_estimator=a.kl_estimator, kl_in_reward_coef=a.kl_in_reward_coef,
       kl_in_reward_estimator=a.kl_in_reward_estimator,
       entropy_coef=a.entropy_coef, value_coef=a.value_coef, value_clip_eps=a.value_clip_eps,
-      temperature=c.rollout.temperature, logprob_chunk=a.logprob_chunk)
+      temperature=c.rollout.temperature, logprob_chunk=a.logprob_chunk,
+      micro_batch_rows=a.micro_batch_rows)
 
 
 # --- the optimizer and the state -----------------------------------------------------------

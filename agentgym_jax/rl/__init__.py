@@ -11,6 +11,7 @@ from agentgym_jax.rl.advantages import reinforce_plus_plus_advantages
 from agentgym_jax.rl.advantages import rloo_advantages
 from agentgym_jax.rl.losses import AGGREGATIONS
 from agentgym_jax.rl.losses import aggregate
+from agentgym_jax.rl.losses import aggregation_units
 from agentgym_jax.rl.losses import chunked_token_logprobs_and_entropy
 from agentgym_jax.rl.losses import dpo_loss
 from agentgym_jax.rl.losses import entropy_bonus

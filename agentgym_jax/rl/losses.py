@@ -62,6 +62,24 @@ AGGREGATIONS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
 }
 
 
+# What each aggregation averages over. A batch's aggregate is the mean of its parts' aggregates
+# weighted by each part's share of these units, which is how micro-batches add up to a batch.
+AGGREGATION_UNITS = {
+    "token-mean": "tokens",
+    "seq-mean-token-mean": "rows",
+    "seq-mean-token-sum": "rows",
+}
+
+
+def aggregation_units(loss_mask: jax.Array, aggregation: str) -> jax.Array:
+  """The number of units `aggregation` averages over in loss_mask [B, T]: trained tokens, or
+  rows holding any."""
+  units = registry.lookup(AGGREGATION_UNITS, aggregation, "loss aggregation")
+  if units == "tokens":
+    return jnp.sum(loss_mask.astype(jnp.float32))
+  return jnp.sum(jnp.any(loss_mask.astype(bool), axis=1).astype(jnp.float32))
+
+
 def aggregate(per_token: jax.Array, loss_mask: jax.Array, aggregation: str) -> jax.Array:
   """Reduces f32[B, T] per-token values to a scalar with the named aggregation."""
   return registry.lookup(AGGREGATIONS, aggregation, "loss aggregation")(per_token, loss_mask)
