@@ -187,17 +187,20 @@ def lower_forward(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
 
 def lower_train_step(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
                      dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
-                     remat: str = "full", logits_chunk: int = 1024) -> jax.stages.Lowered:
+                     remat: str = "full", logits_chunk: int = 1024,
+                     micro_batch_rows: int = 0) -> jax.stages.Lowered:
   """The learner's `update_step` on one minibatch, lowered on abstract sharded inputs, jitted
   as the RL trainer jits it (learner.jit_update_step): parameters and optimizer state donated,
   returned with their own shardings. Its log-probs come from chunked logits, so [batch, seq,
-  vocab] never exists at once."""
+  vocab] never exists at once. With micro_batch_rows the step accumulates its gradient over
+  micro-batches of that many rows (learner.py)."""
   graphdef, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype,
                                      remat=remat)
   optimizer = learner.make_optimizer(1e-6)
   trainable = (params, None)
   opt_state = abstract_optimizer_state(optimizer, trainable, mesh)
-  loss = learner.LossConfig(logprob_chunk=min(logits_chunk, seq - 1))
+  loss = learner.LossConfig(logprob_chunk=min(logits_chunk, seq - 1),
+                            micro_batch_rows=micro_batch_rows)
   shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
   step = learner.jit_update_step(shardings(trainable), shardings(opt_state))
   with jax.set_mesh(mesh):
@@ -207,7 +210,7 @@ def lower_train_step(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
 
 def plan(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *, dtype: Any = jnp.bfloat16,
          param_dtype: Any = jnp.float32, remat: str = "full", logits_chunk: int = 1024,
-         compile: bool = True) -> MemoryPlan:
+         micro_batch_rows: int = 0, compile: bool = True) -> MemoryPlan:
   """Per-device memory of one update step; compiles the step unless `compile` is False."""
   _, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype, remat=remat)
   opt_state = abstract_optimizer_state(learner.make_optimizer(1e-6), (params, None), mesh)
@@ -219,7 +222,8 @@ def plan(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *, dtype: Any = 
   if compile:
     start = time.perf_counter()
     compiled = lower_train_step(config, mesh, batch, seq, dtype=dtype, param_dtype=param_dtype,
-                                remat=remat, logits_chunk=logits_chunk).compile()
+                                remat=remat, logits_chunk=logits_chunk,
+                                micro_batch_rows=micro_batch_rows).compile()
     figures["compile_seconds"] = time.perf_counter() - start
     stats = compiled.memory_analysis()
     if stats is not None:
@@ -377,6 +381,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--remat", default="full", choices=["none", "full", "dots"])
   parser.add_argument("--logits_chunk", type=int, default=1024,
                       help="tokens per chunk of the vocabulary projection in the loss")
+  parser.add_argument("--micro_batch_rows", type=int, default=0,
+                      help="rows per forward/backward pass of the update (0: the whole batch)")
   parser.add_argument("--sampler_mesh", type=_mesh_shape, action="append",
                       help="data,fsdp,tensor of a sampler (repeatable)")
   parser.add_argument("--rows", type=int, default=256, help="sampler rows (episodes at once)")
@@ -412,7 +418,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   if meshes:
     tables.append(format_table(args.model, [
         plan(config, make_mesh(shape), args.batch, args.seq, remat=args.remat,
-             logits_chunk=args.logits_chunk, compile=not args.no_compile, **dtypes)
+             logits_chunk=args.logits_chunk, micro_batch_rows=args.micro_batch_rows,
+             compile=not args.no_compile, **dtypes)
         for shape in meshes]))
   if sampler_meshes:
     tables.append(format_sampler_table(args.model, [
