@@ -236,14 +236,30 @@ def _loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:
     return learner.LossConfig(logprob_chunk=a.logprob_chunk)
   estimator = rl.get_advantage_estimator(a.advantage)
   options = sorted((argument, a[key]) for argument, key in estimator.hyperparameters)
+  clip_low, clip_high = rl.get_policy_loss(a.policy_loss).clip_keys
   return learner.LossConfig(
       advantage_estimator=a.advantage, advantage_options=tuple(options),
-      clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
-      dual_clip_c=a.dual_clip_c or None, aggregation=a.aggregation, kl_coef=a.kl_coef,
+      policy_loss=a.policy_loss, clip_eps_low=a[clip_low], clip_eps_high=a[clip_high],
+      dual_clip_c=a.dual_clip_c or None, aggregation=a.aggregation,
+      loss_scale_tokens=_loss_scale_tokens(c), rollout_correction=a.rollout_correction,
+      rollout_correction_cap=a.rollout_correction_cap, kl_coef=a.kl_coef,
       kl_estimator=a.kl_estimator, kl_in_reward_coef=a.kl_in_reward_coef,
       kl_in_reward_estimator=a.kl_in_reward_estimator,
       entropy_coef=a.entropy_coef, value_coef=a.value_coef, value_clip_eps=a.value_clip_eps,
       temperature=c.rollout.temperature, logprob_chunk=a.logprob_chunk)
+
+
+def _loss_scale_tokens(c: ml_collections.ConfigDict) -> float | None:
+  """A scaled aggregation's divisor: algorithm.loss_scale_tokens, or if 0 the most tokens a
+  trajectory can have trained (max_new_tokens a turn, the horizon's largest cap of turns);
+  None for the other aggregations."""
+  a = c.algorithm
+  if a.aggregation not in rl.SCALED_AGGREGATIONS:
+    return None
+  if a.loss_scale_tokens:
+    return float(a.loss_scale_tokens)
+  max_turns = horizon.make_horizon_schedule(config_lib.horizon_options(c)).max_turns
+  return float(c.rollout.max_new_tokens * max_turns)
 
 
 # --- the optimizer and the state -----------------------------------------------------------
