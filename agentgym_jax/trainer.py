@@ -150,7 +150,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         batch = jax.device_put(batch, sharding.batch_sharding(mesh, 1))
         experience, experience_metrics = learner.compute_experience(
             graphdef, state.params, ref_params, value_graphdef, state.value_params, batch,
-            loss=loss, num_groups=2 * num_rows)
+            loss=loss, num_groups=2 * num_rows, num_turns=schedule.max_turns)
         jax.block_until_ready(experience)  # So that the phase timers measure device work.
 
       # 3. Update: ppo_epochs passes of num_minibatches optimizer steps.
