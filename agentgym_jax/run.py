@@ -81,6 +81,8 @@ class Settings:
       log-prob chunk and score the model's own distribution, temperature 1).
     rows: trajectories per RL step (tasks_per_step x samples_per_task).
     tasks_per_step, samples_per_task: an RL step's tasks and the size of each task's group.
+    dynamic_sampling, max_sampling_rounds: whether a step keeps only groups whose rewards
+      differ, playing up to max_sampling_rounds rounds of tasks_per_step tasks (DAPO).
     curriculum: per horizon stage, the categories of the tasks it trains on (() for all).
     max_context, pipeline_groups: tokens per trajectory (KV-cache slots), and the row groups
       whose environment steps overlap the other groups' decoding.
@@ -104,6 +106,8 @@ class Settings:
   rows: int
   tasks_per_step: int
   samples_per_task: int
+  dynamic_sampling: bool
+  max_sampling_rounds: int
   curriculum: tuple[tuple[str, ...], ...]
   max_context: int
   pipeline_groups: int
@@ -133,7 +137,8 @@ class Settings:
                sampling=turn(temperature=r.temperature), evaluation=evaluation,
                optimizer=make_optimizer(c), loss=_loss_config(c),
                rows=r.tasks_per_step * r.samples_per_task, tasks_per_step=r.tasks_per_step,
-               samples_per_task=r.samples_per_task,
+               samples_per_task=r.samples_per_task, dynamic_sampling=r.dynamic_sampling,
+               max_sampling_rounds=r.max_sampling_rounds,
                curriculum=tuple(tuple(stage) for stage in r.curriculum),
                max_context=r.max_context,
                pipeline_groups=r.pipeline_groups, failed_episodes=c.env.failed_episodes,
