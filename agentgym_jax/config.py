@@ -57,6 +57,11 @@ def base_config() -> ml_collections.ConfigDict:
   # TextCraft's "depth1") its training tasks are drawn from; a stage past the last entry keeps
   # the last one. (): every train task at every stage.
   c.rollout.curriculum = ()
+  # DAPO's dynamic sampling: drop the groups whose rewards are all equal (no signal for a group
+  # baseline) and play more tasks until the step has tasks_per_step groups with signal, up to
+  # max_sampling_rounds rounds of tasks_per_step tasks (then train on what there is).
+  c.rollout.dynamic_sampling = False
+  c.rollout.max_sampling_rounds = 3
 
   c.horizon = ml_collections.ConfigDict()
   c.horizon.kind = "stepwise"  # fixed | stepwise | linear (ScalingInter-RL)
@@ -76,10 +81,25 @@ def base_config() -> ml_collections.ConfigDict:
   c.algorithm.grpo_eps = 1e-6  # A = (r - mean) / (std + eps).
   c.algorithm.gamma = 1.0
   c.algorithm.lam = 1.0
-  c.algorithm.clip_eps_low = 0.2
+  c.algorithm.policy_loss = "ppo"  # ppo | gspo | cispo
+  c.algorithm.clip_eps_low = 0.2  # PPO's clip range of the token ratio.
   c.algorithm.clip_eps_high = 0.2
-  c.algorithm.dual_clip_c = 0.0  # 0: off; else c > 1.
+  c.algorithm.dual_clip_c = 0.0  # 0: off; else c > 1 (PPO only).
+  # GSPO's clip range of the length-normalised sequence ratio (the paper's values).
+  c.algorithm.gspo_clip_eps_low = 3e-4
+  c.algorithm.gspo_clip_eps_high = 4e-4
+  # CISPO's clip of the stop-gradient importance weight: [1 - low, 1 + high]; low = 1 leaves
+  # it without a lower bound, as MiniMax-M1.
+  c.algorithm.cispo_clip_eps_low = 1.0
+  c.algorithm.cispo_clip_eps_high = 5.0
+  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
   c.algorithm.aggregation = "token-mean"
+  # seq-mean-token-sum-norm's constant divisor (Dr. GRPO); 0: rollout.max_new_tokens times the
+  # horizon's largest cap, the most tokens a trajectory can have trained.
+  c.algorithm.loss_scale_tokens = 0
+  # Sampler-learner mismatch: none | token_tis | sequence_mask | geometric_mask (rl/correction.py)
+  c.algorithm.rollout_correction = "none"
+  c.algorithm.rollout_correction_cap = 2.0
   c.algorithm.kl_coef = 1e-3  # KL to the reference as a loss.
   c.algorithm.kl_estimator = "low_var_kl"  # k1 | k2 | k3 | low_var_kl | kl | mse | abs
   c.algorithm.kl_in_reward_coef = 0.0  # KL to the reference as a reward penalty.
@@ -202,6 +222,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          "trajectories per step")
   _check(r.cache_dtype in CACHE_DTYPES,
          f"rollout.cache_dtype={r.cache_dtype!r} is not one of {CACHE_DTYPES}")
+  _check(r.max_sampling_rounds >= 1,
+         f"rollout.max_sampling_rounds={r.max_sampling_rounds} must be >= 1")
+  _check(not r.dynamic_sampling or r.samples_per_task > 1,
+         "rollout.dynamic_sampling keeps the groups whose rewards differ: "
+         "rollout.samples_per_task must be > 1")
   try:
     horizon.make_horizon_schedule(horizon_options(c))
   except (ValueError, TypeError) as error:
@@ -217,9 +242,28 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(a.grpo_std in ("population", "unbiased"),
          f"algorithm.grpo_std={a.grpo_std!r} is not 'population' or 'unbiased'")
   _check(a.grpo_eps >= 0, f"algorithm.grpo_eps={a.grpo_eps} must be >= 0")
-  _check(a.clip_eps_low > 0 and a.clip_eps_high > 0, "algorithm.clip_eps_* must be > 0")
+  _check(a.policy_loss in rl.POLICY_LOSSES,
+         f"algorithm.policy_loss={a.policy_loss!r} is not one of {sorted(rl.POLICY_LOSSES)}")
+  for key in ("clip_eps_low", "clip_eps_high", "gspo_clip_eps_low", "gspo_clip_eps_high",
+              "cispo_clip_eps_low", "cispo_clip_eps_high"):
+    _check(a[key] > 0, f"algorithm.{key}={a[key]} must be > 0")
+  _check(a.cispo_clip_eps_low <= 1,
+         f"algorithm.cispo_clip_eps_low={a.cispo_clip_eps_low} must be <= 1 (1: no lower bound)")
   _check(a.dual_clip_c == 0 or a.dual_clip_c > 1,
          f"algorithm.dual_clip_c={a.dual_clip_c} must be 0 (off) or > 1")
+  _check(a.dual_clip_c == 0 or rl.get_policy_loss(a.policy_loss).dual_clip,
+         f"algorithm.dual_clip_c={a.dual_clip_c} is PPO's; algorithm.policy_loss="
+         f"{a.policy_loss!r} has no dual clip")
+  _check(a.loss_scale_tokens >= 0,
+         f"algorithm.loss_scale_tokens={a.loss_scale_tokens} must be >= 0")
+  _check(a.loss_scale_tokens == 0 or a.aggregation in rl.SCALED_AGGREGATIONS,
+         f"algorithm.loss_scale_tokens={a.loss_scale_tokens} is the divisor of "
+         f"{', '.join(rl.SCALED_AGGREGATIONS)}; algorithm.aggregation={a.aggregation!r} has none")
+  _check(a.rollout_correction in rl.CORRECTIONS,
+         f"algorithm.rollout_correction={a.rollout_correction!r} is not one of "
+         f"{list(rl.CORRECTIONS)}")
+  _check(a.rollout_correction_cap > 1,
+         f"algorithm.rollout_correction_cap={a.rollout_correction_cap} must be > 1")
   for key in ("kl_coef", "kl_in_reward_coef", "entropy_coef", "value_coef"):
     _check(a[key] >= 0, f"algorithm.{key}={a[key]} must be >= 0")
   _check(0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algorithm.gamma and lam must be in [0, 1]")

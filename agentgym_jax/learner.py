@@ -5,6 +5,9 @@ Every per-token array it computes (logprobs, entropies, values, advantages) is a
 
 The update is PPO-style: `ppo_epochs` passes over the batch in `num_minibatches` shuffled
 minibatches, each one optimizer step, against old log-probs computed once before the first pass.
+The policy loss is PPO's clip, GSPO's or CISPO's (rl.POLICY_LOSSES); the rollout correction
+(rl.correction) weights its tokens or drops trajectories whose sampler probabilities stray too
+far from the learner's.
 
 Micro-batches (`LossConfig.micro_batch_rows`, 0 for none) bound the activations of a forward and
 backward pass: the experience pass runs its forward passes micro-batch by micro-batch, and the
@@ -42,6 +45,8 @@ class Experience:
   old_values: Array  # f32[N, T-1] (zeros without a critic)
   advantages: Array  # f32[N, T-1]
   returns: Array  # f32[N, T-1]
+  rollout_weights: Array  # f32[N, T-1] rollout correction weights (ones without one)
+  kept: Array  # f32[N] 0 for a trajectory the rollout correction drops from the loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +55,14 @@ class LossConfig:
 
   advantage_estimator: str = "grpo"
   advantage_options: tuple[tuple[str, Any], ...] = ()
+  policy_loss: str = "ppo"  # A name in rl.POLICY_LOSSES; the clip range below is its own.
   clip_eps_low: float = 0.2
   clip_eps_high: float | None = None
   dual_clip_c: float | None = None
   aggregation: str = "token-mean"
+  loss_scale_tokens: float | None = None  # The divisor of a scaled aggregation.
+  rollout_correction: str = "none"
+  rollout_correction_cap: float = 2.0
   kl_coef: float = 0.0
   kl_estimator: str = "low_var_kl"
   kl_in_reward_coef: float = 0.0
@@ -144,12 +153,14 @@ def _micro_token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batc
   return join_micro_batches(per_micro)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "value_graphdef", "loss", "num_groups"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "value_graphdef", "loss", "num_groups",
+                                             "num_turns"))
 def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nnx.State | None,
                        value_graphdef: nnx.GraphDef | None, value_params: nnx.State | None,
-                       batch: Batch, *, loss: LossConfig, num_groups: int
+                       batch: Batch, *, loss: LossConfig, num_groups: int, num_turns: int = 0
                        ) -> tuple[Experience, dict[str, Array]]:
-  """Old and reference log-probs, values and advantages for one rollout batch."""
+  """Old and reference log-probs, values, advantages and the rollout correction for one rollout
+  batch; its metrics include the sampler-learner mismatch of the first `num_turns` turns."""
   value_head = nnx.merge(value_graphdef, value_params) if value_graphdef is not None else None
   old_logprobs, entropies, old_values = _micro_token_logprobs(graphdef, params, batch, loss,
                                                                value_head)
@@ -172,8 +183,13 @@ def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nn
   advantages, returns = estimator(batch.rewards, mask, **inputs)
   # The importance-sampling check: how far the sampler's log-probs are from the learner's.
   sampler_logprobs = batch.sampler_logprobs[:, 1:]
+  correction, correction_metrics = rl.rollout_correction(
+      old_logprobs, sampler_logprobs, mask, method=loss.rollout_correction,
+      cap=loss.rollout_correction_cap)
   gap = jnp.abs(sampler_logprobs - old_logprobs)
   metrics = {
+      **correction_metrics,
+      **rl.mismatch_metrics(old_logprobs, sampler_logprobs, mask, num_turns=num_turns),
       "logprob_gap_mean": rl.masked_mean(gap, mask),
       "logprob_gap_max": jnp.max(jnp.where(mask > 0, gap, 0.0)),
       "entropy": rl.masked_mean(entropies, mask),
@@ -181,7 +197,8 @@ def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nn
       "kl_to_ref": rl.masked_mean(rl.kl_divergence(old_logprobs, ref_logprobs, "low_var_kl"),
                                   mask) if loss.uses_reference else jnp.zeros(()),
   }
-  return Experience(old_logprobs, ref_logprobs, old_values, advantages, returns), metrics
+  return Experience(old_logprobs, ref_logprobs, old_values, advantages, returns,
+                    correction.weights, correction.kept), metrics
 
 
 def _loss_fn(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.GraphDef,
@@ -191,24 +208,29 @@ def _loss_fn(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.GraphD
   value_head = nnx.merge(value_graphdef, value_params) if value_graphdef is not None else None
   logprobs, entropies, values = token_logprobs(graphdef, params, batch, loss, value_head)
   _, _, mask = batch.inputs_and_targets()
-  total, metrics = rl.policy_gradient_loss(
-      logprobs, experience.old_logprobs, experience.advantages, mask,
-      clip_eps_low=loss.clip_eps_low, clip_eps_high=loss.clip_eps_high,
-      dual_clip_c=loss.dual_clip_c, aggregation=loss.aggregation)
+  # Trajectories the rollout correction dropped count in no term of the loss.
+  mask = mask * experience.kept[:, None]
+  aggregation = dict(aggregation=loss.aggregation, scale_tokens=loss.loss_scale_tokens)
+  policy_loss = rl.get_policy_loss(loss.policy_loss)
+  clip = dict(clip_eps_low=loss.clip_eps_low, clip_eps_high=loss.clip_eps_high)
+  if policy_loss.dual_clip:
+    clip["dual_clip_c"] = loss.dual_clip_c
+  total, metrics = policy_loss.fn(
+      logprobs, experience.old_logprobs, experience.advantages, mask, **clip, **aggregation,
+      importance_weights=experience.rollout_weights)
   metrics = {f"policy/{k}": v for k, v in metrics.items()}
   metrics["policy/loss"] = total
   if loss.kl_coef > 0:
     kl, _ = rl.kl_loss(logprobs, experience.ref_logprobs, mask, estimator=loss.kl_estimator,
-                       aggregation=loss.aggregation)
+                       **aggregation)
     total = total + loss.kl_coef * kl
     metrics["kl_loss"] = kl
   if loss.entropy_coef > 0:
-    entropy, _ = rl.entropy_bonus(entropies, mask, aggregation=loss.aggregation)
+    entropy, _ = rl.entropy_bonus(entropies, mask, **aggregation)
     total = total - loss.entropy_coef * entropy
   if loss.uses_critic:
     value_loss, value_metrics = rl.value_loss(values, experience.old_values, experience.returns,
-                                              mask, clip_eps=loss.value_clip_eps,
-                                              aggregation=loss.aggregation)
+                                              mask, clip_eps=loss.value_clip_eps, **aggregation)
     total = total + loss.value_coef * value_loss
     metrics.update({f"value/{k}": v for k, v in value_metrics.items()})
     metrics["value/loss"] = value_loss
@@ -259,16 +281,19 @@ def _gradients(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.Grap
   if not _splits(batch.tokens.shape[0], loss):
     (_, metrics), grads = grad_fn(trainable, graphdef, value_graphdef, batch, experience, loss)
     return grads, metrics
-  mask = lambda b: b.inputs_and_targets()[2]
-  units = lambda b: rl.aggregation_units(mask(b), loss.aggregation)
-  tokens = lambda b: rl.aggregation_units(mask(b), "token-mean")
-  total_units, total_tokens = jnp.maximum(units(batch), 1.0), jnp.maximum(tokens(batch), 1.0)
+  # The loss's mask: trained tokens of the trajectories the rollout correction keeps.
+  mask = lambda b, e: b.inputs_and_targets()[2] * e.kept[:, None]
+  units = lambda b, e: rl.aggregation_units(mask(b, e), loss.aggregation)
+  tokens = lambda b, e: rl.aggregation_units(mask(b, e), "token-mean")
+  total_units = jnp.maximum(units(batch, experience), 1.0)
+  total_tokens = jnp.maximum(tokens(batch, experience), 1.0)
 
   def accumulate(carry, micro):
     micro_batch, micro_experience = micro
     (_, metrics), grads = grad_fn(trainable, graphdef, value_graphdef, micro_batch,
                                   micro_experience, loss)
-    share, token_share = units(micro_batch) / total_units, tokens(micro_batch) / total_tokens
+    share = units(micro_batch, micro_experience) / total_units
+    token_share = tokens(micro_batch, micro_experience) / total_tokens
     sums, maxima = carry
     grads = jax.tree.map(lambda total, x: total + share * x, sums[0], grads)
     means = {k: total + (share if k.endswith("loss") else token_share) * metrics[k]

@@ -81,6 +81,8 @@ class Settings:
       log-prob chunk and score the model's own distribution, temperature 1).
     rows: trajectories per RL step (tasks_per_step x samples_per_task).
     tasks_per_step, samples_per_task: an RL step's tasks and the size of each task's group.
+    dynamic_sampling, max_sampling_rounds: whether a step keeps only groups whose rewards
+      differ, playing up to max_sampling_rounds rounds of tasks_per_step tasks (DAPO).
     curriculum: per horizon stage, the categories of the tasks it trains on (() for all).
     max_context, pipeline_groups: tokens per trajectory (KV-cache slots), and the row groups
       whose environment steps overlap the other groups' decoding.
@@ -104,6 +106,8 @@ class Settings:
   rows: int
   tasks_per_step: int
   samples_per_task: int
+  dynamic_sampling: bool
+  max_sampling_rounds: int
   curriculum: tuple[tuple[str, ...], ...]
   max_context: int
   pipeline_groups: int
@@ -133,7 +137,8 @@ class Settings:
                sampling=turn(temperature=r.temperature), evaluation=evaluation,
                optimizer=make_optimizer(c), loss=_loss_config(c),
                rows=r.tasks_per_step * r.samples_per_task, tasks_per_step=r.tasks_per_step,
-               samples_per_task=r.samples_per_task,
+               samples_per_task=r.samples_per_task, dynamic_sampling=r.dynamic_sampling,
+               max_sampling_rounds=r.max_sampling_rounds,
                curriculum=tuple(tuple(stage) for stage in r.curriculum),
                max_context=r.max_context,
                pipeline_groups=r.pipeline_groups, failed_episodes=c.env.failed_episodes,
@@ -241,15 +246,31 @@ def _loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:
     return learner.LossConfig(logprob_chunk=a.logprob_chunk)
   estimator = rl.get_advantage_estimator(a.advantage)
   options = sorted((argument, a[key]) for argument, key in estimator.hyperparameters)
+  clip_low, clip_high = rl.get_policy_loss(a.policy_loss).clip_keys
   return learner.LossConfig(
       advantage_estimator=a.advantage, advantage_options=tuple(options),
-      clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
-      dual_clip_c=a.dual_clip_c or None, aggregation=a.aggregation, kl_coef=a.kl_coef,
+      policy_loss=a.policy_loss, clip_eps_low=a[clip_low], clip_eps_high=a[clip_high],
+      dual_clip_c=a.dual_clip_c or None, aggregation=a.aggregation,
+      loss_scale_tokens=_loss_scale_tokens(c), rollout_correction=a.rollout_correction,
+      rollout_correction_cap=a.rollout_correction_cap, kl_coef=a.kl_coef,
       kl_estimator=a.kl_estimator, kl_in_reward_coef=a.kl_in_reward_coef,
       kl_in_reward_estimator=a.kl_in_reward_estimator,
       entropy_coef=a.entropy_coef, value_coef=a.value_coef, value_clip_eps=a.value_clip_eps,
       temperature=c.rollout.temperature, logprob_chunk=a.logprob_chunk,
       micro_batch_rows=a.micro_batch_rows)
+
+
+def _loss_scale_tokens(c: ml_collections.ConfigDict) -> float | None:
+  """A scaled aggregation's divisor: algorithm.loss_scale_tokens, or if 0 the most tokens a
+  trajectory can have trained (max_new_tokens a turn, the horizon's largest cap of turns);
+  None for the other aggregations."""
+  a = c.algorithm
+  if a.aggregation not in rl.SCALED_AGGREGATIONS:
+    return None
+  if a.loss_scale_tokens:
+    return float(a.loss_scale_tokens)
+  max_turns = horizon.make_horizon_schedule(config_lib.horizon_options(c)).max_turns
+  return float(c.rollout.max_new_tokens * max_turns)
 
 
 # --- the optimizer and the state -----------------------------------------------------------

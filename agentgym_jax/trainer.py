@@ -1,22 +1,33 @@
 """The RL train loop: rollout -> experience -> update, one step at a time.
 
-Everything random derives from (config.seed, step): the rollout key is fold_in(seed key, step),
-the minibatch order is seeded with (seed, step), and the task order is a per-epoch permutation
-seeded with (seed, epoch) of the tasks the step's horizon stage trains on (rollout.curriculum). A resumed run therefore needs only the checkpointed step (plus the
-parameters and optimizer state) to continue exactly as an uninterrupted run would.
+Everything random derives from (config.seed, step): the rollout key is fold_in(seed key, step)
+(round r > 0 of a step's dynamic sampling folds in r as well), the minibatch order is seeded
+with (seed, step), and the task order is a per-epoch permutation seeded with (seed, epoch) of
+the tasks the step's horizon stage trains on (rollout.curriculum), read from a cursor that
+advances by the tasks each step draws. A resumed run therefore needs only the checkpointed step
+and task cursor (plus the parameters and optimizer state) to continue exactly as an
+uninterrupted run would.
+
+Dynamic sampling (DAPO, rollout.dynamic_sampling): a step plays rounds of tasks_per_step tasks
+and keeps the groups whose rewards differ, until tasks_per_step such groups are in hand or
+rollout.max_sampling_rounds rounds are played. The batch is the first tasks_per_step groups
+with signal; if there are fewer, groups without signal fill it with their rows excluded from the
+loss (so shapes stay static), and the metrics say how many.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import pathlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
+from absl import logging
 from jax.experimental import multihost_utils
 
 from agentgym_jax import config as config_lib, evaluation, learner, metrics
@@ -61,6 +72,77 @@ def stage_task_orders(pool: EnvPool, curriculum: Sequence[Sequence[str]], seed: 
           f"{len(train)} train tasks (their categories: {sorted(set(categories.values()))})")
     orders.append(TaskOrder(task_ids, seed))
   return orders
+
+
+def has_signal(group: Sequence[rollout.Trajectory], failed_episodes: str) -> bool:
+  """Whether a group's rewards, as they enter the loss, are not all equal: failed episodes are
+  left out ("exclude") or count as reward 0 ("zero_reward"), as rollout.pack treats them."""
+  rewards = {0.0 if t.env_failed else t.reward for t in group
+             if not (t.env_failed and failed_episodes == "exclude")}
+  return len(rewards) > 1
+
+
+@dataclasses.dataclass
+class StepRollout:
+  """A step's episodes.
+
+  Attributes:
+    batch: the trajectories it trains on, tasks_per_step groups of samples_per_task, their
+      groups numbered 0, 1, ... in order.
+    trained: per row of `batch`, whether it enters the loss (False for the rows of a group
+      without signal that only fills the batch).
+    played: every trajectory played, in every round.
+    stats: the rollout statistics of every round, summed.
+    rounds: the rounds played.
+    signal_groups: the groups played whose rewards differ (all of them without dynamic
+      sampling, which does not look).
+  """
+
+  batch: list[rollout.Trajectory]
+  trained: list[bool]
+  played: list[rollout.Trajectory]
+  stats: rollout.RolloutStats
+  rounds: int
+  signal_groups: int
+
+  def metrics(self, tasks_per_step: int) -> dict[str, float]:
+    """Dynamic sampling's metrics: rounds played, the fraction of played groups kept (with
+    signal), and the groups without signal filling the batch (0 unless rounds ran out)."""
+    played_groups = self.rounds * tasks_per_step
+    return {"dynamic_sampling/rounds": self.rounds,
+            "dynamic_sampling/kept_fraction": self.signal_groups / played_groups,
+            "dynamic_sampling/filled_groups": max(tasks_per_step - self.signal_groups, 0)}
+
+
+def play_step(play: Callable[[list[int], int], tuple[list[rollout.Trajectory],
+                                                     rollout.RolloutStats]],
+              tasks: TaskOrder, cursor: int, *, tasks_per_step: int, samples_per_task: int,
+              dynamic_sampling: bool, max_rounds: int, failed_episodes: str
+              ) -> tuple[StepRollout, int]:
+  """Plays a step's rounds and returns (its StepRollout, the task cursor after it).
+
+  `play(task_ids, round)` plays samples_per_task episodes of each task, grouped task by task.
+  Without dynamic sampling that is one round, all of it trained on.
+  """
+  played, stats, signal, other = [], [], [], []
+  for round_index in range(max_rounds if dynamic_sampling else 1):
+    trajectories, round_stats = play(tasks.take(cursor, tasks_per_step), round_index)
+    cursor += tasks_per_step
+    played.extend(trajectories)
+    stats.append(round_stats)
+    for start in range(0, len(trajectories), samples_per_task):
+      group = trajectories[start:start + samples_per_task]
+      (signal if not dynamic_sampling or has_signal(group, failed_episodes) else other
+       ).append(group)
+    if len(signal) >= tasks_per_step:
+      break
+  groups = (signal + other)[:tasks_per_step]
+  batch = [dataclasses.replace(t, group=number) for number, group in enumerate(groups)
+           for t in group]
+  trained = [number < len(signal) for number, group in enumerate(groups) for _ in group]
+  total = rollout.RolloutStats(**{field.name: sum(getattr(s, field.name) for s in stats)
+                                  for field in dataclasses.fields(rollout.RolloutStats)})
+  return StepRollout(batch, trained, played, total, len(stats), len(signal)), cursor
 
 
 def trajectory_records(trajectories: Sequence[rollout.Trajectory], advantages: jax.Array,
@@ -109,7 +191,10 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   # Resume from the newest complete checkpoint, if any. Steps count completed RL steps: the
   # checkpoint, metrics row and trajectory file of step k are written after k updates.
   checkpointer = settings.checkpointer(workdir)
-  state, start_step, _ = run.resume(checkpointer, run.RunState(params, value_params, opt_state))
+  state, start_step, meta = run.resume(checkpointer,
+                                       run.RunState(params, value_params, opt_state))
+  # The position in the task stream: tasks_per_step a step, more with dynamic sampling.
+  cursor = int(meta.get("task_cursor", start_step * settings.tasks_per_step))
   metrics_writer = settings.metrics_writer(workdir, start_step)
   trajectory_writer = metrics.TrajectoryWriter(workdir, resume_step=start_step)
 
@@ -129,28 +214,39 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
                                  initial=start_step, shown=processes.index == 0)
     for step in range(start_step, settings.steps):
       timer = run.PhaseTimer()
-      # 1. Rollout: B tasks x n samples, up to the current horizon cap.
+      # 1. Rollout: B tasks x n samples, up to the current horizon cap (more rounds of B tasks
+      # with dynamic sampling).
       cap = schedule.cap(step)
-      tasks = task_orders[min(schedule.stage(step), len(task_orders) - 1)]
-      step_tasks = tasks.take(step * settings.tasks_per_step, settings.tasks_per_step)
-      group_of = [(task_id, group) for group, task_id in enumerate(step_tasks)
-                  for _ in range(settings.samples_per_task)]
-      with timer("rollout"):
-        played, rollout_stats = rollout.collect(
+      step_key = jax.random.fold_in(base_key, step)
+
+      def play(task_ids: list[int], round_index: int):
+        group_of = [(task_id, group) for group, task_id in enumerate(task_ids)
+                    for _ in range(settings.samples_per_task)]
+        played, stats = rollout.collect(
             sampler, processes.local_copy(state.params), pool, chat,
             group_of[process_rows.start:process_rows.stop], horizon=cap,
             sampling=settings.sampling, max_context=settings.max_context,
-            key=jax.random.fold_in(base_key, step), first_row=process_rows.start,
-            groups=settings.pipeline_groups)
-        trajectories, rollout_stats = processes.gather_rollout(played, rollout_stats)
+            key=jax.random.fold_in(step_key, round_index) if round_index else step_key,
+            first_row=process_rows.start, groups=settings.pipeline_groups)
+        return processes.gather_rollout(played, stats)
+
+      with timer("rollout"):
+        step_rollout, cursor = play_step(
+            play, task_orders[min(schedule.stage(step), len(task_orders) - 1)], cursor,
+            tasks_per_step=settings.tasks_per_step, samples_per_task=settings.samples_per_task,
+            dynamic_sampling=settings.dynamic_sampling,
+            max_rounds=settings.max_sampling_rounds, failed_episodes=settings.failed_episodes)
+        trajectories = step_rollout.batch
 
       # 2. Experience: old and reference log-probs, values, advantages.
       with timer("experience"):
         batch = rollout.pack(trajectories, failed_episodes=settings.failed_episodes)
+        batch = batch.replace(loss_mask=batch.loss_mask * np.asarray(
+            step_rollout.trained, np.float32)[:, None])
         batch = jax.device_put(batch, sharding.batch_sharding(mesh, 1))
         experience, experience_metrics = learner.compute_experience(
             graphdef, state.params, ref_params, value_graphdef, state.value_params, batch,
-            loss=loss, num_groups=2 * num_rows)
+            loss=loss, num_groups=2 * num_rows, num_turns=schedule.max_turns)
         jax.block_until_ready(experience)  # So that the phase timers measure device work.
 
       # 3. Update: ppo_epochs passes of num_minibatches optimizer steps.
@@ -168,8 +264,15 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         state = run.RunState(*jax.block_until_ready((trainable[0], trainable[1], opt_state)))
 
       done = step + 1
-      step_metrics = _step_metrics(trajectories, rollout_stats, experience_metrics,
+      step_metrics = _step_metrics(step_rollout.played, step_rollout.stats, experience_metrics,
                                    update_metrics, cap, schedule.stage(step), timer)
+      if settings.dynamic_sampling:
+        step_metrics.update(step_rollout.metrics(settings.tasks_per_step))
+        if step_metrics["dynamic_sampling/filled_groups"]:
+          logging.warning(
+              "step %d: %d of %d groups have signal after rollout.max_sampling_rounds=%d "
+              "rounds; training on those only", done, step_rollout.signal_groups,
+              settings.tasks_per_step, step_rollout.rounds)
       if settings.evaluation.every and done % settings.evaluation.every == 0:
         with timer("eval"):
           task_ids = settings.evaluation.tasks(pool)
@@ -194,7 +297,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         checkpointer.save(done, state.tree(),
                           settings.meta(done, horizon_stage=schedule.stage(done),
                                         horizon_cap=cap,
-                                        task_cursor=done * settings.tasks_per_step),
+                                        task_cursor=cursor),
                           force=done == settings.steps)
     progress.close()
   checkpointer.wait()

@@ -98,3 +98,28 @@ def test_verl_compatible_algorithm_keys_are_validated(key, value, message):
   else:
     with pytest.raises(config_lib.ConfigError, match=message):
       config_lib.validate(c)
+
+
+# The methods beyond the paper, one config each, and the key that makes it that method.
+METHOD_CONFIGS = {
+    "gspo_textcraft": ("algorithm", "policy_loss", "gspo"),
+    "cispo_textcraft": ("algorithm", "policy_loss", "cispo"),
+    "dapo_textcraft": ("rollout", "dynamic_sampling", True),
+    "drgrpo_textcraft": ("algorithm", "aggregation", "seq-mean-token-sum-norm"),
+    "tis_textcraft": ("algorithm", "rollout_correction", "token_tis"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(METHOD_CONFIGS))
+@pytest.mark.parametrize("variant", ["", "local", "short,local"])
+def test_method_configs_and_variants_validate_and_select_their_method(name, variant):
+  from agentgym_jax import run
+
+  c = config_lib.validate(load(name)(variant))
+  block, key, value = METHOD_CONFIGS[name]
+  assert c[block][key] == value
+  assert c.env.name == "textcraft"
+  settings = run.Settings.from_config(c)
+  assert settings.dynamic_sampling == (name == "dapo_textcraft")
+  assert settings.loss.policy_loss == c.algorithm.policy_loss
+  assert settings.loss.rollout_correction == c.algorithm.rollout_correction

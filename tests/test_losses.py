@@ -41,7 +41,8 @@ def test_aggregation_of_an_empty_batch_is_zero_not_nan():
 
 
 def test_unknown_aggregation_lists_the_valid_ones():
-  with pytest.raises(ValueError, match="'seq-mean-token-mean', 'seq-mean-token-sum', 'token-mean'"):
+  with pytest.raises(ValueError, match="'seq-mean-token-mean', 'seq-mean-token-sum', "
+                                       "'seq-mean-token-sum-norm', 'token-mean'"):
     losses.aggregate(_PER_TOKEN, _MASK, "sum")
 
 

@@ -55,14 +55,20 @@ def _grad_tolerance(grads) -> float:
                                   ) * scale
 
 
-@pytest.mark.parametrize("aggregation, micro_batch_rows", [
-    ("token-mean", 1), ("token-mean", 4), ("seq-mean-token-mean", 2), ("seq-mean-token-sum", 4)])
-def test_accumulated_gradients_equal_the_whole_minibatch(policy, aggregation, micro_batch_rows):
+@pytest.mark.parametrize("micro_batch_rows, changes", [
+    (1, dict(aggregation="token-mean")),
+    (4, dict(aggregation="token-mean", rollout_correction="token_tis")),
+    (2, dict(aggregation="seq-mean-token-mean", policy_loss="gspo")),
+    (4, dict(aggregation="seq-mean-token-sum-norm", policy_loss="cispo")),
+])
+def test_accumulated_gradients_equal_the_whole_minibatch(policy, micro_batch_rows, changes):
   graphdef, params = policy
   batch = _batch()
-  whole = _config(aggregation=aggregation)
+  whole = _config(**changes)
   experience, _ = learner.compute_experience(graphdef, params, params, None, None, batch,
                                              loss=whole, num_groups=ROWS // 4)
+  # A trajectory the rollout correction dropped counts in no unit of the loss.
+  experience = experience.replace(kept=jnp.asarray([1, 1, 0, 1, 1, 1, 1, 0], jnp.float32))
   # A policy one step away from the one that played, so ratios and the KL are not trivial.
   params = jax.tree.map(lambda p: p * 1.01, params)
   expected, expected_metrics = gradients((params, None), graphdef, None, batch, experience,
@@ -111,6 +117,7 @@ def test_units_are_trained_tokens_or_rows_holding_them():
   assert float(rl.aggregation_units(mask, "token-mean")) == 6.0
   assert float(rl.aggregation_units(mask, "seq-mean-token-mean")) == 2.0
   assert float(rl.aggregation_units(mask, "seq-mean-token-sum")) == 2.0
+  assert float(rl.aggregation_units(mask, "seq-mean-token-sum-norm")) == 2.0
 
 
 @pytest.mark.parametrize("rows, message", [

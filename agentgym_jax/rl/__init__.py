@@ -1,4 +1,5 @@
-"""Pure-function RL math: advantage estimators, losses, per-token log-probs, and registries."""
+"""Pure-function RL math: advantage estimators, losses, rollout correction, per-token log-probs,
+and registries."""
 
 from agentgym_jax.rl.advantages import ADVANTAGE_ESTIMATORS
 from agentgym_jax.rl.advantages import Advantages
@@ -9,17 +10,27 @@ from agentgym_jax.rl.advantages import grpo_advantages
 from agentgym_jax.rl.advantages import place_on_last_trained_token
 from agentgym_jax.rl.advantages import reinforce_plus_plus_advantages
 from agentgym_jax.rl.advantages import rloo_advantages
+from agentgym_jax.rl.correction import Correction
+from agentgym_jax.rl.correction import CORRECTIONS
+from agentgym_jax.rl.correction import mismatch_metrics
+from agentgym_jax.rl.correction import rollout_correction
+from agentgym_jax.rl.correction import turn_indices
 from agentgym_jax.rl.losses import AGGREGATIONS
 from agentgym_jax.rl.losses import aggregate
 from agentgym_jax.rl.losses import aggregation_units
 from agentgym_jax.rl.losses import chunked_token_logprobs_and_entropy
+from agentgym_jax.rl.losses import cispo_loss
 from agentgym_jax.rl.losses import dpo_loss
 from agentgym_jax.rl.losses import entropy_bonus
+from agentgym_jax.rl.losses import get_policy_loss
+from agentgym_jax.rl.losses import gspo_loss
 from agentgym_jax.rl.losses import KL_ESTIMATORS
 from agentgym_jax.rl.losses import kl_divergence
 from agentgym_jax.rl.losses import kl_loss
 from agentgym_jax.rl.losses import kl_penalty_rewards
 from agentgym_jax.rl.losses import policy_gradient_loss
+from agentgym_jax.rl.losses import POLICY_LOSSES
+from agentgym_jax.rl.losses import SCALED_AGGREGATIONS
 from agentgym_jax.rl.losses import sequence_logprobs
 from agentgym_jax.rl.losses import sft_loss
 from agentgym_jax.rl.losses import token_logprobs_and_entropy

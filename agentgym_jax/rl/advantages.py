@@ -132,6 +132,10 @@ def rloo_advantages(
 
   A group of size 1 has no other sample and gets A = 0.
 
+  There is no eps (and no algorithm.rloo_eps, unlike algorithm.grpo_eps): the one division is by
+  n_g - 1, a count that is >= 1 for every group scored, where GRPO's divides by a std that is 0
+  for a group of equal rewards. verl's RLOO takes an epsilon argument it never uses.
+
   Returns:
     f32[B, T] advantages, A_i on row i's trained tokens and 0 elsewhere.
   """

@@ -6,12 +6,19 @@ diagnostics (kept on device; the caller decides when to read them). Per-token
 losses take f32[B, T] arrays and a `loss_mask` [B, T] that is 1 exactly on sampler-generated
 assistant tokens, and reduce with one of the `AGGREGATIONS`:
 
-  "token-mean"           sum_{b,t} m l / sum_{b,t} m          every trained token weighs the same
-  "seq-mean-token-mean"  mean_b [ sum_t m l / sum_t m ]       every trajectory weighs the same
-  "seq-mean-token-sum"   mean_b [ sum_t m l ]                 long trajectories weigh more
+  "token-mean"               sum_{b,t} m l / sum_{b,t} m      every trained token weighs the same
+  "seq-mean-token-mean"      mean_b [ sum_t m l / sum_t m ]   every trajectory weighs the same
+  "seq-mean-token-sum"       mean_b [ sum_t m l ]             long trajectories weigh more
+  "seq-mean-token-sum-norm"  mean_b [ sum_t m l ] / L         Dr. GRPO: a constant divisor L
 
 The sequence means run over rows with at least one trained token, so all-padding rows that keep
-a batch shape static do not dilute the loss.
+a batch shape static do not dilute the loss. L (`scale_tokens`) is a constant such as the most
+tokens a trajectory can have trained, so no trajectory's length rescales its tokens' gradient
+(Liu et al. 2025, "Understanding R1-Zero-Like Training", Dr. GRPO); it defaults to the rows'
+length T.
+
+The policy losses (`POLICY_LOSSES`, chosen by algorithm.policy_loss) share one signature: PPO's
+clipped surrogate, GSPO's sequence-level ratio and CISPO's clipped importance weight.
 
 Hyperparameters (clip epsilons, beta, temperature, aggregation, chunk size) are Python values
 validated eagerly, so they are static under jit (bind them with functools.partial).
@@ -20,6 +27,7 @@ A trainer combines them as, e.g. for GRPO,
   policy_gradient_loss + kl_coef * kl_loss - entropy_coef * entropy_bonus
 """
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -55,11 +63,20 @@ def _seq_mean_token_sum(per_token: jax.Array, loss_mask: jax.Array) -> jax.Array
   return _seq_mean(masked.masked_sum(per_token, loss_mask, axis=1), loss_mask)
 
 
-AGGREGATIONS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
+def _seq_mean_token_sum_norm(per_token: jax.Array, loss_mask: jax.Array,
+                             scale_tokens: float | None) -> jax.Array:
+  scale = loss_mask.shape[1] if scale_tokens is None else scale_tokens
+  return _seq_mean_token_sum(per_token, loss_mask) / scale
+
+
+AGGREGATIONS: dict[str, Callable[..., jax.Array]] = {
     "token-mean": _token_mean,
     "seq-mean-token-mean": _seq_mean_token_mean,
     "seq-mean-token-sum": _seq_mean_token_sum,
+    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
 }
+# The aggregations that divide by a constant number of tokens, `scale_tokens`.
+SCALED_AGGREGATIONS = ("seq-mean-token-sum-norm",)
 
 
 # What each aggregation averages over. A batch's aggregate is the mean of its parts' aggregates
@@ -68,6 +85,7 @@ AGGREGATION_UNITS = {
     "token-mean": "tokens",
     "seq-mean-token-mean": "rows",
     "seq-mean-token-sum": "rows",
+    "seq-mean-token-sum-norm": "rows",
 }
 
 
@@ -80,9 +98,53 @@ def aggregation_units(loss_mask: jax.Array, aggregation: str) -> jax.Array:
   return jnp.sum(jnp.any(loss_mask.astype(bool), axis=1).astype(jnp.float32))
 
 
-def aggregate(per_token: jax.Array, loss_mask: jax.Array, aggregation: str) -> jax.Array:
-  """Reduces f32[B, T] per-token values to a scalar with the named aggregation."""
-  return registry.lookup(AGGREGATIONS, aggregation, "loss aggregation")(per_token, loss_mask)
+def aggregate(per_token: jax.Array, loss_mask: jax.Array, aggregation: str, *,
+              scale_tokens: float | None = None) -> jax.Array:
+  """Reduces f32[B, T] per-token values to a scalar with the named aggregation.
+
+  `scale_tokens` is the constant divisor L of the scaled aggregations (None: the rows' length
+  T); the others take none.
+  """
+  reduce = registry.lookup(AGGREGATIONS, aggregation, "loss aggregation")
+  if aggregation in SCALED_AGGREGATIONS:
+    if scale_tokens is not None and scale_tokens <= 0:
+      raise ValueError(f"scale_tokens must be > 0, got {scale_tokens}.")
+    return reduce(per_token, loss_mask, scale_tokens)
+  if scale_tokens is not None:
+    raise ValueError(f"Aggregation {aggregation!r} takes no scale_tokens; only "
+                     f"{', '.join(SCALED_AGGREGATIONS)} divide by a constant.")
+  return reduce(per_token, loss_mask)
+
+
+def _ratio_metrics(ratio: jax.Array, token_log_ratio: jax.Array, loss_mask: jax.Array
+                   ) -> Metrics:
+  """Diagnostics over trained tokens: the KL from the per-token log-ratios log(pi / pi_old),
+  the mean and max of the loss's ratio (per token, or per sequence for GSPO)."""
+  return {
+      # k3: E_old[rho - 1 - log rho] >= 0, unbiased for KL(old || new) and low-variance.
+      "approx_kl": masked.masked_mean(jnp.exp(token_log_ratio) - 1.0 - token_log_ratio,
+                                      loss_mask),
+      "ratio_mean": masked.masked_mean(ratio, loss_mask),
+      # ratio > 0, so 0 is a neutral fill for untrained tokens.
+      "ratio_max": jnp.max(jnp.where(loss_mask.astype(bool), ratio, 0.0)),
+  }
+
+
+def _check_clip(clip_eps_low: float, clip_eps_high: float | None) -> float:
+  """eps_high (eps_low when None), after checking both are > 0."""
+  clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+  if clip_eps_low <= 0 or clip_eps_high <= 0:
+    raise ValueError(
+        f"Clip epsilons must be > 0, got eps_low={clip_eps_low}, eps_high={clip_eps_high}."
+    )
+  return clip_eps_high
+
+
+def _weighted(per_token: jax.Array, importance_weights: jax.Array | None) -> jax.Array:
+  # The weights are constants of the batch (a behaviour-policy correction), never trained.
+  if importance_weights is None:
+    return per_token
+  return per_token * jax.lax.stop_gradient(importance_weights)
 
 
 def policy_gradient_loss(
@@ -95,16 +157,20 @@ def policy_gradient_loss(
     clip_eps_high: float | None = None,
     dual_clip_c: float | None = None,
     aggregation: str = "token-mean",
+    scale_tokens: float | None = None,
+    importance_weights: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
   """PPO clipped surrogate, with optional clip-higher and dual-clip.
 
     rho_t = exp(logp_t - logp_old_t)
     l_t   = max(-A_t rho_t, -A_t clip(rho_t, 1 - eps_low, 1 + eps_high))
     l_t   = min(l_t, -c A_t)          where A_t < 0, if dual_clip_c = c > 1
+    l_t   = w_t l_t                   with importance_weights w (constants)
 
   Clip-higher (eps_high > eps_low) lets low-probability tokens with positive advantage grow
   further; dual-clip bounds the loss of a token with negative advantage whose ratio has blown
-  up, which would otherwise dominate the batch.
+  up, which would otherwise dominate the batch. The weights w correct for a sampler whose
+  probabilities differ from the learner's (rl.correction: w_t = min(pi_old / pi_sampler, cap)).
 
   Args:
     logprobs: f32[B, T] log-probs of the sampled tokens under the policy being trained.
@@ -115,6 +181,8 @@ def policy_gradient_loss(
     clip_eps_high: eps_high > 0; defaults to eps_low (symmetric clipping).
     dual_clip_c: c > 1, or None for no dual clip.
     aggregation: one of AGGREGATIONS.
+    scale_tokens: the constant divisor of a scaled aggregation.
+    importance_weights: f32[B, T] per-token weights w, or None for w = 1.
 
   Returns:
     (loss, metrics) with metrics
@@ -123,11 +191,7 @@ def policy_gradient_loss(
       approx_kl:          KL(old || new) by the k3 estimator, mean over trained tokens
       ratio_mean, ratio_max: of rho over trained tokens
   """
-  clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
-  if clip_eps_low <= 0 or clip_eps_high <= 0:
-    raise ValueError(
-        f"Clip epsilons must be > 0, got eps_low={clip_eps_low}, eps_high={clip_eps_high}."
-    )
+  clip_eps_high = _check_clip(clip_eps_low, clip_eps_high)
   if dual_clip_c is not None and dual_clip_c <= 1:
     raise ValueError(f"dual_clip_c must be > 1 (or None), got {dual_clip_c}.")
 
@@ -147,13 +211,127 @@ def policy_gradient_loss(
   metrics = {
       "clip_fraction": masked.masked_mean(clip_active.astype(jnp.float32), loss_mask),
       "dual_clip_fraction": masked.masked_mean(dual_clip_active.astype(jnp.float32), loss_mask),
-      # k3: E_old[rho - 1 - log rho] >= 0, unbiased for KL(old || new) and low-variance.
-      "approx_kl": masked.masked_mean(ratio - 1.0 - log_ratio, loss_mask),
-      "ratio_mean": masked.masked_mean(ratio, loss_mask),
-      # ratio > 0, so 0 is a neutral fill for untrained tokens.
-      "ratio_max": jnp.max(jnp.where(loss_mask.astype(bool), ratio, 0.0)),
+      **_ratio_metrics(ratio, log_ratio, loss_mask),
   }
-  return aggregate(per_token, loss_mask, aggregation), metrics
+  per_token = _weighted(per_token, importance_weights)
+  return aggregate(per_token, loss_mask, aggregation, scale_tokens=scale_tokens), metrics
+
+
+def gspo_loss(
+    logprobs: jax.Array,
+    old_logprobs: jax.Array,
+    advantages: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    clip_eps_low: float = 3e-4,
+    clip_eps_high: float | None = 4e-4,
+    aggregation: str = "seq-mean-token-mean",
+    scale_tokens: float | None = None,
+    importance_weights: jax.Array | None = None,
+) -> tuple[jax.Array, Metrics]:
+  """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): PPO's clip on one
+  length-normalised ratio per trajectory instead of one per token.
+
+    s_i   = exp( (1 / |y_i|) sum_t log(pi(y_i,t) / pi_old(y_i,t)) )       over trained tokens
+    s_i,t = sg[s_i] * pi(y_i,t) / sg[pi(y_i,t)]                           (value s_i)
+    l_i,t = max(-A_i,t s_i,t, -A_i,t clip(s_i,t, 1 - eps_low, 1 + eps_high))
+    l_i,t = w_i,t l_i,t                                                   importance weights w
+
+  This is the paper's GSPO-token form: with one advantage per trajectory (GRPO, RLOO) and the
+  seq-mean-token-mean aggregation it is GSPO itself, loss -mean_i min(s_i A_i, clip(s_i) A_i)
+  with gradient s_i A_i mean_t grad log pi(y_i,t) where unclipped; token-level advantages
+  (REINFORCE++, GAE) weight each token's share. A trajectory is clipped or not as a whole, so
+  the clip range is of the sequence ratio's scale: the paper's 3e-4 / 4e-4, not PPO's 0.2.
+
+  Args and returns as `policy_gradient_loss` (no dual clip); clip_fraction counts the trained
+  tokens of clipped trajectories, ratio_mean and ratio_max are of s over trained tokens, and
+  approx_kl is the per-token k3 estimate.
+  """
+  clip_eps_high = _check_clip(clip_eps_low, clip_eps_high)
+  token_log_ratio = jnp.clip(logprobs - old_logprobs, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+  sequence_log_ratio = masked.masked_mean(token_log_ratio, loss_mask, axis=1)[:, None]
+  # (log pi - sg[log pi]) + sg[log s_i]: the value of log s_i, the gradient of log pi. The
+  # difference first, which is exactly 0: adding log s_i (~1e-4) to log pi (~-5) first would
+  # round it at a relative 1e-3, the scale of GSPO's clip range.
+  log_ratio = ((logprobs - jax.lax.stop_gradient(logprobs))
+               + jax.lax.stop_gradient(sequence_log_ratio))
+  ratio = jnp.exp(log_ratio)
+  unclipped = -advantages * ratio
+  clipped = -advantages * jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+  per_token = jnp.maximum(unclipped, clipped)
+  metrics = {
+      "clip_fraction": masked.masked_mean((clipped > unclipped).astype(jnp.float32), loss_mask),
+      **_ratio_metrics(ratio, token_log_ratio, loss_mask),
+  }
+  per_token = _weighted(per_token, importance_weights)
+  return aggregate(per_token, loss_mask, aggregation, scale_tokens=scale_tokens), metrics
+
+
+def cispo_loss(
+    logprobs: jax.Array,
+    old_logprobs: jax.Array,
+    advantages: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    clip_eps_low: float = 1.0,
+    clip_eps_high: float | None = 5.0,
+    aggregation: str = "token-mean",
+    scale_tokens: float | None = None,
+    importance_weights: jax.Array | None = None,
+) -> tuple[jax.Array, Metrics]:
+  """CISPO (MiniMax-M1, 2025): REINFORCE with a clipped, stop-gradient importance weight.
+
+    rho_t = exp(logp_t - logp_old_t)
+    l_t   = -sg[clip(rho_t, 1 - eps_low, 1 + eps_high)] A_t logp_t
+    l_t   = w_t l_t                                            importance weights w
+
+  so grad l_t = -clip(rho_t) A_t grad logp_t. Unlike PPO's clip, which zeroes the gradient of
+  a token whose ratio left the trust region, every token keeps its gradient and only its
+  weight is bounded: rare tokens that matter for reflection keep contributing. eps_low = 1
+  leaves the weight without a lower bound, as MiniMax-M1 does. The loss's value is that of a
+  weighted log-likelihood, not of a surrogate near 0; its gradient is what counts.
+
+  Args and returns as `policy_gradient_loss` (no dual clip); clip_fraction counts the trained
+  tokens whose weight is clipped.
+  """
+  clip_eps_high = _check_clip(clip_eps_low, clip_eps_high)
+  log_ratio = jnp.clip(logprobs - old_logprobs, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+  ratio = jnp.exp(log_ratio)
+  weight = jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+  per_token = -jax.lax.stop_gradient(weight * advantages) * logprobs
+  metrics = {
+      "clip_fraction": masked.masked_mean((weight != ratio).astype(jnp.float32), loss_mask),
+      **_ratio_metrics(ratio, log_ratio, loss_mask),
+  }
+  per_token = _weighted(per_token, importance_weights)
+  return aggregate(per_token, loss_mask, aggregation, scale_tokens=scale_tokens), metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLoss:
+  """A registry entry: `fn(logprobs, old_logprobs, advantages, loss_mask, *, clip_eps_low,
+  clip_eps_high, aggregation, scale_tokens, importance_weights)` (plus dual_clip_c if
+  `dual_clip`), and the algorithm.* config keys of its clip range."""
+
+  name: str
+  fn: Callable[..., tuple[jax.Array, Metrics]]
+  clip_keys: tuple[str, str]
+  dual_clip: bool = False
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    entry.name: entry for entry in (
+        PolicyLoss("ppo", policy_gradient_loss, ("clip_eps_low", "clip_eps_high"),
+                   dual_clip=True),
+        PolicyLoss("gspo", gspo_loss, ("gspo_clip_eps_low", "gspo_clip_eps_high")),
+        PolicyLoss("cispo", cispo_loss, ("cispo_clip_eps_low", "cispo_clip_eps_high")),
+    )
+}
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+  """The policy loss registered as `name`; a ValueError lists the valid names otherwise."""
+  return registry.lookup(POLICY_LOSSES, name, "policy loss")
 
 
 def _k1(log_ratio: jax.Array) -> jax.Array:
@@ -216,9 +394,11 @@ def kl_loss(
     *,
     estimator: str = "low_var_kl",
     aggregation: str = "token-mean",
+    scale_tokens: float | None = None,
 ) -> tuple[jax.Array, Metrics]:
   """KL to the frozen reference policy as a loss term: aggregate(kl_divergence(...))."""
-  loss = aggregate(kl_divergence(logprobs, ref_logprobs, estimator), loss_mask, aggregation)
+  loss = aggregate(kl_divergence(logprobs, ref_logprobs, estimator), loss_mask, aggregation,
+                   scale_tokens=scale_tokens)
   return loss, {"kl": loss}
 
 
@@ -242,7 +422,8 @@ def kl_penalty_rewards(
 
 
 def entropy_bonus(
-    entropies: jax.Array, loss_mask: jax.Array, *, aggregation: str = "token-mean"
+    entropies: jax.Array, loss_mask: jax.Array, *, aggregation: str = "token-mean",
+    scale_tokens: float | None = None,
 ) -> tuple[jax.Array, Metrics]:
   """Aggregated policy entropy H, to be maximised: subtract coef * H from the loss (coef > 0).
 
@@ -250,8 +431,9 @@ def entropy_bonus(
     entropies: f32[B, T] per-token entropies, e.g. from `token_logprobs_and_entropy`.
     loss_mask: [B, T].
     aggregation: one of AGGREGATIONS.
+    scale_tokens: the constant divisor of a scaled aggregation.
   """
-  entropy = aggregate(entropies, loss_mask, aggregation)
+  entropy = aggregate(entropies, loss_mask, aggregation, scale_tokens=scale_tokens)
   return entropy, {"entropy": entropy}
 
 
@@ -263,6 +445,7 @@ def value_loss(
     *,
     clip_eps: float = 0.2,
     aggregation: str = "token-mean",
+    scale_tokens: float | None = None,
 ) -> tuple[jax.Array, Metrics]:
   """PPO clipped value loss.
 
@@ -275,6 +458,7 @@ def value_loss(
     loss_mask: [B, T].
     clip_eps: eps > 0.
     aggregation: one of AGGREGATIONS.
+    scale_tokens: the constant divisor of a scaled aggregation.
 
   Returns:
     (loss, metrics) with value_clip_fraction (tokens where the clipped error is the larger)
@@ -292,7 +476,7 @@ def value_loss(
       ),
       "value_mse": masked.masked_mean(unclipped_error, loss_mask),
   }
-  return aggregate(per_token, loss_mask, aggregation), metrics
+  return aggregate(per_token, loss_mask, aggregation, scale_tokens=scale_tokens), metrics
 
 
 def sft_loss(

@@ -164,7 +164,8 @@ def abstract_minibatch(mesh: Mesh, batch: int, seq: int) -> tuple[Batch, learner
   return (Batch(tokens=rows((batch, seq), jnp.int32), loss_mask=rows((batch, seq), jnp.float32),
                 sampler_logprobs=rows((batch, seq), jnp.float32),
                 rewards=rows((batch,), jnp.float32), group_ids=rows((batch,), jnp.int32)),
-          learner.Experience(*(rows((batch, seq - 1), jnp.float32) for _ in range(5))))
+          learner.Experience(*(rows((batch, seq - 1), jnp.float32) for _ in range(6)),
+                             kept=rows((batch,), jnp.float32)))
 
 
 def _rows(mesh: Mesh, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
