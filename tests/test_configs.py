@@ -98,3 +98,15 @@ def test_verl_compatible_algorithm_keys_are_validated(key, value, message):
   else:
     with pytest.raises(config_lib.ConfigError, match=message):
       config_lib.validate(c)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("remat", "some", r"model.remat='some' is not one of \['none', 'full', 'dots', 'auto'\]"),
+    ("attention", "flashy", r"model.attention='flashy' is not one of \('auto', 'dense', "),
+])
+def test_model_remat_and_attention_are_validated(key, value, message):
+  c = load("grpo_textcraft")("local")
+  assert (c.model.remat, c.model.attention) == ("auto", "auto")
+  c.model[key] = value
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(c)
