@@ -327,7 +327,6 @@ def local(c: ml_collections.ConfigDict) -> None:
   # bf16 matmuls on a CPU with AMX or AVX512-BF16, f32 on one without (there bf16 runs 1.5-3x
   # slower than f32; benchmarks/train_step.py prints both peaks).
   c.model.dtype = "auto"
-  c.model.remat = "auto"
   c.rollout.tasks_per_step = 4
   c.rollout.samples_per_task = 4
   c.rollout.max_new_tokens = 64

@@ -136,6 +136,19 @@ def test_cli_plans_a_sampler_on_the_requested_devices(capsys):
   assert lines[3].split()[:6] == ["1,4,1", "64", "x", "10240", "7.09", "8.75"]
 
 
+
+def test_train_step_with_the_tpu_attention_kernel_compiles_on_a_tpu_shaped_mesh():
+  # The Pallas splash kernel (interpreted off TPU) inside the learner's update step, run per
+  # shard: rows over fsdp, the 4 heads and 2 kv heads over tensor.
+  mesh = sharding.make_mesh(1, 4, 2)
+  memory = plan.plan(SMALL, mesh, batch=8, seq=256, remat="none", attention="splash")
+  # It takes the planned shards and nothing gathered (see the 7B test above): parameters and
+  # moments less the 1-byte flag, and 2 rows a device of tokens and loss mask (256 positions)
+  # and of old log-probs and advantages (255 targets).
+  state = memory.param_bytes + memory.optimizer_bytes - 1
+  assert memory.argument_bytes == state + 2 * (2 * 256 * 4 + 2 * 255 * 4)
+
+
 # --- model.remat=auto
 
 GIB = 2**30

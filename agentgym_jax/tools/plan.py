@@ -19,8 +19,9 @@ chunked log-probs, forward + backward, AdamW after clipping) on a [batch, seq] m
   peak        arguments + outputs that do not reuse a donated argument + temp
 
 params and optimizer are exact: they follow from the shardings alone. temp is the XLA:CPU
-compiler's schedule of the same SPMD program; a TPU's differs (other fusions and layouts), so
-read it as an estimate. The compiled step's argument bytes are checked against params +
+compiler's schedule of the same SPMD program; a TPU's differs (other fusions and layouts, and
+`--attention=auto` is the Pallas splash kernel there, flash attention here), so read it as an
+estimate. `choose_remat` reads the same estimate to resolve model.remat=auto. The compiled step's argument bytes are checked against params +
 optimizer + batch, which catches a sharding the compiler did not honour.
 
 The sampler (`--sampler_mesh`) is planned the same way: the two programs `Sampler` compiles,
