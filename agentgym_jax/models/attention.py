@@ -135,19 +135,25 @@ def flash_attention(q: Array, k: Array, v: Array, segment_ids: Array | None = No
   return _flash(q, k, v, segment_ids, jnp.dtype(dtype), block)
 
 
-def _flash_layout(q: Array, k: Array, v: Array, segment_ids: Array | None, block: int):
-  """Blocked, padded operands: q [n, B, K, G, block, D], k and v [n, B, K, block, D], segment
-  ids [n, B, block] (or None)."""
-  batch, length, heads, head_dim = q.shape
-  kv_heads = k.shape[2]
+def _blocks(x: Array, block: int) -> Array:
+  """x [B, T, ...] padded to whole blocks: [B, n, block, ...]."""
+  batch, length = x.shape[:2]
   n = -(-length // block)
-  pad = lambda x: jnp.pad(x, [(0, 0), (0, n * block - length)] + [(0, 0)] * (x.ndim - 2))
-  q = pad(q).reshape(batch, n, block, kv_heads, heads // kv_heads, head_dim)
-  q = q.transpose(1, 0, 3, 4, 2, 5)
-  kv = lambda x: pad(x).reshape(batch, n, block, kv_heads, head_dim).transpose(1, 0, 3, 2, 4)
-  if segment_ids is not None:
-    segment_ids = pad(segment_ids).reshape(batch, n, block).transpose(1, 0, 2)
-  return q, kv(k), kv(v), segment_ids
+  x = jnp.pad(x, [(0, 0), (0, n * block - length)] + [(0, 0)] * (x.ndim - 2))
+  return x.reshape(batch, n, block, *x.shape[2:])
+
+
+def _block_q(q: Array, kv_heads: int, block: int) -> Array:
+  """q [B, T, H, D] -> [n, B, K, G, block, D] (query head h = k * G + g)."""
+  q = _blocks(q, block)
+  batch, n, _, heads, head_dim = q.shape
+  q = q.reshape(batch, n, block, kv_heads, heads // kv_heads, head_dim)
+  return q.transpose(1, 0, 3, 4, 2, 5)
+
+
+def _block_kv(x: Array, block: int) -> Array:
+  """k or v [B, T, K, D] -> [n, B, K, block, D]."""
+  return _blocks(x, block).transpose(1, 0, 3, 2, 4)
 
 
 def _unblock_q(x: Array, length: int) -> Array:
@@ -187,8 +193,9 @@ def _pv(p: Array, v: Array, dtype: Any) -> Array:
 def _flash_forward(q: Array, k: Array, v: Array, segment_ids: Array | None, dtype: Any,
                    block: int):
   """(out [B, T, H, D], residuals) of `flash_attention`."""
-  length = q.shape[1]
-  qb, kb, vb, sb = _flash_layout(q, k, v, segment_ids, block)
+  length, kv_heads = q.shape[1], k.shape[2]
+  qb, kb, vb = _block_q(q, kv_heads, block), _block_kv(k, block), _block_kv(v, block)
+  sb = None if segment_ids is None else _blocks(segment_ids, block).transpose(1, 0, 2)
   n = qb.shape[0]
   for d in range(n):
     s = _diagonal_scores(qb, kb, sb, d, dtype)
@@ -221,11 +228,7 @@ def _flash_backward(dtype: Any, block: int, residuals, d_out: Array):
   """
   qb, kb, vb, sb, out, lse = residuals
   n, head_dim, length = qb.shape[0], qb.shape[-1], d_out.shape[1]
-  d_out = jnp.pad(d_out, [(0, 0), (0, n * block - length), (0, 0), (0, 0)])
-  batch, _, heads, _ = d_out.shape
-  kv_heads = kb.shape[2]
-  do = d_out.reshape(batch, n, block, kv_heads, heads // kv_heads, head_dim)
-  do = do.transpose(1, 0, 3, 4, 2, 5).astype(jnp.float32)
+  do = _block_q(d_out, kb.shape[2], block).astype(jnp.float32)
   delta = jnp.sum(do * out, axis=-1)
   dq = jnp.zeros(qb.shape, jnp.float32)
   dk = jnp.zeros(kb.shape, jnp.float32)
