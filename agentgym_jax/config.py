@@ -27,7 +27,11 @@ def base_config() -> ml_collections.ConfigDict:
   # Matmul inputs; auto: bf16 where the hardware runs it fast (agentgym_jax/hardware.py).
   c.model.dtype = "bfloat16"
   c.model.param_dtype = "float32"
-  c.model.remat = "full"  # none | full | dots
+  # What the backward pass recomputes: none | dots | full, or auto: the fastest whose update step
+  # fits in the device's memory (tools/plan.py's estimate, compiled at start-up).
+  c.model.remat = "auto"
+  # The learner's attention: auto (splash kernel on TPU, flash elsewhere) | flash | splash | dense.
+  c.model.attention = "auto"
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1
@@ -184,6 +188,7 @@ def _check(condition: bool, message: str) -> None:
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Checks every value; raises ConfigError with one line naming the key."""
   from agentgym_jax import horizon, rl
+  from agentgym_jax.models.attention import IMPLEMENTATIONS
   from agentgym_jax.models.decoder import REMAT_POLICIES
   from environments import base as env_base
 
@@ -193,8 +198,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"model.dtype={c.model.dtype!r} is not one of {DTYPES + ('auto',)}")
   _check(c.model.param_dtype in DTYPES,
          f"model.param_dtype={c.model.param_dtype!r} is not one of {DTYPES}")
-  _check(c.model.remat in REMAT_POLICIES,
-         f"model.remat={c.model.remat!r} is not one of {sorted(REMAT_POLICIES)}")
+  _check(c.model.remat in (*REMAT_POLICIES, "auto"),
+         f"model.remat={c.model.remat!r} is not one of {[*REMAT_POLICIES, 'auto']}")
+  _check(c.model.attention in IMPLEMENTATIONS,
+         f"model.attention={c.model.attention!r} is not one of {IMPLEMENTATIONS}")
   for axis in ("data", "fsdp", "tensor"):
     value = c.mesh[axis]
     _check(value == -1 or value > 0, f"mesh.{axis}={value} must be > 0 or -1")
@@ -372,9 +379,6 @@ def local(c: ml_collections.ConfigDict) -> None:
   # bf16 matmuls on a CPU with AMX or AVX512-BF16, f32 on one without (there bf16 runs 1.5-3x
   # slower than f32; benchmarks/train_step.py prints both peaks).
   c.model.dtype = "auto"
-  # Full remat: without it the backward pass keeps every layer's [rows, heads, T, T] attention
-  # probabilities, tens of GB at 2048 tokens.
-  c.model.remat = "full"
   c.rollout.tasks_per_step = 4
   c.rollout.samples_per_task = 4
   c.rollout.max_new_tokens = 64

@@ -1,4 +1,5 @@
-"""What the hardware runs fast: the matmul dtype `model.dtype=auto` picks, and why.
+"""What the hardware offers: the matmul dtype `model.dtype=auto` picks (and why), and the memory
+of a device, against which `model.remat=auto` picks a rematerialisation policy.
 
 bf16 matmuls run at up to twice the f32 rate (or more) on TPUs, GPUs and on CPUs with bf16 dot
 instructions: AMX (Intel Sapphire Rapids and later: amx_bf16) or AVX512-BF16 (Intel Cooper Lake,
@@ -9,6 +10,7 @@ every dot, so bf16 matmuls there run slower than f32 ones.
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 
 import jax
@@ -16,11 +18,10 @@ import jax
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
-@functools.cache
-def _cpuinfo(field: str) -> str:
-  """The first `field` line of Linux's /proc/cpuinfo ("" elsewhere)."""
+def _proc_field(path: str, field: str) -> str:
+  """The value of the first `field` line of a Linux /proc file ("" elsewhere)."""
   try:
-    text = pathlib.Path("/proc/cpuinfo").read_text()
+    text = pathlib.Path(path).read_text()
   except OSError:
     return ""
   for line in text.splitlines():
@@ -28,6 +29,11 @@ def _cpuinfo(field: str) -> str:
     if name.strip() == field:
       return value.strip()
   return ""
+
+
+@functools.cache
+def _cpuinfo(field: str) -> str:
+  return _proc_field("/proc/cpuinfo", field)
 
 
 def cpu_flags() -> frozenset[str]:
@@ -63,3 +69,24 @@ def describe() -> str:
   """One line for benchmark headers: the CPU, and what model.dtype=auto picks here and why."""
   dtype, why = auto_dtype()
   return f"CPU: {cpu_model()}; model.dtype=auto picks {dtype}: {why}"
+
+
+def device_memory(device: jax.Device | None = None) -> tuple[int, str]:
+  """(bytes `device` (default: the first local one) can hold, where the figure comes from).
+
+  An accelerator reports its own limit (memory_stats' bytes_limit). CPU devices share the host:
+  each gets an equal part of the memory available now (/proc/meminfo MemAvailable, or all of
+  the physical memory where that is unknown).
+  """
+  device = device or jax.local_devices()[0]
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  if limit:
+    return int(limit), f"the {device.platform} device's memory limit"
+  available = _proc_field("/proc/meminfo", "MemAvailable").split()
+  if available:
+    host, source = int(available[0]) * 1024, "available host memory"
+  else:
+    host, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+  devices = len(jax.local_devices(backend=device.platform))
+  return host // devices, (f"{source} ({host / 2**30:.1f} GiB) shared by {devices} "
+                           f"{device.platform} device(s)")

@@ -266,7 +266,7 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
   records = load_records(settings.data.path)  # Before the model: a bad path fails at once.
 
   # The policy, for DPO its frozen reference, the optimizer and the jitted update.
-  mesh, model, tokenizer = settings.load_policy()
+  mesh, model, tokenizer = settings.load_policy(training=True)
   batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
   if settings.data.batch_size % batch_devices:
     raise ValueError(f"invalid config: data.batch_size={settings.data.batch_size} must be a "

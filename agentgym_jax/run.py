@@ -24,8 +24,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentgym_jax import checkpoint, config as config_lib, horizon, learner, metrics, rl, rollout
-from agentgym_jax import hardware, sharding
-from agentgym_jax.models import Decoder, load_model, weights
+from agentgym_jax import hardware, multihost, sharding
+from agentgym_jax.batch import bucket
+from agentgym_jax.models import Decoder, attention, load_model, weights
 from agentgym_jax.models.tokenizer import Tokenizer
 from agentgym_jax.sampling import Sampler
 from environments.pool import EnvPool
@@ -169,19 +170,66 @@ class Settings:
 
   # --- what a loop opens
 
-  def load_policy(self, model_name: str | None = None) -> tuple[Mesh, Decoder, Tokenizer]:
+  def load_policy(self, model_name: str | None = None, *, training: bool = False
+                  ) -> tuple[Mesh, Decoder, Tokenizer]:
     """(mesh, model, tokenizer): the policy (model.name, or `model_name`) loaded sharded on
-    the configured mesh."""
+    the configured mesh. model.remat=auto is resolved for the run's update step when
+    `training` (see `auto_remat`), and is none otherwise (sampling has no backward pass)."""
     c = self.config
     sharding.initialize_distributed()
     mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
     dtype = hardware.matmul_dtype(c.model.dtype)
     if c.model.dtype == "auto":
       logging.info("model.dtype=auto: %s, as %s", dtype, hardware.auto_dtype()[1])
+    implementation = attention.resolve(c.model.attention)
+    if implementation == "splash" and jax.default_backend() != "tpu":
+      raise config_lib.ConfigError(
+          f"invalid config: model.attention=splash runs a TPU kernel; the backend is "
+          f"{jax.default_backend()} (use auto, flash or dense)")
+    logging.info("model.attention=%s: %s attention on %s", c.model.attention, implementation,
+                 jax.default_backend())
     model, tokenizer = load_model(model_name or c.model.name, dtype=jnp.dtype(dtype),
                                   param_dtype=jnp.dtype(c.model.param_dtype),
-                                  remat=c.model.remat, mesh=mesh)
+                                  remat="none" if c.model.remat == "auto" else c.model.remat,
+                                  attention=c.model.attention, mesh=mesh)
+    if c.model.remat == "auto" and training:
+      model.remat, why = self.auto_remat(model, mesh)
+      logging.info("model.remat=auto: %s, as %s", model.remat, why)
     return mesh, model, tokenizer
+
+  def update_shape(self) -> tuple[int, int]:
+    """(rows, tokens) of the run's largest update step: an RL minibatch of rollout rows packed
+    to bucket(max_context), or an offline batch of data.max_length rows (twice the rows for
+    DPO, which scores both sides of each pair)."""
+    if self.mode == "rl":
+      return self.rows // self.num_minibatches, bucket(self.max_context)
+    return self.data.batch_size * (2 if self.mode == "dpo" else 1), self.data.max_length
+
+  def auto_remat(self, model: Decoder, mesh: Mesh) -> tuple[str, str]:
+    """(policy, why) for model.remat=auto: tools/plan.py's `choose_remat` on the update step of
+    `update_shape`, beside what stays resident through it (a reference copy of the policy; an
+    RL step's whole batch and experience). A device's memory is the smallest any process
+    reports, so every process picks the same policy."""
+    from agentgym_jax.tools import plan  # pylint: disable=import-outside-toplevel
+
+    rows, tokens = self.update_shape()
+    param_dtype = jnp.dtype(self.config.model.param_dtype)
+    _, params = plan.abstract_params(model.config, mesh, dtype=model.dtype,
+                                     param_dtype=param_dtype)
+    resident = 0
+    if self.loss.uses_reference or self.mode == "dpo":
+      resident += plan.device_bytes(params)
+    if self.mode == "rl":
+      resident += plan.device_bytes(plan.abstract_minibatch(mesh, self.rows, tokens))
+    device_bytes, source = hardware.device_memory()
+    if jax.process_count() > 1:
+      device_bytes = min(multihost.all_gather_objects(device_bytes))
+      source += ", the smallest of the processes'"
+    peak = lambda remat: plan.plan(
+        model.config, mesh, rows, tokens, dtype=model.dtype, param_dtype=param_dtype,
+        remat=remat, attention=model.attention, logits_chunk=self.loss.logprob_chunk).peak_bytes
+    remat, why = plan.choose_remat(peak, device_bytes, resident)
+    return remat, f"a {rows} x {tokens} update step: {why} ({source})"
 
   def sampler(self, model: Decoder, mesh: Mesh | None, rows: int) -> Sampler:
     """The sampler for playing `rows` episodes at once: rows / pipeline_groups rows of

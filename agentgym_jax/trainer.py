@@ -173,7 +173,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   loss, optimizer, num_rows = settings.loss, settings.optimizer, settings.rows
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  mesh, model, tokenizer = settings.load_policy()
+  mesh, model, tokenizer = settings.load_policy(training=True)
   chat = tokenizer.chat
   graphdef, params = nnx.split(model)
   ref_params = jax.tree.map(jnp.copy, params) if loss.uses_reference else None

@@ -3,6 +3,7 @@
   python benchmarks/train_step.py                       # batch 8 x 512 tokens, f32, remat=full
   python benchmarks/train_step.py --quick               # batch 2 x 128, a few minutes
   python benchmarks/train_step.py --remat=none,full,dots --dtypes=bfloat16
+  python benchmarks/train_step.py --attention=flash,dense --remat=none,full --length=2048
 
 The step is what the trainer runs on one rollout batch with GRPO and a KL loss to the
 reference (one epoch, one minibatch):
@@ -31,8 +32,9 @@ row.
 FLOPs. N counts the parameters of every matmul (all layer weights and the vocabulary
 projection, which a tied embedding still runs; not the embedding lookup or the norms). A
 forward pass over B rows of T tokens costs 2 N B T for the weights plus 4 L H d_h T^2 B for
-attention (QK^T and AV over the full T x T score matrix, which the implementations compute
-before masking; PaLM's convention); forward + backward is 3 forwards. A step is therefore
+attention (QK^T and AV over the full T x T score matrix, which dense attention and torch's
+compute before masking, and of which flash attention computes the tiles on and below the
+diagonal; PaLM's convention); forward + backward is 3 forwards. A step is therefore
 5 forwards (policy, reference, and 3 for the update); recomputation under remat is not counted,
 so remat rows show what useful work per second they keep. Achieved FLOP/s is step FLOPs / step
 time, shown as a fraction of the peak of one large matmul measured at the start of the run
@@ -65,7 +67,7 @@ from flax import nnx
 import agentgym_jax
 from agentgym_jax import batch as batch_lib
 from agentgym_jax import hardware, learner
-from agentgym_jax.models import weights
+from agentgym_jax.models import attention as attention_lib, weights
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Registry name or HF directory.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Rows per step (--quick: 2).")
@@ -80,8 +82,12 @@ _TORCH_DTYPES = flags.DEFINE_list(
     "AVX512-BF16; the header prints both of torch's matmul rates).")
 _REMAT = flags.DEFINE_list(
     "remat", ["full"],
-    "Our remat policies to measure: none,full,dots (none keeps every layer's attention "
-    "probabilities: over 24 GB at the default batch; dots over 14 GB).")
+    "Our remat policies to measure: none,full,dots (with dense attention, none keeps every "
+    "layer's attention probabilities: over 24 GB at the default batch; dots over 14 GB).")
+_ATTENTION = flags.DEFINE_list(
+    "attention", ["auto"],
+    "Our attention implementations to measure: auto (flash on CPU), flash, dense (the "
+    "reference, which materialises the T x T scores).")
 _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per variant (--quick: 2).")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed steps per variant.")
 _LOGPROB_CHUNK = flags.DEFINE_integer("logprob_chunk", 512, "Positions per log-prob chunk.")
@@ -141,10 +147,12 @@ def synthetic_batch(vocab: int, batch: int, length: int) -> batch_lib.Batch:
       group_ids=(np.arange(batch) // 2).astype(np.int32))
 
 
-def ours_step(model, dtype: str, remat: str, batch: batch_lib.Batch) -> Callable[[], None]:
+def ours_step(model, dtype: str, remat: str, attention: str, batch: batch_lib.Batch
+              ) -> Callable[[], None]:
   """A closure running one step (experience + update) of our learner, blocking on its end."""
   model.dtype = jnp.dtype(dtype)
   model.remat = remat
+  model.attention = attention
   graphdef, params = nnx.split(model)
   # Copies, since the update donates its parameters; committed to their devices, as the
   # update's outputs are, so that the second step does not compile again.
@@ -183,6 +191,7 @@ def torch_step(directory: pathlib.Path, dtype: str, batch: batch_lib.Batch) -> C
   policy = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
   reference = transformers.AutoModelForCausalLM.from_pretrained(directory,
                                                                 dtype=torch.float32)
+  print(f"torch attention: transformers' {policy.config._attn_implementation}")  # pylint: disable=protected-access
   policy.train()
   reference.eval()
   for p in reference.parameters():
@@ -276,24 +285,27 @@ def main(argv):
         first, seconds = measure(torch_step(pathlib.Path(directory), dtype, batch),
                                  _WARMUP.value, timed_steps)
         torch_seconds[dtype] = seconds
-        rows.append(("torch+transformers", dtype, "-", first, seconds))
+        rows.append(("torch+transformers", dtype, "-", "-", first, seconds))
         print(f"measured torch {dtype}: {seconds:.2f} s/step", flush=True)
     for dtype in map(hardware.matmul_dtype, _DTYPES.value):
-      for remat in _REMAT.value:
-        first, seconds = measure(ours_step(model, dtype, remat, batch), _WARMUP.value,
-                                 timed_steps)
-        rows.append(("ours (jax)", dtype, remat, first, seconds))
-        print(f"measured ours {dtype} remat={remat}: {seconds:.2f} s/step", flush=True)
+      for implementation in map(attention_lib.resolve, _ATTENTION.value):
+        for remat in _REMAT.value:
+          first, seconds = measure(ours_step(model, dtype, remat, implementation, batch),
+                                   _WARMUP.value, timed_steps)
+          rows.append(("ours (jax)", dtype, remat, implementation, first, seconds))
+          print(f"measured ours {dtype} remat={remat} attention={implementation}: "
+                f"{seconds:.2f} s/step", flush=True)
 
-  print()
-  print("| implementation | dtype | remat | first step s | step s | tokens/s | GFLOP/s "
-        "| of bf16 peak | of f32 peak | x torch |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
-  for name, dtype, remat, first, seconds in rows:
+  print(f"\nload average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+  print("| implementation | dtype | remat | attention | first step s | step s | tokens/s "
+        "| GFLOP/s | of bf16 peak | of f32 peak | x torch |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  for name, dtype, remat, implementation, first, seconds in rows:
     achieved = flops / seconds
     ratio = (f"{min(torch_seconds.values()) / seconds:.2f}x"
              if torch_seconds and name.startswith("ours") else "")
-    print(f"| {name} | {dtype} | {remat} | {first:.2f} | {seconds:.2f} | {tokens / seconds:.0f} "
+    print(f"| {name} | {dtype} | {remat} | {implementation} | {first:.2f} | {seconds:.2f} "
+          f"| {tokens / seconds:.0f} "
           f"| {achieved / 1e9:.1f} | {achieved / peaks['bfloat16']:.1%} "
           f"| {achieved / peaks['float32']:.1%} | {ratio} |")
   print(f"\n(median of {timed_steps} steps after {_WARMUP.value} warm-up; x torch = the fastest torch "

@@ -12,7 +12,7 @@ warm-up 3 steps), and reports greedy success on the test split after every epoch
   python launch/train.py --config=configs/sft_textcraft.py --workdir=runs/sft_textcraft
 
 `:local` trains the embedded SmolLM2-135M-Instruct on a CPU workstation: one epoch of 4
-conversations per step (hours on 2 cores; ~6.5 GB of memory with full rematerialisation),
+conversations per step (hours on 2 cores; model.remat=auto picks what fits in memory),
 without evaluation (add --config.eval.every=88 to play 20 test tasks at the end):
 
   python launch/train.py --config=configs/sft_textcraft.py:local --workdir=runs/sft_local
@@ -42,7 +42,7 @@ def get_config(variant: str = ""):
 
 def local(c):
   """config.local (the embedded model; evaluation sized for a CPU), one epoch of SFT."""
-  config_lib.local(c)  # With full remat: ~6.5 GB at 4 x 1024 tokens (over 20 GB without).
+  config_lib.local(c)
   c.data.batch_size = 4
   c.steps = 88  # 352 conversations / 4.
   c.optim.learning_rate = 3e-5

@@ -123,3 +123,15 @@ def test_method_configs_and_variants_validate_and_select_their_method(name, vari
   assert settings.dynamic_sampling == (name == "dapo_textcraft")
   assert settings.loss.policy_loss == c.algorithm.policy_loss
   assert settings.loss.rollout_correction == c.algorithm.rollout_correction
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("remat", "some", r"model.remat='some' is not one of \['none', 'full', 'dots', 'auto'\]"),
+    ("attention", "flashy", r"model.attention='flashy' is not one of \('auto', 'dense', "),
+])
+def test_model_remat_and_attention_are_validated(key, value, message):
+  c = load("grpo_textcraft")("local")
+  assert (c.model.remat, c.model.attention) == ("auto", "auto")
+  c.model[key] = value
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(c)

@@ -55,3 +55,20 @@ def test_an_unknown_dtype_fails_at_start_up():
   c.model.dtype = "fp8"
   with pytest.raises(config_lib.ConfigError, match=r"model.dtype='fp8' is not one of .*'auto'"):
     config_lib.validate(c)
+
+
+def test_cpu_devices_share_the_hosts_memory():
+  import jax
+  bytes_per_device, source = hardware.device_memory(jax.devices("cpu")[0])
+  # tests/conftest.py makes 8 virtual CPU devices: each gets an eighth of the host's memory.
+  assert "shared by 8 cpu device(s)" in source
+  host = float(source.split("(")[1].split(" GiB")[0]) * 2**30
+  assert abs(bytes_per_device - host / 8) <= 0.05 * 2**30 / 8  # The GiB figure is rounded.
+
+
+def test_splash_attention_off_tpu_fails_at_start_up(tmp_path):
+  c = config_lib.base_config()
+  c.model.name = str(tiny.make_checkpoint(tmp_path))
+  c.model.attention = "splash"
+  with pytest.raises(config_lib.ConfigError, match="model.attention=splash runs a TPU kernel"):
+    run.Settings.from_config(c).load_policy()

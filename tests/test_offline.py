@@ -309,4 +309,4 @@ def test_offline_configs_validate(name, variant):
   else:
     assert c.dpo.beta == 0.1
   if variant == "local":
-    assert c.model.name == "smollm2-135m-instruct" and c.model.remat == "full"
+    assert c.model.name == "smollm2-135m-instruct" and c.model.remat == "auto"

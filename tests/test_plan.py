@@ -134,3 +134,81 @@ def test_cli_plans_a_sampler_on_the_requested_devices(capsys):
   assert lines[0] == "qwen2.5-7b-instruct sampler: GiB per device"
   # 28 layers x 64 rows x 4 kv heads x 10240 slots x 128 x 2 B x 2 (k, v) / 4 = 8.75 GiB.
   assert lines[3].split()[:6] == ["1,4,1", "64", "x", "10240", "7.09", "8.75"]
+
+
+
+def test_train_step_with_the_tpu_attention_kernel_compiles_on_a_tpu_shaped_mesh():
+  # The Pallas splash kernel (interpreted off TPU) inside the learner's update step, run per
+  # shard: rows over fsdp, the 4 heads and 2 kv heads over tensor.
+  mesh = sharding.make_mesh(1, 4, 2)
+  memory = plan.plan(SMALL, mesh, batch=8, seq=256, remat="none", attention="splash")
+  # It takes the planned shards and nothing gathered (see the 7B test above): parameters and
+  # moments less the 1-byte flag, and 2 rows a device of tokens and loss mask (256 positions)
+  # and of old log-probs and advantages (255 targets).
+  state = memory.param_bytes + memory.optimizer_bytes - 1
+  assert memory.argument_bytes == state + 2 * (2 * 256 * 4 + 2 * 255 * 4)
+
+
+# --- model.remat=auto
+
+GIB = 2**30
+PEAKS = {"none": 10 * GIB, "dots": 6 * GIB, "full": 3 * GIB}
+
+
+@pytest.mark.parametrize("device_gib, expected, asked, why", [
+    # Budgets are 90% of the device; 2 GiB stay resident beside the step.
+    (100, "none", ["none"], "none needs 12.00 GiB per device, within 90% of 100.00 GiB"),
+    # none: 12 > 11.25; dots: 8 <= 11.25.
+    (12.5, "dots", ["none", "dots"],
+     "none needs 12.00 GiB, dots needs 8.00 GiB per device, within 90% of 12.50 GiB"),
+    # full: 5 <= 5.4.
+    (6, "full", ["none", "dots", "full"], "full needs 5.00 GiB per device, within 90% of 6.00"),
+    # full: 5 > 4.5, the least memory there is.
+    (5, "full", ["none", "dots", "full"],
+     "none fits: none needs 12.00 GiB, dots needs 8.00 GiB, full needs 5.00 GiB per device, "
+     "over 90% of 5.00 GiB"),
+])
+def test_remat_auto_takes_the_fastest_policy_that_fits(device_gib, expected, asked, why):
+  calls = []
+  peak = lambda remat: calls.append(remat) or PEAKS[remat]
+  remat, reason = plan.choose_remat(peak, int(device_gib * GIB), resident_bytes=2 * GIB)
+  assert (remat, calls) == (expected, asked)  # Policies past the first that fits are not compiled.
+  assert why in reason
+
+
+def test_remat_auto_without_a_memory_analysis_is_full():
+  assert plan.choose_remat(lambda remat: None, GIB) == (
+      "full", "the compiler gives no memory analysis to choose by")
+
+
+def test_a_training_run_resolves_remat_auto_from_its_compiled_update_step(tmp_path, monkeypatch,
+                                                                        caplog):
+  import logging
+  import re
+
+  import tiny
+  from agentgym_jax import config as config_lib, hardware, run
+
+  c = config_lib.base_config()
+  c.model.name = str(tiny.make_checkpoint(tmp_path))
+  c.model.dtype = "float32"
+  c.rollout.tasks_per_step, c.rollout.samples_per_task = 4, 4
+  c.rollout.max_new_tokens, c.rollout.max_context = 32, 256
+  c.algorithm.num_minibatches = 2  # Update steps of 8 rows x 256 tokens.
+  settings = run.Settings.from_config(c)
+  assert settings.update_shape() == (8, 256)
+  monkeypatch.setattr(hardware, "device_memory", lambda: (1 << 40, "a test budget"))
+  with caplog.at_level(logging.INFO):
+    mesh, model, _ = settings.load_policy(training=True)
+  assert model.remat == "none"
+  assert re.search(r"model.remat=auto: none, as a 8 x 256 update step: none needs [\d.]+ MiB "
+                   r"per device, within 90% of 1024.00 GiB \(a test budget\)", caplog.text)
+  # Sampling-only loads (evaluation) never compile an update step.
+  assert settings.load_policy()[1].remat == "none"
+  # A device too small for any policy: full, the smallest; the compiled steps' needs shrink
+  # as the backward pass recomputes more.
+  monkeypatch.setattr(hardware, "device_memory", lambda: (1, "one byte"))
+  remat, why = settings.auto_remat(model, mesh)
+  needs = [float(n) for n in re.findall(r"(?:none|dots|full) needs ([\d.]+) MiB", why)]
+  assert remat == "full" and "none fits" in why and len(needs) == 3
+  assert needs[0] > needs[1] > needs[2], why

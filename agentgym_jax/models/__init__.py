@@ -79,7 +79,7 @@ def resolve(spec: str) -> pathlib.Path | None:
 
 
 def load_model(spec: str = "smollm2-135m-instruct", *, dtype: Any = jnp.float32,
-               param_dtype: Any = jnp.float32, remat: str = "none",
+               param_dtype: Any = jnp.float32, remat: str = "none", attention: str = "auto",
                mesh: Mesh | None = None) -> tuple[Decoder, "Tokenizer"]:
   """Loads a model and its tokenizer; with a mesh the parameters are placed sharded."""
   from agentgym_jax.models import gguf
@@ -95,7 +95,8 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: Any = jnp.float32,
     config = ModelConfig.from_json(directory / "config.json")
     source = weights.SafetensorsReader(directory)
     tokenizer = Tokenizer.from_pretrained(directory)
-  model = weights.abstract_model(config, dtype=dtype, param_dtype=param_dtype, remat=remat)
+  model = weights.abstract_model(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                                 attention=attention)
   return weights.load_params(model, source, mesh), tokenizer
 
 

@@ -8,6 +8,10 @@ onto the (data, fsdp, tensor) mesh.
 Numerics: the residual stream, RMSNorm, RoPE, softmax and logits are f32; matmul inputs are cast
 to `dtype` (bf16 on accelerators and on AMX CPUs) and accumulate in f32.
 
+Attention without a cache (the learner's packed rows) runs the implementation named by
+`attention` (agentgym_jax/models/attention.py: by default flash attention, or the Pallas kernel on
+TPU); with a cache it is the dense reference over the cache window.
+
 KV cache semantics (used by the sampler for multi-turn continuation): row b of the cache holds
 `lengths[b]` valid slots. A forward with a cache writes the new tokens of row b at slots
 lengths[b], lengths[b] + 1, ..., and a token at slot s attends to slots <= s. Right padding of
@@ -26,10 +30,11 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from agentgym_jax import sharding
+from agentgym_jax.models import attention as attention_lib
+from agentgym_jax.models.attention import dot
 from agentgym_jax.models.config import ModelConfig
 
 Array = jax.Array
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 REMAT_POLICIES = {
     "none": None,
@@ -140,12 +145,6 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _dot(spec: str, x: Array, w: Array, dtype: Any) -> Array:
-  """einsum with inputs cast to `dtype` and f32 accumulation."""
-  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
-                    preferred_element_type=jnp.float32)
-
-
 class Layers(nnx.Module):
   """All transformer blocks, each weight stacked on a leading layers axis."""
 
@@ -175,18 +174,22 @@ class Decoder(nnx.Module):
   """A causal LM: token ids -> next-token logits.
 
   `dtype` is the matmul input dtype; `param_dtype` the storage dtype of the parameters;
-  `remat` one of REMAT_POLICIES (what the backward pass keeps from each layer).
+  `remat` one of REMAT_POLICIES (what the backward pass keeps from each layer); `attention` one
+  of attention.IMPLEMENTATIONS (the uncached path's attention).
   """
 
   def __init__(self, config: ModelConfig, *, dtype: Any = jnp.float32,
-               param_dtype: Any = jnp.float32, remat: str = "none",
+               param_dtype: Any = jnp.float32, remat: str = "none", attention: str = "auto",
                rngs: nnx.Rngs | None = None):
     if remat not in REMAT_POLICIES:
       raise ValueError(f"remat {remat!r} is not one of {sorted(REMAT_POLICIES)}")
+    if attention not in attention_lib.IMPLEMENTATIONS:
+      raise ValueError(f"attention {attention!r} is not one of {attention_lib.IMPLEMENTATIONS}")
     rngs = rngs or nnx.Rngs(0)
     self.config = config
     self.dtype = dtype
     self.remat = remat
+    self.attention = attention
     e = config.hidden_size
     self.embed_tokens = _param(rngs, (config.vocab_size, e), ("vocab", "embed"), param_dtype,
                                scale=0.02)
@@ -211,7 +214,8 @@ class Decoder(nnx.Module):
                     *, cache_window: int | None = None) -> tuple[Array, KVCache | None]:
     """Final-normed hidden states [B, T, E] (f32) and the updated cache.
 
-    Without a cache a token attends to the earlier tokens of its row that attention_mask keeps.
+    Without a cache a token attends to the earlier tokens of its row that attention_mask keeps
+    (padding queries see only padding: their outputs mean nothing).
     With a cache the tokens are appended to each row's live slots (see the module docstring);
     the cache's lengths grow by attention_mask.sum(-1) (by T without a mask). `cache_window`
     (static) limits attention to slots [0, cache_window): every real token must then sit below
@@ -222,20 +226,17 @@ class Decoder(nnx.Module):
     batch, length = input_ids.shape
     if cache is None:
       slots = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-      key_slots = slots
-      key_valid = (jnp.ones((batch, length), bool) if attention_mask is None
-                   else attention_mask.astype(bool))
+      # Causal by index; real tokens and padding are two segments.
+      mask = None if attention_mask is None else attention_mask.astype(jnp.int32)
     else:
       window = cache.slots if cache_window is None else cache_window
       if not 0 < window <= cache.slots:
         raise ValueError(f"cache_window={cache_window} is not in [1, {cache.slots}]")
       slots = cache.lengths[:, None] + jnp.arange(length, dtype=jnp.int32)
-      key_slots = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), (batch, window))
-      key_valid = jnp.ones((batch, window), bool)
+      # mask[b, q, k]: causal by slot.
+      mask = jnp.arange(window, dtype=jnp.int32)[None, None, :] <= slots[:, :, None]
     if positions is None:
       positions = slots
-    # mask[b, q, k]: causal by slot, restricted to valid keys.
-    mask = (key_slots[:, None, :] <= slots[:, :, None]) & key_valid[:, None, :]
 
     x = jnp.take(self.embed_tokens.value, input_ids, axis=0).astype(jnp.float32)
     x = sharding.constrain(x, ("batch", "seq", "activation_embed"))
@@ -284,17 +285,18 @@ class Decoder(nnx.Module):
   def logits(self, hidden: Array) -> Array:
     """Logits [..., V] in f32 from final hidden states [..., E]."""
     if self.config.tie_word_embeddings:
-      logits = _dot("...e,ve->...v", hidden, self.embed_tokens.value, self.dtype)
+      logits = dot("...e,ve->...v", hidden, self.embed_tokens.value, self.dtype)
     else:
-      logits = _dot("...e,ev->...v", hidden, self.lm_head.value, self.dtype)
+      logits = dot("...e,ev->...v", hidden, self.lm_head.value, self.dtype)
     return sharding.constrain(logits, ("batch", "seq", "activation_vocab")) \
         if logits.ndim == 3 else logits
 
-  def _block(self, p: Layers, x: Array, positions: Array, mask: Array, inv_freq: Array,
+  def _block(self, p: Layers, x: Array, positions: Array, mask: Array | None, inv_freq: Array,
              slots: Array, cache_update: tuple[Array, int, Array, Array, Any] | None):
     """One transformer block.
 
-    With `cache_update` = (layer, window, k_bits, v_bits, cache_dtype) the new keys and values
+    `mask` is the segment ids [B, T] (or None) without a cache, the mask [B, T, window] of
+    visible cache slots with one. With `cache_update` = (layer, window, k_bits, v_bits, cache_dtype) the new keys and values
     go into layer `layer` of the stacked caches (held as raw bits, see `KVCache`) and
     attention reads their first `window` slots. Returns x and the updated (k_bits, v_bits), or
     None without a cache.
@@ -302,9 +304,9 @@ class Decoder(nnx.Module):
     config, dtype = self.config, self.dtype
     eps = config.rms_norm_eps
     h = rms_norm(x, p.input_norm.value, eps)
-    q = _dot("bte,ehd->bthd", h, p.q_proj.value, dtype)
-    k = _dot("bte,ekd->btkd", h, p.k_proj.value, dtype)
-    v = _dot("bte,ekd->btkd", h, p.v_proj.value, dtype)
+    q = dot("bte,ehd->bthd", h, p.q_proj.value, dtype)
+    k = dot("bte,ekd->btkd", h, p.k_proj.value, dtype)
+    v = dot("bte,ekd->btkd", h, p.v_proj.value, dtype)
     if config.attention_bias:
       q = q + p.q_bias.value.astype(jnp.float32)
       k = k + p.k_bias.value.astype(jnp.float32)
@@ -328,37 +330,18 @@ class Decoder(nnx.Module):
           jax.lax.dynamic_index_in_dim(bits, layer, 0, keepdims=False)[:, :, :window],
           cache_dtype)
       k_bits, v_bits = write(k_bits, k), write(v_bits, v)
-      k, v = read(k_bits), read(v_bits)
       caches = (k_bits, v_bits)
+      attended = attention_lib.dense_attention(q, read(k_bits), read(v_bits), mask, dtype)
     else:
-      k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-
-    attended = attention(q, k, v, mask, dtype)
-    out = _dot("bthd,hde->bte", attended, p.o_proj.value, dtype)
+      attended = attention_lib.causal_attention(q, k, v, mask, implementation=self.attention,
+                                                dtype=dtype)
+    out = dot("bthd,hde->bte", attended, p.o_proj.value, dtype)
     x = x + out
     h = rms_norm(x, p.post_attention_norm.value, eps)
-    gate = _dot("bte,ef->btf", h, p.gate_proj.value, dtype)
-    up = _dot("bte,ef->btf", h, p.up_proj.value, dtype)
+    gate = dot("bte,ef->btf", h, p.gate_proj.value, dtype)
+    up = dot("bte,ef->btf", h, p.up_proj.value, dtype)
     hidden = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "seq", "activation_mlp"))
-    x = x + _dot("btf,fe->bte", hidden, p.down_proj.value, dtype)
+    x = x + dot("btf,fe->bte", hidden, p.down_proj.value, dtype)
     x = sharding.constrain(x, ("batch", "seq", "activation_embed"))
     return x, caches
 
-
-def attention(q: Array, k: Array, v: Array, mask: Array, dtype: Any) -> Array:
-  """Grouped-query attention.
-
-  q [B, T, H, D], k and v [B, K, S, D] with H = K * G (query head h uses kv head h // G, as HF's
-  repeat_kv), mask [B, T, S]. Scores and softmax in f32.
-  """
-  batch, length, heads, head_dim = q.shape
-  kv_heads = k.shape[1]
-  q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
-  scores = _dot("btkgd,bksd->bkgts", q, k, dtype) / math.sqrt(head_dim)
-  scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1)
-  # The plain batched-matmul order (batch dims, then probs' rows, then v's columns): XLA:CPU
-  # hands it to its bf16 matmul library, while an output in another order can be rewritten into
-  # a dot with v as the left operand that only the (f32-only) fallback takes.
-  out = _dot("bkgts,bksd->bkgtd", probs, v, dtype)
-  return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim)

@@ -270,8 +270,9 @@ def save_hf(model: Decoder, directory: str | pathlib.Path, dtype: Any = jnp.floa
 
 
 def abstract_model(config: ModelConfig, dtype: Any = jnp.float32,
-                   param_dtype: Any = jnp.float32, remat: str = "none") -> Decoder:
+                   param_dtype: Any = jnp.float32, remat: str = "none",
+                   attention: str = "auto") -> Decoder:
   """A Decoder whose parameters are shape/dtype placeholders (no memory, no compute)."""
   return nnx.eval_shape(lambda: Decoder(config, dtype=dtype, param_dtype=param_dtype,
-                                        remat=remat, rngs=nnx.Rngs(0)))
+                                        remat=remat, attention=attention, rngs=nnx.Rngs(0)))
 

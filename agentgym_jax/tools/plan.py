@@ -19,8 +19,9 @@ chunked log-probs, forward + backward, AdamW after clipping) on a [batch, seq] m
   peak        arguments + outputs that do not reuse a donated argument + temp
 
 params and optimizer are exact: they follow from the shardings alone. temp is the XLA:CPU
-compiler's schedule of the same SPMD program; a TPU's differs (other fusions and layouts), so
-read it as an estimate. The compiled step's argument bytes are checked against params +
+compiler's schedule of the same SPMD program; a TPU's differs (other fusions and layouts, and
+`--attention=auto` is the Pallas splash kernel there, flash attention here), so read it as an
+estimate. `choose_remat` reads the same estimate to resolve model.remat=auto. The compiled step's argument bytes are checked against params +
 optimizer + batch, which catches a sharding the compiler did not honour.
 
 The sampler (`--sampler_mesh`) is planned the same way: the two programs `Sampler` compiles,
@@ -46,7 +47,7 @@ import math
 import pathlib
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +57,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentgym_jax import learner, run, sampling, sharding
 from agentgym_jax.batch import Batch
-from agentgym_jax.models import weights
+from agentgym_jax.models import attention, weights
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import KVCache
 
@@ -129,10 +130,11 @@ def device_bytes(tree: Any) -> int:
 
 
 def abstract_params(config: ModelConfig, mesh: Mesh, *, dtype: Any = jnp.bfloat16,
-                    param_dtype: Any = jnp.float32,
-                    remat: str = "full") -> tuple[nnx.GraphDef, nnx.State]:
+                    param_dtype: Any = jnp.float32, remat: str = "full",
+                    attention: str = "auto") -> tuple[nnx.GraphDef, nnx.State]:
   """The model's graph and its parameters as ShapeDtypeStructs with their NamedShardings."""
-  model = weights.abstract_model(config, dtype=dtype, param_dtype=param_dtype, remat=remat)
+  model = weights.abstract_model(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                                 attention=attention)
   graphdef, params = nnx.split(model)
 
   def place(variable: nnx.Variable) -> nnx.Variable:
@@ -188,7 +190,7 @@ def lower_forward(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
 
 def lower_train_step(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
                      dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
-                     remat: str = "full", logits_chunk: int = 1024,
+                     remat: str = "full", attention: str = "auto", logits_chunk: int = 1024,
                      micro_batch_rows: int = 0) -> jax.stages.Lowered:
   """The learner's `update_step` on one minibatch, lowered on abstract sharded inputs, jitted
   as the RL trainer jits it (learner.jit_update_step): parameters and optimizer state donated,
@@ -196,7 +198,7 @@ def lower_train_step(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
   vocab] never exists at once. With micro_batch_rows the step accumulates its gradient over
   micro-batches of that many rows (learner.py)."""
   graphdef, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype,
-                                     remat=remat)
+                                     remat=remat, attention=attention)
   optimizer = learner.make_optimizer(1e-6)
   trainable = (params, None)
   opt_state = abstract_optimizer_state(optimizer, trainable, mesh)
@@ -210,8 +212,9 @@ def lower_train_step(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
 
 
 def plan(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *, dtype: Any = jnp.bfloat16,
-         param_dtype: Any = jnp.float32, remat: str = "full", logits_chunk: int = 1024,
-         micro_batch_rows: int = 0, compile: bool = True) -> MemoryPlan:
+         param_dtype: Any = jnp.float32, remat: str = "full", attention: str = "auto",
+         logits_chunk: int = 1024, micro_batch_rows: int = 0,
+         compile: bool = True) -> MemoryPlan:
   """Per-device memory of one update step; compiles the step unless `compile` is False."""
   _, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype, remat=remat)
   opt_state = abstract_optimizer_state(learner.make_optimizer(1e-6), (params, None), mesh)
@@ -223,7 +226,7 @@ def plan(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *, dtype: Any = 
   if compile:
     start = time.perf_counter()
     compiled = lower_train_step(config, mesh, batch, seq, dtype=dtype, param_dtype=param_dtype,
-                                remat=remat, logits_chunk=logits_chunk,
+                                remat=remat, attention=attention, logits_chunk=logits_chunk,
                                 micro_batch_rows=micro_batch_rows).compile()
     figures["compile_seconds"] = time.perf_counter() - start
     stats = compiled.memory_analysis()
@@ -233,6 +236,36 @@ def plan(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *, dtype: Any = 
                      output_bytes=stats.output_size_in_bytes,
                      alias_bytes=stats.alias_size_in_bytes)
   return MemoryPlan(**figures)
+
+
+# Fastest first: each policy recomputes more of the forward pass in the backward.
+REMAT_PREFERENCE = ("none", "dots", "full")
+# The share of a device's memory a step may plan to use: the estimate is XLA's schedule of the
+# step alone (and XLA:CPU's when planning for another backend).
+MEMORY_HEADROOM = 0.9
+
+
+def choose_remat(peak_bytes: Callable[[str], int | None], device_bytes: int,
+                 resident_bytes: int = 0) -> tuple[str, str]:
+  """(remat, why): the first policy of REMAT_PREFERENCE whose update step fits in
+  MEMORY_HEADROOM of `device_bytes` per device, next to `resident_bytes` that live beside it
+  (a reference model, a whole rollout batch); full when none fits.
+
+  `peak_bytes(remat)` is the step's peak per device under that policy, e.g. `plan(...,
+  remat=remat).peak_bytes` (None: the compiler gives no memory analysis).
+  """
+  budget = MEMORY_HEADROOM * device_bytes
+  gib = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+  within = f"{MEMORY_HEADROOM:.0%} of {gib(device_bytes)}"
+  needs = []
+  for remat in REMAT_PREFERENCE:
+    peak = peak_bytes(remat)
+    if peak is None:
+      return "full", "the compiler gives no memory analysis to choose by"
+    needs.append(f"{remat} needs {gib(peak + resident_bytes)}")
+    if peak + resident_bytes <= budget:
+      return remat, f"{', '.join(needs)} per device, within {within}"
+  return "full", f"none fits: {', '.join(needs)} per device, over {within}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,6 +413,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--dtype", default="bfloat16", help="matmul input dtype")
   parser.add_argument("--param_dtype", default="float32", help="parameter storage dtype")
   parser.add_argument("--remat", default="full", choices=["none", "full", "dots"])
+  parser.add_argument("--attention", default="auto", choices=attention.IMPLEMENTATIONS,
+                      help="the learner's attention (auto: splash on TPU, flash elsewhere)")
   parser.add_argument("--logits_chunk", type=int, default=1024,
                       help="tokens per chunk of the vocabulary projection in the loss")
   parser.add_argument("--micro_batch_rows", type=int, default=0,
@@ -419,8 +454,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   if meshes:
     tables.append(format_table(args.model, [
         plan(config, make_mesh(shape), args.batch, args.seq, remat=args.remat,
-             logits_chunk=args.logits_chunk, micro_batch_rows=args.micro_batch_rows,
-             compile=not args.no_compile, **dtypes)
+             attention=args.attention, logits_chunk=args.logits_chunk,
+             micro_batch_rows=args.micro_batch_rows, compile=not args.no_compile, **dtypes)
         for shape in meshes]))
   if sampler_meshes:
     tables.append(format_sampler_table(args.model, [

@@ -1,0 +1,314 @@
+"""Attention for the decoder: the dense reference, blockwise flash attention, the TPU kernel.
+
+Three implementations of causal grouped-query self-attention over one packed row of tokens,
+softmax(q k^T / sqrt(D) + mask) v, where query head h reads kv head h // G (G = H / K, HF's
+repeat_kv order) and a query at index t sees the keys at indices s <= t of its own segment:
+
+  dense   the scores [B, K, G, T, T] in f32, softmaxed and multiplied by v; XLA's autodiff keeps
+          the probabilities for the backward pass. The reference, and the cached (sampling)
+          path's attention, whose queries sit at each row's own cache slots.
+  flash   blockwise attention in pure JAX with an online softmax and its own VJP (the
+          FlashAttention-2 recurrences): neither pass holds more than one diagonal of
+          [block, block] score tiles at a time, and tiles above the diagonal are never computed.
+  splash  the Pallas splash-attention kernel that ships with JAX (TPU only; interpreted
+          elsewhere, which is how the tests run it on CPU).
+
+`resolve` is the one place that picks an implementation by backend: splash on TPU, flash
+elsewhere. Segment ids [B, T] (optional) restrict attention to keys of the query's segment; a
+padded row carries its attention mask (1 real, 0 padding) as segment ids, which hides padding
+keys from every real query. Every query sees at least itself, so no softmax row is empty.
+Positions only enter through RoPE, applied to q and k before attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from agentgym_jax import sharding
+
+Array = jax.Array
+
+IMPLEMENTATIONS = ("auto", "dense", "flash", "splash")
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Flash tiles: [block, block] scores per (row, head). 256 ran fastest on a 2-core CPU at T=512
+# to 2048 (benchmarks/train_step.py --attention=flash); rows longer than MAX_BLOCKS blocks get
+# larger tiles, so that the unrolled loop over block diagonals stays short.
+FLASH_BLOCK = 256
+MAX_BLOCKS = 32
+# Splash tiles must be multiples of the TPU's 128 lanes; 512 is the kernel authors' choice for
+# long rows.
+SPLASH_BLOCK = 512
+_LANES = 128
+
+
+def resolve(implementation: str, backend: str | None = None) -> str:
+  """The implementation `implementation` runs on `backend` (default: JAX's): auto is splash on
+  TPU and flash elsewhere."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"attention {implementation!r} is not one of {IMPLEMENTATIONS}")
+  if implementation != "auto":
+    return implementation
+  return "splash" if (backend or jax.default_backend()) == "tpu" else "flash"
+
+
+def causal_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, *,
+                     implementation: str = "auto", dtype: Any = jnp.float32,
+                     block: int | None = None) -> Array:
+  """Causal GQA self-attention [B, T, H, D] (f32) of q [B, T, H, D], k and v [B, T, K, D].
+
+  segment_ids [B, T] (int) or None (one segment); `dtype` is the matmul input dtype (scores and
+  softmax stay f32); `block` the flash tile (default: `flash_block(T)`).
+  """
+  implementation = resolve(implementation)
+  if implementation == "dense":
+    length = q.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), bool))[None]
+    mask = causal if segment_ids is None else (
+        causal & (segment_ids[:, :, None] == segment_ids[:, None, :]))
+    mask = jnp.broadcast_to(mask, (q.shape[0], length, length))
+    return dense_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask, dtype)
+  if implementation == "flash":
+    return flash_attention(q, k, v, segment_ids, dtype=dtype,
+                           block=block or flash_block(q.shape[1]))
+  return splash_attention(q, k, v, segment_ids, dtype=dtype)
+
+
+def dense_attention(q: Array, k: Array, v: Array, mask: Array, dtype: Any) -> Array:
+  """Grouped-query attention with the scores materialised.
+
+  q [B, T, H, D], k and v [B, K, S, D] with H = K * G (query head h uses kv head h // G, as HF's
+  repeat_kv), mask [B, T, S]. Scores and softmax in f32.
+  """
+  batch, length, heads, head_dim = q.shape
+  kv_heads = k.shape[1]
+  q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+  scores = dot("btkgd,bksd->bkgts", q, k, dtype) / math.sqrt(head_dim)
+  scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1)
+  # The plain batched-matmul order (batch dims, then probs' rows, then v's columns): XLA:CPU
+  # hands it to its bf16 matmul library, while an output in another order can be rewritten into
+  # a dot with v as the left operand that only the (f32-only) fallback takes.
+  out = dot("bkgts,bksd->bkgtd", probs, v, dtype)
+  return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim)
+
+
+def dot(spec: str, x: Array, w: Array, dtype: Any) -> Array:
+  """einsum with inputs cast to `dtype` and f32 accumulation."""
+  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+# --- flash: blockwise attention with an online softmax
+
+
+def flash_block(length: int) -> int:
+  """The flash tile for rows of `length` tokens: FLASH_BLOCK, or larger so that a row has at
+  most MAX_BLOCKS blocks (a multiple of 8)."""
+  return max(FLASH_BLOCK, _round_up(-(-length // MAX_BLOCKS), 8))
+
+
+def flash_attention(q: Array, k: Array, v: Array, segment_ids: Array | None = None, *,
+                    dtype: Any = jnp.float32, block: int = FLASH_BLOCK) -> Array:
+  """Causal GQA self-attention [B, T, H, D] (f32), blockwise; see `causal_attention`.
+
+  The row is cut into n = ceil(T / block) blocks (the tail padded; causality hides padded keys
+  from every real query). Query block i attends to key blocks j <= i; the pairs are visited one
+  block diagonal d = i - j at a time, each diagonal a batch of n - d independent [block, block]
+  tiles, so every matmul is large and none of them lies above the diagonal. Per query row, with
+  s_j = q k_j^T / sqrt(D) (masked) and v_j the tiles seen so far, the online softmax keeps
+
+    m = max_j max(s_j),   l = sum_j sum(exp(s_j - m)),   acc = sum_j exp(s_j - m) v_j,
+
+  rescaling l and acc by exp(m_old - m_new) when m grows; out = acc / l, and the backward pass
+  keeps only out and lse = m + log(l) (FlashAttention-2). The diagonal d = 0 comes first: it
+  holds every query's own key, so m is a real score from the start and l >= 1.
+  """
+  return _flash(q, k, v, segment_ids, jnp.dtype(dtype), block)
+
+
+def _blocks(x: Array, block: int) -> Array:
+  """x [B, T, ...] padded to whole blocks: [B, n, block, ...]."""
+  batch, length = x.shape[:2]
+  n = -(-length // block)
+  x = jnp.pad(x, [(0, 0), (0, n * block - length)] + [(0, 0)] * (x.ndim - 2))
+  return x.reshape(batch, n, block, *x.shape[2:])
+
+
+def _block_q(q: Array, kv_heads: int, block: int) -> Array:
+  """q [B, T, H, D] -> [n, B, K, G, block, D] (query head h = k * G + g)."""
+  q = _blocks(q, block)
+  batch, n, _, heads, head_dim = q.shape
+  q = q.reshape(batch, n, block, kv_heads, heads // kv_heads, head_dim)
+  return q.transpose(1, 0, 3, 4, 2, 5)
+
+
+def _block_kv(x: Array, block: int) -> Array:
+  """k or v [B, T, K, D] -> [n, B, K, block, D]."""
+  return _blocks(x, block).transpose(1, 0, 3, 2, 4)
+
+
+def _unblock_q(x: Array, length: int) -> Array:
+  """[n, B, K, G, block, D] -> [B, length, K * G, D]."""
+  n, batch, kv_heads, groups, block, head_dim = x.shape
+  x = x.transpose(1, 0, 4, 2, 3, 5).reshape(batch, n * block, kv_heads * groups, head_dim)
+  return x[:, :length]
+
+
+def _unblock_kv(x: Array, length: int) -> Array:
+  """[n, B, K, block, D] -> [B, length, K, D]."""
+  n, batch, kv_heads, block, head_dim = x.shape
+  return x.transpose(1, 0, 3, 2, 4).reshape(batch, n * block, kv_heads, head_dim)[:, :length]
+
+
+def _diagonal_scores(q: Array, k: Array, segment_ids: Array | None, d: int, dtype: Any
+                     ) -> Array:
+  """Masked scores [n - d, B, K, G, block, block] of query blocks d.. against key blocks ..n-d
+  (block diagonal d)."""
+  n, block, head_dim = q.shape[0], q.shape[4], q.shape[5]
+  scores = dot("nbkgqd,nbksd->nbkgqs", q[d:], k[:n - d], dtype) / math.sqrt(head_dim)
+  visible = None
+  if d == 0:  # Only the diagonal tiles cut through the causal boundary.
+    visible = jnp.tril(jnp.ones((block, block), bool))
+  if segment_ids is not None:
+    same = (segment_ids[d:, :, None, None, :, None]
+            == segment_ids[:n - d, :, None, None, None, :])
+    visible = same if visible is None else same & visible
+  return scores if visible is None else jnp.where(visible, scores, MASK_VALUE)
+
+
+def _pv(p: Array, v: Array, dtype: Any) -> Array:
+  """p [m, B, K, G, bq, bk] times v [m, B, K, bk, D]: [m, B, K, G, bq, D] in f32."""
+  return dot("nbkgqs,nbksd->nbkgqd", p, v, dtype)
+
+
+def _flash_forward(q: Array, k: Array, v: Array, segment_ids: Array | None, dtype: Any,
+                   block: int):
+  """(out [B, T, H, D], residuals) of `flash_attention`."""
+  length, kv_heads = q.shape[1], k.shape[2]
+  qb, kb, vb = _block_q(q, kv_heads, block), _block_kv(k, block), _block_kv(v, block)
+  sb = None if segment_ids is None else _blocks(segment_ids, block).transpose(1, 0, 2)
+  n = qb.shape[0]
+  for d in range(n):
+    s = _diagonal_scores(qb, kb, sb, d, dtype)
+    if d == 0:
+      m = jnp.max(s, axis=-1)
+      p = jnp.exp(s - m[..., None])
+      denominator = jnp.sum(p, axis=-1)
+      acc = _pv(p, vb, dtype)
+    else:
+      m_new = jnp.maximum(m[d:], jnp.max(s, axis=-1))
+      alpha = jnp.exp(m[d:] - m_new)
+      p = jnp.exp(s - m_new[..., None])
+      denominator = denominator.at[d:].set(alpha * denominator[d:] + jnp.sum(p, axis=-1))
+      acc = acc.at[d:].set(alpha[..., None] * acc[d:] + _pv(p, vb[:n - d], dtype))
+      m = m.at[d:].set(m_new)
+    # The diagonals' score tiles do not depend on each other: without the barrier XLA may
+    # compute several (all of them: the whole T x T) before reducing any.
+    m, denominator, acc, kb, vb = jax.lax.optimization_barrier((m, denominator, acc, kb, vb))
+  out = acc / denominator[..., None]
+  lse = m + jnp.log(denominator)
+  return _unblock_q(out, length), (qb, kb, vb, sb, out, lse)
+
+
+def _flash_backward(dtype: Any, block: int, residuals, d_out: Array):
+  """Cotangents of q, k, v (and None for the segment ids) of `flash_attention`.
+
+  With p = exp(s - lse) recomputed tile by tile and delta = rowsum(dout * out):
+    dv_j = sum_i p_ij^T dout_i,  ds_ij = p_ij (dout_i v_j^T - delta_i) / sqrt(D),
+    dq_i = sum_j ds_ij k_j,      dk_j = sum_i ds_ij^T q_i.
+  """
+  qb, kb, vb, sb, out, lse = residuals
+  n, head_dim, length = qb.shape[0], qb.shape[-1], d_out.shape[1]
+  do = _block_q(d_out, kb.shape[2], block).astype(jnp.float32)
+  delta = jnp.sum(do * out, axis=-1)
+  dq = jnp.zeros(qb.shape, jnp.float32)
+  dk = jnp.zeros(kb.shape, jnp.float32)
+  dv = jnp.zeros(vb.shape, jnp.float32)
+  for d in range(n):
+    p = jnp.exp(_diagonal_scores(qb, kb, sb, d, dtype) - lse[d:][..., None])
+    dv = dv.at[:n - d].add(dot("nbkgqs,nbkgqd->nbksd", p, do[d:], dtype))
+    dp = dot("nbkgqd,nbksd->nbkgqs", do[d:], vb[:n - d], dtype)
+    ds = p * (dp - delta[d:][..., None]) / math.sqrt(head_dim)
+    dq = dq.at[d:].add(_pv(ds, kb[:n - d], dtype))
+    dk = dk.at[:n - d].add(dot("nbkgqs,nbkgqd->nbksd", ds, qb[d:], dtype))
+    dq, dk, dv, qb, kb = jax.lax.optimization_barrier((dq, dk, dv, qb, kb))
+  return (_unblock_q(dq, length).astype(qb.dtype), _unblock_kv(dk, length).astype(kb.dtype),
+          _unblock_kv(dv, length).astype(vb.dtype), None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _flash(q: Array, k: Array, v: Array, segment_ids: Array | None, dtype: Any,
+           block: int) -> Array:
+  return _flash_forward(q, k, v, segment_ids, dtype, block)[0]
+
+
+_flash.defvjp(_flash_forward, _flash_backward)
+
+
+# --- splash: the Pallas TPU kernel
+
+
+def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, *,
+                     dtype: Any = jnp.float32, interpret: bool | None = None) -> Array:
+  """Causal GQA self-attention [B, T, H, D] (f32) by JAX's Pallas splash-attention kernel.
+
+  The kernel runs one row at a time (vmapped) on q [H, T, D], k and v [K, T, D] with T padded
+  to its tile; q is scaled by 1/sqrt(D) before the kernel, which has no scale of its own. Under
+  a mesh it runs per device on its shard (shard_map): rows split over the batch axes, heads
+  over tensor when both head counts divide. `interpret` (default: off TPU) runs the kernel
+  in Pallas's interpreter.
+  """
+  if interpret is None:
+    interpret = jax.default_backend() != "tpu"
+  mesh = jax.sharding.get_abstract_mesh()
+  run = functools.partial(_splash_rows, dtype=jnp.dtype(dtype), interpret=interpret)
+  if mesh.empty:
+    return run(q, k, v, segment_ids)
+  q_spec = sharding.logical_to_spec(("batch", "seq", "activation_heads", "head_dim"), q.shape,
+                                    mesh)
+  kv_spec = sharding.logical_to_spec(("batch", "seq", "activation_kv_heads", "head_dim"),
+                                     k.shape, mesh)
+  if q_spec[2] != kv_spec[2]:  # Heads and kv heads must split alike, or not at all.
+    q_spec = jax.sharding.PartitionSpec(*q_spec[:2], None, None)
+    kv_spec = jax.sharding.PartitionSpec(*kv_spec[:2], None, None)
+  rows = jax.sharding.PartitionSpec(q_spec[0], None)
+  mapped = jax.shard_map(run, in_specs=(q_spec, kv_spec, kv_spec,
+                                        None if segment_ids is None else rows),
+                         out_specs=q_spec, check_vma=False)
+  return mapped(q, k, v, segment_ids)
+
+
+def _splash_rows(q: Array, k: Array, v: Array, segment_ids: Array | None, *, dtype: Any,
+                 interpret: bool) -> Array:
+  """`splash_attention` on the rows (and heads) at hand."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
+      splash_attention_kernel as kernel_lib, splash_attention_mask as mask_lib)
+
+  batch, length, heads, head_dim = q.shape
+  block = min(SPLASH_BLOCK, _round_up(length, _LANES))
+  padded = _round_up(length, block)
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
+  heads_first = lambda x: pad(x).astype(dtype).transpose(0, 2, 1, 3)
+  q, k, v = heads_first(q / math.sqrt(head_dim)), heads_first(k), heads_first(v)
+  sizes = kernel_lib.BlockSizes(
+      block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+      block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+  kernel = kernel_lib.make_splash_mha(
+      mask_lib.MultiHeadMask([mask_lib.CausalMask((padded, padded))] * heads),
+      block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+  if segment_ids is None:
+    out = jax.vmap(kernel)(q, k, v)
+  else:
+    ids = pad(segment_ids)
+    out = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, kernel_lib.SegmentIds(ids, ids)))(
+        q, k, v, ids)
+  return out.transpose(0, 2, 1, 3)[:, :length].astype(jnp.float32)

@@ -1,0 +1,228 @@
+"""Flash and splash attention against the dense reference: values, gradients, memory, the model.
+
+Inputs are f32 with values in [-1, 1] (so |v| <= 1 bounds each output), over rows whose length
+is not a multiple of the block, ragged segment masks (right- and left-padded rows, a row packed
+with three segments), GQA, MQA and plain multi-head attention, and several block sizes.
+
+Error model of a comparison (tests/tolerances.py): an output o_t = sum_s p_ts v_s is a convex
+combination of at most S values (sum_s p_ts = 1), and flash sums it block by block with
+rescaled partial sums where the reference sums it at once. The two orders differ by rounding
+alone, a random walk of sqrt(S) roundings of the terms, so |o_flash - o_dense| <=
+reordered_sum(S) * max|v|. A gradient sums over the same S keys (dq) or queries (dk, dv) with
+cancelling terms, so its tolerance is reordered_sum(S) times the largest reference gradient.
+With S <= 200 that is < 1e-5 of the scale. A wrong mask (one key too many) moves outputs by
+~1/S of their scale, 1e-3 here, far above it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax._src import core as jax_core
+
+from agentgym_jax import sharding
+from agentgym_jax.models import attention
+from agentgym_jax.models.config import ModelConfig
+from agentgym_jax.models.decoder import Decoder
+
+import tolerances
+
+LENGTH = 150  # Not a multiple of any block below.
+
+
+def _inputs(batch: int, length: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  uniform = lambda key, shape: jax.random.uniform(key, shape, jnp.float32, -1.0, 1.0)
+  q = 2.0 * uniform(keys[0], (batch, length, heads, head_dim))  # Scores up to ~4: peaked rows.
+  k = 2.0 * uniform(keys[1], (batch, length, kv_heads, head_dim))
+  v = uniform(keys[2], (batch, length, kv_heads, head_dim))
+  cotangent = uniform(keys[3], (batch, length, heads, head_dim))
+  return q, k, v, cotangent
+
+
+def _segments(kind: str, batch: int, length: int) -> np.ndarray | None:
+  """Segment ids [batch, length]: none, right padding (ragged lengths), left padding, or rows
+  packed with several segments."""
+  if kind == "none":
+    return None
+  index = np.arange(length)[None]
+  lengths = np.array([length, 97, 1, 130])[:batch, None]
+  if kind == "right_padded":
+    return (index < lengths).astype(np.int32)
+  if kind == "left_padded":
+    return (index >= length - lengths).astype(np.int32)
+  # "packed": segments [0, 40), [40, 41), [41, 120), [120, T), numbered from 1 (all real).
+  return np.broadcast_to(np.searchsorted([40, 41, 120], index, side="right") + 1,
+                         (batch, length)).astype(np.int32)
+
+
+def _real(segments: np.ndarray | None, shape: tuple[int, int]) -> np.ndarray:
+  """Queries whose outputs mean something: all, or the non-padding ones of a padded row."""
+  return np.ones(shape, bool) if segments is None else segments != 0
+
+
+def _value_and_grads(implementation: str, q, k, v, cotangent, segments, **options):
+  """The attention's output and the gradients of <output, cotangent> by q, k and v."""
+  def loss(q, k, v):
+    out = attention.causal_attention(q, k, v, segments, implementation=implementation,
+                                     **options)
+    return jnp.sum(out * cotangent), out
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  return out, grads
+
+
+def _assert_matches_dense(implementation, heads, kv_heads, segment_kind, batch=4, **options):
+  q, k, v, cotangent = _inputs(batch, LENGTH, heads, kv_heads, 16)
+  segments = _segments(segment_kind, batch, LENGTH)
+  real = _real(segments, (batch, LENGTH))
+  # Padding queries' outputs mean nothing; nothing may flow back from them.
+  cotangent = cotangent * real[:, :, None, None]
+  out, grads = _value_and_grads(implementation, q, k, v, cotangent, segments, **options)
+  ref_out, ref_grads = _value_and_grads("dense", q, k, v, cotangent, segments)
+  relative = tolerances.reordered_sum(LENGTH)
+  assert relative < 1e-5
+  np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref_out)[real], rtol=0,
+                             atol=relative * float(jnp.max(jnp.abs(v))))
+  for name, grad, ref in zip("qkv", grads, ref_grads):
+    np.testing.assert_allclose(grad, ref, rtol=0, atol=relative * float(jnp.max(jnp.abs(ref))),
+                               err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("segment_kind, block", [
+    ("none", 64), ("right_padded", 32), ("left_padded", 128), ("packed", 32)])
+def test_flash_matches_dense_values_and_gradients(segment_kind, block):
+  _assert_matches_dense("flash", 6, 2, segment_kind, block=block)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 1)])  # (6, 2) above.
+def test_flash_matches_dense_for_every_head_grouping(heads, kv_heads):
+  _assert_matches_dense("flash", heads, kv_heads, "right_padded", batch=2, block=64)
+
+
+def test_flash_in_bf16_stays_within_bf16_rounding_of_dense():
+  q, k, v, _ = _inputs(2, LENGTH, 6, 2, 16)
+  run = jax.jit(lambda name: attention.causal_attention(
+      q, k, v, None, implementation=name, dtype=jnp.bfloat16, block=64), static_argnums=0)
+  # Both round q, k, v and the probabilities to bf16 (8 bits: 2^-9 relative), in different
+  # places (flash rounds unnormalised probabilities); outputs are <= max|v| = 1.
+  np.testing.assert_allclose(run("flash"), run("dense"), rtol=0, atol=4 * 2.0**-9)
+
+
+def test_splash_kernel_interpreted_matches_dense():
+  # Pallas interpret mode runs the TPU kernel's program on the CPU; T pads to the 128 lanes.
+  _assert_matches_dense("splash", 6, 2, "packed", batch=2)
+
+
+def test_splash_kernel_runs_per_shard_under_a_mesh():
+  # Rows split over fsdp and heads (6 and 2 kv heads) over tensor, by shard_map.
+  mesh = sharding.make_mesh(1, 2, 2, devices=jax.devices()[:4])
+  with jax.set_mesh(mesh):
+    _assert_matches_dense("splash", 6, 2, "right_padded", batch=2)
+
+
+def test_auto_picks_the_kernel_by_backend():
+  assert attention.resolve("auto", "tpu") == "splash"
+  assert attention.resolve("auto", "cpu") == "flash"
+  assert attention.resolve("auto", "gpu") == "flash"
+  assert attention.resolve("dense", "tpu") == "dense"
+  with pytest.raises(ValueError, match="not one of"):
+    attention.resolve("flashy")
+
+
+def test_flash_block_grows_only_to_bound_the_number_of_blocks():
+  assert attention.flash_block(100) == attention.flash_block(8192) == attention.FLASH_BLOCK
+  # 32768 tokens in at most 32 blocks: 1024-token tiles.
+  assert attention.flash_block(32768) == 1024
+  assert -(-32769 // attention.flash_block(32769)) <= attention.MAX_BLOCKS
+
+
+# --- memory: no [.., T, T] array in the forward or backward pass
+
+_HLO_SHAPE = re.compile(r"\b(?:f64|f32|bf16|f16|s64|s32|s8|u64|u32|u8|pred)\[([0-9,]*)\]")
+
+
+def _squares_in_hlo(text: str, length: int) -> list[tuple[int, ...]]:
+  """Shapes in HLO text with two axes of at least `length`."""
+  shapes = {tuple(int(n) for n in dims.split(",") if n) for dims in _HLO_SHAPE.findall(text)}
+  return sorted(s for s in shapes if sum(n >= length for n in s) >= 2)
+
+
+def _squares_in_jaxpr(jaxpr, length: int) -> list[tuple[int, ...]]:
+  """The same for every value of a jaxpr, its sub-jaxprs (jit, scan, custom_vjp) included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    for var in eqn.outvars:
+      shape = getattr(var.aval, "shape", ())
+      if sum(n >= length for n in shape) >= 2:
+        found.append(shape)
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+      found.extend(_squares_in_jaxpr(sub, length))
+  return found
+
+
+@pytest.mark.parametrize("implementation", ["flash", "dense"])
+def test_flash_keeps_no_length_squared_array_forward_or_backward(implementation):
+  length = 1000
+  q, k, v, cotangent = _inputs(2, length, 4, 2, 16)
+  loss = lambda q, k, v: jnp.sum(cotangent * attention.causal_attention(
+      q, k, v, None, implementation=implementation, block=128))
+  step = jax.value_and_grad(loss, argnums=(0, 1, 2))
+  in_jaxpr = _squares_in_jaxpr(jax.make_jaxpr(step)(q, k, v).jaxpr, length)
+  in_hlo = _squares_in_hlo(jax.jit(step).lower(q, k, v).compile().as_text(), length)
+  if implementation == "flash":
+    assert in_jaxpr == [] and in_hlo == []
+  else:  # The check sees the reference's [B, K, G, T, T] scores.
+    assert (2, 2, 2, length, length) in in_jaxpr and (2, 2, 2, length, length) in in_hlo
+
+
+# --- the whole model
+
+CONFIG = ModelConfig(model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=96,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e4,
+                     attention_bias=True)
+
+
+def _model(implementation: str, remat: str = "none") -> Decoder:
+  return Decoder(CONFIG, remat=remat, attention=implementation, rngs=nnx.Rngs(0))
+
+
+@nnx.jit
+def _logits_and_grads(model: Decoder, tokens, attention_mask):
+  """Logits and the gradient of the mean next-token NLL of the real tokens by every parameter."""
+  def loss(model):
+    logits = model(tokens[:, :-1], attention_mask=attention_mask[:, :-1])
+    logprobs = jax.nn.log_softmax(logits)
+    picked = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)[..., 0]
+    weights = attention_mask[:, 1:] * attention_mask[:, :-1]
+    return -jnp.sum(picked * weights) / jnp.sum(weights), logits
+  (_, logits), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+  return logits, grads
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_model_logits_and_loss_gradient_equal_the_dense_models(remat, monkeypatch):
+  monkeypatch.setattr(attention, "FLASH_BLOCK", 64)  # Three blocks over the 149 inputs.
+  rng = np.random.RandomState(0)
+  tokens = rng.randint(0, CONFIG.vocab_size, (3, LENGTH))
+  attention_mask = (np.arange(LENGTH)[None] < np.array([[LENGTH], [77], [140]])).astype(np.int32)
+  logits, grads = _logits_and_grads(_model("flash", remat), tokens, attention_mask)
+  ref_logits, ref_grads = _logits_and_grads(_model("dense", remat), tokens, attention_mask)
+  real = attention_mask[:, :-1].astype(bool)
+  scale = float(jnp.max(jnp.abs(ref_logits)))
+  # The decoder's error model (L layers, the widest dot K) with attention's sum over the row.
+  atol = tolerances.reordered_logits(CONFIG.num_layers,
+                                     max(CONFIG.intermediate_size, LENGTH), scale)
+  np.testing.assert_allclose(np.asarray(logits)[real], np.asarray(ref_logits)[real], rtol=0,
+                             atol=atol)
+  # A weight's gradient sums the same per-token errors over the batch's tokens.
+  relative = tolerances.reordered_sum(CONFIG.num_layers * max(CONFIG.intermediate_size, LENGTH)
+                                      * int(real.sum()))
+  def check(path, grad, ref):
+    np.testing.assert_allclose(grad, ref, rtol=0, atol=relative * float(jnp.max(jnp.abs(ref))),
+                               err_msg=jax.tree_util.keystr(path))
+  jax.tree_util.tree_map_with_path(check, nnx.state(grads), nnx.state(ref_grads))
