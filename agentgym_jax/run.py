@@ -227,7 +227,8 @@ class Settings:
       source += ", the smallest of the processes'"
     peak = lambda remat: plan.plan(
         model.config, mesh, rows, tokens, dtype=model.dtype, param_dtype=param_dtype,
-        remat=remat, attention=model.attention, logits_chunk=self.loss.logprob_chunk).peak_bytes
+        remat=remat, attention=model.attention, logits_chunk=self.loss.logprob_chunk,
+        micro_batch_rows=self.loss.micro_batch_rows).peak_bytes
     remat, why = plan.choose_remat(peak, device_bytes, resident)
     return remat, f"a {rows} x {tokens} update step: {why} ({source})"
 
