@@ -153,6 +153,7 @@ def base_config() -> ml_collections.ConfigDict:
   # Evaluate each stage of the recipe (pipeline.py): the initial policy, the warm-started one
   # and the trained one, into workdir/evaluation, ending with a table of the three.
   c.eval.stages = False
+  c.eval.rows = 0  # Episodes played at once by a stage evaluation; 0: an RL step's rows.
   c.eval.horizon = 0  # Turn cap; 0: the horizon schedule's largest cap.
 
   # Offline paradigms (mode sft or dpo): conversations instead of rollouts.
@@ -319,6 +320,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(c.eval.max_tasks >= 0, f"eval.max_tasks={c.eval.max_tasks} must be >= 0")
   _check(c.eval.temperature >= 0, f"eval.temperature={c.eval.temperature} must be >= 0")
   _check(c.eval.horizon >= 0, f"eval.horizon={c.eval.horizon} must be >= 0")
+  _check(c.eval.rows >= 0, f"eval.rows={c.eval.rows} must be >= 0")
   _check(not c.eval.stages or (c.mode == "rl" and c.checkpoint.export_hf),
          "eval.stages evaluates the stages of an RL run's recipe from their exports: it needs "
          "mode='rl' and checkpoint.export_hf=True")

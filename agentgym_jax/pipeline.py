@@ -87,7 +87,7 @@ def evaluate_stage(c: ml_collections.ConfigDict, policy: str, path: pathlib.Path
   if path.exists():
     return json.loads(path.read_text())
   settings = run.Settings.from_config(c)
-  summary, _ = evaluate_policy(settings, policy, settings.rows)
+  summary, _ = evaluate_policy(settings, policy, c.eval.rows or settings.rows)
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(summary, indent=2))
   logging.info("evaluated %s: success %.3f", policy, summary["avg@k"])

@@ -6,24 +6,49 @@ turn caps [10, 20, 30] raised every 100 steps, 512 new tokens per turn:
 
   python launch/train.py --config=configs/grpo_textcraft.py --workdir=runs/grpo_textcraft
 
-Variants (comma-separated): `local` runs the embedded SmolLM2-135M-Instruct sized for a CPU
-workstation; `short` and `long` are the fixed-horizon baselines (10 and 30 turns); `shallow`
-keeps only goals of crafting depth 1-2 in every split (a curriculum for small models, and the
-held-out goals of the CPU learning result in the README):
+Variants (comma-separated): `local` is the whole recipe on a CPU workstation with the embedded
+SmolLM2-135M-Instruct: on goals of crafting depth 1-2 (`shallow`), an SFT warm start on the
+oracle's demonstrations of train goals, then GRPO with the staged horizon on depth-1 goals and,
+in its last stage, depth 1-2, each stage's policy evaluated greedily on the 72 held-out test goals and tabled
+at the end (README, "The first command"). `short` and `long` are the fixed-horizon baselines
+(10 and 30 turns); `shallow` keeps only goals of crafting depth 1-2 in every split:
 
   python launch/train.py --config=configs/grpo_textcraft.py:local --workdir=runs/local
   python launch/train.py --config=configs/grpo_textcraft.py:long --workdir=runs/fixed30
 """
 
-from agentgym_jax.config import apply_variants, base_config, fixed_horizon, local
+from agentgym_jax import config
 
 
 def get_config(variant: str = ""):
-  c = base_config()
+  c = config.base_config()
   c.env.name = "textcraft"
-  return apply_variants(c, variant, {"local": local, "short": fixed_horizon(10),
-                                     "long": fixed_horizon(30), "shallow": shallow})
+  return config.apply_variants(c, variant, {"local": local, "short": config.fixed_horizon(10),
+                                            "long": config.fixed_horizon(30),
+                                            "shallow": shallow})
 
 
 def shallow(c):
   c.env.options.max_depth = 2
+
+
+def local(c):
+  config.local(c)
+  shallow(c)
+  # Warm start: 30 SFT steps of 4 demonstrations (the oracle's, of the depth 1-2 train goals).
+  c.warm_start.steps = 30
+  c.warm_start.learning_rate = 1e-4
+  # GRPO where the warm-started policy has signal: depth-1 goals (it solves 12-100% of their
+  # samples; depth-2 train goals it never solved), then depth 1-2 for the last horizon stage;
+  # 2 tasks x 4 samples a step, turn caps 3, 5 and 8 for 4, 4 and 2 steps; no reference pass.
+  c.steps = 10
+  c.horizon.every = 4
+  c.rollout.curriculum = (("depth1",), ("depth1",), ("depth1", "depth2"))
+  c.rollout.tasks_per_step = 2
+  c.rollout.cache_dtype = "bfloat16"
+  c.algorithm.kl_coef = 0.0
+  c.optim.learning_rate = 2e-5
+  c.checkpoint.every = 2
+  # Each stage's policy on the 72 held-out goals of depth 1-2, greedy, all at once.
+  c.eval.stages = True
+  c.eval.rows = 72

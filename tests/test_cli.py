@@ -84,16 +84,16 @@ def test_generate_streams_the_reply_it_would_print_at_once(tmp_path):
 
 def test_evaluate_shows_its_progress_and_says_what_k_is(tmp_path):
   checkpoint = tiny.make_checkpoint(tmp_path / "tiny")
-  command = [sys.executable, str(REPO / "launch" / "evaluate.py"), LOCAL,
-             f"--config.model.name={checkpoint}", "--config.model.dtype=float32",
-             "--config.env.name=echo", "--config.eval.max_tasks=6",
+  command = [sys.executable, str(REPO / "launch" / "evaluate.py"),
+             f"--config={REPO / 'configs' / 'ablation_echo.py'}:long",
+             f"--config.model.name={checkpoint}", "--config.eval.max_tasks=6",
              "--config.eval.samples_per_task=2", "--config.rollout.max_new_tokens=4",
              "--config.rollout.max_context=128", "--config.mesh.fsdp=1", "--rows=4"]
   result = subprocess.run(command, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.splitlines()
-  assert lines[0] == "6 echo tasks of the test split, k = 2 sample(s) each, up to 8 turns"
+  assert lines[0] == "6 echo tasks of the test split, k = 2 sample(s) each, up to 4 turns"
   assert [line.split("  ")[0] for line in lines[1:4]] == [
       "episode 4/12", "episode 8/12", "episode 12/12"]
   assert lines[4].startswith("k = 2 samples per task: avg@2 is the mean success")

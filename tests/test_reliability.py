@@ -306,9 +306,8 @@ def test_nonfinite_updates_are_skipped_then_stop_the_run(checkpoint_dir, tmp_pat
 
 def _launch_command(checkpoint_dir: str, workdir: pathlib.Path, steps: int) -> list[str]:
   return [sys.executable, str(REPO / "launch" / "train.py"),
-          f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:local", f"--workdir={workdir}",
-          f"--config.model.name={checkpoint_dir}", "--config.model.dtype=float32",
-          "--config.env.name=echo", f"--config.steps={steps}",
+          f"--config={REPO / 'configs' / 'ablation_echo.py'}:long", f"--workdir={workdir}",
+          f"--config.model.name={checkpoint_dir}", f"--config.steps={steps}",
           "--config.rollout.tasks_per_step=2", "--config.rollout.samples_per_task=2",
           "--config.rollout.max_new_tokens=4", "--config.rollout.max_context=128",
           "--config.checkpoint.every=1", "--config.checkpoint.keep=10",

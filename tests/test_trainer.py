@@ -183,7 +183,10 @@ def test_launch_train_local_config_on_embedded_model(tmp_path):
       f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:local", f"--workdir={workdir}",
       "--config.steps=2", "--config.rollout.tasks_per_step=2",
       "--config.rollout.samples_per_task=2", "--config.rollout.max_new_tokens=16",
-      "--config.horizon.caps=(2,)", "--config.checkpoint.every=1"]
+      "--config.horizon.caps=(2,)", "--config.checkpoint.every=1",
+      # The recipe's warm start and stage evaluations are tested on the tiny model
+      # (tests/test_pipeline.py); here the RL run alone.
+      "--config.warm_start.steps=0", "--config.eval.stages=False"]
   # One CPU device, as on a workstation (the test session's 8 virtual devices would not split
   # this small batch).
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
