@@ -129,8 +129,13 @@ def test_two_processes_train_as_one_process(checkpoint_dir, tmp_path):
       assert a[key] == b[key], key
     # Means and norms over a minibatch's tokens or the gradient: the reordering error model's
     # relative size.
-    for key in ("loss", "grad_norm", "entropy", "policy/ratio_mean", "logprob_gap_mean"):
+    for key in ("loss", "grad_norm", "entropy", "policy/ratio_mean"):
       np.testing.assert_allclose(b[key], a[key], rtol=GRAD_ROUNDING, atol=1e-7, err_msg=key)
+    # The sampler's and the learner's log-probs differ by rounding alone (their attention sums
+    # in another order), so the gap is noise on both sides: below the reordering bound of the
+    # tiny model's log-probs (2 layers, dots of up to 128 terms, logits under 10).
+    noise = tolerances.reordered_logprobs(2, 128, 10.0)
+    assert a["logprob_gap_mean"] < noise and b["logprob_gap_mean"] < noise
   # Rewards vary within groups, so the updates move the parameters.
   assert all(0 < row["reward"] < 1 and row["grad_norm"] > 0 for row in single)
   for step in range(1, STEPS + 1):
