@@ -4,13 +4,14 @@ A conversation becomes tokens and a loss mask exactly as a rollout builds a traj
 (agentgym_jax/rollout.py), so offline and online training see the same layout:
 
   prompt   chat.render(turns before the first reply, add_generation_prompt=True)   mask 0
-  reply    tokenizer.encode(reply) + [im_end_id]                                    mask 1
+  reply    chat.reply_ids(reply): its text, then the turn end                        mask 1
   turn     chat.continuation_ids(role, observation)                                 mask 0
   reply    ...                                                                      mask 1
 
 By ChatTemplate's invariant these tokens equal chat.render(conversation,
-add_generation_prompt=False) without its final "\\n". A conversation ends with a reply (a rollout
-does not append the observation that answers its last reply).
+add_generation_prompt=False) without what follows the last reply's turn end (ChatML's "\\n"). A
+conversation ends with a reply (a rollout does not append the observation that answers its last
+reply).
 
 Batches are `batch.Batch`es of numpy arrays, rows right-padded with 0 to a bucketed length
 (`batch.bucket`, capped at `max_length`), so a run compiles one program per bucket. A
@@ -52,7 +53,8 @@ def tokenize_conversation(chat: ChatTemplate, messages: Sequence[Message]
 
   The turns before the first assistant reply form the prompt (a system message, if any, and the
   first user message); after it, replies and other turns alternate, and the last turn is a
-  reply. loss_mask is 1 exactly on the reply tokens and the `<|im_end|>` closing each reply.
+  reply. loss_mask is 1 exactly on the reply tokens and the turn end closing each reply
+  (`<|im_end|>`, `<|eot_id|>`).
   """
   if isinstance(messages, (str, Mapping)) or not messages:
     raise ValueError(f"a conversation is a non-empty list of messages, got {messages!r:.200}")
@@ -76,7 +78,7 @@ def tokenize_conversation(chat: ChatTemplate, messages: Sequence[Message]
     if not isinstance(content, str):
       raise ValueError(f"message {index} has content of type {type(content).__name__}, not str")
     if is_reply:
-      ids = chat.tokenizer.encode(content) + [chat.im_end_id]
+      ids = chat.reply_ids(content)
     else:
       ids = chat.continuation_ids(message["role"], content)
     tokens += ids

@@ -238,7 +238,7 @@ class _Episodes:
           continue
         trajectory.messages.append({"role": "user", "content": result.observation})
         # A reply cut by the token limit has no turn end yet: close it (untrained) first.
-        closing = [] if tokens[row][-1:] == [chat.im_end_id] else [chat.im_end_id]
+        closing = chat.closing_ids(tokens[row])
         continuation = closing + chat.continuation_ids("user", result.observation)
         if (len(trajectory.tokens) + len(continuation) + sampling.max_new_tokens
             > self.max_context):

@@ -7,7 +7,7 @@ r"""Chats with a model in the terminal, turn after turn on the sampler's live KV
 --model is a registry name (agentgym_jax.models.MODELS) or a Hugging Face checkpoint directory;
 the default, SmolLM2-135M-Instruct, ships with the package. Replies are printed as they are
 sampled, --stream_tokens at a time (each chunk continues the row on the live cache). Conversations use the model's chat
-template (ChatML). Each user turn is appended to the live cache as token ids after the reply's
+template (ChatML or Llama 3). Each user turn is appended to the live cache as token ids after the reply's
 own ids: earlier turns are never encoded or prefilled again. An empty line or end of input ends
 the chat.
 """
@@ -72,8 +72,8 @@ def main(argv):
     message = _read_user_turn()
     if not message:
       return
-    # A reply that did not end on <|im_end|> (token budget, EOS) is closed first.
-    closing = [] if reply[-1:] == [chat.im_end_id] else [chat.im_end_id]
+    # A reply that did not end its turn (token budget, EOS) is closed first.
+    closing = chat.closing_ids(reply)
     continuation = closing + chat.continuation_ids("user", message)
     used = int(state.lengths[0])
     if used + len(continuation) + _MAX_NEW_TOKENS.value > _CACHE_SLOTS.value:

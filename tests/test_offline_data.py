@@ -40,7 +40,7 @@ def _check_invariants(chat, messages):
   whole = chat.render(messages, add_generation_prompt=False)
   # The whole render ends "<|im_end|>" "\n"; the conversation stops at the reply's im_end.
   assert tokens == whole[:-1]
-  assert whole[-1:] == chat.tokenizer.encode("\n")
+  assert whole[-1:] == chat.tokenizer.encode("\n") and tokens[-1] == chat.reply_end_id
   assert len(loss_mask) == len(tokens) and set(loss_mask) <= {0, 1}
   # The trained tokens are, run by run, each reply's encoding followed by im_end.
   replies = [m["content"] for m in messages if m["role"] == "assistant"]
@@ -52,7 +52,7 @@ def _check_invariants(chat, messages):
       runs.append(run)
       run = []
   runs.append(run)
-  assert runs == [chat.tokenizer.encode(r) + [chat.im_end_id] for r in replies]
+  assert runs == [chat.reply_ids(r) for r in replies]
   return tokens, loss_mask
 
 
@@ -88,9 +88,9 @@ def test_tokens_match_the_rollouts_turn_by_turn_construction(tiny_chat):
   trajectory = Trajectory(task_id=0, group=0)
   messages = _conversation("1", "0 0", "1 1", "1")
   trajectory.extend(tiny_chat.render(messages[:1], add_generation_prompt=True), trained=False)
-  trajectory.extend(tiny_chat.tokenizer.encode("0 0") + [tiny_chat.im_end_id], trained=True)
+  trajectory.extend(tiny_chat.reply_ids("0 0"), trained=True)
   trajectory.extend(tiny_chat.continuation_ids("user", "1 1"), trained=False)
-  trajectory.extend(tiny_chat.tokenizer.encode("1") + [tiny_chat.im_end_id], trained=True)
+  trajectory.extend(tiny_chat.reply_ids("1"), trained=True)
   assert offline_data.tokenize_conversation(tiny_chat, messages) == (
       trajectory.tokens, trajectory.loss_mask)
 
