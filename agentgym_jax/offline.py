@@ -272,7 +272,8 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
     raise ValueError(f"invalid config: data.batch_size={settings.data.batch_size} must be a "
                      f"multiple of mesh data x fsdp = {batch_devices} (the rows are split over "
                      "them)")
-  batches = make_batches(settings, records, tokenizer.chat)
+  chat = settings.chat(tokenizer)
+  batches = make_batches(settings, records, chat)
   graphdef, params = nnx.split(model)
   # A copy: the update donates the policy's buffers.
   ref_params = jax.tree.map(jnp.copy, params) if mode == "dpo" else None
@@ -290,7 +291,7 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
   history = []
   with contextlib.ExitStack() as stack:
     evaluate_every = settings.evaluation.every
-    evaluate = (make_evaluator(settings, mesh, model, tokenizer.chat, stack) if evaluate_every
+    evaluate = (make_evaluator(settings, mesh, model, chat, stack) if evaluate_every
                 else None)
     progress = stack.enter_context(settings.progress(
         (("loss", "reward_accuracy") if mode == "dpo" else ("loss",))

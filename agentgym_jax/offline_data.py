@@ -3,7 +3,7 @@
 A conversation becomes tokens and a loss mask exactly as a rollout builds a trajectory
 (agentgym_jax/rollout.py), so offline and online training see the same layout:
 
-  prompt   chat.render(turns before the first reply, add_generation_prompt=True)   mask 0
+  prompt   chat.render(turns before the first reply, True, tools=record's tools)    mask 0
   reply    chat.reply_ids(reply): its text, then the turn end                        mask 1
   turn     chat.continuation_ids(role, observation)                                 mask 0
   reply    ...                                                                      mask 1
@@ -41,15 +41,18 @@ from agentgym_jax.models.tokenizer import ChatTemplate
 from environments.base import ENV_ERROR, ENV_TIMEOUT
 
 Message = Mapping[str, str]
-# A conversation: a record with "messages" (and optionally "reward"), or the message list.
+# A conversation: a record with "messages" (and optionally "reward" and "tools"), or the message
+# list.
 Conversation = Mapping[str, Any] | Sequence[Message]
 
 ASSISTANT = "assistant"
 
 
-def tokenize_conversation(chat: ChatTemplate, messages: Sequence[Message]
+def tokenize_conversation(chat: ChatTemplate, messages: Sequence[Message],
+                          tools: Sequence[Mapping[str, Any]] | None = None
                           ) -> tuple[list[int], list[int]]:
-  """(tokens, loss_mask) of a conversation, built turn by turn as a rollout builds it.
+  """(tokens, loss_mask) of a conversation, built turn by turn as a rollout builds it, its
+  prompt showing `tools` (the JSON schemas of a tool_call conversation) if given.
 
   The turns before the first assistant reply form the prompt (a system message, if any, and the
   first user message); after it, replies and other turns alternate, and the last turn is a
@@ -64,7 +67,7 @@ def tokenize_conversation(chat: ChatTemplate, messages: Sequence[Message]
   first = roles.index(ASSISTANT)
   if first == 0:
     raise ValueError("the conversation starts with an assistant reply; it needs a prompt first")
-  tokens = chat.render(messages[:first], add_generation_prompt=True)
+  tokens = chat.render(messages[:first], add_generation_prompt=True, tools=tools)
   loss_mask = [0] * len(tokens)
   for offset, message in enumerate(messages[first:]):
     index = first + offset
@@ -89,14 +92,16 @@ def tokenize_conversation(chat: ChatTemplate, messages: Sequence[Message]
   return tokens, loss_mask
 
 
-def _messages_and_reward(conversation: Conversation, index: int
-                         ) -> tuple[Sequence[Message], float]:
+def _parts(conversation: Conversation, index: int
+           ) -> tuple[Sequence[Message], float, Sequence[Mapping[str, Any]] | None]:
+  """(messages, reward, tools) of a conversation."""
   if isinstance(conversation, Mapping):
     if "messages" not in conversation:
       raise ValueError(f"conversation {index} is a record without 'messages' "
                        f"(keys {sorted(conversation)})")
-    return conversation["messages"], float(conversation.get("reward", 0.0))
-  return conversation, 0.0
+    return (conversation["messages"], float(conversation.get("reward", 0.0)),
+            conversation.get("tools"))
+  return conversation, 0.0, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +112,9 @@ class _Tokenized:
 
 
 def _tokenize(chat: ChatTemplate, conversation: Conversation, index: int) -> _Tokenized:
-  messages, reward = _messages_and_reward(conversation, index)
+  messages, reward, tools = _parts(conversation, index)
   try:
-    tokens, loss_mask = tokenize_conversation(chat, messages)
+    tokens, loss_mask = tokenize_conversation(chat, messages, tools)
   except ValueError as error:
     raise ValueError(f"conversation {index}: {error}") from error
   return _Tokenized(np.asarray(tokens, np.int32), np.asarray(loss_mask, np.float32), reward)
@@ -231,10 +236,11 @@ def _outcome(record: Mapping[str, Any]) -> tuple[bool, float]:
 
 
 def _prompt(record: Mapping[str, Any]) -> list[Any]:
-  """The turns before the first reply: what both sides of a pair must share."""
+  """The tools and the turns before the first reply: what both sides of a pair must share."""
   messages = record["messages"]
   roles = [m.get("role") for m in messages]
-  return list(messages[:roles.index(ASSISTANT)]) if ASSISTANT in roles else list(messages)
+  turns = messages[:roles.index(ASSISTANT)] if ASSISTANT in roles else messages
+  return [record.get("tools"), *turns]
 
 
 def dpo_pairs(trajectories: Sequence[Mapping[str, Any]], *, min_reward_gap: float = 0.0,
