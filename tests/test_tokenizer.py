@@ -11,6 +11,7 @@ from tokenizers import decoders, normalizers, pre_tokenizers, trainers
 
 from agentgym_jax.models import gguf
 from agentgym_jax.models.tokenizer import TOOLS_TEXT, ChatTemplate, Tokenizer
+from tiny import LLAMA31_LIKE_TEMPLATE, LLAMA32_LIKE_TEMPLATE, QWEN3_LIKE_TEMPLATE
 
 transformers = pytest.importorskip("transformers")
 
@@ -111,12 +112,10 @@ def _write_llama3_style_checkpoint(directory, chat_template):
       regex=LLAMA3_PRETOKENIZE_REGEX)
 
 
-# Templates written for these tests from each family's documented prompt format: ChatML with a
-# default system message and tools in the system turn (as Qwen2.5 does); ChatML without one,
-# with Qwen3's thinking switch, think-block removal and tools; Llama 3 (BOS, header tokens,
-# trimmed content, no system default); Llama 3.1 (date lines in an always-present system turn,
-# tools in the first user message) with a fixed date, and Llama 3.2's variant reading today's
-# date; and two layouts no supported family has.
+# Templates written for these tests from each family's documented prompt format (the Qwen3 and
+# Llama 3.1/3.2 ones are tiny.py's): ChatML with a default system message and tools in the system
+# turn (as Qwen2.5 does); Llama 3 (BOS, header tokens, trimmed content, no system default); and
+# two layouts no supported family has.
 QWEN25_LIKE_TEMPLATE = r"""
 {%- if tools %}
   {{- '<|im_start|>system\n' }}
@@ -135,45 +134,6 @@ QWEN25_LIKE_TEMPLATE = r"""
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
 """
-QWEN3_LIKE_TEMPLATE = r"""
-{%- if tools %}
-  {{- '<|im_start|>system\n' }}
-  {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
-  {{- '# Tools\n\nFunctions you may call:\n<tools>' }}
-  {%- for tool in tools %}{{- '\n' + tool | tojson }}{%- endfor %}
-  {{- '\n</tools>\n\nCall one as <tool_call>\n{"name": <name>, "arguments": <args>}\n</tool_call><|im_end|>\n' }}
-{%- elif messages[0].role == 'system' %}
-  {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- set ns = namespace(last_user=0) %}
-{%- for message in messages %}
-  {%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-  {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
-    {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
-  {%- elif message.role == 'assistant' %}
-    {%- set content = message.content %}
-    {%- set thought = '' %}
-    {%- if '</think>' in content %}
-      {%- set thought = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}
-      {%- set content = content.split('</think>')[-1].lstrip('\n') %}
-    {%- endif %}
-    {%- if loop.index0 > ns.last_user and (loop.last or thought) %}
-      {{- '<|im_start|>assistant\n<think>\n' + thought + '\n</think>\n\n' + content }}
-    {%- else %}
-      {{- '<|im_start|>assistant\n' + content }}
-    {%- endif %}
-    {{- '<|im_end|>\n' }}
-  {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-  {{- '<|im_start|>assistant\n' }}
-  {%- if enable_thinking is defined and enable_thinking is false %}
-    {{- '<think>\n\n</think>\n\n' }}
-  {%- endif %}
-{%- endif %}
-"""
 LLAMA3_TEMPLATE = r"""
 {%- for message in messages %}
   {%- if loop.first %}{{- bos_token }}{%- endif %}
@@ -181,36 +141,6 @@ LLAMA3_TEMPLATE = r"""
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}
 """
-LLAMA31_TEMPLATE = r"""
-{{- bos_token }}
-{%- if date_string is not defined %}DATE{%- endif %}
-{%- if messages[0]['role'] == 'system' %}
-  {%- set system_message = messages[0]['content'] | trim %}
-  {%- set messages = messages[1:] %}
-{%- else %}
-  {%- set system_message = '' %}
-{%- endif %}
-{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}
-{%- if tools is not none %}{{- 'Environment: ipython\n' }}{%- endif %}
-{{- 'Cutting Knowledge Date: December 2023\nToday Date: ' + date_string + '\n\n' }}
-{{- system_message + '<|eot_id|>' }}
-{%- if tools is not none %}
-  {%- set first_user = messages[0]['content'] | trim %}
-  {%- set messages = messages[1:] %}
-  {{- '<|start_header_id|>user<|end_header_id|>\n\n' }}
-  {{- 'Answer with a JSON function call {"name": function name, "parameters": arguments}.\n\n' }}
-  {%- for tool in tools %}{{- tool | tojson(indent=4) + '\n\n' }}{%- endfor %}
-  {{- first_user + '<|eot_id|>' }}
-{%- endif %}
-{%- for message in messages %}
-  {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}
-"""
-LLAMA31_LIKE_TEMPLATE = LLAMA31_TEMPLATE.replace(
-    "DATE", "{%- set date_string = '26 Jul 2024' %}")
-LLAMA32_LIKE_TEMPLATE = LLAMA31_TEMPLATE.replace(
-    "DATE", "{%- set date_string = strftime_now('%d %b %Y') %}")
 NOT_CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '### ' + message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
