@@ -95,6 +95,25 @@ def test_tokens_match_the_rollouts_turn_by_turn_construction(tiny_chat):
       trajectory.tokens, trajectory.loss_mask)
 
 
+@pytest.mark.parametrize("chat_family", ["qwen3", "llama3"])
+def test_tool_call_demos_tokenize_with_their_tools(chat_family, tmp_path):
+  tiny.write_tokenizer(tmp_path, chat_family)
+  chat = Tokenizer.from_pretrained(tmp_path).chat
+  env = base.make("textcraft", action_format="tool_call")
+  (demo,) = demos_lib.collect(env, env.task_ids("train")[:1]).demos
+  messages, tools = demo["messages"], demo["tools"]
+  tokens, loss_mask = offline_data.tokenize_conversation(chat, messages, tools)
+  # The prompt shows the tools as the template does; the rest follows turn by turn, up to what
+  # comes after the last reply's turn end (ChatML's "\n", nothing in Llama 3).
+  prompt = chat.render(messages[:1], tools=tools)
+  assert tokens[:len(prompt)] == prompt and set(loss_mask[:len(prompt)]) == {0}
+  whole = chat.render(messages, add_generation_prompt=False, tools=tools)
+  assert whole == tokens + chat.tokenizer.encode(chat.layout.after_turn)
+  # SFT batches read the record's tools.
+  data = offline_data.sft_batches([demo], chat, batch_size=1, max_length=8192)
+  assert data.batch(0).tokens[0, :len(tokens)].tolist() == tokens
+
+
 @pytest.mark.parametrize("messages,message", [
     (_conversation("1", "0", "1"), "ends with a 'user' turn"),
     (_conversation("1"), "no assistant reply"),

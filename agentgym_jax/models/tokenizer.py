@@ -284,7 +284,8 @@ class Layout:
       {header_open}{role}[{header_close}]{header_text}{content}{turn_end}{after_turn}
 
   `trims`: whether the family's templates strip each message's content of surrounding
-  whitespace (Jinja's `trim`).
+  whitespace (Jinja's `trim`). `also_ends`: other tokens with which the family's models may end
+  a turn (Llama 3.1's `<|eom_id|>` after a tool call), where the vocabulary has them.
   """
 
   name: str
@@ -294,6 +295,7 @@ class Layout:
   turn_end: str
   after_turn: str
   trims: bool
+  also_ends: tuple[str, ...] = ()
 
   @property
   def special_tokens(self) -> tuple[str, ...]:
@@ -302,7 +304,7 @@ class Layout:
 
 CHATML = Layout("ChatML", IM_START, None, "\n", IM_END, "\n", trims=False)
 LLAMA3 = Layout("Llama 3", "<|start_header_id|>", "<|end_header_id|>", "\n\n", "<|eot_id|>", "",
-                trims=True)
+                trims=True, also_ends=("<|eom_id|>",))
 LAYOUTS = (CHATML, LLAMA3)
 
 # Tools for a template that does not render them, appended to the system message (`render`).
@@ -373,9 +375,11 @@ class ChatTemplate:
     self.system_preamble = system_preamble
     self.generation_prefill = generation_prefill
     self.source = source
-    # The model may also end a turn with its EOS token; the sampler stops on either.
-    eos_ids = () if tokenizer.eos_id in (None, self.reply_end_id) else (tokenizer.eos_id,)
-    self.turn_end_ids: tuple[int, ...] = (self.reply_end_id, *eos_ids)
+    # The model may also end a turn with its EOS token or the layout's other ends; the sampler
+    # stops on any of them.
+    ends = [self.reply_end_id, tokenizer.eos_id, *(
+        tokenizer.token_to_id(token) for token in layout.also_ends if tokenizer.has_token(token))]
+    self.turn_end_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in ends if i is not None))
     self.generation_prompt_ids: list[int] = self._ids(self._generation_prompt())
 
   @classmethod
@@ -481,8 +485,8 @@ class ChatTemplate:
     return self._ids([self._content(content), self.reply_end_id])
 
   def closing_ids(self, generated: Sequence[int]) -> list[int]:
-    """What closes a generated turn: nothing if it ended with `reply_end_id`; else (EOS,
-    length limit) `reply_end_id`."""
+    """What closes a generated turn: nothing if it ended with `reply_end_id`; else (EOS, another
+    of `turn_end_ids`, the length limit) `reply_end_id`."""
     return [] if list(generated[-1:]) == [self.reply_end_id] else [self.reply_end_id]
 
   def continuation_ids(self, role: str, content: str) -> list[int]:
