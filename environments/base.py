@@ -216,14 +216,15 @@ class ActionFormat:
     return [tool.schema() for tool in self.tools.values()] if self.kind == "tool_call" else None
 
   def reply(self, thought: str, action: str) -> str:
-    """A reply carrying the environment action `action` (an expert's), in this format."""
+    """A reply carrying the environment action `action` (an expert's), in this format;
+    ExpertError if no tool stands for it."""
     if self.kind == "react":
       return self._react(thought, action)
     for tool in self.tools.values():
       arguments = tool.arguments_of(action)
       if arguments is not None:
         return tool_call_reply(thought, tool.name, arguments)
-    raise ValueError(f"no tool stands for the action {action!r}")
+    raise ExpertError(f"no tool stands for the action {action!r}")
 
   def react_reply(self, reply: str) -> str:
     """The ReAct reply the environment parses for `reply`: itself in the react format; in the
@@ -261,9 +262,9 @@ def _tool_call(reply: str) -> tuple[str, dict[str, Any]]:
                         ) from None
   except (ValueError, RecursionError) as error:  # Over-long integers, deep nesting.
     raise ToolCallError(f"the call is not usable JSON ({_shown(str(error))})") from None
-  arguments = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
   if not isinstance(call, dict) or not isinstance(call.get("name"), str):
     raise ToolCallError('the call must be a JSON object with a "name"')
+  arguments = call.get("arguments", call.get("parameters", {}))
   if not isinstance(arguments, dict):
     raise ToolCallError('the call\'s "arguments" must be a JSON object')
   return call["name"], arguments

@@ -143,5 +143,5 @@ def test_a_chat_the_model_cannot_have_is_a_config_error(checkpoint):
   tokenizer = Tokenizer.from_pretrained(c.model.name)
   with pytest.raises(config_lib.ConfigError,
                      match=r"^invalid config: model.name='.*', model.thinking='off': "
-                           r"model.thinking=off needs a chat template with a thinking switch"):
+                           r"thinking off needs a chat template with a thinking switch"):
     run.Settings.from_config(c).chat(tokenizer)

@@ -34,6 +34,17 @@ MISTAKES = {
     "no config": ("train.py", [], "--config must have a value"),
     "bad flag value, generate": ("generate.py", ["--stream_tokens=0"],
                                  "error: --stream_tokens=0 must be > 0"),
+    "tools of an env without tools": (
+        "train.py", [LOCAL, "--config.env.name=echo", "--config.env.action_format=tool_call"],
+        "error: invalid config: env.action_format='tool_call': env 'echo' publishes no tools"),
+    "thinking off without a thinking switch": (
+        "train.py", [LOCAL, "--config.model.thinking=off"],
+        "error: invalid config: model.name='smollm2-135m-instruct', model.thinking='off': "
+        "thinking off needs a chat template with a thinking switch"),
+    "thinking off without a thinking switch, generate": (
+        "generate.py", ["--nothinking", "--prompt=hi"],
+        "error: --model=smollm2-135m-instruct: thinking off needs a chat template with a "
+        "thinking switch"),
     "registry model without weights": (
         "train.py", [LOCAL, "--config.model.name=qwen2.5-0.5b-instruct"],
         "huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir {models}"

@@ -102,7 +102,7 @@ def test_react_format_leaves_replies_as_they_are():
   assert TEXTCRAFT.schemas == [tool.schema() for tool in textcraft_env.TOOLS]
   with pytest.raises(ValueError, match="action_format"):
     base.ActionFormat("json", textcraft_env.TOOLS)
-  with pytest.raises(ValueError, match="no tool stands for"):
+  with pytest.raises(base.ExpertError, match="no tool stands for"):
     TEXTCRAFT.reply("Fly.", "fly to the moon")
 
 

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import pathlib
 import re
@@ -458,7 +459,7 @@ class ChatTemplate:
     prompt = _render_jinja(source, tokenizer, exchange, True, enable_thinking=False)
     if not prompt.startswith(plain) or prompt == plain:
       raise ValueError(
-          "model.thinking=off needs a chat template with a thinking switch: with "
+          "thinking off needs a chat template with a thinking switch: with "
           f"enable_thinking=False this one ends the prompt {prompt[-80:]!r}, where the plain "
           f"generation prompt ends it {plain[-80:]!r}.")
     return cls(tokenizer, layout, generation_prefill=prompt[len(plain):], **options)
@@ -666,10 +667,26 @@ def _default_template(chat_template: Any, config_file: pathlib.Path) -> str | No
 def _render_jinja(source: str, tokenizer: Tokenizer, messages: list[Message],
                   add_generation_prompt: bool, *, tools: list[dict[str, Any]] | None = None,
                   **options: Any) -> str:
-  """Renders a model's Jinja chat template the way Hugging Face transformers does: its `tojson`
-  (plain json.dumps, keys in order), `strftime_now` (today's date), `raise_exception`, and the
+  """Renders a model's Jinja chat template the way Hugging Face transformers does, with the
   template variables messages, tools, add_generation_prompt, the special tokens and `options`
   (enable_thinking)."""
+  special_tokens = {
+      f"{name}_token": tokenizer.id_to_token(token_id)
+      for name, token_id in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id),
+                             ("pad", tokenizer.pad_id)) if token_id is not None}
+  try:
+    return _compile_jinja(source).render(
+        messages=[dict(message) for message in messages], tools=tools,
+        add_generation_prompt=add_generation_prompt, **special_tokens, **options)
+  except jinja2.exceptions.TemplateError as error:
+    raise ValueError(
+        f"The model's chat template failed to render: {error}") from error
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_jinja(source: str) -> jinja2.Template:
+  """A chat template compiled as transformers compiles it: its `tojson` (plain json.dumps, keys
+  in order), `strftime_now` (today's date) and `raise_exception`."""
 
   def raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
@@ -683,14 +700,7 @@ def _render_jinja(source: str, tokenizer: Tokenizer, messages: list[Message],
   environment.filters["tojson"] = tojson
   environment.globals["raise_exception"] = raise_exception
   environment.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
-  special_tokens = {
-      f"{name}_token": tokenizer.id_to_token(token_id)
-      for name, token_id in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id),
-                             ("pad", tokenizer.pad_id)) if token_id is not None}
   try:
-    return environment.from_string(source).render(
-        messages=[dict(message) for message in messages], tools=tools,
-        add_generation_prompt=add_generation_prompt, **special_tokens, **options)
-  except jinja2.exceptions.TemplateError as error:
-    raise ValueError(
-        f"The model's chat template failed on a probe conversation: {error}") from error
+    return environment.from_string(source)
+  except jinja2.exceptions.TemplateSyntaxError as error:
+    raise ValueError(f"The model's chat template is not valid Jinja: {error}") from error

@@ -12,8 +12,9 @@ Search-R1 format (reply.py):
   anything else             -> reply.INVALID_OBSERVATION, reward 0, the episode goes on.
 In the tool_call format (environments/base.py) the actions are the tools search(query) and
 answer(answer) (TOOLS), and a call that cannot be carried out gets "Invalid tool call: <why>.
-...", reward 0, the episode goes on. The number of searches is not capped here: the trainer's horizon caps the turns of an episode
-(the paper's ScalingInter schedule raises it over training, 5 -> 8 -> 10 for SearchQA). Unlike
+...", reward 0, the episode goes on. The number of searches is not capped here: the trainer's
+horizon caps the turns of an episode (the paper's ScalingInter schedule raises it over training,
+5 -> 8 -> 10 for SearchQA). Unlike
 AgentGym's server, where a wrong answer says "Please try again." and the episode goes on until
 the horizon, any answer ends the episode: the outcome is the first answer.
 
