@@ -32,6 +32,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.remat = "auto"
   # The learner's attention: auto (splash kernel on TPU, flash elsewhere) | flash | splash | dense.
   c.model.attention = "auto"
+  # on | off: off pre-fills an empty think block in every generation prompt, as Qwen3's
+  # template does with enable_thinking=False (the template must have that switch).
+  c.model.thinking = "on"
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1
@@ -44,6 +47,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.env.backend = "thread"  # thread | process
   c.env.step_timeout = 120.0  # Seconds; a slower env step ends that episode.
   c.env.failed_episodes = "exclude"  # exclude | zero_reward: env faults in the loss.
+  # react (the paper's "Thought: ... Action: ...") | tool_call (the env's actions as tools the
+  # model calls, shown as its chat template shows tools; environments/base.py).
+  c.env.action_format = "react"
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.tasks_per_step = 32
@@ -203,6 +209,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"model.remat={c.model.remat!r} is not one of {[*REMAT_POLICIES, 'auto']}")
   _check(c.model.attention in IMPLEMENTATIONS,
          f"model.attention={c.model.attention!r} is not one of {IMPLEMENTATIONS}")
+  _check(c.model.thinking in ("on", "off"),
+         f"model.thinking={c.model.thinking!r} is not 'on' or 'off'")
   for axis in ("data", "fsdp", "tensor"):
     value = c.mesh[axis]
     _check(value == -1 or value > 0, f"mesh.{axis}={value} must be > 0 or -1")
@@ -213,6 +221,13 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(c.env.step_timeout > 0, f"env.step_timeout={c.env.step_timeout} must be > 0")
   _check(c.env.failed_episodes in ("exclude", "zero_reward"),
          f"env.failed_episodes={c.env.failed_episodes!r} is not 'exclude' or 'zero_reward'")
+  _check(c.env.action_format in env_base.ACTION_FORMATS,
+         f"env.action_format={c.env.action_format!r} is not one of {env_base.ACTION_FORMATS}")
+  _check(c.env.action_format == "react" or c.env.name in env_base.TOOL_CALL_ENVS,
+         f"env.action_format={c.env.action_format!r}: env {c.env.name!r} publishes no tools "
+         f"(those that do: {', '.join(env_base.TOOL_CALL_ENVS)})")
+  _check("action_format" not in c.env.options,
+         "set env.action_format, not env.options.action_format")
   r = c.rollout
   for key in ("tasks_per_step", "samples_per_task", "max_new_tokens", "max_context"):
     _check(r[key] > 0, f"rollout.{key}={r[key]} must be > 0")
@@ -346,6 +361,15 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            "data.batch_size and data.max_length must be > 0")
     _check(c.dpo.beta > 0, f"dpo.beta={c.dpo.beta} must be > 0")
   return c
+
+
+def env_options(c: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The keyword arguments of the environment's adapters: env.options, and the action format
+  when it is not the default."""
+  options = c.env.options.to_dict()
+  if c.env.action_format != "react":
+    options["action_format"] = c.env.action_format
+  return options
 
 
 def optimizer_updates(c: ml_collections.ConfigDict) -> int:

@@ -8,9 +8,13 @@ where it came from:
    "messages": [{"role": "user", "content": instruction + "\\n\\n" + first observation},
                 {"role": "assistant", "content": "Thought: ...\\n\\nAction: ..."},
                 {"role": "user", "content": observation}, ...,
-                {"role": "assistant", "content": last reply}]}
+                {"role": "assistant", "content": last reply}],
+   "tools": [JSON schema, ...]}   (only in the tool_call action format)
 
 As in a rollout, the observation that answers the last reply is not part of the conversation.
+The replies are in the env's action format (environments/base.py): an env made with
+action_format="tool_call" gets its experts' actions as tool calls, and the record carries the
+tools the conversation is rendered with.
 
 An expert maps (env, task id) to the replies it would send. `demonstrate` then replays those
 replies through a fresh episode of the same env and builds the conversation from what the env
@@ -20,6 +24,8 @@ counted with the reason. Experts, each beside its environment (environments/<env
   textcraft_oracle  TextCraft's planner, each action with a thought derived from the plan.
   babyai_bot        minigrid's BabyAIBot, its trace shortened into our high-level actions.
   sciworld_gold     ScienceWorld's gold action sequence, each action with a thought of its verb.
+  searchqa_hops     SearchQA's generated questions: a search for each page of the question's
+                    hops, then the gold answer.
   rollout replies   `from_rollouts`: the replies of logged trajectories, filtered by reward and
                     success, replayed like the rest.
 
@@ -39,13 +45,15 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from environments import base
 from environments.babyai import expert as babyai_expert
 from environments.sciworld import expert as sciworld_expert
+from environments.searchqa import expert as searchqa_expert
 from environments.textcraft import expert as textcraft_expert
 
 Record = dict[str, Any]
 # An expert: (env, task_id) -> the replies it sends, in order. It may play the env to find them.
 Expert = Callable[[base.Env, int], list[str]]
 
-ORACLE, BOT, GOLD, ROLLOUT = "textcraft_oracle", "babyai_bot", "sciworld_gold", "rollout"
+ORACLE, BOT, GOLD, HOPS, ROLLOUT = (
+    "textcraft_oracle", "babyai_bot", "sciworld_gold", "searchqa_hops", "rollout")
 # Rewards summed in floating point (SciWorld: score differences / 100) may miss a threshold by
 # rounding, e.g. 0.9999999999999999 for a full score.
 _REWARD_TOLERANCE = 1e-6
@@ -86,6 +94,9 @@ def replay(env: base.Env, task_id: int, replies: Sequence[str], *, source: str
             "category": str(env.task_info(task_id).get("category", "all")), "source": source,
             "reward": float(sum(rewards)), "success": success, "num_turns": len(rewards),
             "messages": messages}
+  tools = base.tools_of(env)
+  if tools is not None:
+    record["tools"] = tools
   return record, reason
 
 
@@ -210,4 +221,5 @@ EXPERTS: dict[str, tuple[str, Expert]] = {
     "textcraft": (ORACLE, textcraft_expert.replies),
     "babyai": (BOT, babyai_expert.replies),
     "sciworld": (GOLD, sciworld_expert.replies),
+    "searchqa": (HOPS, searchqa_expert.replies),
 }

@@ -5,7 +5,7 @@ every step takes one batch of conversations (agentgym_jax/offline_data.py) and m
 optimizer step on it:
 
   SFT  loss = sum_{n,t} m[n,t] (-log pi(y[n,t] | y[n,<t])) / sum_{n,t} m[n,t]
-       with m = 1 exactly on assistant reply tokens (and the <|im_end|> closing each reply):
+       with m = 1 exactly on assistant reply tokens (and the turn end closing each reply):
        a token mean, so every reply token weighs the same whatever its conversation's length.
 
   DPO  log pi(y) = sum_t m[t] log pi(y_t | y_<t)   per conversation, over its reply tokens
@@ -136,7 +136,7 @@ def stack_pairs(chosen: Batch, rejected: Batch) -> Batch:
 
 def conversation_tokens(batch: Batch) -> int:
   """Real (unpadded) tokens of a host batch: every conversation ends with a trained token
-  (a reply's <|im_end|>), so a row's length is one past its last trained position."""
+  (a reply's turn end), so a row's length is one past its last trained position."""
   mask = np.asarray(batch.loss_mask) > 0
   lengths = mask.shape[1] - np.argmax(mask[:, ::-1], axis=1)
   return int(np.sum(np.where(mask.any(axis=1), lengths, 0)))
@@ -272,7 +272,8 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
     raise ValueError(f"invalid config: data.batch_size={settings.data.batch_size} must be a "
                      f"multiple of mesh data x fsdp = {batch_devices} (the rows are split over "
                      "them)")
-  batches = make_batches(settings, records, tokenizer.chat)
+  chat = settings.chat(tokenizer)
+  batches = make_batches(settings, records, chat)
   graphdef, params = nnx.split(model)
   # A copy: the update donates the policy's buffers.
   ref_params = jax.tree.map(jnp.copy, params) if mode == "dpo" else None
@@ -290,7 +291,7 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
   history = []
   with contextlib.ExitStack() as stack:
     evaluate_every = settings.evaluation.every
-    evaluate = (make_evaluator(settings, mesh, model, tokenizer.chat, stack) if evaluate_every
+    evaluate = (make_evaluator(settings, mesh, model, chat, stack) if evaluate_every
                 else None)
     progress = stack.enter_context(settings.progress(
         (("loss", "reward_accuracy") if mode == "dpo" else ("loss",))

@@ -3,14 +3,15 @@
 A conversation becomes tokens and a loss mask exactly as a rollout builds a trajectory
 (agentgym_jax/rollout.py), so offline and online training see the same layout:
 
-  prompt   chat.render(turns before the first reply, add_generation_prompt=True)   mask 0
-  reply    tokenizer.encode(reply) + [im_end_id]                                    mask 1
+  prompt   chat.render(turns before the first reply, True, tools=record's tools)    mask 0
+  reply    chat.reply_ids(reply): its text, then the turn end                        mask 1
   turn     chat.continuation_ids(role, observation)                                 mask 0
   reply    ...                                                                      mask 1
 
 By ChatTemplate's invariant these tokens equal chat.render(conversation,
-add_generation_prompt=False) without its final "\\n". A conversation ends with a reply (a rollout
-does not append the observation that answers its last reply).
+add_generation_prompt=False) without what follows the last reply's turn end (ChatML's "\\n"). A
+conversation ends with a reply (a rollout does not append the observation that answers its last
+reply).
 
 Batches are `batch.Batch`es of numpy arrays, rows right-padded with 0 to a bucketed length
 (`batch.bucket`, capped at `max_length`), so a run compiles one program per bucket. A
@@ -40,19 +41,23 @@ from agentgym_jax.models.tokenizer import ChatTemplate
 from environments.base import ENV_ERROR, ENV_TIMEOUT
 
 Message = Mapping[str, str]
-# A conversation: a record with "messages" (and optionally "reward"), or the message list.
+# A conversation: a record with "messages" (and optionally "reward" and "tools"), or the message
+# list.
 Conversation = Mapping[str, Any] | Sequence[Message]
 
 ASSISTANT = "assistant"
 
 
-def tokenize_conversation(chat: ChatTemplate, messages: Sequence[Message]
+def tokenize_conversation(chat: ChatTemplate, messages: Sequence[Message],
+                          tools: Sequence[Mapping[str, Any]] | None = None
                           ) -> tuple[list[int], list[int]]:
-  """(tokens, loss_mask) of a conversation, built turn by turn as a rollout builds it.
+  """(tokens, loss_mask) of a conversation, built turn by turn as a rollout builds it, its
+  prompt showing `tools` (the JSON schemas of a tool_call conversation) if given.
 
   The turns before the first assistant reply form the prompt (a system message, if any, and the
   first user message); after it, replies and other turns alternate, and the last turn is a
-  reply. loss_mask is 1 exactly on the reply tokens and the `<|im_end|>` closing each reply.
+  reply. loss_mask is 1 exactly on the reply tokens and the turn end closing each reply
+  (`<|im_end|>`, `<|eot_id|>`).
   """
   if isinstance(messages, (str, Mapping)) or not messages:
     raise ValueError(f"a conversation is a non-empty list of messages, got {messages!r:.200}")
@@ -62,7 +67,7 @@ def tokenize_conversation(chat: ChatTemplate, messages: Sequence[Message]
   first = roles.index(ASSISTANT)
   if first == 0:
     raise ValueError("the conversation starts with an assistant reply; it needs a prompt first")
-  tokens = chat.render(messages[:first], add_generation_prompt=True)
+  tokens = chat.render(messages[:first], add_generation_prompt=True, tools=tools)
   loss_mask = [0] * len(tokens)
   for offset, message in enumerate(messages[first:]):
     index = first + offset
@@ -76,7 +81,7 @@ def tokenize_conversation(chat: ChatTemplate, messages: Sequence[Message]
     if not isinstance(content, str):
       raise ValueError(f"message {index} has content of type {type(content).__name__}, not str")
     if is_reply:
-      ids = chat.tokenizer.encode(content) + [chat.im_end_id]
+      ids = chat.reply_ids(content)
     else:
       ids = chat.continuation_ids(message["role"], content)
     tokens += ids
@@ -87,14 +92,16 @@ def tokenize_conversation(chat: ChatTemplate, messages: Sequence[Message]
   return tokens, loss_mask
 
 
-def _messages_and_reward(conversation: Conversation, index: int
-                         ) -> tuple[Sequence[Message], float]:
+def _parts(conversation: Conversation, index: int
+           ) -> tuple[Sequence[Message], float, Sequence[Mapping[str, Any]] | None]:
+  """(messages, reward, tools) of a conversation."""
   if isinstance(conversation, Mapping):
     if "messages" not in conversation:
       raise ValueError(f"conversation {index} is a record without 'messages' "
                        f"(keys {sorted(conversation)})")
-    return conversation["messages"], float(conversation.get("reward", 0.0))
-  return conversation, 0.0
+    return (conversation["messages"], float(conversation.get("reward", 0.0)),
+            conversation.get("tools"))
+  return conversation, 0.0, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +112,9 @@ class _Tokenized:
 
 
 def _tokenize(chat: ChatTemplate, conversation: Conversation, index: int) -> _Tokenized:
-  messages, reward = _messages_and_reward(conversation, index)
+  messages, reward, tools = _parts(conversation, index)
   try:
-    tokens, loss_mask = tokenize_conversation(chat, messages)
+    tokens, loss_mask = tokenize_conversation(chat, messages, tools)
   except ValueError as error:
     raise ValueError(f"conversation {index}: {error}") from error
   return _Tokenized(np.asarray(tokens, np.int32), np.asarray(loss_mask, np.float32), reward)
@@ -229,10 +236,11 @@ def _outcome(record: Mapping[str, Any]) -> tuple[bool, float]:
 
 
 def _prompt(record: Mapping[str, Any]) -> list[Any]:
-  """The turns before the first reply: what both sides of a pair must share."""
+  """The tools and the turns before the first reply: what both sides of a pair must share."""
   messages = record["messages"]
   roles = [m.get("role") for m in messages]
-  return list(messages[:roles.index(ASSISTANT)]) if ASSISTANT in roles else list(messages)
+  turns = messages[:roles.index(ASSISTANT)] if ASSISTANT in roles else messages
+  return [record.get("tools"), *turns]
 
 
 def dpo_pairs(trajectories: Sequence[Mapping[str, Any]], *, min_reward_gap: float = 0.0,

@@ -73,7 +73,7 @@ def evaluate_policy(settings: run.Settings, model_name: str | None, rows: int,
   with settings.env_pool(rows) as pool:
     task_ids = plan.tasks(pool)
     return evaluation.evaluate(
-        sampler, sampler.params, pool, tokenizer.chat, task_ids,
+        sampler, sampler.params, pool, settings.chat(tokenizer), task_ids,
         samples_per_task=plan.samples_per_task, horizon=plan.horizon, sampling=plan.sampling,
         max_context=settings.max_context, key=jax.random.key(settings.seed),
         rows_per_batch=rows, groups=settings.pipeline_groups,
@@ -130,7 +130,7 @@ def demonstrations_file(c: ml_collections.ConfigDict, directory: pathlib.Path) -
   path = directory / "demos.jsonl"
   if path.exists():
     return path
-  env = base.make(c.env.name, **c.env.options.to_dict())
+  env = base.make(c.env.name, **config_lib.env_options(c))
   try:
     task_ids = list(env.task_ids("train"))
     if c.warm_start.max_tasks:

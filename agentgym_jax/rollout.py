@@ -7,7 +7,9 @@ the env pool. Each turn:
   3. each observation is rendered as the next user turn plus the assistant header and appended
      to that row's live cache; finished rows drop out.
 The trajectory keeps exactly the token ids the sampler saw, so the learner never re-tokenizes
-text and sampler and learner agree token for token (the reference re-tokenizes every turn).
+text and sampler and learner agree token for token (the reference re-tokenizes every turn). In
+the tool_call action format the first prompt shows the environment's tools as the model's chat
+template shows them, and the trajectory records their schemas.
 
 A trajectory ends when the environment says done, at the horizon cap (ScalingInter-RL), when
 the next turn would not fit the context, or when the environment fails (recorded, never fatal).
@@ -45,6 +47,7 @@ class Trajectory:
   loss_mask: list[int] = dataclasses.field(default_factory=list)  # 1 on generated tokens.
   sampler_logprobs: list[float] = dataclasses.field(default_factory=list)
   messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
+  tools: list[dict[str, Any]] | None = None  # The tools' schemas in the tool_call format.
   turn_rewards: list[float] = dataclasses.field(default_factory=list)
   success: bool = False
   termination: str = ""
@@ -72,13 +75,16 @@ class Trajectory:
         [float(x) for x in logprobs] if logprobs is not None else [0.0] * len(tokens))
 
   def to_json(self) -> dict[str, Any]:
-    return {"task_id": self.task_id, "group": self.group, "env": self.env,
-            "category": self.category, "reward": self.reward,
-            "success": self.success, "num_turns": self.num_turns,
-            "termination": self.termination, "error": self.error,
-            "turn_rewards": self.turn_rewards, "messages": self.messages,
-            "num_tokens": len(self.tokens), "num_trained_tokens": int(sum(self.loss_mask)),
-            "info": jsonl.json_safe(self.info)}
+    record = {"task_id": self.task_id, "group": self.group, "env": self.env,
+              "category": self.category, "reward": self.reward,
+              "success": self.success, "num_turns": self.num_turns,
+              "termination": self.termination, "error": self.error,
+              "turn_rewards": self.turn_rewards, "messages": self.messages,
+              "num_tokens": len(self.tokens), "num_trained_tokens": int(sum(self.loss_mask)),
+              "info": jsonl.json_safe(self.info)}
+    if self.tools is not None:
+      record["tools"] = self.tools
+    return record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +146,7 @@ def collect(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
                   for t, g in tasks]
   with _Timeline(groups) as timeline:
     first = timeline.env(pool.reset_async([(i, t.task_id) for i, t in enumerate(trajectories)]))
-    instruction = pool.instruction
+    instruction, tools = pool.instruction, pool.tools
     prompts: dict[int, list[int]] = {}
     for i, (trajectory, result) in enumerate(zip(trajectories, first.result())):
       if result.done:  # The environment failed to start the episode.
@@ -148,7 +154,8 @@ def collect(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
         continue
       trajectory.messages.append({"role": "user",
                                   "content": f"{instruction}\n\n{result.observation}"})
-      prompt = chat.render(trajectory.messages, add_generation_prompt=True)
+      trajectory.tools = tools
+      prompt = chat.render(trajectory.messages, add_generation_prompt=True, tools=tools)
       if len(prompt) + sampling.max_new_tokens > max_context:
         _end(trajectory, CONTEXT, {"reason": f"prompt of {len(prompt)} tokens"})
         continue
@@ -238,7 +245,7 @@ class _Episodes:
           continue
         trajectory.messages.append({"role": "user", "content": result.observation})
         # A reply cut by the token limit has no turn end yet: close it (untrained) first.
-        closing = [] if tokens[row][-1:] == [chat.im_end_id] else [chat.im_end_id]
+        closing = chat.closing_ids(tokens[row])
         continuation = closing + chat.continuation_ids("user", result.observation)
         if (len(trajectory.tokens) + len(continuation) + sampling.max_new_tokens
             > self.max_context):

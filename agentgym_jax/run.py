@@ -27,7 +27,7 @@ from agentgym_jax import checkpoint, config as config_lib, horizon, learner, met
 from agentgym_jax import hardware, multihost, sharding
 from agentgym_jax.batch import bucket
 from agentgym_jax.models import Decoder, attention, load_model, weights
-from agentgym_jax.models.tokenizer import Tokenizer
+from agentgym_jax.models.tokenizer import ChatTemplate, Tokenizer
 from agentgym_jax.sampling import Sampler
 from environments.pool import EnvPool
 
@@ -93,6 +93,7 @@ class Settings:
     export_hf: whether the run ends by exporting its policy (`export_policy`).
     log_trajectories: whether RL steps log their trajectories.
     data, dpo_beta: an offline run's conversations, and DPO's beta.
+    thinking: model.thinking: whether generation prompts leave the think block to the model.
   """
 
   config: ml_collections.ConfigDict
@@ -120,6 +121,7 @@ class Settings:
   log_trajectories: bool
   data: Data
   dpo_beta: float
+  thinking: bool
 
   @classmethod
   def from_config(cls, c: ml_collections.ConfigDict) -> Settings:
@@ -146,7 +148,7 @@ class Settings:
                num_minibatches=c.algorithm.num_minibatches, ppo_epochs=c.algorithm.ppo_epochs,
                checkpoint_every=c.checkpoint.every, export_hf=c.checkpoint.export_hf,
                log_trajectories=c.log.trajectories,
-               data=data, dpo_beta=c.dpo.beta)
+               data=data, dpo_beta=c.dpo.beta, thinking=c.model.thinking == "on")
 
   def check_layout(self, mesh: Mesh, process_count: int) -> None:
     """What the config can only be checked against once the mesh and processes are known."""
@@ -232,6 +234,16 @@ class Settings:
     remat, why = plan.choose_remat(peak, device_bytes, resident)
     return remat, f"a {rows} x {tokens} update step: {why} ({source})"
 
+  def chat(self, tokenizer: Tokenizer) -> ChatTemplate:
+    """The policy's chat template with model.thinking; a template this project cannot lay out
+    (or, thinking off, one without a thinking switch) is a ConfigError."""
+    try:
+      return tokenizer.chat_template(thinking=self.thinking)
+    except ValueError as error:
+      raise config_lib.ConfigError(
+          f"invalid config: model.name={self.config.model.name!r}, model.thinking="
+          f"{self.config.model.thinking!r}: {error}") from None
+
   def sampler(self, model: Decoder, mesh: Mesh | None, rows: int) -> Sampler:
     """The sampler for playing `rows` episodes at once: rows / pipeline_groups rows of
     max_context slots each (every group of rows has its own state on it), the KV cache in
@@ -243,8 +255,8 @@ class Settings:
   def env_pool(self, rows: int) -> EnvPool:
     """A pool of `rows` episodes of the configured environment."""
     env = self.config.env
-    return EnvPool(env.name, rows, options=env.options.to_dict(), backend=env.backend,
-                   step_timeout_s=env.step_timeout)
+    return EnvPool(env.name, rows, options=config_lib.env_options(self.config),
+                   backend=env.backend, step_timeout_s=env.step_timeout)
 
   def checkpointer(self, workdir: pathlib.Path) -> checkpoint.Checkpointer:
     """workdir/checkpoints, saved every checkpoint_every steps (or only at the last step),

@@ -174,7 +174,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   mesh, model, tokenizer = settings.load_policy(training=True)
-  chat = tokenizer.chat
+  chat = settings.chat(tokenizer)
   graphdef, params = nnx.split(model)
   ref_params = jax.tree.map(jnp.copy, params) if loss.uses_reference else None
   value_graphdef = value_params = None

@@ -15,6 +15,15 @@ at the end (README, "The first command"). `short` and `long` are the fixed-horiz
 
   python launch/train.py --config=configs/grpo_textcraft.py:local --workdir=runs/local
   python launch/train.py --config=configs/grpo_textcraft.py:long --workdir=runs/fixed30
+
+Any registry model (agentgym_jax.models.MODELS: SmolLM2, Qwen2.5, Qwen3, Llama 3.1/3.2) or
+checkpoint directory runs it, its chat layout read off its own template; actions may be tool
+calls, and Qwen3 may run with thinking off:
+
+  python launch/train.py --config=configs/grpo_textcraft.py \
+      --config.model.name=llama-3.2-3b-instruct --config.env.action_format=tool_call
+  python launch/train.py --config=configs/grpo_textcraft.py --config.model.name=qwen3-4b \
+      --config.model.thinking=off
 """
 
 from agentgym_jax import config

@@ -56,6 +56,9 @@ BACKENDS = ("thread", "process")
 _CLOSE_GRACE_S = 10.0
 
 _Call = Callable[[Env], Any]
+_UNASKED = object()
+# Attributes an adapter may lack; a child process answers None for them.
+_OPTIONAL_ATTRIBUTES = ("action_format",)
 
 
 def episode_failure(termination: str, reason: str) -> StepResult:
@@ -119,6 +122,7 @@ class EnvPool:
     self._workers: list[_Worker | None] = [None] * num_slots
     self._running = [False] * num_slots  # whether the slot's episode is in progress
     self._instruction: str | None = None
+    self._tools: Any = _UNASKED  # The tools' schemas (or None) once asked.
     self._closed = False
     # A batch waits for the earlier batches on its slots (FIFO: they were dequeued first, so
     # waiting never deadlocks); one thread per slot lets disjoint batches all run at once.
@@ -164,6 +168,13 @@ class EnvPool:
     if self._instruction is None:
       self._instruction = self._ask(lambda env: env.instruction, "instruction")
     return self._instruction
+
+  @property
+  def tools(self) -> list[dict[str, Any]] | None:
+    """The JSON schemas of the adapters' tools in the tool_call action format, else None."""
+    if self._tools is _UNASKED:
+      self._tools = self._ask(base.tools_of, "tools")
+    return self._tools
 
   def task_ids(self, split: str) -> Sequence[int]:
     base.check_split(split)
@@ -391,6 +402,10 @@ class _ProcessAdapter:
   def instruction(self) -> str:
     return self._request("instruction")
 
+  @property
+  def action_format(self) -> base.ActionFormat | None:
+    return self._request("action_format")
+
   def task_ids(self, split: str) -> Sequence[int]:
     return self._request("task_ids", split)
 
@@ -456,7 +471,8 @@ def _serve_adapter(conn: multiprocessing.connection.Connection,
       try:
         if adapter is None:
           adapter = factory()
-        value = getattr(adapter, name)
+        value = (getattr(adapter, name, None) if name in _OPTIONAL_ATTRIBUTES
+                 else getattr(adapter, name))
         reply = ("ok", value(*args) if callable(value) else value)
       except Exception as e:  # Exceptions may not pickle; their text always does.
         reply = ("error", f"{type(e).__name__}: {e}")

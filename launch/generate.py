@@ -6,8 +6,9 @@ r"""Chats with a model in the terminal, turn after turn on the sampler's live KV
 
 --model is a registry name (agentgym_jax.models.MODELS) or a Hugging Face checkpoint directory;
 the default, SmolLM2-135M-Instruct, ships with the package. Replies are printed as they are
-sampled, --stream_tokens at a time (each chunk continues the row on the live cache). Conversations use the model's chat
-template (ChatML). Each user turn is appended to the live cache as token ids after the reply's
+sampled, --stream_tokens at a time (each chunk continues the row on the live cache).
+Conversations use the model's chat template (ChatML or Llama 3; --nothinking pre-fills Qwen3's
+empty think block). Each user turn is appended to the live cache as token ids after the reply's
 own ids: earlier turns are never encoded or prefilled again. An empty line or end of input ends
 the chat.
 """
@@ -37,6 +38,8 @@ _CACHE_SLOTS = flags.DEFINE_integer("cache_slots", 4096, "Tokens the whole chat 
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Matmul input dtype.")
 _PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "bfloat16", ["float32", "bfloat16"],
                                  "Weight and KV cache storage dtype.")
+_THINKING = flags.DEFINE_bool("thinking", True, "Qwen3: --nothinking pre-fills an empty think "
+                              "block in every generation prompt (enable_thinking=False).")
 _STREAM_TOKENS = flags.DEFINE_integer("stream_tokens", 8,
                                       "Tokens sampled between two prints of the reply.")
 
@@ -51,7 +54,10 @@ def main(argv):
                          f"--cache_slots ({_CACHE_SLOTS.value})")
   model, tokenizer = agentgym_jax.load_model(_MODEL.value, dtype=getattr(jnp, _DTYPE.value),
                                              param_dtype=getattr(jnp, _PARAM_DTYPE.value))
-  chat = tokenizer.chat
+  try:
+    chat = tokenizer.chat_template(thinking=_THINKING.value)
+  except ValueError as error:
+    raise app.UsageError(f"--model={_MODEL.value}: {error}") from None
   sampler = Sampler(model, cache_slots=_CACHE_SLOTS.value, max_batch=1,
                     cache_dtype=getattr(jnp, _PARAM_DTYPE.value))
   interactive = _PROMPT.value is None
@@ -63,7 +69,7 @@ def main(argv):
   key = jax.random.key(_SEED.value)
   for turn in range(sys.maxsize):
     state, reply, stopped = _stream_reply(sampler, state, jax.random.fold_in(key, turn),
-                                          tokenizer)
+                                          chat)
     if not interactive:
       return
     if not stopped:
@@ -72,8 +78,8 @@ def main(argv):
     message = _read_user_turn()
     if not message:
       return
-    # A reply that did not end on <|im_end|> (token budget, EOS) is closed first.
-    closing = [] if reply[-1:] == [chat.im_end_id] else [chat.im_end_id]
+    # A reply that did not end its turn (token budget, EOS) is closed first.
+    closing = chat.closing_ids(reply)
     continuation = closing + chat.continuation_ids("user", message)
     used = int(state.lengths[0])
     if used + len(continuation) + _MAX_NEW_TOKENS.value > _CACHE_SLOTS.value:
@@ -83,11 +89,11 @@ def main(argv):
     state = sampler.append(state, {0: continuation})
 
 
-def _stream_reply(sampler: Sampler, state, key: jax.Array, tokenizer
+def _stream_reply(sampler: Sampler, state, key: jax.Array, chat
                   ) -> tuple[object, list[int], bool]:
   """Samples a reply --stream_tokens at a time, printing its text as it grows; returns (state,
   reply ids, whether it ended on a turn-end id)."""
-  chat, reply, shown = tokenizer.chat, [], ""
+  tokenizer, reply, shown = chat.tokenizer, [], ""
   while len(reply) < _MAX_NEW_TOKENS.value:
     budget = min(_STREAM_TOKENS.value, _MAX_NEW_TOKENS.value - len(reply))
     state, out = sampler.generate(

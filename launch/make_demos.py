@@ -1,8 +1,10 @@
 """Writes verified demonstrations (one conversation per line) for SFT and DPO.
 
-From an environment's expert (TextCraft oracle, BabyAI bot, SciWorld gold paths):
+From an environment's expert (TextCraft oracle, BabyAI bot, SciWorld gold paths, SearchQA's
+hops), in either action format (--action_format=tool_call: replies call the env's tools, and
+each record carries the tools' schemas):
   python launch/make_demos.py --env=textcraft --split=train \\
-      --out=data/textcraft_train_demos.jsonl [--max_depth=2] [--limit=N]
+      --out=data/textcraft_train_demos.jsonl [--max_depth=2] [--limit=N] [--action_format=...]
 
 From a run's logged trajectories, those with reward >= --min_reward (and success):
   python launch/make_demos.py --env=textcraft --from_rollouts=/tmp/run --min_reward=1.0 \\
@@ -26,8 +28,11 @@ from environments import jsonl
 from environments.babyai import expert as babyai_expert
 from agentgym_jax import metrics
 
-_ENV = flags.DEFINE_string("env", None, "Environment: textcraft, babyai or sciworld (any "
-                           "registered one with --from_rollouts).", required=True)
+_ENV = flags.DEFINE_string("env", None, "Environment: textcraft, babyai, sciworld or searchqa "
+                           "(any registered one with --from_rollouts).", required=True)
+_ACTION_FORMAT = flags.DEFINE_enum(
+    "action_format", "react", list(environments.base.ACTION_FORMATS),
+    "How replies carry actions: ReAct text, or calls of the env's tools.")
 _SPLIT = flags.DEFINE_enum("split", "train", ["train", "test"], "Tasks to demonstrate.")
 _OUT = flags.DEFINE_string("out", None, "Output JSONL file.", required=True)
 _MAX_DEPTH = flags.DEFINE_integer(
@@ -63,7 +68,11 @@ def main(argv: list[str]) -> None:
       raise app.UsageError(str(error)) from error
     if _ENV.value == "babyai" and not _HIGH_LEVEL.value:
       expert = functools.partial(babyai_expert.replies, high_level=False)
-  env = environments.make(_ENV.value)
+  options = {} if _ACTION_FORMAT.value == "react" else {"action_format": _ACTION_FORMAT.value}
+  if options and _ENV.value not in environments.base.TOOL_CALL_ENVS:
+    raise app.UsageError(f"--action_format={_ACTION_FORMAT.value}: {_ENV.value} publishes no "
+                         "tools")
+  env = environments.make(_ENV.value, **options)
   try:
     task_ids = _tasks(env)
     start = time.perf_counter()

@@ -34,6 +34,9 @@ MISTAKES = {
     "no config": ("train.py", [], "--config must have a value"),
     "bad flag value, generate": ("generate.py", ["--stream_tokens=0"],
                                  "error: --stream_tokens=0 must be > 0"),
+    "tools of an env without tools": (
+        "train.py", [LOCAL, "--config.env.name=echo", "--config.env.action_format=tool_call"],
+        "error: invalid config: env.action_format='tool_call': env 'echo' publishes no tools"),
     "registry model without weights": (
         "train.py", [LOCAL, "--config.model.name=qwen2.5-0.5b-instruct"],
         "huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir {models}"
@@ -54,6 +57,22 @@ def test_a_mistake_is_one_line(mistake, tmp_path):
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
   assert message.format(models=models) in lines[0]
+
+
+@pytest.mark.parametrize("script", ["train.py", "generate.py"])
+def test_thinking_off_without_a_thinking_switch_is_one_line(script, tmp_path):
+  checkpoint = tiny.make_checkpoint(tmp_path / "tiny")  # Plain ChatML: no enable_thinking.
+  flags = ([LOCAL, f"--config.model.name={checkpoint}", "--config.model.thinking=off",
+            f"--workdir={tmp_path / 'run'}"] if script == "train.py"
+           else [f"--model={checkpoint}", "--nothinking", "--prompt=hi"])
+  result = subprocess.run([sys.executable, str(REPO / "launch" / script), *flags],
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode != 0
+  (line,) = result.stderr.strip().splitlines()
+  name = (f"invalid config: model.name='{checkpoint}', model.thinking='off'"
+          if script == "train.py" else f"--model={checkpoint}")
+  assert line.startswith(f"error: {name}: thinking off needs a chat template with a thinking "
+                         "switch"), line
 
 
 def test_a_workdir_that_is_a_file_is_one_line(tmp_path):

@@ -6,6 +6,7 @@ import pathlib
 import pytest
 
 from agentgym_jax import config as config_lib
+from agentgym_jax.models import MODELS
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 RL_CONFIGS = ["grpo_textcraft", "grpo_babyai", "grpo_sciworld", "ppo_textcraft",
@@ -135,3 +136,38 @@ def test_model_remat_and_attention_are_validated(key, value, message):
   c.model[key] = value
   with pytest.raises(config_lib.ConfigError, match=message):
     config_lib.validate(c)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_grpo_textcraft_takes_any_registry_model_in_either_action_format(name):
+  c = load("grpo_textcraft")("")
+  c.model.name = name
+  config_lib.validate(c)
+  c.env.action_format = "tool_call"
+  assert config_lib.env_options(config_lib.validate(c)) == {"action_format": "tool_call"}
+
+
+def _set(c, key, value):
+  *sections, name = key.split(".")
+  for section in sections:
+    c = c[section]
+  c[name] = value
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("model.thinking", "maybe", r"model.thinking='maybe' is not 'on' or 'off'"),
+    ("env.action_format", "json", r"env.action_format='json' is not one of \('react', "
+                                  r"'tool_call'\)"),
+    ("env.name", "echo", r"env.action_format='tool_call': env 'echo' publishes no tools"),
+    ("env.options.action_format", "tool_call",
+     r"set env.action_format, not env.options.action_format"),
+])
+def test_chat_keys_are_validated(key, value, message):
+  c = load("grpo_textcraft")("")
+  c.env.action_format = "tool_call"
+  c.model.thinking = "off"
+  config_lib.validate(c)
+  _set(c, key, value)
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(c)
+  assert config_lib.env_options(load("grpo_textcraft")("")) == {}  # react: the options only.

@@ -268,3 +268,96 @@ def test_make_demos_writes_verified_textcraft_demos(tmp_path):
   assert all(d["success"] and d["category"] == "depth1" for d in demos)
   env = base.make("textcraft")
   assert all(d["task_id"] in env.task_ids("train") for d in demos)
+
+
+# --- The tool_call action format -----------------------------------------------------------
+
+_TOOL_CALL_REPLY = re.compile(r"[^\n]+\n\n<tool_call>\n(\{[^\n]+\})\n</tool_call>")
+
+
+def _tool_calls(record):
+  """(name, arguments) of every reply, each a thought and one tool call."""
+  calls = []
+  for reply in _replies(record):
+    match = _TOOL_CALL_REPLY.fullmatch(reply)
+    assert match, reply
+    call = json.loads(match.group(1))
+    calls.append((call["name"], call["arguments"]))
+  return calls
+
+
+def test_oracle_demos_succeed_in_the_tool_call_format(textcraft):
+  tool_env = base.make("textcraft", action_format="tool_call")
+  task_ids = list(tool_env.task_ids("test"))
+  result = demos_lib.collect(tool_env, task_ids)
+  assert result.rejected == [] and len(result.demos) == 100
+  react = demos_lib.collect(textcraft, task_ids[:10]).demos
+  for demo, react_demo in zip(result.demos, react):
+    assert demo["tools"] == base.tools_of(tool_env) and len(demo["tools"]) == 3
+    assert demo["messages"][0]["content"].startswith(tool_env.instruction)
+    # The same actions as the ReAct demonstration, as calls of get and craft, with the same
+    # observations.
+    actions = [parse_action(r) for r in _replies(react_demo)]
+    calls = _tool_calls(demo)
+    assert [tool_env.action_format.tools[name].action_text(arguments)
+            for name, arguments in calls] == actions
+    assert {name for name, _ in calls} <= {"get", "craft"}
+    observations = [m["content"] for m in demo["messages"][2::2]]
+    assert observations == [m["content"] for m in react_demo["messages"][2::2]]
+
+
+@pytest.mark.parametrize("action_format", base.ACTION_FORMATS)
+def test_searchqa_expert_answers_every_test_question(action_format):
+  env = base.make("searchqa", action_format=action_format)
+  result = demos_lib.collect(env, env.task_ids("test"))
+  assert result.rejected == [] and len(result.demos) == 256
+  for demo in result.demos:
+    assert demo["source"] == "searchqa_hops" and demo["success"] and demo["reward"] == 1.0
+    # 2-3 hops over 1-3 pages, then the answer.
+    assert 2 <= demo["num_turns"] <= 4
+    if action_format == "tool_call":
+      calls = _tool_calls(demo)
+      assert [name for name, _ in calls] == ["search"] * (len(calls) - 1) + ["answer"]
+      assert calls[-1][1] == {"answer": env.task_info(demo["task_id"])["golden_answers"][0]}
+    else:
+      assert all(r.startswith("<think>") for r in _replies(demo))
+      assert "tools" not in demo
+
+
+def test_searchqa_has_no_expert_for_questions_without_hops():
+  class Flashrag:
+    name = "searchqa"
+
+    def task_info(self, task_id):
+      return {"category": "NQ", "question": "Who?", "golden_answers": ["Me"]}
+
+  with pytest.raises(base.ExpertError, match="no hops"):
+    demos_lib.EXPERTS["searchqa"][1](Flashrag(), 0)
+
+
+def test_bot_demos_succeed_in_the_tool_call_format():
+  env = base.make("babyai", action_format="tool_call")
+  try:
+    result = demos_lib.collect(env, _BABYAI_TASKS[:4])
+  finally:
+    env.close()
+  assert result.rejected == []
+  for demo in result.demos:
+    calls = _tool_calls(demo)
+    assert {name for name, _ in calls} <= set(env.action_format.tools)
+    assert _replies(demo)[0].startswith("My mission is to ")
+
+
+@pytest.mark.slow
+def test_sciworld_gold_demos_succeed_in_the_tool_call_format():
+  try:
+    demos_lib.expert_for("sciworld")
+  except ValueError as error:
+    pytest.skip(str(error))
+  with base.make("sciworld", action_format="tool_call") as env:
+    task_id = env.task_ids("train")[0]  # boil, variation 0: "examine" and "pour" spellings
+    result = demos_lib.collect(env, [task_id])
+  assert result.rejected == []
+  (demo,) = result.demos
+  assert demo["success"] and demo["reward"] == pytest.approx(1.0)
+  assert {"look_at", "focus_on"} <= {name for name, _ in _tool_calls(demo)}

@@ -40,7 +40,7 @@ def _check_invariants(chat, messages):
   whole = chat.render(messages, add_generation_prompt=False)
   # The whole render ends "<|im_end|>" "\n"; the conversation stops at the reply's im_end.
   assert tokens == whole[:-1]
-  assert whole[-1:] == chat.tokenizer.encode("\n")
+  assert whole[-1:] == chat.tokenizer.encode("\n") and tokens[-1] == chat.reply_end_id
   assert len(loss_mask) == len(tokens) and set(loss_mask) <= {0, 1}
   # The trained tokens are, run by run, each reply's encoding followed by im_end.
   replies = [m["content"] for m in messages if m["role"] == "assistant"]
@@ -52,7 +52,7 @@ def _check_invariants(chat, messages):
       runs.append(run)
       run = []
   runs.append(run)
-  assert runs == [chat.tokenizer.encode(r) + [chat.im_end_id] for r in replies]
+  assert runs == [chat.reply_ids(r) for r in replies]
   return tokens, loss_mask
 
 
@@ -88,11 +88,30 @@ def test_tokens_match_the_rollouts_turn_by_turn_construction(tiny_chat):
   trajectory = Trajectory(task_id=0, group=0)
   messages = _conversation("1", "0 0", "1 1", "1")
   trajectory.extend(tiny_chat.render(messages[:1], add_generation_prompt=True), trained=False)
-  trajectory.extend(tiny_chat.tokenizer.encode("0 0") + [tiny_chat.im_end_id], trained=True)
+  trajectory.extend(tiny_chat.reply_ids("0 0"), trained=True)
   trajectory.extend(tiny_chat.continuation_ids("user", "1 1"), trained=False)
-  trajectory.extend(tiny_chat.tokenizer.encode("1") + [tiny_chat.im_end_id], trained=True)
+  trajectory.extend(tiny_chat.reply_ids("1"), trained=True)
   assert offline_data.tokenize_conversation(tiny_chat, messages) == (
       trajectory.tokens, trajectory.loss_mask)
+
+
+@pytest.mark.parametrize("chat_family", ["qwen3", "llama3"])
+def test_tool_call_demos_tokenize_with_their_tools(chat_family, tmp_path):
+  tiny.write_tokenizer(tmp_path, chat_family)
+  chat = Tokenizer.from_pretrained(tmp_path).chat
+  env = base.make("textcraft", action_format="tool_call")
+  (demo,) = demos_lib.collect(env, env.task_ids("train")[:1]).demos
+  messages, tools = demo["messages"], demo["tools"]
+  tokens, loss_mask = offline_data.tokenize_conversation(chat, messages, tools)
+  # The prompt shows the tools as the template does; the rest follows turn by turn, up to what
+  # comes after the last reply's turn end (ChatML's "\n", nothing in Llama 3).
+  prompt = chat.render(messages[:1], tools=tools)
+  assert tokens[:len(prompt)] == prompt and set(loss_mask[:len(prompt)]) == {0}
+  whole = chat.render(messages, add_generation_prompt=False, tools=tools)
+  assert whole == tokens + chat.tokenizer.encode(chat.layout.after_turn)
+  # SFT batches read the record's tools.
+  data = offline_data.sft_batches([demo], chat, batch_size=1, max_length=8192)
+  assert data.batch(0).tokens[0, :len(tokens)].tolist() == tokens
 
 
 @pytest.mark.parametrize("messages,message", [

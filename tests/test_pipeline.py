@@ -95,6 +95,20 @@ def test_demonstrations_are_made_with_the_expert_once(tmp_path, monkeypatch):
   assert pipeline.demonstrations_file(c, tmp_path) == path
 
 
+def test_demonstrations_are_made_in_the_runs_action_format(tmp_path):
+  c = config_lib.base_config()
+  c.env.name = "searchqa"
+  c.env.action_format = "tool_call"
+  c.warm_start.steps = 1
+  c.warm_start.max_tasks = 2
+  records = [json.loads(line) for line in
+             pipeline.demonstrations_file(c, tmp_path).read_text().splitlines()]
+  assert len(records) == 2 and all(r["source"] == demonstrations.HOPS for r in records)
+  for record in records:
+    assert [tool["function"]["name"] for tool in record["tools"]] == ["search", "answer"]
+    assert all("\n<tool_call>\n" in m["content"] for m in record["messages"][1::2])
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("env.name", "echo", r"warm_start.demonstrations must name a JSONL .* env 'echo' has no "
                          r"expert"),

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from environments import StepResult
+from environments import StepResult, base
 from environments.pool import EnvPool
 import toy_env
 
@@ -255,6 +255,19 @@ def test_the_pool_answers_what_its_adapters_know():
     assert pool.task_info(1) == {"category": "even"}  # secret(1) = 0
     with pytest.raises(ValueError, match="unknown split"):
       pool.task_ids("dev")
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_the_pool_answers_the_tools_of_its_adapters(backend):
+  schemas = base.make("textcraft", action_format="tool_call").action_format.schemas
+  with EnvPool("textcraft", num_slots=1, options={"action_format": "tool_call"},
+               backend=backend) as pool:
+    assert pool.tools == schemas
+  # An adapter in the react format, or without an action format at all, has no tools.
+  with EnvPool("textcraft", num_slots=1, backend=backend) as pool:
+    assert pool.tools is None
+  with EnvPool(toy_env.ToyEnv, num_slots=1, backend=backend) as pool:
+    assert pool.tools is None
 
 
 def test_a_closed_pool_refuses_calls_and_closes_twice_quietly():

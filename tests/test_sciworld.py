@@ -365,3 +365,18 @@ def test_gold_actions_solve_every_task():
           break
       assert result.info["success"], (task.name, result.info)
       assert total == pytest.approx(1.0), task.name
+
+
+def test_tool_calls_reach_the_simulator_as_their_actions(find_animal_gold):
+  with SciWorldEnv(action_format="tool_call") as adapter:
+    adapter.reset(tasks_lib.task_id(FIND_ANIMAL, 225))
+    assert base.TOOL_CALL_INSTRUCTION in adapter.instruction
+    bad = adapter.step(base.tool_call_reply("Hm.", "look_at", {}))
+    assert bad.observation.startswith("Invalid tool call: look_at needs the argument 'object'")
+    assert (bad.reward, bad.done, bad.info["score"]) == (0.0, False, 0)
+    total = sum(adapter.step(base.reply_for(adapter, "On.", action)).reward
+                for action in find_animal_gold[:9])
+  with SciWorldEnv() as react:
+    react.reset(tasks_lib.task_id(FIND_ANIMAL, 225))
+    assert total == sum(react.step(_reply(action)).reward for action in find_animal_gold[:9])
+  assert total > 0

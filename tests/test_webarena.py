@@ -512,14 +512,14 @@ def env(sites):
 
 
 def _act(env, observation, template):
-  """Steps with `template`, its {role 'name'} parts replaced by the ids of the observation."""
+  """Steps with `template`, its {role 'name'} parts replaced by the ids of the observation, in
+  the env's action format."""
   def element_id(match):
     found = re.search(r"\[(\d+)\] " + re.escape(match.group(1)) + r"( |$)", observation, re.M)
     assert found, f"no {match.group(1)} in:\n{observation}"
     return found.group(1)
   action = re.sub(r"\{([^}]*)\}", element_id, template)
-  return env.step(f"Let's think step-by-step. In summary, the next action I will perform is "
-                  f"```{action}```")
+  return env.step(environments.base.reply_for(env, "Let's think step-by-step.", action))
 
 
 def _run(env, task_id, plan):
@@ -566,6 +566,23 @@ def test_oracle_solves_the_task(env, task_id):
   assert [r.reward for r in results] == [0.0] * (len(results) - 1) + [1.0]
   assert [r.done for r in results] == [False] * (len(results) - 1) + [True]
   assert results[-1].info["success"] and set(results[-1].info["scores"].values()) == {1.0}
+
+
+@needs_browser
+def test_oracle_solves_a_task_with_tool_calls(sites):
+  web = WebArenaEnv(str(webarena_site.CONFIG_DIR), site_urls=sites, num_test=2,
+                    action_format="tool_call")
+  try:
+    assert environments.base.TOOL_CALL_INSTRUCTION in web.instruction
+    results = _run(web, 3, ORACLES[3])  # click, type [..] [Count me in!] [0], click, stop []
+    assert results[-1].done and results[-1].info["success"]
+    assert re.fullmatch(r"type \[\d+\] \[Count me in!\] \[0\]", results[1].info["action"])
+    web.reset(2)
+    bad = web.step('<tool_call>{"name": "click", "arguments": {"element_id": "x"}}</tool_call>')
+    assert bad.observation.startswith("Invalid tool call: click's argument 'element_id' must "
+                                      "be an integer") and not bad.done and bad.reward == 0.0
+  finally:
+    web.close()
 
 
 @needs_browser

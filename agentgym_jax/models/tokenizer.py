@@ -2,15 +2,24 @@
 
 `Tokenizer` wraps a Hugging Face `tokenizers.Tokenizer` built either from a checkpoint directory
 (`tokenizer.json` + `tokenizer_config.json`) or from the vocabulary stored in a GGUF file.
-`ChatTemplate` (reached as `tokenizer.chat`) lays out conversations in ChatML:
+`ChatTemplate` (reached as `tokenizer.chat`, or `tokenizer.chat_template(thinking=...)`) lays out
+conversations in one of two turn layouts:
 
-    <|im_start|>{role}\n{content}<|im_end|>\n  ...  <|im_start|>assistant\n
+    ChatML   <|im_start|>{role}\n{content}<|im_end|>\n  ...  <|im_start|>assistant\n
+             (SmolLM2-Instruct, Qwen2, Qwen2.5, Qwen3)
+    Llama 3  <|begin_of_text|><|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>
+             ...  <|start_header_id|>assistant<|end_header_id|>\n\n
+             (Llama 3, 3.1, 3.2; content is stripped of surrounding whitespace, as their
+             templates `trim` it)
 
-which is the template of SmolLM2-Instruct, Qwen2, Qwen2.5 and Qwen3. A family differs only in the
-system message it inserts when a conversation has none; that default is read off the model's own
-Jinja template by rendering a probe conversation, and the whole layout is then checked against
-that template, so a model whose template is not ChatML is refused with a clear error instead of
-being prompted in a format it was not trained on.
+A family differs in what its template writes around the turns: whether a conversation opens with
+the BOS token, the system message it inserts when a conversation has none (SmolLM2's and
+Qwen2.5's default; none for Qwen3), and text it puts before every system message (Llama 3.1 and
+3.2: "Cutting Knowledge Date: ...\nToday Date: ...\n\n", the date as transformers renders it on
+the day the template is read, so the layout is fixed for the life of the process). These are
+read off the model's own Jinja template by rendering probe conversations, and the whole layout is
+then checked against that template, so a model whose template fits neither layout is refused
+with one line instead of being prompted in a format it was not trained on.
 
 Multi-turn rollouts are token-in/token-out: the sampler appends its own ids to the prompt, and the
 rollout appends `continuation_ids(...)` after each generated turn. Two rules make that stream equal
@@ -19,21 +28,34 @@ to `render(...)` of the finished conversation, token for token:
   * Special tokens are never produced from text. Message content is encoded with special-token
     matching off, so an environment observation or model output containing the string
     "<|im_end|>" stays plain text and cannot forge a turn boundary.
-  * An assistant turn's content is encoded apart from its `assistant\n` header, exactly as it is
-    generated after the generation prompt. Every other turn is encoded as `{role}\n{content}`, one
-    text segment between special tokens, as Hugging Face's `apply_chat_template` does. The two
-    agree unless an assistant turn starts with a run of whitespace that a joint split would fuse
-    with the header's newline ("\n\n\n" read as "\n\n" + "\n" instead of "\n" | "\n" + "\n");
-    the text is the same either way.
+  * An assistant turn's content is encoded apart from its header, exactly as it is generated
+    after the generation prompt. Every other turn's content is encoded together with the text
+    of its header, one text segment between special tokens, as Hugging Face's
+    `apply_chat_template` does. The two agree unless an assistant turn starts with a run of
+    whitespace that a joint split would fuse with the header's newline ("\n\n\n" read as "\n\n" +
+    "\n" instead of "\n" | "\n" + "\n"); the text is the same either way.
 
-Qwen3: its Jinja template removes `<think>...</think>` blocks from assistant turns before the
-last user message, and can pre-fill an empty think block when thinking is disabled. Here assistant
-content is always kept verbatim and the generation prompt is the plain `<|im_start|>assistant\n`
-(Qwen3's default thinking mode): the policy is trained on exactly the tokens it saw and produced.
+Thinking (Qwen3). With `thinking=True` (the default) the generation prompt is the plain assistant
+header and the model opens its own `<think>` block; with `thinking=False` the prompt pre-fills an
+empty one ("<think>\n\n</think>\n\n"), as Qwen3's template does with `enable_thinking=False`; the
+template must have that switch. Either way every assistant turn of a conversation is laid out as
+the policy saw and produced it: its header is the generation prompt and its content is kept
+verbatim, think blocks included. Qwen3's template removes the think blocks of assistant turns
+before the last user message (and the empty pre-filled one); doing so here would change tokens
+the KV cache already holds, so the trained tokens of a turn are always the ones it was sampled
+with, in the context it was sampled in.
+
+Tools. `render(..., tools=[JSON schemas])` lays out the opening of a conversation (its system
+message, if any, and first user message) as the model's template renders it with those tools:
+Qwen2.5 and Qwen3 list them in the system turn, Llama 3.1 in the first user turn. That opening is
+checked against the template on every call. A template that ignores tools (SmolLM2's) gets them
+appended to the system message as plain text (`TOOLS_TEXT`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import functools
 import json
 import pathlib
@@ -98,6 +120,7 @@ class Tokenizer:
     self.eos_id = eos_id
     self.pad_id = pad_id
     self.chat_template_source = chat_template_source
+    self._chat_templates: dict[bool, ChatTemplate] = {}
     self.special_ids = frozenset(
         token_id for token_id, token in self._backend.get_added_tokens_decoder().items()
         if token.special)
@@ -236,150 +259,399 @@ class Tokenizer:
       config["chat_template"] = self.chat_template_source
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
-  @functools.cached_property
+  def has_token(self, token: str) -> bool:
+    return self._backend.token_to_id(token) is not None
+
+  @property
   def chat(self) -> ChatTemplate:
-    """The model's chat template, checked to be ChatML (see `ChatTemplate.from_jinja`)."""
+    """The model's chat template with thinking on (see `chat_template`)."""
+    return self.chat_template()
+
+  def chat_template(self, *, thinking: bool = True) -> ChatTemplate:
+    """The model's chat template, its layout read off and checked against the model's Jinja
+    template (`ChatTemplate.from_jinja`); `thinking=False` pre-fills an empty think block."""
     if self.chat_template_source is None:
       raise ValueError("This tokenizer has no chat template (a base model?).")
-    return ChatTemplate.from_jinja(self, self.chat_template_source)
+    if thinking not in self._chat_templates:
+      self._chat_templates[thinking] = ChatTemplate.from_jinja(
+          self, self.chat_template_source, thinking=thinking)
+    return self._chat_templates[thinking]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How a template family spells one turn; special tokens by their vocabulary spelling.
+
+      {header_open}{role}[{header_close}]{header_text}{content}{turn_end}{after_turn}
+
+  `trims`: whether the family's templates strip each message's content of surrounding
+  whitespace (Jinja's `trim`). `also_ends`: other tokens with which the family's models may end
+  a turn (Llama 3.1's `<|eom_id|>` after a tool call), where the vocabulary has them.
+  """
+
+  name: str
+  header_open: str
+  header_close: str | None
+  header_text: str
+  turn_end: str
+  after_turn: str
+  trims: bool
+  also_ends: tuple[str, ...] = ()
+
+  @property
+  def special_tokens(self) -> tuple[str, ...]:
+    return tuple(t for t in (self.header_open, self.header_close, self.turn_end) if t)
+
+
+CHATML = Layout("ChatML", IM_START, None, "\n", IM_END, "\n", trims=False)
+LLAMA3 = Layout("Llama 3", "<|start_header_id|>", "<|end_header_id|>", "\n\n", "<|eot_id|>", "",
+                trims=True, also_ends=("<|eom_id|>",))
+LAYOUTS = (CHATML, LLAMA3)
+
+# Tools for a template that does not render them, appended to the system message (`render`).
+TOOLS_TEXT = """\
+# Tools
+
+You can call the functions described by these JSON schemas, one per line:
+<tools>
+{schemas}
+</tools>
+
+To call one, write its name and arguments as a JSON object between <tool_call> and </tool_call>:
+<tool_call>
+{{"name": <function name>, "arguments": <arguments object>}}
+</tool_call>"""
+# Stands for message content in the probe that finds where a template puts its tools.
+_PLACEHOLDER = "PROBE-CONTENT-"
+
+Piece = Any  # An int (a special token id), a str (text) or _CUT.
+# Ends a text segment: the text on either side is encoded apart (an assistant turn's content).
+_CUT = object()
+Message = Mapping[str, str]
 
 
 class ChatTemplate:
-  """ChatML conversations as token ids, whole (`render`) or turn by turn (`continuation_ids`).
+  """Conversations as token ids, whole (`render`) or turn by turn (`continuation_ids`), in one
+  of the `LAYOUTS`.
 
   Invariant (the rollout relies on it): for a conversation `messages` and a generated assistant
-  turn whose ids are `encode(reply) + [im_end_id]`,
+  turn whose ids are `reply_ids(reply)` (its text followed by `reply_end_id`),
 
-      render(messages) + encode(reply) + [im_end_id] + continuation_ids("user", observation)
+      render(messages) + reply_ids(reply) + continuation_ids("user", observation)
         == render(messages + [assistant: reply, user: observation])
 
-  and the same holds turn after turn.
+  and the same holds turn after turn (for Llama 3 with replies and observations that have no
+  surrounding whitespace, which its templates strip).
   """
 
-  def __init__(self, tokenizer: Tokenizer, default_system: str | None = None):
-    """ChatML over `tokenizer`'s vocabulary.
+  def __init__(self, tokenizer: Tokenizer, layout: Layout = CHATML, *, bos: bool = False,
+               default_system: str | None = None, system_preamble: str = "",
+               generation_prefill: str = "", source: str | None = None):
+    """`layout` over `tokenizer`'s vocabulary.
 
     Args:
-      tokenizer: a tokenizer whose vocabulary has `<|im_start|>` and `<|im_end|>`.
+      tokenizer: a tokenizer whose vocabulary has the layout's special tokens.
+      layout: CHATML or LLAMA3.
+      bos: whether a conversation opens with the tokenizer's BOS token.
       default_system: the system message inserted when a conversation does not start with one
         (None: insert nothing).
+      system_preamble: text written before the content of a conversation's system message.
+      generation_prefill: text after the assistant header in the generation prompt, and so
+        in every assistant turn ("<think>\\n\\n</think>\\n\\n" with thinking off).
+      source: the model's Jinja template, which `render` reads when given tools.
     """
     try:
-      self.im_start_id = tokenizer.token_to_id(IM_START)
-      self.im_end_id = tokenizer.token_to_id(IM_END)
+      self.header_open_id = tokenizer.token_to_id(layout.header_open)
+      self.header_close_id = (None if layout.header_close is None
+                              else tokenizer.token_to_id(layout.header_close))
+      self.reply_end_id = tokenizer.token_to_id(layout.turn_end)
     except KeyError as error:
-      raise ValueError(f"Not a ChatML vocabulary: {error}") from error
+      raise ValueError(f"Not a {layout.name} vocabulary: {error}") from error
+    if bos and tokenizer.bos_id is None:
+      raise ValueError("bos=True needs a tokenizer with a BOS token")
     self.tokenizer = tokenizer
+    self.layout = layout
+    self.begin_ids: list[int] = [tokenizer.bos_id] if bos else []
     self.default_system = default_system
-    # The model may also end a turn with its EOS token; the sampler stops on either.
-    eos_ids = () if tokenizer.eos_id in (None, self.im_end_id) else (tokenizer.eos_id,)
-    self.turn_end_ids: tuple[int, ...] = (self.im_end_id, *eos_ids)
+    self.system_preamble = system_preamble
+    self.generation_prefill = generation_prefill
+    self.source = source
+    # The model may also end a turn with its EOS token or the layout's other ends; the sampler
+    # stops on any of them.
+    ends = [self.reply_end_id, tokenizer.eos_id, *(
+        tokenizer.token_to_id(token) for token in layout.also_ends if tokenizer.has_token(token))]
+    self.turn_end_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in ends if i is not None))
     self.generation_prompt_ids: list[int] = self._ids(self._generation_prompt())
 
   @classmethod
-  def from_jinja(cls, tokenizer: Tokenizer, source: str) -> ChatTemplate:
-    """The ChatML template equivalent to a model's Jinja chat template.
+  def from_jinja(cls, tokenizer: Tokenizer, source: str, *, thinking: bool = True
+                 ) -> ChatTemplate:
+    """The layout of a model's Jinja chat template.
 
-    The default system message is what the template writes before a lone user message. The
-    template must then render probe conversations (with and without a system message, with and
-    without the generation prompt) exactly as this class does, or a ValueError says where they
-    differ.
+    The layout is the one whose turn header the template writes first (after the BOS token, if
+    it writes one). What the template writes before a given system message is the preamble;
+    the system message it writes before a lone user message, less the preamble, is the default.
+    The template must then render probe conversations (with and without a system message, with
+    and without the generation prompt) exactly as this class does, or a ValueError says where
+    they differ. With `thinking=False` the generation prompt is the template's with
+    `enable_thinking=False`, which must pre-fill something after the assistant header.
     """
-    user_turn = f"{IM_START}user\nProbe question?{IM_END}\n"
-    text = _render_jinja(source, tokenizer, [{"role": "user", "content": "Probe question?"}],
-                         add_generation_prompt=False)
-    match = re.fullmatch(
-        rf"(?:{re.escape(IM_START)}system\n(.*){re.escape(IM_END)}\n)?{re.escape(user_turn)}",
-        text, flags=re.DOTALL)
-    if match is None:
-      raise ValueError(
-          "The model's chat template is not ChatML: a lone user message renders as "
-          f"{text!r}, expected {user_turn!r}, optionally after a system turn.")
-    template = cls(tokenizer, default_system=match.group(1))
+    lone = _render_jinja(source, tokenizer, [_user("Probe question?")], False)
+    bos_text = "" if tokenizer.bos_id is None else tokenizer.id_to_token(tokenizer.bos_id)
+    for layout in LAYOUTS:
+      if not all(tokenizer.has_token(token) for token in layout.special_tokens):
+        continue
+      bos = bool(bos_text) and lone.startswith(bos_text + layout.header_open)
+      if lone[len(bos_text) if bos else 0:].startswith(layout.header_open):
+        return cls._read(tokenizer, source, layout, bos, thinking)
+    raise ValueError(
+        f"The model's chat template fits none of the supported layouts "
+        f"({', '.join(layout.name for layout in LAYOUTS)}): a lone user message renders as "
+        f"{lone!r}.")
 
-    exchange = [{"role": "user", "content": "First question?"},
-                {"role": "assistant", "content": "First answer."},
-                {"role": "user", "content": "Second question?"}]
+  @classmethod
+  def _read(cls, tokenizer: Tokenizer, source: str, layout: Layout, bos: bool,
+            thinking: bool) -> ChatTemplate:
+    """`from_jinja` once the layout and BOS are known: reads and checks the rest."""
+    draft = cls(tokenizer, layout, bos=bos, source=source)
+    begin = draft._text(list(draft.begin_ids))
+
+    def turns(messages: list[Message], what: str) -> list[tuple[str, str]]:
+      text = _render_jinja(source, tokenizer, messages, False)
+      parsed = draft.parse_text(text[len(begin):]) if text.startswith(begin) else None
+      roles = [role for role, _ in parsed or []]
+      if parsed is None or roles[-1:] != ["user"] or roles[:-1] not in ([], ["system"]):
+        raise ValueError(f"The model's chat template does not render as {layout.name}: "
+                         f"{what} renders as {text!r}.")
+      return parsed
+
+    lone = turns([_user("Probe question?")], "a lone user message")
+    given = turns([{"role": "system", "content": "Probe system."}, _user("Probe question?")],
+                  "a system and a user message")
+    system = given[0][1] if len(given) == 2 else ""
+    if not system.endswith("Probe system."):
+      raise ValueError(f"The model's chat template drops or rewrites the system message: it "
+                       f"writes the system turn {system!r} for the message 'Probe system.'.")
+    preamble = system[:-len("Probe system.")]
+    default = lone[0][1] if len(lone) == 2 else None
+    if default is not None and not default.startswith(preamble):
+      raise ValueError(f"The model's chat template writes {preamble!r} before a given system "
+                       f"message but its default system turn is {default!r}.")
+    options = dict(bos=bos, source=source, system_preamble=preamble,
+                   default_system=None if default is None else default[len(preamble):])
+    template = cls(tokenizer, layout, **options)
+
+    exchange = [_user("First question?"), {"role": "assistant", "content": "First answer."},
+                _user("Second question?")]
     for messages in (exchange, [{"role": "system", "content": "Probe system."}, *exchange]):
       for add_generation_prompt in (True, False):
         expected = template.render_text(messages, add_generation_prompt)
         actual = _render_jinja(source, tokenizer, messages, add_generation_prompt)
         if actual != expected:
           raise ValueError(
-              "The model's chat template does not render as ChatML with default system message "
-              f"{template.default_system!r}: it gives {actual!r} where ChatML gives {expected!r}.")
-    return template
+              f"The model's chat template does not render as {layout.name} with default system "
+              f"message {template.default_system!r}: it gives {actual!r} where {layout.name} "
+              f"gives {expected!r}.")
+    if thinking:
+      return template
+    # Thinking off: the same layout, with what the template pre-fills after the header.
+    plain = template.render_text(exchange, True)
+    prompt = _render_jinja(source, tokenizer, exchange, True, enable_thinking=False)
+    if not prompt.startswith(plain) or prompt == plain:
+      raise ValueError(
+          "thinking off needs a chat template with a thinking switch: with "
+          f"enable_thinking=False this one ends the prompt {prompt[-80:]!r}, where the plain "
+          f"generation prompt ends it {plain[-80:]!r}.")
+    return cls(tokenizer, layout, generation_prefill=prompt[len(plain):], **options)
 
-  def render(self, messages: Sequence[Mapping[str, str]],
-             add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a whole conversation of `{"role": ..., "content": ...}` messages."""
-    return self._ids(self._conversation(messages, add_generation_prompt))
+  def render(self, messages: Sequence[Message], add_generation_prompt: bool = True, *,
+             tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+    """Token ids of a whole conversation of `{"role": ..., "content": ...}` messages, with
+    `tools` (JSON schemas) shown as the template shows them."""
+    return self._ids(self._conversation(messages, add_generation_prompt, tools))
 
-  def render_text(self, messages: Sequence[Mapping[str, str]],
-                  add_generation_prompt: bool = True) -> str:
+  def render_text(self, messages: Sequence[Message], add_generation_prompt: bool = True, *,
+                  tools: Sequence[Mapping[str, Any]] | None = None) -> str:
     """The text `render` encodes (for logs and for checking against a Jinja template)."""
-    return self._text(self._conversation(messages, add_generation_prompt))
+    return self._text(self._conversation(messages, add_generation_prompt, tools))
 
   def message_ids(self, role: str, content: str) -> list[int]:
-    """Token ids of one complete turn, `<|im_start|>{role}\n{content}<|im_end|>\n`."""
+    """Token ids of one complete turn (without the BOS or a system preamble)."""
     return self._ids(self._message(role, content))
 
+  def reply_ids(self, content: str) -> list[int]:
+    """An assistant turn's ids after the generation prompt: its content, then `reply_end_id`.
+
+    This is what the sampler generates for that reply, when it ends the turn itself."""
+    return self._ids([self._content(content), self.reply_end_id])
+
+  def closing_ids(self, generated: Sequence[int]) -> list[int]:
+    """What closes a generated turn: nothing if it ended with `reply_end_id`; else (EOS, another
+    of `turn_end_ids`, the length limit) `reply_end_id`."""
+    return [] if list(generated[-1:]) == [self.reply_end_id] else [self.reply_end_id]
+
   def continuation_ids(self, role: str, content: str) -> list[int]:
-    """The ids to append after a generated assistant turn that ended with `<|im_end|>`.
+    """The ids to append after a generated assistant turn that ended with `reply_end_id`.
 
-    That is `\n<|im_start|>{role}\n{content}<|im_end|>\n<|im_start|>assistant\n`: the newline
-    closing the assistant turn, the new turn (typically the environment's observation as
-    "user"), and the prompt for the next assistant turn. A turn that stopped any other way
-    (EOS, length limit) does not end in `<|im_end|>`; the rollout closes it first.
+    That is the rest of the assistant turn (ChatML: "\\n"), the new turn (typically the
+    environment's observation as "user"), and the prompt for the next assistant turn. A turn
+    that stopped any other way (EOS, length limit) is closed first (`closing_ids`).
     """
-    return self._ids(["\n", *self._message(role, content), *self._generation_prompt()])
+    return self._ids([self.layout.after_turn, *self._message(role, content),
+                      *self._generation_prompt()])
 
-  # A conversation is laid out as pieces: ints are special-token ids, strs are text segments,
-  # each encoded on its own (special tokens bound pre-tokenization, so a segment never merges
-  # with its neighbours). `render` and `render_text` read the same pieces.
+  def parse_text(self, text: str) -> list[tuple[str, str]] | None:
+    """The (role, content) turns of text written in this layout (without the BOS), or None
+    if it is not. Content is read up to the next turn end, so it must not contain one."""
+    layout, turns, position = self.layout, [], 0
+    while position < len(text):
+      if not text.startswith(layout.header_open, position):
+        return None
+      position += len(layout.header_open)
+      role_end = text.find(layout.header_close or layout.header_text, position)
+      if role_end < 0:
+        return None
+      role, position = text[position:role_end], role_end
+      if layout.header_close is not None:
+        position += len(layout.header_close)
+      if not text.startswith(layout.header_text, position):
+        return None
+      position += len(layout.header_text)
+      content_end = text.find(layout.turn_end, position)
+      if content_end < 0:
+        return None
+      turns.append((role, text[position:content_end]))
+      position = content_end + len(layout.turn_end)
+      if not text.startswith(layout.after_turn, position):
+        return None
+      position += len(layout.after_turn)
+    return turns
 
-  def _conversation(self, messages: Sequence[Mapping[str, str]],
-                    add_generation_prompt: bool) -> list[int | str]:
+  # A conversation is laid out as pieces: ints are special-token ids, strs are text, and runs
+  # of text are encoded as one segment up to a special token or _CUT (special tokens bound
+  # pre-tokenization, so a segment never merges with its neighbours). `render` and
+  # `render_text` read the same pieces.
+
+  def _conversation(self, messages: Sequence[Message], add_generation_prompt: bool,
+                    tools: Sequence[Mapping[str, Any]] | None) -> list[Piece]:
     if isinstance(messages, (str, Mapping)) or not messages:
       raise ValueError(f"A conversation is a non-empty list of messages, got {messages!r}.")
-    pieces = []
     for index, message in enumerate(messages):
       if not isinstance(message, Mapping) or set(message) != {"role", "content"}:
         raise ValueError(
             f"Message {index} must be a mapping with exactly 'role' and 'content', "
             f"got {message!r}.")
-      if index == 0 and message["role"] != "system" and self.default_system is not None:
-        pieces += self._message("system", self.default_system)
+    pieces, rest = list(self.begin_ids), list(messages)
+    if tools:
+      opening, rest = _split_opening(rest)
+      pieces += self._opening_with_tools(opening, tools)
+    elif rest[0]["role"] == "system":
+      pieces += self._system(rest.pop(0)["content"])
+    elif self.default_system is not None:
+      pieces += self._system(self.default_system)
+    for message in rest:
       pieces += self._message(message["role"], message["content"])
     if add_generation_prompt:
       pieces += self._generation_prompt()
     return pieces
 
-  def _message(self, role: str, content: str) -> list[int | str]:
-    if not isinstance(role, str) or not role or "\n" in role or IM_START in role:
+  def _opening_with_tools(self, opening: list[Message], tools: Sequence[Mapping[str, Any]]
+                          ) -> list[Piece]:
+    """The system message (if any) and first user message with `tools`, as the template
+    writes them: the template is rendered with placeholder contents to find the turns and
+    where each message's content goes, then checked with the real contents."""
+    tools = [dict(tool) for tool in tools]
+    if self.source is None:
+      raise ValueError("This chat template was not read from a Jinja template; it cannot "
+                       "render tools.")
+    probe = [{"role": message["role"], "content": f"{_PLACEHOLDER}{index}"}
+             for index, message in enumerate(opening)]
+    text = _render_jinja(self.source, self.tokenizer, probe, False, tools=tools)
+    if text == _render_jinja(self.source, self.tokenizer, probe, False):
+      return self._opening_with_tools_text(opening, tools)
+    begin = self._text(list(self.begin_ids))
+    turns = self.parse_text(text[len(begin):]) if text.startswith(begin) else None
+    if turns is None:
+      raise ValueError(f"The model's chat template does not render tools in the "
+                       f"{self.layout.name} layout: {text!r}.")
+    contents = {f"{_PLACEHOLDER}{index}": self._content(message["content"])
+                for index, message in enumerate(opening)}
+    pieces = []
+    for role, content in turns:
+      parts = re.split(f"({re.escape(_PLACEHOLDER)}[0-9]+)", content)
+      pieces += self._turn(role, "".join(contents.get(part, part) for part in parts))
+    expected = _render_jinja(self.source, self.tokenizer, opening, False, tools=tools)
+    if begin + self._text(pieces) != expected:
+      raise ValueError(f"The model's chat template renders this opening with tools as "
+                       f"{expected!r}, not as {begin + self._text(pieces)!r}.")
+    return pieces
+
+  def _opening_with_tools_text(self, opening: list[Message],
+                               tools: Sequence[Mapping[str, Any]]) -> list[Piece]:
+    system = opening[0]["content"] if opening[0]["role"] == "system" else self.default_system
+    schemas = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    tools_text = TOOLS_TEXT.format(schemas=schemas)
+    pieces = self._system(f"{system}\n\n{tools_text}" if system else tools_text)
+    return pieces + self._message(opening[-1]["role"], opening[-1]["content"])
+
+  def _system(self, content: str) -> list[Piece]:
+    """The conversation's opening system turn: the preamble, then the message."""
+    return self._turn("system", self.system_preamble + self._content(content))
+
+  def _message(self, role: str, content: str) -> list[Piece]:
+    if not isinstance(role, str) or not role or "\n" in role or self.layout.header_open in role:
       raise ValueError(f"A role is a one-line name such as 'user', got {role!r}.")
+    if role == "assistant":  # Encoded apart from its header, as the sampler generates it.
+      return [*self._generation_prompt(), _CUT, self._content(content), self.reply_end_id,
+              self.layout.after_turn]
+    return self._turn(role, self._content(content))
+
+  def _turn(self, role: str, content: str) -> list[Piece]:
+    """A turn whose content is written as given (already trimmed where the layout trims)."""
+    return [*self._header(role), content, self.reply_end_id, self.layout.after_turn]
+
+  def _header(self, role: str) -> list[Piece]:
+    close = [] if self.header_close_id is None else [self.header_close_id]
+    return [self.header_open_id, role, *close, self.layout.header_text]
+
+  def _generation_prompt(self) -> list[Piece]:
+    return [*self._header("assistant"), self.generation_prefill]
+
+  def _content(self, content: str) -> str:
     if not isinstance(content, str):
       raise ValueError(f"Message content must be a str, got {type(content).__name__}: {content!r}.")
-    # Assistant content is encoded apart from its header, as the sampler generates it.
-    body = [f"{role}\n", content] if role == "assistant" else [f"{role}\n{content}"]
-    return [self.im_start_id, *body, self.im_end_id, "\n"]
+    return content.strip() if self.layout.trims else content
 
-  def _generation_prompt(self) -> list[int | str]:
-    return [self.im_start_id, "assistant\n"]
-
-  def _ids(self, pieces: list[int | str]) -> list[int]:
-    ids = []
-    for piece in pieces:
+  def _ids(self, pieces: list[Piece]) -> list[int]:
+    ids, text = [], ""
+    for piece in [*pieces, _CUT]:
+      if isinstance(piece, str):
+        text += piece
+        continue
+      if text:
+        ids += self.tokenizer.encode(text)
+        text = ""
       if isinstance(piece, int):
         ids.append(piece)
-      else:
-        ids += self.tokenizer.encode(piece)
     return ids
 
-  def _text(self, pieces: list[int | str]) -> str:
+  def _text(self, pieces: list[Piece]) -> str:
     return "".join(
         self.tokenizer.id_to_token(piece) if isinstance(piece, int) else piece
-        for piece in pieces)
+        for piece in pieces if piece is not _CUT)
+
+
+def _user(content: str) -> dict[str, str]:
+  return {"role": "user", "content": content}
+
+
+def _split_opening(messages: list[Message]) -> tuple[list[Message], list[Message]]:
+  """(the system message, if any, and the first user message; the rest)."""
+  first = 1 if messages[0]["role"] == "system" else 0
+  if len(messages) <= first or messages[first]["role"] != "user":
+    raise ValueError("Tools are shown with the first user message; this conversation has "
+                     f"roles {[message['role'] for message in messages]}.")
+  return messages[:first + 1], messages[first + 1:]
 
 
 def _default_template(chat_template: Any, config_file: pathlib.Path) -> str | None:
@@ -392,23 +664,43 @@ def _default_template(chat_template: Any, config_file: pathlib.Path) -> str | No
   return named["default"]
 
 
-def _render_jinja(source: str, tokenizer: Tokenizer, messages: list[dict[str, str]],
-                  add_generation_prompt: bool) -> str:
-  """Renders a model's Jinja chat template the way Hugging Face transformers does."""
-
-  def raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-  environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-      trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-  environment.globals["raise_exception"] = raise_exception
+def _render_jinja(source: str, tokenizer: Tokenizer, messages: list[Message],
+                  add_generation_prompt: bool, *, tools: list[dict[str, Any]] | None = None,
+                  **options: Any) -> str:
+  """Renders a model's Jinja chat template the way Hugging Face transformers does, with the
+  template variables messages, tools, add_generation_prompt, the special tokens and `options`
+  (enable_thinking)."""
   special_tokens = {
       f"{name}_token": tokenizer.id_to_token(token_id)
       for name, token_id in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id),
                              ("pad", tokenizer.pad_id)) if token_id is not None}
   try:
-    return environment.from_string(source).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens)
+    return _compile_jinja(source).render(
+        messages=[dict(message) for message in messages], tools=tools,
+        add_generation_prompt=add_generation_prompt, **special_tokens, **options)
   except jinja2.exceptions.TemplateError as error:
     raise ValueError(
-        f"The model's chat template failed on a probe conversation: {error}") from error
+        f"The model's chat template failed to render: {error}") from error
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_jinja(source: str) -> jinja2.Template:
+  """A chat template compiled as transformers compiles it: its `tojson` (plain json.dumps, keys
+  in order), `strftime_now` (today's date) and `raise_exception`."""
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+  environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+  environment.filters["tojson"] = tojson
+  environment.globals["raise_exception"] = raise_exception
+  environment.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
+  try:
+    return environment.from_string(source)
+  except jinja2.exceptions.TemplateSyntaxError as error:
+    raise ValueError(f"The model's chat template is not valid Jinja: {error}") from error

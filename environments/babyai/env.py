@@ -9,8 +9,9 @@ ends. Reward is minigrid's, summed over those primitives:
   r = 0                                  otherwise,
 
 so shorter solutions score higher. The episode is done on success, on a level's failure
-condition, or when minigrid truncates at max_steps. Invalid actions run no primitive and cost
-no reward; they return an error message and the available actions.
+condition, or when minigrid truncates at max_steps. Invalid actions (and, in the tool_call
+format, tool calls that cannot be carried out) run no primitive and cost no reward; they return
+an error message and the available actions.
 """
 
 from __future__ import annotations
@@ -53,10 +54,35 @@ door opens only while you carry a key of its color.
 Walking uses only the cells you can currently see: to reach something out of sight, turn or \
 move to see it first. Fewer steps earn a higher reward.
 
+{reply_format}"""
+_REACT_FORMAT = """\
 Reply in exactly this format:
 Thought: <your reasoning>
 
 Action: <one action>"""
+
+_OBJECT = '"<color> <object> <k>" as the observation names it, e.g. "red ball 1"'
+_DOOR = 'the door as the observation names it, e.g. "blue door 1"'
+TOOLS = (
+    base.Tool("turn_left", "Turn 90 degrees left where you stand.", "turn left"),
+    base.Tool("turn_right", "Turn 90 degrees right where you stand.", "turn right"),
+    base.Tool("move_forward", "Step one cell forward.", "move forward"),
+    base.Tool("go_to", "Walk next to an object or door and face it.", "go to {object}",
+              (base.Parameter("object", "string", f"The object or door: {_OBJECT}."),)),
+    base.Tool("pick_up", "Walk to an object and pick it up (one at a time); without an "
+              "object, pick up the object right in front of you.", "pick up {object}",
+              (base.Parameter("object", "string", f"The object: {_OBJECT}.", required=False),)),
+    base.Tool("drop", "Put what you carry on the empty cell in front of you.", "drop"),
+    base.Tool("toggle", "Open or close the door in front of you, or open the box in front of "
+              "you. A locked door opens only while you carry a key of its color.", "toggle"),
+    base.Tool("go_through", "Walk through an open door into the next room.",
+              "go through {door}", (base.Parameter("door", "string", f"The door: {_DOOR}."),)),
+    base.Tool("toggle_and_go_through", "Open a closed or locked door and walk through it.",
+              "toggle and go through {door}",
+              (base.Parameter("door", "string", f"The door: {_DOOR}."),)),
+    base.Tool("check_available_actions", "Look again and list the actions you can take now.",
+              "check available actions"),
+)
 
 # minigrid prints "Sampling rejected: ..." while it generates a level (in reset, never in
 # step). The lock keeps two threads from interleaving redirects, where each would restore the
@@ -79,10 +105,13 @@ class BabyAIEnv:
 
   name = "babyai"
 
-  def __init__(self, train_size: int = 4000):
+  def __init__(self, train_size: int = 4000, action_format: str = "react"):
+    """train_size: train task ids; action_format: react or tool_call (environments/base.py;
+    the tools are TOOLS)."""
     if isinstance(train_size, bool) or not isinstance(train_size, int) or train_size < 1:
       raise ValueError(f"train_size must be a positive int, got {train_size!r}")
     self._train_size = train_size
+    self.action_format = base.ActionFormat(action_format, TOOLS)
     self._levels: dict[str, MiniGridEnv] = {}  # one generator per level, re-seeded per reset
     self._env: MiniGridEnv | None = None
     self._scene: scene_lib.Scene | None = None  # the view after the last reset/step
@@ -90,7 +119,9 @@ class BabyAIEnv:
 
   @property
   def instruction(self) -> str:
-    return INSTRUCTION
+    tool_call = self.action_format.kind == "tool_call"
+    return INSTRUCTION.format(
+        reply_format=base.TOOL_CALL_INSTRUCTION if tool_call else _REACT_FORMAT)
 
   @property
   def minigrid_env(self) -> MiniGridEnv:
@@ -123,8 +154,8 @@ class BabyAIEnv:
       raise RuntimeError("the episode is over: call reset(task_id) for a new one")
     scene = self._scene
     try:
-      primitives = actions_lib.expand(_parse(action_text), scene)
-    except actions_lib.ActionError as error:
+      primitives = actions_lib.expand(_parse(self.action_format.react_reply(action_text)), scene)
+    except (actions_lib.ActionError, base.ToolCallError) as error:
       return base.StepResult(f"{error}\n{_available(scene)}", 0.0, False,
                              self._info(success=False, valid_action=False))
     reward, terminated, truncated = 0.0, False, False

@@ -1,7 +1,8 @@
 """BabyAI's expert: minigrid's BabyAIBot plays the level primitive by primitive; its trace is then
 shortened into our high-level actions ("pick up red ball 1") wherever one reaches a later state
 of the trace in no more primitive steps, so demonstrations fit the paper's 6-20 turn horizons.
-The thoughts say the bot's subgoals.
+The thoughts say the bot's subgoals. Replies are in the env's action format (ReAct, or the tool
+calls of BabyAI's TOOLS).
 """
 
 from __future__ import annotations
@@ -52,26 +53,24 @@ def replies(env: base.Env, task_id: int, *, max_primitives: int = 1000,
     if int(primitive) not in _PRIMITIVE_TEXT:
       raise base.ExpertError(f"the bot chose {primitive!r} with the task not done")
     thoughts.append(_bot_thought(bot, level))
-    result = env.step(base.react_reply(thoughts[-1], _PRIMITIVE_TEXT[int(primitive)]))
+    result = env.step(base.reply_for(env, thoughts[-1], _PRIMITIVE_TEXT[int(primitive)]))
     if not result.info.get("valid_action", True):
       raise base.ExpertError(f"the env refused the bot's {_PRIMITIVE_TEXT[int(primitive)]!r}: "
                         f"{result.observation.splitlines()[0]}")
     primitives.append(int(primitive))
     states.append(_babyai_state(level))
-  first_turn = f"My mission is to {mission}. "
-  replies = [base.react_reply(t, _PRIMITIVE_TEXT[p]) for t, p in zip(thoughts, primitives)]
+  turns = [(t, _PRIMITIVE_TEXT[p]) for t, p in zip(thoughts, primitives)]
   if high_level:
-    replies = _shorten(env, task_id, primitives, thoughts, states) or replies
-  return [_prefixed(replies[0], first_turn), *replies[1:]]
-
-
-def _prefixed(text: str, prefix: str) -> str:
-  return text.replace("Thought: ", "Thought: " + prefix, 1)
+    turns = _shorten(env, task_id, primitives, thoughts, states) or turns
+  (thought, action), *rest = turns
+  turns = [(f"My mission is to {mission}. {thought}", action), *rest]
+  return [base.reply_for(env, thought, action) for thought, action in turns]
 
 
 def _shorten(env: base.Env, task_id: int, primitives: Sequence[int], thoughts: Sequence[str],
-             states: Sequence[tuple]) -> list[str] | None:
-  """The bot's trace in high-level actions where possible; None if a step does not reproduce.
+             states: Sequence[tuple]) -> list[tuple[str, str]] | None:
+  """The bot's trace as (thought, action) turns in high-level actions where possible; None if a
+  step does not reproduce.
 
   From trace state i, every available high-level action is tried on a copy of the level; one
   that reaches trace state j > i + 1 in at most j - i primitives (or ends the episode in
@@ -86,7 +85,7 @@ def _shorten(env: base.Env, task_id: int, primitives: Sequence[int], thoughts: S
     later[state].append(index)
   places = {(s[0], s[1]) for s in states}
   env.reset(task_id)
-  replies, i = [], 0
+  turns, i = [], 0
   while i < end:
     level = env.minigrid_env
     scene = scene_lib.observe(level)
@@ -106,10 +105,10 @@ def _shorten(env: base.Env, task_id: int, primitives: Sequence[int], thoughts: S
     else:
       j, _, action = best
     thought = " ".join(dict.fromkeys(thoughts[i:j]))  # distinct subgoals, in order
-    result = env.step(base.react_reply(thought, action))
-    replies.append(base.react_reply(thought, action))
+    result = env.step(base.reply_for(env, thought, action))
+    turns.append((thought, action))
     if result.done:
-      return replies if result.info.get("success") else None
+      return turns if result.info.get("success") else None
     if j > end or _babyai_state(env.minigrid_env) != states[j]:
       return None
     i = j

@@ -6,7 +6,9 @@ server does. Each step sends the action in the reply to the simulator and return
 unchanged, including its answer to an action it cannot parse, "No known action matches that
 input." (INVALID_ACTION), and its numbered choices for an ambiguous action, which the agent
 answers with a number. A reply with no "Action:" gets INVALID_ACTION without reaching the
-simulator: the reference sends such a reply whole and gets that answer.
+simulator: the reference sends such a reply whole and gets that answer. In the tool_call format
+(environments/base.py) the actions are TOOLS, one per action template plus "choose" for a
+numbered choice, and a call that cannot be carried out gets "Invalid tool call: <why>. ...".
 
 The world of a (task, variation) is fixed, but the simulator keeps objects in Scala sets, so
 the order in which it lists a room's objects (and numbers the choices of an ambiguous action)
@@ -58,6 +60,7 @@ from py4j.java_gateway import GatewayParameters, JavaGateway, launch_gateway
 from py4j.protocol import Py4JError
 from scienceworld.constants import BASEPATH, JAR_PATH
 
+from environments import base
 from environments.base import EnvError, StepResult
 from environments.sciworld import tasks as tasks_lib
 
@@ -113,10 +116,66 @@ Actions (OBJ is an object and LOC a location, named as the observations name the
 When an action could mean several objects you are shown numbered choices; reply with the \
 number as your action.
 
+{{reply_format}}"""
+_REACT_FORMAT = """\
 Reply in exactly this format:
 Thought: <your reasoning>
 
 Action: <one action>"""
+
+
+def _tool(name: str, action: str, description: str, *parameters: str,
+          aliases: tuple[str, ...] = ()) -> base.Tool:
+  """A tool for one action template; a parameter named "location" is a location, any other an
+  object. `aliases`: the simulator's other spellings of the action, which gold paths use."""
+  kinds = {"object": "An object, named as the observations name it.",
+           "location": "A location, named as the observations name it."}
+  return base.Tool(name, description, action, tuple(
+      base.Parameter(parameter, "string", kinds.get(parameter, kinds["object"]))
+      for parameter in parameters), aliases)
+
+
+# The tools of the tool_call format, one per action of ACTIONS.
+TOOLS = (
+    _tool("look_around", "look around", "Describe the room you are in."),
+    _tool("look_at", "look at {object}", "Describe an object in detail.", "object",
+          aliases=("examine {object}",)),
+    _tool("look_in", "look in {object}", "List what a container holds.", "object"),
+    _tool("read", "read {object}", "Read a book or a note.", "object"),
+    _tool("go_to", "go to {location}", "Move to a neighbouring location through an open door.",
+          "location"),
+    _tool("open", "open {object}", "Open a door or a container.", "object"),
+    _tool("close", "close {object}", "Close a door or a container.", "object"),
+    _tool("pick_up", "pick up {object}", "Take an object into your inventory.", "object"),
+    _tool("put_down", "put down {object}", "Drop an object from your inventory.", "object",
+          aliases=("drop {object}",)),
+    _tool("move", "move {object} to {destination}",
+          "Put an object in a container or on a surface.", "object", "destination"),
+    _tool("pour", "pour {object} into {destination}", "Pour a liquid into a container.",
+          "object", "destination", aliases=("pour {object} in {destination}",)),
+    _tool("dunk", "dunk {object} into {liquid}", "Dip a container into a liquid.", "object",
+          "liquid", aliases=("dunk {object} in {liquid}",)),
+    _tool("mix", "mix {object}", "Chemically mix the contents of a container.", "object"),
+    _tool("activate", "activate {object}", "Switch a device on.", "object"),
+    _tool("deactivate", "deactivate {object}", "Switch a device off.", "object"),
+    _tool("use_on", "use {object} on {target}", "Use a tool or device on something.", "object",
+          "target"),
+    _tool("use", "use {object}", "Use a device by itself.", "object"),
+    _tool("connect", "connect {object} to {target}", "Wire two electrical components.",
+          "object", "target"),
+    _tool("disconnect", "disconnect {object}", "Unwire an electrical component.", "object"),
+    _tool("eat", "eat {object}", "Eat a food.", "object"),
+    _tool("flush", "flush {object}", "Flush a toilet.", "object"),
+    _tool("focus_on", "focus on {object}", "Declare the object the task is about; only when the "
+          "task asks for it, since focusing on the wrong object fails the task.", "object"),
+    _tool("wait", "wait", "Let 10 time steps pass."),
+    _tool("wait1", "wait1", "Let 1 time step pass."),
+    _tool("inventory", "inventory", "List what you are carrying."),
+    _tool("task", "task", "Repeat the task description."),
+    base.Tool("choose", "Answer numbered choices (shown when an action could mean several "
+              "objects) with the number of one.", "{number}",
+              (base.Parameter("number", "integer", "The number of the choice."),)),
+)
 
 _ACTION_MARKER = re.compile(r"action\s*:", re.IGNORECASE)
 
@@ -203,13 +262,15 @@ class SciWorldEnv:
   name = "sciworld"
 
   def __init__(self, step_limit: int = DEFAULT_STEP_LIMIT,
-               jvm_heap_mb: int = DEFAULT_JVM_HEAP_MB):
+               jvm_heap_mb: int = DEFAULT_JVM_HEAP_MB, action_format: str = "react"):
     """Args: step_limit, the moves an episode may take; jvm_heap_mb, the simulator's heap cap
-    (see "JVM memory" in the module docstring; at least 64)."""
+    (see "JVM memory" in the module docstring; at least 64); action_format, react or tool_call
+    (environments/base.py; the tools are TOOLS)."""
     for name, value, least in (("step_limit", step_limit, 1), ("jvm_heap_mb", jvm_heap_mb, 64)):
       if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     self.step_limit = step_limit
+    self.action_format = base.ActionFormat(action_format, TOOLS)
     self.jvm_heap_mb = jvm_heap_mb
     self._simulator: _Simulator | None = None
     self._loaded: tuple[str, int] | None = None  # (task name, variation) in the simulator
@@ -219,7 +280,9 @@ class SciWorldEnv:
 
   @property
   def instruction(self) -> str:
-    return INSTRUCTION
+    tool_call = self.action_format.kind == "tool_call"
+    return INSTRUCTION.format(
+        reply_format=base.TOOL_CALL_INSTRUCTION if tool_call else _REACT_FORMAT)
 
   def task_ids(self, split: str) -> Sequence[int]:
     return tasks_lib.split_ids(split)
@@ -246,7 +309,10 @@ class SciWorldEnv:
   def step(self, action_text: str) -> StepResult:
     if self._done or self._simulator is None:
       raise RuntimeError("step() without an episode in progress; call reset() first")
-    action = parse_action(action_text)
+    try:
+      action = parse_action(self.action_format.react_reply(action_text))
+    except base.ToolCallError as error:
+      return StepResult(str(error), 0.0, False, self._info(self._score, None))
     if action is None:
       return StepResult(INVALID_ACTION, 0.0, False, self._info(self._score, action))
     with self._faults_end_the_simulator():

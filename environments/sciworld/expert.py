@@ -1,4 +1,5 @@
-"""SciWorld's expert: ScienceWorld's gold action sequence, each action with a thought of its verb.
+"""SciWorld's expert: ScienceWorld's gold action sequence, each action with a thought of its verb,
+in the env's action format (ReAct, or the tool calls of SciWorld's TOOLS).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def replies(env: base.Env, task_id: int) -> list[str]:
   gold_actions = getattr(env, "gold_actions", None)
   if gold_actions is None:
     raise base.ExpertError(f"{type(env).__name__} has no gold_actions (needs the SciWorld adapter)")
-  return [base.react_reply(thought(action), action) for action in gold_actions(task_id)]
+  return [base.reply_for(env, thought(action), action) for action in gold_actions(task_id)]
 
 
 def thought(action: str) -> str:

@@ -10,8 +10,11 @@ Search-R1 format (reply.py):
                                "Congratulations! You have answered the question correctly." or
                                "Sorry, your answer is incorrect."
   anything else             -> reply.INVALID_OBSERVATION, reward 0, the episode goes on.
-The number of searches is not capped here: the trainer's horizon caps the turns of an episode
-(the paper's ScalingInter schedule raises it over training, 5 -> 8 -> 10 for SearchQA). Unlike
+In the tool_call format (environments/base.py) the actions are the tools search(query) and
+answer(answer) (TOOLS), and a call that cannot be carried out gets "Invalid tool call: <why>.
+...", reward 0, the episode goes on. The number of searches is not capped here: the trainer's
+horizon caps the turns of an episode (the paper's ScalingInter schedule raises it over training,
+5 -> 8 -> 10 for SearchQA). Unlike
 AgentGym's server, where a wrong answer says "Please try again." and the episode goes on until
 the horizon, any answer ends the episode: the outcome is the first answer.
 
@@ -40,6 +43,7 @@ import os
 import threading
 from typing import Any, Callable, Sequence
 
+from environments import base
 from environments.base import EnvError, StepResult, check_split
 from environments.searchqa import minecraft, qa_data
 from environments.searchqa.qa_data import Question
@@ -65,6 +69,33 @@ explanation, for example <answer> Beijing </answer>. Answering ends the episode.
 counts only if it matches the correct answer word for word (case, punctuation and "a", "an", \
 "the" aside), so give just the name or number asked for.
 Base your answer on what the searches return, not on guesses."""
+_TOOL_CALL_INSTRUCTION = f"""\
+Answer the question at the end of this message. You cannot know everything, but you can use a \
+search engine.
+
+Each turn, take exactly one action with a tool:
+- search: look something up. The top results come back between <information> and \
+</information>. You may search as many times as you need, one query per turn.
+- answer: give the answer as a short phrase without explanation, for example "Beijing". \
+Answering ends the episode. The answer counts only if it matches the correct answer word for \
+word (case, punctuation and "a", "an", "the" aside), so give just the name or number asked for.
+Base your answer on what the searches return, not on guesses.
+
+{base.TOOL_CALL_INSTRUCTION}"""
+
+TOOLS = (
+    base.Tool("search", "Search the corpus; returns the top documents.",
+              "<search> {query} </search>",
+              (base.Parameter("query", "string", "What to look up."),)),
+    base.Tool("answer", "Give the final answer; it ends the episode.",
+              "<answer> {answer} </answer>",
+              (base.Parameter("answer", "string", "A short phrase, e.g. \"Beijing\"."),)),
+)
+
+
+def react_reply(thought: str, action: str) -> str:
+  """A Search-R1 reply: the thought in <think>, then the action's tags."""
+  return f"<think>{thought}</think>\n{action}"
 
 
 def format_information(docs: Sequence[Doc]) -> str:
@@ -83,10 +114,11 @@ class SearchQAEnv:
                bm25_index_dir: str | None = None, embeddings_path: str | None = None,
                embed_fn: str | Callable | None = None,
                test_sources: Sequence[str] | None = None,
-               train_sources: Sequence[str] | None = None):
+               train_sources: Sequence[str] | None = None, action_format: str = "react"):
     if not isinstance(top_k, int) or top_k < 1:
       raise ValueError(f"top_k must be a positive int, got {top_k!r}")
     self.top_k = top_k
+    self.action_format = base.ActionFormat(action_format, TOOLS, react_reply)
     if data_dir is None:
       given = {"corpus_path": corpus_path, "bm25_index_dir": bm25_index_dir,
                "test_sources": test_sources, "train_sources": train_sources}
@@ -117,7 +149,7 @@ class SearchQAEnv:
 
   @property
   def instruction(self) -> str:
-    return _INSTRUCTION
+    return _TOOL_CALL_INSTRUCTION if self.action_format.kind == "tool_call" else _INSTRUCTION
 
   def task_ids(self, split: str) -> Sequence[int]:
     return self._splits[check_split(split)]
@@ -148,8 +180,11 @@ class SearchQAEnv:
   def step(self, action_text: str) -> StepResult:
     if self._question is None:
       raise RuntimeError("step() called outside an episode; call reset() first")
-    action = parse_reply(action_text)
     info: dict[str, Any] = {"success": False, "searches": self._searches}
+    try:
+      action = parse_reply(self.action_format.react_reply(action_text))
+    except base.ToolCallError as error:
+      return StepResult(str(error), 0.0, False, {**info, "action": "invalid"})
     if action is None:
       return StepResult(INVALID_OBSERVATION, 0.0, False, {**info, "action": "invalid"})
     if action.kind == "search":

@@ -28,7 +28,9 @@ Actions (AgentGym's grammar and texts; N are decimal counts):
   anything else                 -> "Could not execute <action>".
 Reward 1 and done when the goal is crafted; every other step has reward 0.
 
-Replies. As AgentGym's client does, the action is the reply's text after its last "Action:"
+Replies. In the tool_call format (environments/base.py) the actions are the tools get, craft
+and inventory (TOOLS), and a call that cannot be carried out gets "Invalid tool call: <why>.
+...". As AgentGym's client does, the action is the reply's text after its last "Action:"
 (the whole reply if there is none) and before any "Instruction:", with every character other
 than ASCII letters, digits, commas and spaces removed and runs of spaces collapsed.
 
@@ -71,25 +73,41 @@ Use only the given crafting commands. A command may name a generic ingredient: {
 are made by crafting any specific kind of them (e.g. "oak planks" for planks), and you name \
 that kind in your craft action; others, such as "logs" or "oak logs", you can get as they are.
 
-Reply in exactly this format:
-Thought: <your reasoning>
-
-Action: <one action>
+{reply_format}
 
 Example. Commands "craft 4 stick using 2 planks" and "craft 4 oak planks using 1 oak logs", \
 goal: craft stick.
-Thought: Sticks need 2 planks. Oak planks count as planks and come from oak logs.
+{example}"""
+_REACT_FORMAT = """\
+Reply in exactly this format:
+Thought: <your reasoning>
 
-Action: get 1 oak logs
-Observation: Got 1 oak logs
-Thought: Now I turn the oak logs into oak planks.
+Action: <one action>"""
+# The instruction's example episode: (thought, action, observation) a turn.
+_EXAMPLE = (
+    ("Sticks need 2 planks. Oak planks count as planks and come from oak logs.",
+     "get 1 oak logs", "Got 1 oak logs"),
+    ("Now I turn the oak logs into oak planks.",
+     "craft 4 oak planks using 1 oak logs", "Crafted 4 minecraft:oak_planks"),
+    ("I have 4 oak planks; 2 of them make the sticks.",
+     "craft 4 stick using 2 oak planks", "Crafted 4 minecraft:stick"),
+)
 
-Action: craft 4 oak planks using 1 oak logs
-Observation: Crafted 4 minecraft:oak_planks
-Thought: I have 4 oak planks; 2 of them make the sticks.
-
-Action: craft 4 stick using 2 oak planks
-Observation: Crafted 4 minecraft:stick"""
+TOOLS = (
+    base.Tool("get", "Take N of a base ingredient, one that cannot be crafted. The supply is "
+              "unlimited.", "get {count} {item}", (
+                  base.Parameter("count", "integer", "How many to take."),
+                  base.Parameter("item", "string", 'The ingredient, e.g. "oak logs".'))),
+    base.Tool("craft", "Craft once with one of the given crafting commands: the target, the "
+              "number of targets the command makes, and exactly the command's ingredients "
+              "and counts. Craft again to make more.", "craft {count} {target} using "
+              "{ingredients}", (
+                  base.Parameter("count", "integer", "How many targets the command makes."),
+                  base.Parameter("target", "string", 'The item to craft, e.g. "stick".'),
+                  base.Parameter("ingredients", "array", 'Each ingredient with its count, as '
+                                 'the command lists it, e.g. ["2 oak planks"].'))),
+    base.Tool("inventory", "List what you are carrying.", "inventory"),
+)
 
 _GET = re.compile(r"get ([0-9]+) (.*)")
 _CRAFT = re.compile(r"craft (.*) using (.*)")
@@ -169,12 +187,14 @@ class TextCraftEnv:
 
   name = "textcraft"
 
-  def __init__(self, max_depth: int | None = None):
-    """max_depth: task_ids lists only goals of crafting depth <= max_depth (a curriculum)."""
+  def __init__(self, max_depth: int | None = None, action_format: str = "react"):
+    """max_depth: task_ids lists only goals of crafting depth <= max_depth (a curriculum);
+    action_format: react or tool_call (environments/base.py; the tools are TOOLS)."""
     if max_depth is not None and (isinstance(max_depth, bool) or not isinstance(max_depth, int)
                                   or max_depth < 1):
       raise ValueError(f"max_depth must be an int >= 1 or None, got {max_depth!r}")
     self._max_depth = max_depth
+    self.action_format = base.ActionFormat(action_format, TOOLS)
     self._book = RecipeBook.load()
     self._goal: str | None = None
     self._done = True
@@ -183,7 +203,12 @@ class TextCraftEnv:
   @property
   def instruction(self) -> str:
     crafted = [display_name(name) for name in self._book.crafted_generics]
-    return _INSTRUCTION.format(crafted=", ".join(crafted[:-1]) + " and " + crafted[-1])
+    tool_call = self.action_format.kind == "tool_call"
+    example = "\n".join(f"{self.action_format.reply(thought, action)}\nObservation: {seen}"
+                        for thought, action, seen in _EXAMPLE)
+    return _INSTRUCTION.format(
+        crafted=", ".join(crafted[:-1]) + " and " + crafted[-1], example=example,
+        reply_format=base.TOOL_CALL_INSTRUCTION if tool_call else _REACT_FORMAT)
 
   def task_ids(self, split: str) -> Sequence[int]:
     ids = splits()[base.check_split(split)]
@@ -203,7 +228,10 @@ class TextCraftEnv:
   def step(self, action_text: str) -> StepResult:
     if self._done:
       raise RuntimeError("step() without an episode in progress; call reset() first")
-    action = parse_action(action_text)
+    try:
+      action = parse_action(self.action_format.react_reply(action_text))
+    except base.ToolCallError as error:
+      return StepResult(str(error), 0.0, False, {"success": False, "action": ""})
     try:
       observation, success = self._act(action)
     except _ActionFailed as e:

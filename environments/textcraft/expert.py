@@ -1,6 +1,7 @@
 """TextCraft's expert: the planner of environments.textcraft.oracle, each action with a short
 thought derived from the plan ("I need oak planks for the crafting table, so I craft them from
-oak logs."). Demonstrations (agentgym_jax/demonstrations.py) replay its replies to verify them.
+oak logs."), in the env's action format (ReAct, or the tool calls of TextCraft's TOOLS).
+Demonstrations (agentgym_jax/demonstrations.py) replay its replies to verify them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ _GOAL = re.compile(r"Goal: craft (.+)\.\s*$")
 
 
 def replies(env: base.Env, task_id: int) -> list[str]:
-  """The TextCraft oracle's plan, each action with a thought derived from the plan.
+  """The TextCraft oracle's plan, each action with a thought derived from the plan, as replies
+  in the env's action format.
 
   The env is only reset (the oracle reads the first observation, as an agent would).
   """
@@ -26,7 +28,7 @@ def replies(env: base.Env, task_id: int) -> list[str]:
   if goal is None:
     raise base.ExpertError(f"task {task_id}: no goal line in {first[-200:]!r}")
   actions = oracle.solve(first)
-  return [base.react_reply(thought(actions, i, goal.group(1)), action)
+  return [base.reply_for(env, thought(actions, i, goal.group(1)), action)
           for i, action in enumerate(actions)]
 
 

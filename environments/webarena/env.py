@@ -20,7 +20,9 @@ element was, as WebArena's action history does, and if the page refused the acti
 
 Replies carry one action between triple backticks (grammar: actions.py). A reply without a
 well-formed action gets "Invalid action: <reason>. <format hint>" and leaves the page as it was.
-Invalid and failed actions count as steps.
+In the tool_call format (environments/base.py) every command is a tool (TOOLS: click(element_id),
+type(element_id, text, press_enter_after), ..., stop(answer)), and a call that cannot be carried
+out gets "Invalid tool call: <why>. ...". Invalid and failed actions count as steps.
 
 Reward. The episode ends at `stop [answer]`, or after `max_steps` actions (WebArena's run.py
 limit is 30) with an empty answer; then the task's evaluators (evaluators.py) score it, and that
@@ -76,19 +78,63 @@ stop [answer]: finish the task. If it asks for information, the answer is that i
 it asks you to do something, stop once it is done (the answer may be empty). If the task \
 cannot be done, answer N/A.
 
-Rules: issue one action per reply, and use only ids from the current observation. Think about \
-what to do first, then end your reply with the action between triple backticks, for example: \
-In summary, the next action I will perform is ```click [1234]```
-Only the first text between triple backticks is read.{limit_note}"""
+Rules: issue one action per reply, and use only ids from the current observation. \
+{reply_format}{limit_note}"""
+_REACT_FORMAT = """\
+Think about what to do first, then end your reply with the action between triple backticks, for \
+example: In summary, the next action I will perform is ```click [1234]```
+Only the first text between triple backticks is read."""
+_TOOL_CALL_FORMAT = ("The commands are also tools, named as above with the arguments in "
+                     "brackets as their arguments.")
+
+_ID = base.Parameter("element_id", "integer", "The element's id in the current observation.")
+TOOLS = (
+    base.Tool("click", "Click the element.", "click [{element_id}]", (_ID,)),
+    base.Tool("type", "Click the element and type the text; Enter is pressed afterwards "
+              "unless press_enter_after is 0.", "type [{element_id}] [{text}] "
+              "[{press_enter_after}]", (
+                  _ID, base.Parameter("text", "string", "What to type."),
+                  base.Parameter("press_enter_after", "integer", "1 (the default) to press "
+                                 "Enter after typing, 0 not to.", required=False, enum=(0, 1)))),
+    base.Tool("hover", "Move the mouse over the element.", "hover [{element_id}]", (_ID,)),
+    base.Tool("press", "Press a key or a key combination.", "press [{key_comb}]", (
+        base.Parameter("key_comb", "string", 'E.g. "Enter" or "Control+a".'),)),
+    base.Tool("scroll", "Scroll the page one window down or up.", "scroll [{direction}]", (
+        base.Parameter("direction", "string", "down or up.", enum=("down", "up")),)),
+    base.Tool("new_tab", "Open a new empty tab and switch to it.", "new_tab"),
+    base.Tool("tab_focus", "Switch to the tab with that number (tabs are numbered from 0).",
+              "tab_focus [{tab_index}]",
+              (base.Parameter("tab_index", "integer", "The tab's number."),)),
+    base.Tool("close_tab", "Close the active tab.", "close_tab"),
+    base.Tool("goto", "Open a web address in the active tab.", "goto [{url}]",
+              (base.Parameter("url", "string", "The address."),)),
+    base.Tool("go_back", "Go to the previous page of the tab's history.", "go_back"),
+    base.Tool("go_forward", "Go to the next page of the tab's history.", "go_forward"),
+    base.Tool("stop", "Finish the task with the answer (empty if the task asks for none; N/A "
+              "if it cannot be done).", "stop [{answer}]",
+              (base.Parameter("answer", "string", "The answer."),)),
+)
 
 
-def instruction_text(viewport_only: bool, max_steps: int | None) -> str:
+def react_reply(thought: str, action: str) -> str:
+  """A reply in WebArena's chain-of-thought format: the thought, then the fenced action."""
+  return f"{thought} In summary, the next action I will perform is ```{action}```".lstrip()
+
+
+def instruction_text(viewport_only: bool, max_steps: int | None,
+                     action_format: str = "react") -> str:
   """The rules shown before the first observation, for WebArenaEnv's settings."""
   viewport_note = (" Only the part of the page inside the window is shown; scroll to see the "
                    "rest." if viewport_only else "")
   limit_note = (f" You have at most {max_steps} actions; the task is judged when you stop or "
                 "run out of actions." if max_steps else "")
-  return _INSTRUCTION.format(viewport_note=viewport_note, limit_note=limit_note)
+  if action_format == "tool_call":  # The limit before the call's format, not after it.
+    reply_format = f"{_TOOL_CALL_FORMAT}{limit_note}\n{base.TOOL_CALL_INSTRUCTION}"
+    limit_note = ""
+  else:
+    reply_format = _REACT_FORMAT
+  return _INSTRUCTION.format(viewport_note=viewport_note, limit_note=limit_note,
+                             reply_format=reply_format)
 
 
 class WebArenaEnv:
@@ -101,7 +147,8 @@ class WebArenaEnv:
                num_test: int = 50, test_task_ids: Sequence[int] | None = None,
                viewport_only: bool = True, viewport: Sequence[int] = (1280, 720),
                max_tree_chars: int | None = None, settle_s: float = 0.2,
-               timeout_s: float = 30.0, executable: str = browser.DEFAULT_EXECUTABLE):
+               timeout_s: float = 30.0, executable: str = browser.DEFAULT_EXECUTABLE,
+               action_format: str = "react"):
     """Loads the tasks; Chromium starts with the first episode.
 
     Args:
@@ -118,6 +165,7 @@ class WebArenaEnv:
       settle_s: time for an action's effects to begin before the page is observed.
       timeout_s: the limit of one page operation.
       executable: the Chromium binary (Debian's package by default).
+      action_format: react or tool_call (environments/base.py; the tools are TOOLS).
     """
     if max_steps < 1:
       raise ValueError(f"max_steps must be >= 1, got {max_steps}")
@@ -131,6 +179,7 @@ class WebArenaEnv:
     self._site_urls = {name: os.environ[name] for name in SITE_VARIABLES if os.environ.get(name)}
     self._site_urls.update(site_urls or {})
     self.max_steps = max_steps
+    self.action_format = base.ActionFormat(action_format, TOOLS, react_reply)
     self._max_tree_chars = max_tree_chars
     self._browser = browser.Browser(
         executable, viewport=(int(viewport[0]), int(viewport[1])),
@@ -140,7 +189,8 @@ class WebArenaEnv:
 
   @property
   def instruction(self) -> str:
-    return instruction_text(self._browser.viewport_only, self.max_steps)
+    return instruction_text(self._browser.viewport_only, self.max_steps,
+                            self.action_format.kind)
 
   @property
   def browser(self) -> browser.Browser:
@@ -169,13 +219,14 @@ class WebArenaEnv:
     self._steps += 1
     at_limit = self._steps >= self.max_steps
     try:
-      action = actions.parse_reply(action_text)
-    except ActionParseError as e:
+      action = actions.parse_reply(self.action_format.react_reply(action_text))
+    except (ActionParseError, base.ToolCallError) as e:
       if at_limit:
         return self._finish("", f"the limit of {self.max_steps} actions was reached",
                             {"invalid_action": str(e)})
-      return StepResult(f"Invalid action: {e}. {actions.FORMAT_HINT}", 0.0, False,
-                        {"success": False, "invalid_action": str(e)})
+      observation = (str(e) if isinstance(e, base.ToolCallError)
+                     else f"Invalid action: {e}. {actions.FORMAT_HINT}")
+      return StepResult(observation, 0.0, False, {"success": False, "invalid_action": str(e)})
     if action.kind == "stop":
       return self._finish(action.answer, f"you stopped with the answer [{action.answer}]",
                           {"action": str(action)})
