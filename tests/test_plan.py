@@ -42,9 +42,9 @@ def test_sharded_parameters_take_an_eighth_per_device(mesh_shape, per_device_par
   assert memory.optimizer_bytes == 2 * memory.param_bytes + 4 + 9
   # The minibatch splits over data x fsdp only; tensor devices hold the same rows: per row the
   # Batch's tokens, loss mask and sampler log-probs over 4096 positions, its reward and group,
-  # and the Experience's five f32 arrays over the 4095 targets.
+  # and the Experience's six f32 arrays over the 4095 targets and its kept flag per row.
   rows = 8 // (mesh_shape[0] * mesh_shape[1])
-  assert memory.batch_bytes == rows * (3 * 4096 * 4 + 4 + 4 + 5 * 4095 * 4)
+  assert memory.batch_bytes == rows * (3 * 4096 * 4 + 4 + 4 + 6 * 4095 * 4 + 4)
 
 
 def test_forward_lowers_and_compiles_on_abstract_sharded_inputs():
@@ -66,9 +66,10 @@ def test_train_step_compiles_with_donated_sharded_state():
   # gathered one would add gigabytes) and, jit dropping inputs it never reads, of the optimizer
   # state all but the non-finite guard's 1-byte `last_finite` flag (written, never read), and
   # of the minibatch what GRPO's update reads: tokens and loss mask (2 rows x 128 positions a
-  # device) and old log-probs and advantages (2 rows x 127 targets), 4 bytes each.
+  # device), old log-probs, advantages and rollout-correction weights (2 rows x 127 targets)
+  # and each row's kept flag, 4 bytes each.
   state = memory.param_bytes + memory.optimizer_bytes - 1
-  assert memory.argument_bytes == state + 2 * (2 * 128 * 4 + 2 * 127 * 4)
+  assert memory.argument_bytes == state + 2 * (2 * 128 * 4 + 3 * 127 * 4 + 4)
   # Parameters and moments are updated in place: only the flag and the scalar metrics are
   # fresh outputs.
   assert memory.alias_bytes == state
@@ -144,9 +145,10 @@ def test_train_step_with_the_tpu_attention_kernel_compiles_on_a_tpu_shaped_mesh(
   memory = plan.plan(SMALL, mesh, batch=8, seq=256, remat="none", attention="splash")
   # It takes the planned shards and nothing gathered (see the 7B test above): parameters and
   # moments less the 1-byte flag, and 2 rows a device of tokens and loss mask (256 positions)
-  # and of old log-probs and advantages (255 targets).
+  # and of old log-probs, advantages and rollout-correction weights (255 targets), and each
+  # row's kept flag.
   state = memory.param_bytes + memory.optimizer_bytes - 1
-  assert memory.argument_bytes == state + 2 * (2 * 256 * 4 + 2 * 255 * 4)
+  assert memory.argument_bytes == state + 2 * (2 * 256 * 4 + 3 * 255 * 4 + 4)
 
 
 # --- model.remat=auto

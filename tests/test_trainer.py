@@ -152,9 +152,10 @@ def test_launch_train_smoke_writes_checkpoint_metrics_trajectories(checkpoint_di
   workdir = tmp_path / "run"
   command = [
       sys.executable, str(REPO / "launch" / "train.py"),
-      f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:local", f"--workdir={workdir}",
-      f"--config.model.name={checkpoint_dir}", "--config.model.dtype=float32",
-      "--config.env.name=echo", "--config.steps=2", "--config.rollout.tasks_per_step=2",
+      f"--config={REPO / 'configs' / 'ablation_echo.py'}:long", f"--workdir={workdir}",
+      f"--config.model.name={checkpoint_dir}", "--config.log.progress_bar=True",
+      "--config.log.trajectories=True", "--config.checkpoint.export_hf=True",
+      "--config.steps=2", "--config.rollout.tasks_per_step=2",
       "--config.rollout.samples_per_task=2", "--config.rollout.max_new_tokens=4",
       "--config.rollout.max_context=128", "--config.checkpoint.every=1",
       "--config.mesh.fsdp=1", "--config.mesh.data=-1"]
