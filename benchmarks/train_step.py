@@ -40,9 +40,10 @@ so remat rows show what useful work per second they keep. Achieved FLOP/s is ste
 time, shown as a fraction of the peak of one large matmul measured at the start of the run
 (`jnp.dot` of two S x S matrices, bf16 inputs with f32 accumulation, and f32).
 
-Each variant runs --warmup untimed steps (compilation, allocator warm-up), then --steps timed
-steps; the table gives the median step time. Other work on the machine skews every figure: the
-header prints the load average.
+Each variant runs --warmup untimed steps (compilation, allocator warm-up); then --steps rounds
+each time one step of every variant in turn, so that other work on the machine weighs on all
+of them alike, and the table gives each variant's median. Other work still skews every figure:
+the header and the footer print the load average.
 """
 
 from __future__ import annotations
@@ -238,12 +239,20 @@ def torch_step(directory: pathlib.Path, dtype: str, batch: batch_lib.Batch) -> C
   return step
 
 
-def measure(step: Callable[[], None], warmup: int, steps: int) -> tuple[float, float]:
-  """(first call seconds, median seconds of the timed steps)."""
-  first = _timed(step)
-  for _ in range(warmup - 1):
-    step()
-  return first, statistics.median(_timed(step) for _ in range(steps))
+def measure(steps: list[Callable[[], None]], warmup: int, rounds: int
+            ) -> list[tuple[float, float]]:
+  """(first call seconds, median timed seconds) of each step function: `warmup` calls each,
+  then `rounds` rounds timing one call of each in turn."""
+  firsts = []
+  for step in steps:
+    firsts.append(_timed(step))
+    for _ in range(warmup - 1):
+      step()
+  timed: list[list[float]] = [[] for _ in steps]
+  for _ in range(rounds):
+    for times, step in zip(timed, steps):
+      times.append(_timed(step))
+  return [(first, statistics.median(times)) for first, times in zip(firsts, timed)]
 
 
 def main(argv):
@@ -273,8 +282,7 @@ def main(argv):
         f"layers; batch {batch_size} x {length} = {tokens} tokens; "
         f"{flops / 1e12:.3f} TFLOP per step (5 forwards)")
 
-  rows = []
-  torch_seconds: dict[str, float] = {}
+  variants = []  # (implementation, dtype, remat, attention, step function)
   with tempfile.TemporaryDirectory() as directory:
     if _TORCH.value:
       import torch
@@ -282,19 +290,16 @@ def main(argv):
       weights.save_hf(model, directory, dtype=jnp.float32)
       print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
       for dtype in map(hardware.matmul_dtype, _TORCH_DTYPES.value):
-        first, seconds = measure(torch_step(pathlib.Path(directory), dtype, batch),
-                                 _WARMUP.value, timed_steps)
-        torch_seconds[dtype] = seconds
-        rows.append(("torch+transformers", dtype, "-", "-", first, seconds))
-        print(f"measured torch {dtype}: {seconds:.2f} s/step", flush=True)
+        variants.append(("torch+transformers", dtype, "-", "-",
+                         torch_step(pathlib.Path(directory), dtype, batch)))
     for dtype in map(hardware.matmul_dtype, _DTYPES.value):
       for implementation in map(attention_lib.resolve, _ATTENTION.value):
         for remat in _REMAT.value:
-          first, seconds = measure(ours_step(model, dtype, remat, implementation, batch),
-                                   _WARMUP.value, timed_steps)
-          rows.append(("ours (jax)", dtype, remat, implementation, first, seconds))
-          print(f"measured ours {dtype} remat={remat} attention={implementation}: "
-                f"{seconds:.2f} s/step", flush=True)
+          variants.append(("ours (jax)", dtype, remat, implementation,
+                           ours_step(model, dtype, remat, implementation, batch)))
+    measured = measure([variant[-1] for variant in variants], _WARMUP.value, timed_steps)
+  rows = [(*variant[:-1], *times) for variant, times in zip(variants, measured)]
+  torch_seconds = {row[1]: row[-1] for row in rows if row[0].startswith("torch")}
 
   print(f"\nload average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
   print("| implementation | dtype | remat | attention | first step s | step s | tokens/s "
@@ -308,8 +313,8 @@ def main(argv):
           f"| {tokens / seconds:.0f} "
           f"| {achieved / 1e9:.1f} | {achieved / peaks['bfloat16']:.1%} "
           f"| {achieved / peaks['float32']:.1%} | {ratio} |")
-  print(f"\n(median of {timed_steps} steps after {_WARMUP.value} warm-up; x torch = the fastest torch "
-        "step time / ours, > 1 means ours is faster)")
+  print(f"\n(median of {timed_steps} rounds after {_WARMUP.value} warm-up; x torch = the fastest "
+        "torch step time / ours, > 1 means ours is faster)")
 
 
 if __name__ == "__main__":
