@@ -68,12 +68,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.horizon.maximum = 30  # linear
 
   c.algorithm = ml_collections.ConfigDict()
-  c.algorithm.advantage = "grpo"  # grpo | rloo | reinforce_plus_plus | gae
+  c.algorithm.advantage = "grpo"  # grpo | rloo | reinforce_plus_plus | gae | gigpo
   c.algorithm.grpo_normalize_by_std = True
   # population (ours) | unbiased (torch.std, as verl, TRL and AgentGym-RL): the latter's
   # advantages are ours times sqrt((n - 1) / n) for a group of n.
   c.algorithm.grpo_std = "population"
   c.algorithm.grpo_eps = 1e-6  # A = (r - mean) / (std + eps).
+  # GiGPO's omega: A = A_episode + omega * A_step, the step level over turns from the same state.
+  c.algorithm.gigpo_step_weight = 1.0
   c.algorithm.gamma = 1.0
   c.algorithm.lam = 1.0
   c.algorithm.clip_eps_low = 0.2
@@ -214,6 +216,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(a.grpo_std in ("population", "unbiased"),
          f"algorithm.grpo_std={a.grpo_std!r} is not 'population' or 'unbiased'")
   _check(a.grpo_eps >= 0, f"algorithm.grpo_eps={a.grpo_eps} must be >= 0")
+  _check(a.gigpo_step_weight >= 0,
+         f"algorithm.gigpo_step_weight={a.gigpo_step_weight} must be >= 0")
   _check(a.clip_eps_low > 0 and a.clip_eps_high > 0, "algorithm.clip_eps_* must be > 0")
   _check(a.dual_clip_c == 0 or a.dual_clip_c > 1,
          f"algorithm.dual_clip_c={a.dual_clip_c} must be 0 (off) or > 1")

@@ -146,7 +146,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
 
       # 2. Experience: old and reference log-probs, values, advantages.
       with timer("experience"):
-        batch = rollout.pack(trajectories, failed_episodes=settings.failed_episodes)
+        batch = rollout.pack(trajectories, turns=settings.schedule.max_turns,
+                             failed_episodes=settings.failed_episodes)
         batch = jax.device_put(batch, sharding.batch_sharding(mesh, 1))
         experience, experience_metrics = learner.compute_experience(
             graphdef, state.params, ref_params, value_graphdef, state.value_params, batch,
