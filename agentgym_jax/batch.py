@@ -8,6 +8,13 @@ A `Batch` holds rows aligned position by position:
   rewards[n]              the trajectory's outcome reward
   group_ids[n]            the task group of the trajectory (GRPO / RLOO)
 
+and, for rollouts, the turn structure that turn-level credit (GiGPO) reads, over K turn slots:
+
+  turn_index[n, t]        k where tokens[n, t] belongs to the row's k-th assistant turn, else -1
+  turn_rewards[n, k]      the environment's reward for turn k (0 past the row's turns)
+  turn_anchors[n, k]      the step group of turn k: turns of one task whose preceding
+                          observations are the same token ids share it (-1: no turn)
+
 The model reads tokens[:, :-1] and is scored on tokens[:, 1:], so every per-token array the
 learner computes (logprobs, entropies, values, advantages) is aligned with the *targets*
 tokens[:, 1:]; `Batch.inputs_and_targets()` returns the shifted views.
@@ -33,6 +40,9 @@ class Batch:
   sampler_logprobs: Array  # f32[N, T]
   rewards: Array  # f32[N] outcome reward per trajectory
   group_ids: Array  # int32[N] task group of each trajectory (GRPO / RLOO)
+  turn_index: Array | None = None  # int32[N, T]; None for offline data
+  turn_rewards: Array | None = None  # f32[N, K]
+  turn_anchors: Array | None = None  # int32[N, K], ids in [0, N * K)
 
   def inputs_and_targets(self) -> tuple[Array, Array, Array]:
     """(inputs [N, T-1], targets [N, T-1], target loss mask [N, T-1])."""

@@ -83,12 +83,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.horizon.maximum = 30  # linear
 
   c.algorithm = ml_collections.ConfigDict()
-  c.algorithm.advantage = "grpo"  # grpo | rloo | reinforce_plus_plus | gae
+  c.algorithm.advantage = "grpo"  # grpo | rloo | reinforce_plus_plus | gae | gigpo
   c.algorithm.grpo_normalize_by_std = True
   # population (ours) | unbiased (torch.std, as verl, TRL and AgentGym-RL): the latter's
   # advantages are ours times sqrt((n - 1) / n) for a group of n.
   c.algorithm.grpo_std = "population"
   c.algorithm.grpo_eps = 1e-6  # A = (r - mean) / (std + eps).
+  # GiGPO's omega: A = A_episode + omega * A_step, the step level over turns from the same state.
+  c.algorithm.gigpo_step_weight = 1.0
   c.algorithm.gamma = 1.0
   c.algorithm.lam = 1.0
   c.algorithm.policy_loss = "ppo"  # ppo | gspo | cispo
@@ -272,6 +274,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _check(a[key] > 0, f"algorithm.{key}={a[key]} must be > 0")
   _check(a.cispo_clip_eps_low <= 1,
          f"algorithm.cispo_clip_eps_low={a.cispo_clip_eps_low} must be <= 1 (1: no lower bound)")
+  _check(a.gigpo_step_weight >= 0,
+         f"algorithm.gigpo_step_weight={a.gigpo_step_weight} must be >= 0")
   _check(a.dual_clip_c == 0 or a.dual_clip_c > 1,
          f"algorithm.dual_clip_c={a.dual_clip_c} must be 0 (off) or > 1")
   _check(a.dual_clip_c == 0 or rl.get_policy_loss(a.policy_loss).dual_clip,

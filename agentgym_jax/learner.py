@@ -180,6 +180,9 @@ def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nn
     inputs.update(group_ids=batch.group_ids, num_groups=num_groups)
   if estimator.needs_values:
     inputs["values"] = old_values
+  if estimator.needs_turns:
+    inputs.update(turn_index=batch.turn_index[:, 1:], turn_rewards=batch.turn_rewards,
+                  turn_anchors=batch.turn_anchors)
   advantages, returns = estimator(batch.rewards, mask, **inputs)
   # The importance-sampling check: how far the sampler's log-probs are from the learner's.
   sampler_logprobs = batch.sampler_logprobs[:, 1:]

@@ -49,6 +49,9 @@ class Trajectory:
   messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
   tools: list[dict[str, Any]] | None = None  # The tools' schemas in the tool_call format.
   turn_rewards: list[float] = dataclasses.field(default_factory=list)
+  # [start, end) of the tokens each assistant turn answers: the prompt for the first, then the
+  # observation the environment returned (its user turn and the assistant header).
+  observation_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
   success: bool = False
   termination: str = ""
   error: str = ""
@@ -73,6 +76,11 @@ class Trajectory:
     self.loss_mask.extend([int(trained)] * len(tokens))
     self.sampler_logprobs.extend(
         [float(x) for x in logprobs] if logprobs is not None else [0.0] * len(tokens))
+
+  def observe(self, tokens: Sequence[int]) -> None:
+    """Appends (untrained) the observation that the next assistant turn answers."""
+    self.observation_spans.append((len(self.tokens), len(self.tokens) + len(tokens)))
+    self.extend(tokens, trained=False)
 
   def to_json(self) -> dict[str, Any]:
     record = {"task_id": self.task_id, "group": self.group, "env": self.env,
@@ -159,7 +167,7 @@ def collect(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
       if len(prompt) + sampling.max_new_tokens > max_context:
         _end(trajectory, CONTEXT, {"reason": f"prompt of {len(prompt)} tokens"})
         continue
-      trajectory.extend(prompt, trained=False)
+      trajectory.observe(prompt)
       prompts[i] = prompt
 
     episodes = _Episodes(sampler, params, pool, chat, trajectories, horizon=horizon,
@@ -246,14 +254,15 @@ class _Episodes:
         trajectory.messages.append({"role": "user", "content": result.observation})
         # A reply cut by the token limit has no turn end yet: close it (untrained) first.
         closing = chat.closing_ids(tokens[row])
-        continuation = closing + chat.continuation_ids("user", result.observation)
-        if (len(trajectory.tokens) + len(continuation) + sampling.max_new_tokens
+        observation = chat.continuation_ids("user", result.observation)
+        if (len(trajectory.tokens) + len(closing) + len(observation) + sampling.max_new_tokens
             > self.max_context):
           _end(trajectory, CONTEXT, result.info)
           live[row] = False
           continue
-        trajectory.extend(continuation, trained=False)
-        appends[row] = continuation
+        trajectory.extend(closing, trained=False)
+        trajectory.observe(observation)
+        appends[row] = closing + observation
       if appends:
         # Reads back this group's lengths: its decode, the last work on the state, is done.
         state = sampler.append(state, appends, params=self.params)
@@ -362,13 +371,18 @@ def _end(trajectory: Trajectory, termination: str, info: dict[str, Any]) -> None
 
 
 def pack(trajectories: Sequence[Trajectory], *, length: int | None = None,
-         failed_episodes: str = "exclude") -> Batch:
-  """Right-pads trajectories into a Batch of len(trajectories) rows.
+         turns: int | None = None, failed_episodes: str = "exclude") -> Batch:
+  """Right-pads trajectories into a Batch of len(trajectories) rows with `turns` turn slots (at
+  least the most turns of any trajectory; by default exactly that).
 
   A trajectory whose environment failed is dropped from the loss ("exclude": its loss mask is
-  zeroed and it moves to a group of its own, so it does not shift its task's GRPO/RLOO
-  baseline) or kept with reward 0 ("zero_reward"). Group ids stay below 2 * len(trajectories),
-  the static `num_groups` of the advantage estimators.
+  zeroed, it has no turns, and it moves to a group of its own, so it does not shift its task's
+  GRPO/RLOO baseline) or kept with reward 0 ("zero_reward", every turn's reward 0 too). Group
+  ids stay below 2 * len(trajectories), the static `num_groups` of the advantage estimators.
+
+  Turn k of a row is its k-th run of generated tokens. Its anchor is the step group of GiGPO:
+  the turns of one task whose observations (`Trajectory.observation_spans`) are the same token
+  ids get the same id, numbered from 0 in order of first appearance.
   """
   if failed_episodes not in ("exclude", "zero_reward"):
     raise ValueError(f"failed_episodes={failed_episodes!r} is not 'exclude' or 'zero_reward'")
@@ -377,19 +391,47 @@ def pack(trajectories: Sequence[Trajectory], *, length: int | None = None,
   length = length or bucket(longest)
   if longest > length:
     raise ValueError(f"a trajectory has {longest} tokens, more than the packed length {length}")
+  most_turns = max((t.num_turns for t in trajectories), default=0)
+  turns = most_turns if turns is None else turns
+  if most_turns > turns:
+    raise ValueError(f"a trajectory has {most_turns} turns, more than the {turns} turn slots")
   tokens = np.zeros((num_rows, length), np.int32)
   loss_mask = np.zeros((num_rows, length), np.float32)
   logprobs = np.zeros((num_rows, length), np.float32)
   rewards = np.zeros((num_rows,), np.float32)
   groups = np.zeros((num_rows,), np.int32)
+  turn_index = np.full((num_rows, length), -1, np.int32)
+  turn_rewards = np.zeros((num_rows, turns), np.float32)
+  turn_anchors = np.full((num_rows, turns), -1, np.int32)
+  anchors: dict[tuple[int, tuple[int, ...]], int] = {}
   for i, t in enumerate(trajectories):
     n = len(t.tokens)
     excluded = t.env_failed and failed_episodes == "exclude"
     tokens[i, :n] = t.tokens
-    if not excluded:
-      loss_mask[i, :n] = t.loss_mask
     logprobs[i, :n] = t.sampler_logprobs
     rewards[i] = 0.0 if t.env_failed else t.reward
     groups[i] = num_rows + i if excluded else t.group
+    if excluded:
+      continue
+    loss_mask[i, :n] = t.loss_mask
+    turn_index[i, :n] = _turn_index(t, i)
+    turn_rewards[i, :t.num_turns] = 0.0 if t.env_failed else t.turn_rewards
+    for k, (start, end) in enumerate(t.observation_spans):
+      key = (t.group, tuple(t.tokens[start:end]))
+      turn_anchors[i, k] = anchors.setdefault(key, len(anchors))
   return Batch(tokens=tokens, loss_mask=loss_mask, sampler_logprobs=logprobs, rewards=rewards,
-               group_ids=groups)
+               group_ids=groups, turn_index=turn_index, turn_rewards=turn_rewards,
+               turn_anchors=turn_anchors)
+
+
+def _turn_index(trajectory: Trajectory, row: int) -> np.ndarray:
+  """k on the tokens of the trajectory's k-th run of generated tokens, -1 elsewhere; checks
+  that it has one observation, one reply and one reward a turn."""
+  trained = np.asarray(trajectory.loss_mask, bool)
+  starts = trained & ~np.concatenate([[False], trained[:-1]])
+  replies = int(starts.sum())
+  if not replies == trajectory.num_turns == len(trajectory.observation_spans):
+    raise ValueError(f"trajectory {row} has {replies} replies, {trajectory.num_turns} turn "
+                     f"rewards and {len(trajectory.observation_spans)} observations; a rollout "
+                     "records one of each a turn")
+  return np.where(trained, np.cumsum(starts) - 1, -1)

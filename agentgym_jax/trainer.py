@@ -240,7 +240,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
 
       # 2. Experience: old and reference log-probs, values, advantages.
       with timer("experience"):
-        batch = rollout.pack(trajectories, failed_episodes=settings.failed_episodes)
+        batch = rollout.pack(trajectories, turns=settings.schedule.max_turns,
+                             failed_episodes=settings.failed_episodes)
         batch = batch.replace(loss_mask=batch.loss_mask * np.asarray(
             step_rollout.trained, np.float32)[:, None])
         batch = jax.device_put(batch, sharding.batch_sharding(mesh, 1))

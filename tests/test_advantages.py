@@ -47,6 +47,13 @@ def test_grpo_zero_for_singleton_and_uniform_groups():
   np.testing.assert_allclose(out[:, 0], [0, 0, 0, 0, -1, 1], atol=1e-5)
 
 
+def test_grpo_without_eps_scores_singleton_and_uniform_groups_zero():
+  # eps = 0: groups {3.0} and {1, 1} would divide 0 by 0; {0, 2} -> [-1, 1].
+  out = grpo(jnp.array([3.0, 1.0, 1.0, 0.0, 2.0]), jnp.ones((5, 1)),
+             jnp.array([0, 1, 1, 2, 2]), num_groups=3, eps=0.0)
+  np.testing.assert_array_equal(out[:, 0], [0, 0, 0, -1, 1])
+
+
 def test_grpo_is_zero_on_untrained_tokens():
   rewards = jnp.array([1.0, 0.0])
   mask = jnp.array([[1, 0, 1, 0], [1, 1, 0, 0]], jnp.float32)
@@ -232,11 +239,12 @@ def test_registry_dispatches_and_returns_outcome_for_group_estimators():
   )
   np.testing.assert_allclose(out.advantages, [[0.5, 0.5, 0], [-0.5, 0, 0]])
   np.testing.assert_allclose(out.returns, [[1, 1, 0], [0, 0, 0]])
-  assert set(adv.ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce_plus_plus", "gae"}
+  assert set(adv.ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce_plus_plus", "gae",
+                                           "gigpo"}
 
 
 def test_registry_errors_are_clear():
-  with pytest.raises(ValueError, match="'gae', 'grpo', 'reinforce_plus_plus', 'rloo'"):
+  with pytest.raises(ValueError, match="'gae', 'gigpo', 'grpo', 'reinforce_plus_plus', 'rloo'"):
     adv.get_advantage_estimator("ppo")
   mask = jnp.ones((2, 2))
   with pytest.raises(ValueError, match="'grpo' needs `group_ids`"):

@@ -5,11 +5,14 @@ from agentgym_jax.rl.advantages import ADVANTAGE_ESTIMATORS
 from agentgym_jax.rl.advantages import Advantages
 from agentgym_jax.rl.advantages import gae_advantages
 from agentgym_jax.rl.advantages import get_advantage_estimator
+from agentgym_jax.rl.advantages import gigpo_advantages
 from agentgym_jax.rl.advantages import group_mean_and_std
+from agentgym_jax.rl.advantages import group_scores
 from agentgym_jax.rl.advantages import grpo_advantages
 from agentgym_jax.rl.advantages import place_on_last_trained_token
 from agentgym_jax.rl.advantages import reinforce_plus_plus_advantages
 from agentgym_jax.rl.advantages import rloo_advantages
+from agentgym_jax.rl.advantages import turn_returns
 from agentgym_jax.rl.correction import Correction
 from agentgym_jax.rl.correction import CORRECTIONS
 from agentgym_jax.rl.correction import mismatch_metrics

@@ -1,4 +1,4 @@
-"""Advantage estimators for multi-turn trajectories: GRPO, RLOO, REINFORCE++ and GAE.
+"""Advantage estimators for multi-turn trajectories: GRPO, RLOO, REINFORCE++, GAE and GiGPO.
 
 All functions are pure, jittable and work on a batch of right-padded token arrays:
 
@@ -7,8 +7,12 @@ All functions are pure, jittable and work on a batch of right-padded token array
   group_ids:     int[B]     samples of one task share an id in [0, num_groups)
   values:        f32[B, T]  critic value at each token (GAE only)
   token_rewards: f32[B, T]  optional extra per-token rewards, e.g. a KL penalty
+  turn_index:    int[B, T]  k on the tokens of a row's k-th assistant turn, -1 elsewhere (GiGPO)
+  turn_rewards:  f32[B, K]  the environment's reward for turn k of each row, 0 past its turns
+  turn_anchors:  int[B, K]  the anchor state of turn k (GiGPO), -1 for no turn
 
-`num_groups` and `normalize_by_std` are static under jit; gamma, lam and eps may be traced.
+`num_groups`, `normalize_by_std` and `std` are static under jit; gamma, lam, eps and GiGPO's step
+weight may be traced.
 Every returned advantage is 0 on untrained tokens. A trajectory alternates assistant turns
 (trained) with observation turns (untrained), so the trained tokens of a row are not contiguous.
 The token-level estimators (REINFORCE++, GAE) run over the *trained-token subsequence* of each
@@ -88,6 +92,48 @@ def group_mean_and_std(
   return mean[group_ids], jnp.sqrt(variance[group_ids]), size[group_ids]
 
 
+def group_scores(
+    values: jax.Array,
+    group_ids: jax.Array,
+    num_groups: int,
+    *,
+    normalize_by_std: bool = True,
+    std: str = "population",
+    eps: float = 1e-6,
+) -> jax.Array:
+  """Each value scored against its group, as GRPO scores rewards:
+
+    s_i = (v_i - mean_g(v)) / (std_g(v) + eps)    if normalize_by_std
+    s_i =  v_i - mean_g(v)                        otherwise ("Dr. GRPO": no std scaling, which
+                                                  would up-weight near-uniform groups)
+
+  with the mean and std over the group g of element i. `std` is "population" (the default:
+  [1, 0, 0, 1] -> [1, -1, -1, 1]) or "unbiased", Bessel-corrected as torch.std is in verl, TRL
+  and AgentGym-RL: the population std times sqrt(n / (n - 1)) for a group of n, so their
+  scores are those of "population" times sqrt((n - 1) / n) (up to eps). A group of size 1, or
+  whose values are all equal, scores 0 (its numerator is exactly 0), also with eps = 0.
+
+  Args:
+    values: f32[M].
+    group_ids: int[M] with values in [0, num_groups).
+    num_groups: static number of groups.
+
+  Returns:
+    f32[M] scores.
+  """
+  if std not in ("population", "unbiased"):
+    raise ValueError(f"std={std!r} is not 'population' or 'unbiased'")
+  mean, spread, size = group_mean_and_std(values, group_ids, num_groups)
+  if std == "unbiased":
+    spread = spread * jnp.sqrt(size / jnp.maximum(size - 1, 1))
+  centred = values - mean
+  if not normalize_by_std:
+    return centred
+  # With eps = 0 a singleton or uniform group would divide 0 by 0; its score is 0.
+  denominator = spread + eps
+  return centred / jnp.where(denominator > 0, denominator, 1.0)
+
+
 def grpo_advantages(
     rewards: jax.Array,
     loss_mask: jax.Array,
@@ -101,25 +147,16 @@ def grpo_advantages(
   """Group-relative advantage (GRPO), broadcast over the trajectory's trained tokens.
 
     A_i = (r_i - mean_g(r)) / (std_g(r) + eps)    if normalize_by_std
-    A_i =  r_i - mean_g(r)                        otherwise ("Dr. GRPO": no std scaling, which
-                                                  would up-weight near-uniform groups)
+    A_i =  r_i - mean_g(r)                        otherwise
 
-  with the mean and std over the group g of trajectory i. `std` is "population" (the default:
-  [1, 0, 0, 1] -> [1, -1, -1, 1]) or "unbiased", Bessel-corrected as torch.std is in verl, TRL
-  and AgentGym-RL: the population std times sqrt(n / (n - 1)) for a group of n, so their
-  advantages are those of "population" times sqrt((n - 1) / n) (up to eps). A group of size 1,
-  or whose rewards are all equal, gets A = 0 (its numerator is exactly 0).
+  over the samples g of trajectory i's task: `group_scores` of the outcome rewards, whose
+  docstring gives the std options and the zero advantage of singleton and uniform groups.
 
   Returns:
     f32[B, T] advantages, A_i on row i's trained tokens and 0 elsewhere.
   """
-  if std not in ("population", "unbiased"):
-    raise ValueError(f"std={std!r} is not 'population' or 'unbiased'")
-  mean, spread, size = group_mean_and_std(rewards, group_ids, num_groups)
-  if std == "unbiased":
-    spread = spread * jnp.sqrt(size / jnp.maximum(size - 1, 1))
-  centred = rewards - mean
-  scores = centred / (spread + eps) if normalize_by_std else centred
+  scores = group_scores(rewards, group_ids, num_groups, normalize_by_std=normalize_by_std,
+                        std=std, eps=eps)
   return scores[:, None] * loss_mask.astype(jnp.float32)
 
 
@@ -252,10 +289,96 @@ def gae_advantages(
   return Advantages(masked.masked_whiten(raw_advantages, loss_mask, eps), returns)
 
 
+def turn_returns(turn_rewards: jax.Array, gamma: float = 1.0) -> jax.Array:
+  """Discounted return of every turn: G_k = r_k + gamma * G_{k+1}, over the K turn slots of each
+  row (slots past a row's last turn hold reward 0, so they add nothing).
+
+  Args:
+    turn_rewards: f32[B, K] the environment's reward for each turn.
+
+  Returns:
+    f32[B, K] returns G.
+  """
+  def step(next_return, reward):
+    current = reward + gamma * next_return
+    return current, current
+
+  _, returns = jax.lax.scan(step, jnp.zeros(turn_rewards.shape[0], jnp.float32),
+                            turn_rewards.T.astype(jnp.float32), reverse=True)
+  return returns.T
+
+
+def gigpo_advantages(
+    rewards: jax.Array,
+    loss_mask: jax.Array,
+    group_ids: jax.Array,
+    turn_index: jax.Array,
+    turn_rewards: jax.Array,
+    turn_anchors: jax.Array,
+    *,
+    num_groups: int,
+    step_weight: float = 1.0,
+    gamma: float = 1.0,
+    normalize_by_std: bool = True,
+    std: str = "population",
+    eps: float = 1e-6,
+) -> Advantages:
+  """Group-in-Group Policy Optimization (Feng et al. 2025): GRPO's episode-level advantage plus
+  a step-level advantage that compares the turns taken from the same state.
+
+  Turn k of trajectory i answers an observation; its anchor state is that observation's token
+  ids. Among all turns of the samples of i's task (trajectory i's other turns included), the
+  turns with an identical anchor form the step group S(i, k): states that different
+  trajectories (or one trajectory, twice) reached, such as the same TextCraft inventory, BabyAI
+  view or SciWorld room. With r_{i,k} the environment's reward for turn k,
+
+    G_{i,k}    = sum_{j >= k} gamma^(j - k) r_{i,j}              (discounted return of the turn)
+    A^E_i      = group_scores(R)_i over the samples of i's task    (GRPO on outcome rewards R)
+    A^S_{i,k}  = group_scores(G)_{i,k} over the step group S(i, k)
+    A_{i,k}    = A^E_i + omega * A^S_{i,k}                        (omega = step_weight)
+
+  and every trained token of turn k gets A_{i,k}. Both levels score as GRPO does
+  (`group_scores`: mean/std with `normalize_by_std`, `std` and `eps`); a turn whose anchor no
+  other turn shares has A^S = 0. The first turn's anchor is the prompt, which a task's samples
+  share, so for outcome rewards and gamma = 1 its step group is the episode group. (verl-agent
+  takes the episode-level mean and std over a group's turns rather than its trajectories; here
+  A^E is the paper's per-trajectory GRPO advantage.)
+
+  Args:
+    rewards: f32[B] outcome rewards (the sum of each row's turn rewards).
+    loss_mask: [B, T] trained-token mask.
+    group_ids: int[B] task group of each row, in [0, num_groups).
+    turn_index: int[B, T] aligned with `loss_mask`: k on the tokens of turn k, -1 elsewhere.
+    turn_rewards: f32[B, K] reward of each turn slot, 0 past a row's turns.
+    turn_anchors: int[B, K] step-group id of each turn in [0, B * K), -1 for a slot without
+      a turn; turns share an id exactly when their task and anchor state are the same.
+
+  Returns:
+    Advantages(advantages=A, returns=G of each token's turn), both f32[B, T] and 0 on
+    untrained tokens.
+  """
+  scoring = dict(normalize_by_std=normalize_by_std, std=std, eps=eps)
+  episode = grpo_advantages(rewards, loss_mask, group_ids, num_groups=num_groups, **scoring)
+  returns = turn_returns(turn_rewards, gamma)
+  num_turns = turn_anchors.size
+  is_turn = turn_anchors >= 0
+  # Slots without a turn share one extra group, whose scores are dropped.
+  step_groups = jnp.where(is_turn, turn_anchors, num_turns).reshape(-1)
+  step = group_scores(returns.reshape(-1), step_groups, num_turns + 1, **scoring)
+  step = jnp.where(is_turn, step.reshape(turn_anchors.shape), 0.0)
+
+  def per_token(per_turn: jax.Array) -> jax.Array:
+    taken = jnp.take_along_axis(per_turn, jnp.maximum(turn_index, 0), axis=1)
+    return jnp.where(turn_index >= 0, taken, 0.0) * loss_mask.astype(jnp.float32)
+
+  return Advantages(episode + step_weight * per_token(step), per_token(returns))
+
+
 # The registry: each entry declares what it reads, so the learner passes exactly that and the
 # config knows which algorithm.* keys set its hyperparameters. A new estimator is one entry here.
 
-_BATCH_INPUTS = ("group_ids", "num_groups", "values", "token_rewards")
+_TURNS = ("turn_index", "turn_rewards", "turn_anchors")
+_BATCH_INPUTS = ("group_ids", "num_groups", "values", "token_rewards") + _TURNS
 
 
 def _outcome_returns(rewards: jax.Array, loss_mask: jax.Array) -> jax.Array:
@@ -283,7 +406,7 @@ class AdvantageEstimator:
     name: the config name (algorithm.advantage).
     fn: the estimator; it receives the batch inputs it declares, by keyword.
     needs: batch inputs it cannot run without (group_ids and num_groups for a group baseline,
-      values for a critic).
+      values for a critic, the turn structure for turn-level credit).
     accepts: optional batch inputs it uses (token_rewards, e.g. a KL penalty).
     hyperparameters: (argument, algorithm.* config key) pairs it reads.
   """
@@ -301,6 +424,10 @@ class AdvantageEstimator:
   @property
   def needs_values(self) -> bool:
     return "values" in self.needs
+
+  @property
+  def needs_turns(self) -> bool:
+    return "turn_anchors" in self.needs
 
   def __call__(self, rewards: jax.Array, loss_mask: jax.Array, **inputs) -> Advantages:
     for key in self.needs:
@@ -325,6 +452,11 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
                            accepts=("token_rewards",), hyperparameters=(("gamma", "gamma"),)),
         AdvantageEstimator("gae", gae_advantages, needs=("values",), accepts=("token_rewards",),
                            hyperparameters=(("gamma", "gamma"), ("lam", "lam"))),
+        AdvantageEstimator("gigpo", gigpo_advantages, needs=_GROUPS + _TURNS,
+                           hyperparameters=(("step_weight", "gigpo_step_weight"),
+                                            ("gamma", "gamma"),
+                                            ("normalize_by_std", "grpo_normalize_by_std"),
+                                            ("std", "grpo_std"), ("eps", "grpo_eps"))),
     )
 }
 
