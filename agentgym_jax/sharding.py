@@ -48,8 +48,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 _RULES = dict(LOGICAL_AXIS_RULES)
 
 
-def initialize_distributed(coordinator_address: str | None = None,
-                           num_processes: int | None = None,
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None) -> None:
   """Joins the JAX distributed runtime on multi-host set-ups; a no-op on a single host.
 
@@ -64,8 +63,8 @@ def initialize_distributed(coordinator_address: str | None = None,
   on_tpu_pod = "TPU_WORKER_HOSTNAMES" in os.environ or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ
   if coordinator_address:
     jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes or int(os.environ["JAX_NUM_PROCESSES"]),
+        coordinator_address=coordinator_address, num_processes=num_processes
+        or int(os.environ["JAX_NUM_PROCESSES"]),
         process_id=int(os.environ["JAX_PROCESS_ID"]) if process_id is None else process_id)
   elif on_tpu_pod:
     jax.distributed.initialize()
@@ -130,8 +129,9 @@ def _variable_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
 def state_shardings(state: Any, mesh: Mesh) -> Any:
   """NamedShardings for an nnx.State whose Variables carry `axes` metadata."""
   return jax.tree.map(
-      lambda v: v.replace(named_sharding(mesh, _variable_axes(v), v.get_value().shape)),
-      state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+      lambda v: v.replace(named_sharding(mesh, _variable_axes(v),
+                                         v.get_value().shape)), state,
+      is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:

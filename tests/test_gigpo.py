@@ -26,8 +26,7 @@ gigpo = jax.jit(adv.gigpo_advantages, static_argnames=("num_groups", "normalize_
 # C: P -get log-> X -craft stick-> W -get log-> horizon            turn rewards [0, 0, 0]
 # X is one inventory reached along two paths (A and C at turn 1, B at turn 2).
 # Tokens: observation (-1) and turn k (k) per position, as rollout.pack lays them out.
-TEXTCRAFT_TURN_INDEX = np.array([[-1, -1, 0, 0, -1, 1, -1, 2, 2],
-                                 [-1, -1, 0, -1, 1, 1, -1, 2, -1],
+TEXTCRAFT_TURN_INDEX = np.array([[-1, -1, 0, 0, -1, 1, -1, 2, 2], [-1, -1, 0, -1, 1, 1, -1, 2, -1],
                                  [-1, -1, 0, -1, 1, -1, 2, 2, 2]], np.int32)
 P, X, Y, Z, W = range(5)
 TEXTCRAFT_ANCHORS = np.array([[P, X, Y], [P, Z, X], [P, X, W]], np.int32)
@@ -36,9 +35,9 @@ TEXTCRAFT_TURN_REWARDS = np.array([[0, 0, 1], [0, 0, 0], [0, 0, 0]], np.float32)
 
 def textcraft(**options):
   mask = (TEXTCRAFT_TURN_INDEX >= 0).astype(np.float32)
-  return gigpo(jnp.array([1.0, 0.0, 0.0]), mask, jnp.zeros(3, jnp.int32),
-               TEXTCRAFT_TURN_INDEX, TEXTCRAFT_TURN_REWARDS, TEXTCRAFT_ANCHORS, num_groups=1,
-               **options)
+  return gigpo(
+      jnp.array([1.0, 0.0, 0.0]), mask, jnp.zeros(3, jnp.int32), TEXTCRAFT_TURN_INDEX,
+      TEXTCRAFT_TURN_REWARDS, TEXTCRAFT_ANCHORS, num_groups=1, **options)
 
 
 def per_turn(token_values):
@@ -60,9 +59,9 @@ def test_textcraft_worked_example_without_std():
   # A = A^E + A^S: A [5/6, 1, 2/3], B [-5/12, -1/3, -1/2], C [-5/12, -1/2, -1/3]: B's move
   # at X (crafting a stick without planks) is worse than its inventory check.
   out = textcraft(gamma=0.5, normalize_by_std=False)
-  np.testing.assert_allclose(per_turn(out.advantages),
-                             [[5 / 6, 1, 2 / 3], [-5 / 12, -1 / 3, -1 / 2],
-                              [-5 / 12, -1 / 2, -1 / 3]], atol=1e-6)
+  np.testing.assert_allclose(
+      per_turn(out.advantages),
+      [[5 / 6, 1, 2 / 3], [-5 / 12, -1 / 3, -1 / 2], [-5 / 12, -1 / 2, -1 / 3]], atol=1e-6)
   np.testing.assert_allclose(per_turn(out.returns), [[0.25, 0.5, 1], [0, 0, 0], [0, 0, 0]])
   assert np.all(np.asarray(out.advantages)[TEXTCRAFT_TURN_INDEX < 0] == 0)
 
@@ -73,20 +72,20 @@ def test_textcraft_worked_example_with_std_and_step_weight():
   # P and X alike. omega = 0.5: A = [s2 + s2/2, s2 + s2/2, s2] for A, ...
   s2, h = np.sqrt(2), 1 / np.sqrt(2)
   out = textcraft(gamma=0.5, step_weight=0.5, eps=0.0)
-  np.testing.assert_allclose(per_turn(out.advantages),
-                             [[1.5 * s2, 1.5 * s2, s2], [-1.5 * h, -h, -1.5 * h],
-                              [-1.5 * h, -1.5 * h, -h]], rtol=1e-5)
+  np.testing.assert_allclose(
+      per_turn(out.advantages),
+      [[1.5 * s2, 1.5 * s2, s2], [-1.5 * h, -h, -1.5 * h], [-1.5 * h, -1.5 * h, -h]], rtol=1e-5)
   # torch.std (Bessel) divides by sqrt(3/2) more at both levels: scores times sqrt(2/3).
   unbiased = textcraft(gamma=0.5, step_weight=0.5, eps=0.0, std="unbiased")
-  np.testing.assert_allclose(unbiased.advantages, np.asarray(out.advantages) * np.sqrt(2 / 3),
-                             rtol=1e-5)
+  np.testing.assert_allclose(unbiased.advantages,
+                             np.asarray(out.advantages) * np.sqrt(2 / 3), rtol=1e-5)
 
 
 def test_step_weight_zero_is_grpo():
   mask = (TEXTCRAFT_TURN_INDEX >= 0).astype(np.float32)
   out = textcraft(gamma=0.9, step_weight=0.0)
-  grpo = adv.grpo_advantages(jnp.array([1.0, 0.0, 0.0]), mask, jnp.zeros(3, jnp.int32),
-                             num_groups=1)
+  grpo = adv.grpo_advantages(
+      jnp.array([1.0, 0.0, 0.0]), mask, jnp.zeros(3, jnp.int32), num_groups=1)
   np.testing.assert_allclose(out.advantages, grpo, atol=1e-6)
 
 
@@ -102,11 +101,12 @@ def test_babyai_state_revisited_within_an_episode_and_across_tasks():
   mask = (turn_index >= 0).astype(np.float32)
   anchors = np.array([[0, 1], [0, 0], [2, 3]], np.int32)
   turn_rewards = np.array([[0, 1], [0, 0], [0, 1]], np.float32)
-  out = gigpo(jnp.array([1.0, 0.0, 1.0]), mask, jnp.array([0, 0, 1]), turn_index, turn_rewards,
-              anchors, num_groups=2, normalize_by_std=False)
-  np.testing.assert_allclose(np.asarray(out.advantages)[:, [1, 3]],
-                             [[1 / 2 + 2 / 3, 1 / 2], [-1 / 2 - 1 / 3, -1 / 2 - 1 / 3], [0, 0]],
-                             atol=1e-6)
+  out = gigpo(
+      jnp.array([1.0, 0.0, 1.0]), mask, jnp.array([0, 0, 1]), turn_index, turn_rewards, anchors,
+      num_groups=2, normalize_by_std=False)
+  np.testing.assert_allclose(
+      np.asarray(out.advantages)[:, [1, 3]],
+      [[1 / 2 + 2 / 3, 1 / 2], [-1 / 2 - 1 / 3, -1 / 2 - 1 / 3], [0, 0]], atol=1e-6)
 
 
 def test_slots_without_a_turn_do_not_enter_any_group():
@@ -114,9 +114,10 @@ def test_slots_without_a_turn_do_not_enter_any_group():
   # group of row 0's second turn, nor lower its mean. Row 0 turn 1 is alone -> 0.
   turn_index = np.array([[0, -1, 1], [0, -1, -1]], np.int32)
   mask = (turn_index >= 0).astype(np.float32)
-  out = gigpo(jnp.array([1.0, 0.0]), mask, jnp.zeros(2, jnp.int32), turn_index,
-              jnp.array([[0.0, 1.0], [0.0, 0.0]]), jnp.array([[0, 1], [0, -1]]), num_groups=1,
-              normalize_by_std=False)
+  out = gigpo(
+      jnp.array([1.0, 0.0]), mask, jnp.zeros(2, jnp.int32), turn_index,
+      jnp.array([[0.0, 1.0], [0.0, 0.0]]), jnp.array([[0, 1], [0, -1]]), num_groups=1,
+      normalize_by_std=False)
   # Episode: [1/2, -1/2]. Step group 0: returns [1, 0] -> [1/2, -1/2].
   np.testing.assert_allclose(out.advantages, [[1, 0, 1 / 2], [-1, 0, 0]], atol=1e-6)
 
@@ -136,27 +137,30 @@ def _trajectory(group, turns, *, termination=rollout.DONE):
 
 def test_pack_numbers_anchor_states_per_task_and_marks_turns():
   prompt, seen, other = [7, 8, 9], [5, 6], [5, 5]
-  batch = rollout.pack([
-      _trajectory(0, [(prompt, [2, 1], 0.0), (seen, [3, 4], 0.0), (seen, [2, 1], 1.0)]),
-      _trajectory(0, [(prompt, [3, 1], 0.0), (other, [4, 1], 0.0)]),
-      # The same prompt and observation tokens in another task: other anchors.
-      _trajectory(1, [(prompt, [2, 1], 0.0), (seen, [2, 1], 0.0)]),
-  ], length=16, turns=4)
+  batch = rollout.pack(
+      [
+          _trajectory(0, [(prompt, [2, 1], 0.0), (seen, [3, 4], 0.0), (seen, [2, 1], 1.0)]),
+          _trajectory(0, [(prompt, [3, 1], 0.0), (other, [4, 1], 0.0)]),
+          # The same prompt and observation tokens in another task: other anchors.
+          _trajectory(1, [(prompt, [2, 1], 0.0), (seen, [2, 1], 0.0)]),
+      ],
+      length=16,
+      turns=4)
   # Row 0's second reply [3, 4] was cut (no turn end): the untrained closing 1 before the next
   # observation is not part of that observation, so its third turn is in `seen`'s group too.
-  np.testing.assert_array_equal(batch.turn_anchors, [[0, 1, 1, -1], [0, 2, -1, -1],
-                                                     [3, 4, -1, -1]])
+  np.testing.assert_array_equal(batch.turn_anchors, [[0, 1, 1, -1], [0, 2, -1, -1], [3, 4, -1, -1]])
   np.testing.assert_array_equal(batch.turn_rewards[0], [0, 0, 1, 0])
-  np.testing.assert_array_equal(
-      batch.turn_index[0], [-1, -1, -1, 0, 0, -1, -1, 1, 1, -1, -1, -1, 2, 2, -1, -1])
+  np.testing.assert_array_equal(batch.turn_index[0],
+                                [-1, -1, -1, 0, 0, -1, -1, 1, 1, -1, -1, -1, 2, 2, -1, -1])
   np.testing.assert_array_equal(batch.turn_index >= 0, batch.loss_mask > 0)
 
 
 @pytest.mark.parametrize("failed_episodes", ["exclude", "zero_reward"])
 def test_pack_gives_a_failed_episode_no_turns_or_no_reward(failed_episodes):
   turns = [([7, 8], [2, 1], 0.0), ([5], [3, 1], 1.0)]
-  batch = rollout.pack([_trajectory(0, turns), _trajectory(0, turns, termination="env_error")],
-                       failed_episodes=failed_episodes)
+  batch = rollout.pack(
+      [_trajectory(0, turns), _trajectory(0, turns, termination="env_error")],
+      failed_episodes=failed_episodes)
   assert batch.turn_rewards.shape == (2, 2)
   if failed_episodes == "exclude":
     np.testing.assert_array_equal(batch.turn_anchors[1], [-1, -1])
@@ -180,8 +184,7 @@ def test_pack_refuses_too_few_turn_slots_and_trajectories_without_observations()
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
-  return load_model(str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny"))),
-                    dtype=jnp.float32)
+  return load_model(str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny"))), dtype=jnp.float32)
 
 
 def test_rollout_records_each_observation_the_turns_answer(policy):
@@ -190,9 +193,9 @@ def test_rollout_records_each_observation_the_turns_answer(policy):
   tasks = [(100 + row // 8, row // 8) for row in range(16)]  # 2 echo tasks x 8 samples.
   sampler = Sampler(model, cache_slots=96, max_batch=len(tasks))
   with EnvPool("echo", len(tasks), options={"turns": 3}) as pool:
-    played, _ = rollout.collect(
-        sampler, sampler.params, pool, chat, tasks, horizon=3,
-        sampling=rollout.TurnSampling(max_new_tokens=2), max_context=96, key=jax.random.key(3))
+    played, _ = rollout.collect(sampler, sampler.params, pool, chat, tasks, horizon=3,
+                                sampling=rollout.TurnSampling(max_new_tokens=2), max_context=96,
+                                key=jax.random.key(3))
   cut = 0
   for t in played:
     users = [m["content"] for m in t.messages if m["role"] == "user"]
@@ -220,11 +223,12 @@ def test_learner_computes_gigpo_from_the_packed_turns(policy):
   turns = [([7, 8, 6], [2, 1], 0.0), ([5, 6], [3, 1], 1.0)]  # Ids of the tiny vocabulary.
   trajectories = [_trajectory(0, turns), _trajectory(0, turns[:1] + [([5, 5], [4, 1], 0.0)])]
   batch = rollout.pack(trajectories, length=16, turns=3)
-  loss = learner.LossConfig(advantage_estimator="gigpo", advantage_options=(
-      ("eps", 0.0), ("gamma", 1.0), ("normalize_by_std", False), ("std", "population"),
-      ("step_weight", 2.0)))
-  experience, _ = learner.compute_experience(graphdef, params, None, None, None, batch,
-                                             loss=loss, num_groups=4)
+  loss = learner.LossConfig(
+      advantage_estimator="gigpo",
+      advantage_options=(("eps", 0.0), ("gamma", 1.0), ("normalize_by_std", False),
+                         ("std", "population"), ("step_weight", 2.0)))
+  experience, _ = learner.compute_experience(graphdef, params, None, None, None, batch, loss=loss,
+                                             num_groups=4)
   # Episode: rewards [1, 0] -> [1/2, -1/2]. Turn 0 (one prompt): returns [1, 0] -> [1/2, -1/2];
   # turn 1 answers different observations: singletons, 0. omega = 2.
   targets = batch.turn_index[:, 1:]

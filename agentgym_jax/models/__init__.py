@@ -100,5 +100,4 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: Any = jnp.float32,
   return weights.load_params(model, source, mesh), tokenizer
 
 
-__all__ = ["MODELS", "Decoder", "KVCache", "ModelConfig", "load_model",
-           "models_dir", "resolve"]
+__all__ = ["MODELS", "Decoder", "KVCache", "ModelConfig", "load_model", "models_dir", "resolve"]
