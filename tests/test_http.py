@@ -4,6 +4,7 @@ import http.client
 import http.server
 import json
 import socket
+import struct
 import threading
 import time
 
@@ -682,3 +683,40 @@ def test_shutdown_leaves_no_threads_behind():
   assert _wait_until(lambda: set(threading.enumerate()) == threads), threading.enumerate()
   for client in clients:
     client.close()
+
+
+@pytest.mark.parametrize(
+    "method, path, body, message",
+    [
+        ("POST", "/step", b"[" * 100_000, "nested too deeply"),
+        ("POST", "/create", b'{"a": ' * 50_000, "nested too deeply"),
+        ("POST", "/step", b'{"id": ' + b"9" * 5000 + b', "action": "x"}', "malformed JSON"),
+        ("GET", "/observation?id=%C2%B2", None, "must be a non-negative integer"),  # '²'
+        ("GET", "/task_info?data_idx=%C2%B2", None, "must be a non-negative integer"),
+        ("GET", "/observation?id=" + "9" * 5000, None, "of at most 18 digits"),
+    ])
+def test_hostile_inputs_get_400_not_500(server, method, path, body, message):
+  status, payload = _request(server.port, method, path, body)
+  assert status == 400 and message in payload["error"], payload
+  assert _request(server.port, "GET", "/")[0] == 200
+
+
+@pytest.mark.parametrize("line", [b"GARBAGE", b"GET", b"\x16\x03\x01\x02\x00"])
+def test_an_unparseable_request_line_is_answered_under_a_status_line(server, line):
+  with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
+    raw.sendall(line + b"\r\n\r\n")
+    answer = raw.makefile("rb").read()
+  assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+  assert json.loads(answer.partition(b"\r\n\r\n")[2])["code"] == "bad_request"
+
+
+def test_a_client_gone_mid_request_is_one_log_line_not_a_traceback(server, capfd):
+  # The client sends a request and resets the connection at once (SO_LINGER 0), so the
+  # server's answer meets a reset socket.
+  for _ in range(20):
+    raw = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    raw.sendall(b"POST /create HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+    raw.close()
+  _wait_until(lambda: _request(server.port, "GET", "/")[0] == 200)
+  assert "Traceback" not in capfd.readouterr().err

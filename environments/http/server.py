@@ -13,7 +13,10 @@ unknown (or closed) env ids; 405 a known route with the wrong method; 409 an env
 in progress, or busy past `busy_timeout_s`; 411/413 a body without a length or over
 `max_body_bytes`; 503 `max_envs` envs already hosted; 500 a failing adapter. A failing adapter
 affects only its env: it is discarded and the env's next /reset builds a fresh one. Envs untouched
-for `idle_timeout_s` are closed. Nothing a client sends can stop the server.
+for `idle_timeout_s` are closed. Nothing a client sends can stop the server or get a 5xx: JSON
+nested past the parser's depth, non-ASCII digits and oversized numbers are 400s, an unparseable
+request line is answered under a status line, and a client that goes away mid-request is one
+log line.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import math
 import secrets
 import socket
 import socketserver
+import sys
 import threading
 import time
 import urllib.parse
@@ -457,6 +461,9 @@ class AgentGymServer:
           f"({len(self._all_task_ids)} task ids; GET /task_ids?split= lists them)", "unknown_task")
 
 
+_MAX_QUERY_DIGITS = 18
+
+
 class _HTTPServer(http.server.ThreadingHTTPServer):
   """A threading HTTP server that tracks open connections so shutdown can drop them."""
 
@@ -479,6 +486,14 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
   def track(self, connection: socket.socket, open_: bool) -> None:
     with self._connections_lock:
       (self._connections.add if open_ else self._connections.discard)(connection)
+
+  def handle_error(self, request: Any, client_address: Any) -> None:
+    """A client gone mid-request is one log line; anything else keeps socketserver's report."""
+    error = sys.exc_info()[1]
+    if isinstance(error, (ConnectionError, TimeoutError)):
+      logging.info("AgentGymServer: client %s went away: %s", client_address, error)
+      return
+    super().handle_error(request, client_address)
 
   def drop_connections(self) -> None:
     """Ends keep-alive connections, so their handler threads exit."""
@@ -584,7 +599,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       self.wfile.write(data)
 
   def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-    """Errors the base class detects (bad request lines, unknown methods) as JSON too."""
+    """Errors the base class detects (bad request lines, unknown methods) as JSON too, always
+    under a status line (a line it could not parse leaves the request taken for HTTP/0.9,
+    whose answers have none)."""
+    self.request_version = self.protocol_version
     self.close_connection = True
     self._send_json(code, {
         "error": message or self.responses.get(code, ("error",))[0],
@@ -604,6 +622,8 @@ def _json_object(body: bytes, allow_empty: bool = False) -> dict[str, Any]:
     value = json.loads(body)
   except (ValueError, UnicodeDecodeError) as e:
     raise HTTPError(400, f"malformed JSON body: {e}") from None
+  except RecursionError:
+    raise HTTPError(400, "malformed JSON body: nested too deeply") from None
   if not isinstance(value, dict):
     raise HTTPError(400, f"the JSON body must be an object, got {type(value).__name__}")
   return value
@@ -633,9 +653,12 @@ def _int_query(query: Mapping[str, str], name: str) -> int:
   if name not in query:
     raise HTTPError(400, f"missing query parameter {name!r}")
   text = query[name]
-  if not text.isdigit():
-    raise HTTPError(400, f"query parameter {name!r} must be a non-negative integer, "
-                    f"got {text!r}")
+  # ASCII digits only ("²".isdigit() holds, int("²") fails), and few enough for int() (which
+  # refuses over 4,300 digits); no id or task is that large.
+  if not (text.isascii() and text.isdigit() and len(text) <= _MAX_QUERY_DIGITS):
+    raise HTTPError(
+        400, f"query parameter {name!r} must be a non-negative integer of at most "
+        f"{_MAX_QUERY_DIGITS} digits, got {text[:40]!r}")
   return int(text)
 
 
