@@ -3,7 +3,8 @@
     model, tokenizer = agentgym_jax.load_model("smollm2-135m-instruct")
     logits = model(input_ids)
 
-A spec is a registry name (MODELS below) or a Hugging Face checkpoint directory.
+A spec is a registry name (MODELS below), a Hugging Face checkpoint directory, or a Hugging
+Face Hub id (`Qwen/Qwen2.5-7B-Instruct`) read through the huggingface_hub cache.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import re
 from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
@@ -24,6 +26,10 @@ if TYPE_CHECKING:
   from agentgym_jax.models.tokenizer import Tokenizer
 
 MODELS_DIR_ENV = "AGENTGYM_MODELS"
+# A Hub repository id: owner/name, as the Hub allows them.
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+# What loading reads from a Hub repository: config, weights, tokenizer and chat template.
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +77,34 @@ def resolve(spec: str) -> pathlib.Path | None:
           f"huggingface-cli download {entry.hub_id} --local-dir {directory}")
     return directory
   directory = pathlib.Path(spec).expanduser()
-  if not (directory / "config.json").exists():
+  if (directory / "config.json").exists():
+    return directory
+  if _HUB_ID.fullmatch(spec):
+    return hub_snapshot(spec)
+  raise weights.WeightsNotFoundError(
+      f"{spec!r} is neither a registered model ({', '.join(sorted(MODELS))}; their weights go "
+      f"under {models_dir()}/<name>), a directory with a config.json, nor a Hugging Face Hub "
+      f"id (owner/name)")
+
+
+def hub_snapshot(repo_id: str) -> pathlib.Path:
+  """The directory of Hub model `repo_id` in the huggingface_hub cache ($HF_HUB_CACHE, by
+  default ~/.cache/huggingface/hub): its config, safetensors, tokenizer and chat template are
+  downloaded there when missing and the Hub is reachable; offline (HF_HUB_OFFLINE=1) or with
+  the Hub out of reach, the cached snapshot is read as it is."""
+  import huggingface_hub
+  from huggingface_hub import constants, errors
+
+  try:
+    return pathlib.Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+  except (errors.LocalEntryNotFoundError, errors.HfHubHTTPError) as error:
+    reason = ("offline (HF_HUB_OFFLINE=1)" if huggingface_hub.is_offline_mode()
+              else str(error).strip().splitlines()[0])
     raise weights.WeightsNotFoundError(
-        f"{spec!r} is neither a registered model ({', '.join(sorted(MODELS))}; their weights go "
-        f"under {models_dir()}/<name>) nor a directory with a config.json")
-  return directory
+        f"{repo_id!r} is no directory with a config.json, and as a Hugging Face Hub id it is "
+        f"not in the Hub cache {constants.HF_HUB_CACHE} and was not downloaded ({reason}); "
+        f"fetch it on a machine with a network: `hf download {repo_id}` (HF_HUB_CACHE chooses "
+        f"the cache; a gated model needs `hf auth login` first)") from error
 
 
 def load_model(spec: str = "smollm2-135m-instruct", *, dtype: Any = jnp.float32,
@@ -100,5 +129,5 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: Any = jnp.float32,
   return weights.load_params(model, source, mesh), tokenizer
 
 
-__all__ = ["MODELS", "Decoder", "KVCache", "ModelConfig", "load_model",
+__all__ = ["MODELS", "Decoder", "KVCache", "ModelConfig", "hub_snapshot", "load_model",
            "models_dir", "resolve"]
