@@ -27,6 +27,7 @@ setup(
         "flax>=0.12",
         "optax",
         "orbax-checkpoint",
+        "etils[epath]",
         "transformers",
         "tokenizers",
         "sentencepiece",
@@ -51,5 +52,6 @@ setup(
         "webarena": ["playwright"],
         "tpu": ["jax[tpu]"],
         "gpu": ["jax[cuda12]"],
+        "gcs": ["gcsfs", "google-cloud-storage"],
     },
 )

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import pathlib
+import tempfile
 import time
 from typing import Any
 
@@ -24,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentgym_jax import checkpoint, config as config_lib, horizon, learner, metrics, rl, rollout
-from agentgym_jax import hardware, multihost, sharding
+from agentgym_jax import hardware, multihost, paths, sharding
 from agentgym_jax.batch import bucket
 from agentgym_jax.models import Decoder, attention, load_model, weights
 from agentgym_jax.models.tokenizer import ChatTemplate, Tokenizer
@@ -297,8 +298,13 @@ class Settings:
   def export_policy(self, model: Decoder, tokenizer: Tokenizer, workdir: pathlib.Path) -> None:
     """The trained policy as a Hugging Face directory, workdir/export, in
     checkpoint.export_dtype."""
-    weights.save_hf(model, workdir / "export", dtype=self.config.checkpoint.export_dtype)
-    tokenizer.save_pretrained(workdir / "export")
+    if not paths.is_remote(workdir):
+      weights.save_hf(model, workdir / "export", dtype=self.config.checkpoint.export_dtype)
+      tokenizer.save_pretrained(workdir / "export")
+      return
+    with tempfile.TemporaryDirectory() as local:  # Written locally, then copied file by file.
+      self.export_policy(model, tokenizer, pathlib.Path(local))
+      paths.copy_tree(local, workdir / "export")
 
 
 def _loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:

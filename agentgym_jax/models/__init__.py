@@ -4,7 +4,8 @@
     logits = model(input_ids)
 
 A spec is a registry name (MODELS below), a Hugging Face checkpoint directory, or a Hugging
-Face Hub id (`Qwen/Qwen2.5-7B-Instruct`) read through the huggingface_hub cache.
+Face Hub id (`Qwen/Qwen2.5-7B-Instruct`) read through the huggingface_hub cache; a directory may
+be in a bucket (gs://...), copied to the local disk once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from agentgym_jax import paths
 from agentgym_jax.models import weights
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import Decoder, KVCache
@@ -75,6 +77,14 @@ def resolve(spec: str) -> pathlib.Path | None:
           f"(config.json, *.safetensors, tokenizer.json) at {directory} (or set "
           f"${MODELS_DIR_ENV}); on a machine with a network: "
           f"huggingface-cli download {entry.hub_id} --local-dir {directory}")
+    return directory
+  if paths.is_remote(spec):
+    try:
+      directory = paths.local_directory(spec)
+    except paths.UnreachablePathError as error:
+      raise weights.WeightsNotFoundError(f"model directory {error}") from error
+    if not (directory / "config.json").exists():
+      raise weights.WeightsNotFoundError(f"model directory {spec} has no config.json")
     return directory
   directory = pathlib.Path(spec).expanduser()
   if (directory / "config.json").exists():
