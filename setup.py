@@ -12,6 +12,7 @@ TEST = [
     "psutil",
     "pytest",
     "hypothesis",
+    "wandb",
 ]
 
 setup(
@@ -53,5 +54,7 @@ setup(
         "tpu": ["jax[tpu]"],
         "gpu": ["jax[cuda12]"],
         "gcs": ["gcsfs", "google-cloud-storage"],
+        "wandb": ["wandb"],
+        "tensorboard": ["tensorboard"],
     },
 )

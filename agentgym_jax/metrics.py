@@ -159,16 +159,20 @@ class MetricsWriter:
     tensorboard: also write TensorBoard events to workdir/tensorboard.
     resume_step: the restored checkpoint step of a resumed run; logged rows after it are
       dropped (see module docstring).
+    wandb: also log to Weights & Biases: `wandb.init`'s project, name and config. Each row
+      is logged at its step; closing attaches the run's viewer page (tools/viewer.py) as
+      `viewer` and finishes the wandb run.
   """
 
   def __init__(self, workdir: str | os.PathLike[str], tensorboard: bool = True,
-               resume_step: int | None = None):
+               resume_step: int | None = None, wandb: Mapping[str, Any] | None = None):
     self.workdir = os.fspath(workdir)
     self.path = os.path.join(self.workdir, METRICS_FILE)
     # The last row written, as host values, for health checks and displays.
     self.latest: dict[str, Any] = {}
     self._file: TextIO | _ObjectAppender | None = None
     self._tensorboard = None
+    self._wandb = None
     self._writes = _is_writer_process()
     if not self._writes:
       return
@@ -179,6 +183,9 @@ class MetricsWriter:
     else:
       self._repair_last_line()
     self._file = _open_append(self.path)
+    if wandb is not None:
+      import wandb as wandb_lib
+      self._wandb = wandb_lib.init(**wandb)
     if tensorboard:
       self._tensorboard = _summary_writer_class()(
           os.path.join(self.workdir, TENSORBOARD_DIR),
@@ -229,6 +236,18 @@ class MetricsWriter:
     if self._tensorboard is not None:
       self._tensorboard.close()
       self._tensorboard = None
+    if self._wandb is not None:
+      self._finish_wandb()
+
+  def _finish_wandb(self) -> None:
+    """Attaches the run's viewer page and ends the wandb run."""
+    import wandb as wandb_lib
+    from agentgym_jax.tools import viewer
+    with tempfile.TemporaryDirectory() as local:
+      page = viewer.write_viewer(self.workdir, os.path.join(local, "viewer.html"))
+      self._wandb.log({"viewer": wandb_lib.Html(page)})
+    self._wandb.finish()
+    self._wandb = None
 
   def __enter__(self) -> MetricsWriter:
     return self
@@ -246,6 +265,8 @@ class MetricsWriter:
       for key, value in values.items():
         if value is not None:
           self._tensorboard.add_scalar(key, float(value), global_step=step, walltime=wall_time)
+    if self._wandb is not None:
+      self._wandb.log({k: v for k, v in values.items() if v is not None}, step=step)
     self.latest = row
 
   def _rewrite(self, keep: Callable[[dict[str, Any]], bool]) -> None:

@@ -266,8 +266,11 @@ class Settings:
                                    save_every=self.checkpoint_every or self.steps)
 
   def metrics_writer(self, workdir: pathlib.Path, start_step: int) -> metrics.MetricsWriter:
-    return metrics.MetricsWriter(workdir, tensorboard=self.config.log.tensorboard,
-                                 resume_step=start_step)
+    log = self.config.log
+    wandb = (dict(project=log.wandb_project, name=log.wandb_run_name or workdir.name,
+                  config=self.config.to_dict()) if log.wandb else None)
+    return metrics.MetricsWriter(workdir, tensorboard=log.tensorboard, resume_step=start_step,
+                                 wandb=wandb)
 
   def progress(self, keys: tuple[str, ...], initial: int, shown: bool = True
                ) -> metrics.ProgressBar:
