@@ -126,9 +126,10 @@ class Checkpointer:
         create=True,
     )
     self._manager = ocp.CheckpointManager(
-        self.directory, options=options, item_names=(_STATE, _META),
-        item_handlers={_STATE: ocp.StandardCheckpointHandler(),
-                       _META: ocp.JsonCheckpointHandler()})
+        self.directory, options=options, item_names=(_STATE, _META), item_handlers={
+            _STATE: ocp.StandardCheckpointHandler(),
+            _META: ocp.JsonCheckpointHandler()
+        })
 
   def should_save(self, step: int) -> bool:
     """Whether `step` is a scheduled save step (divisible by `save_every`)."""
@@ -164,18 +165,19 @@ class Checkpointer:
       json.dumps(meta)
     except (TypeError, ValueError) as e:
       raise TypeError(f"Checkpoint meta for step {step} must be JSON-serializable: {e}") from e
-    self._manager.save(step, args=ocp.args.Composite(**{
-        _STATE: ocp.args.StandardSave(state),
-        _META: ocp.args.JsonSave(dict(meta)),
-    }), force=True)
+    self._manager.save(
+        step, args=ocp.args.Composite(**{
+            _STATE: ocp.args.StandardSave(state),
+            _META: ocp.args.JsonSave(dict(meta)),
+        }), force=True)
     return True
 
   def read_meta(self, step: int | None = None) -> dict[str, Any]:
     """The meta dict of `step` (default: the latest step), without reading any array."""
     step = self._existing_step(step)
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(
-          **{_META: ocp.args.JsonRestore()}))
+      restored = self._manager.restore(step,
+                                       args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
       meta = restored[_META]
     except Exception as e:  # Orbax surfaces I/O and JSON errors with many exception types.
       raise ValueError(f"Checkpoint at step {step} in {self.directory} has an unreadable meta "
@@ -209,8 +211,8 @@ class Checkpointer:
     meta = self.read_meta(step)
     target = jax.tree.map(_abstract_leaf, abstract_state)
     self._check_structure(step, target)
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        **{_STATE: ocp.args.StandardRestore(target)}))
+    restored = self._manager.restore(
+        step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)}))
     return restored[_STATE], meta
 
   def wait(self) -> None:
@@ -261,13 +263,13 @@ class Checkpointer:
       if missing:
         differences.append(f"it lacks keys the run expects: {_listing(missing)}")
       raise ValueError(
-          f"Checkpoint at step {step} in {self.directory} does not match the run's state; "
-          + "; ".join(differences) + ". Was it written by a run with another model, optimizer "
+          f"Checkpoint at step {step} in {self.directory} does not match the run's state; " +
+          "; ".join(differences) + ". Was it written by a run with another model, optimizer "
           "or trainer version?")
-    wrong_shape = [f"{path}: saved {saved[path]}, expected {expected[path]}"
-                   for path in sorted(expected)
-                   if expected[path] is not None and saved[path] is not None
-                   and saved[path] != expected[path]]
+    wrong_shape = [
+        f"{path}: saved {saved[path]}, expected {expected[path]}" for path in sorted(expected)
+        if expected[path] is not None and saved[path] is not None and saved[path] != expected[path]
+    ]
     if wrong_shape:
       raise ValueError(f"Checkpoint at step {step} in {self.directory} has arrays of other "
                        f"shapes than the run expects: {_listing(wrong_shape)}.")

@@ -209,55 +209,64 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"model.dtype={c.model.dtype!r} is not one of {DTYPES + ('auto',)}")
   _check(c.model.param_dtype in DTYPES,
          f"model.param_dtype={c.model.param_dtype!r} is not one of {DTYPES}")
-  _check(c.model.remat in (*REMAT_POLICIES, "auto"),
-         f"model.remat={c.model.remat!r} is not one of {[*REMAT_POLICIES, 'auto']}")
+  _check(
+      c.model.remat in (*REMAT_POLICIES, "auto"),
+      f"model.remat={c.model.remat!r} is not one of {[*REMAT_POLICIES, 'auto']}")
   _check(c.model.attention in IMPLEMENTATIONS,
          f"model.attention={c.model.attention!r} is not one of {IMPLEMENTATIONS}")
-  _check(c.model.thinking in ("on", "off"),
-         f"model.thinking={c.model.thinking!r} is not 'on' or 'off'")
+  _check(
+      c.model.thinking in ("on", "off"),
+      f"model.thinking={c.model.thinking!r} is not 'on' or 'off'")
   for axis in ("data", "fsdp", "tensor"):
     value = c.mesh[axis]
     _check(value == -1 or value > 0, f"mesh.{axis}={value} must be > 0 or -1")
   _check(c.env.name in env_base.registered(),
          f"env.name={c.env.name!r} is not one of {env_base.registered()}")
-  _check(c.env.backend in ("thread", "process"),
-         f"env.backend={c.env.backend!r} is not 'thread' or 'process'")
+  _check(
+      c.env.backend in ("thread", "process"),
+      f"env.backend={c.env.backend!r} is not 'thread' or 'process'")
   _check(c.env.step_timeout > 0, f"env.step_timeout={c.env.step_timeout} must be > 0")
-  _check(c.env.failed_episodes in ("exclude", "zero_reward"),
-         f"env.failed_episodes={c.env.failed_episodes!r} is not 'exclude' or 'zero_reward'")
+  _check(
+      c.env.failed_episodes in ("exclude", "zero_reward"),
+      f"env.failed_episodes={c.env.failed_episodes!r} is not 'exclude' or 'zero_reward'")
   _check(c.env.action_format in env_base.ACTION_FORMATS,
          f"env.action_format={c.env.action_format!r} is not one of {env_base.ACTION_FORMATS}")
-  _check(c.env.action_format == "react" or c.env.name in env_base.TOOL_CALL_ENVS,
-         f"env.action_format={c.env.action_format!r}: env {c.env.name!r} publishes no tools "
-         f"(those that do: {', '.join(env_base.TOOL_CALL_ENVS)})")
+  _check(
+      c.env.action_format == "react" or c.env.name in env_base.TOOL_CALL_ENVS,
+      f"env.action_format={c.env.action_format!r}: env {c.env.name!r} publishes no tools "
+      f"(those that do: {', '.join(env_base.TOOL_CALL_ENVS)})")
   _check("action_format" not in c.env.options,
          "set env.action_format, not env.options.action_format")
   r = c.rollout
   for key in ("tasks_per_step", "samples_per_task", "max_new_tokens", "max_context"):
     _check(r[key] > 0, f"rollout.{key}={r[key]} must be > 0")
-  _check(r.max_new_tokens < r.max_context,
-         f"rollout.max_new_tokens={r.max_new_tokens} must be < rollout.max_context="
-         f"{r.max_context}")
+  _check(
+      r.max_new_tokens < r.max_context,
+      f"rollout.max_new_tokens={r.max_new_tokens} must be < rollout.max_context="
+      f"{r.max_context}")
   _check(r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0")
   _check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
   _check(r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0")
   if c.log.wandb:
     import importlib.util
-    _check(importlib.util.find_spec("wandb") is not None,
-           "log.wandb=True needs wandb: pip install -e \".[wandb]\"")
+    _check(
+        importlib.util.find_spec("wandb") is not None,
+        "log.wandb=True needs wandb: pip install -e \".[wandb]\"")
   _check(r.max_logprob_gap > 0, f"rollout.max_logprob_gap={r.max_logprob_gap} must be > 0")
   _check(r.pipeline_groups >= 1, f"rollout.pipeline_groups={r.pipeline_groups} must be >= 1")
   trajectories = r.tasks_per_step * r.samples_per_task
-  _check(trajectories % r.pipeline_groups == 0,
-         f"rollout.pipeline_groups={r.pipeline_groups} does not divide the {trajectories} "
-         "trajectories per step")
+  _check(
+      trajectories % r.pipeline_groups == 0,
+      f"rollout.pipeline_groups={r.pipeline_groups} does not divide the {trajectories} "
+      "trajectories per step")
   _check(r.cache_dtype in CACHE_DTYPES,
          f"rollout.cache_dtype={r.cache_dtype!r} is not one of {CACHE_DTYPES}")
   _check(r.max_sampling_rounds >= 1,
          f"rollout.max_sampling_rounds={r.max_sampling_rounds} must be >= 1")
-  _check(not r.dynamic_sampling or r.samples_per_task > 1,
-         "rollout.dynamic_sampling keeps the groups whose rewards differ: "
-         "rollout.samples_per_task must be > 1")
+  _check(
+      not r.dynamic_sampling or r.samples_per_task > 1,
+      "rollout.dynamic_sampling keeps the groups whose rewards differ: "
+      "rollout.samples_per_task must be > 1")
   try:
     horizon.make_horizon_schedule(horizon_options(c))
   except (ValueError, TypeError) as error:
@@ -270,8 +279,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   for key in ("kl_estimator", "kl_in_reward_estimator"):
     _check(a[key] in rl.KL_ESTIMATORS,
            f"algorithm.{key}={a[key]!r} is not one of {sorted(rl.KL_ESTIMATORS)}")
-  _check(a.grpo_std in ("population", "unbiased"),
-         f"algorithm.grpo_std={a.grpo_std!r} is not 'population' or 'unbiased'")
+  _check(
+      a.grpo_std in ("population", "unbiased"),
+      f"algorithm.grpo_std={a.grpo_std!r} is not 'population' or 'unbiased'")
   _check(a.grpo_eps >= 0, f"algorithm.grpo_eps={a.grpo_eps} must be >= 0")
   _check(a.policy_loss in rl.POLICY_LOSSES,
          f"algorithm.policy_loss={a.policy_loss!r} is not one of {sorted(rl.POLICY_LOSSES)}")
@@ -282,17 +292,20 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"algorithm.cispo_clip_eps_low={a.cispo_clip_eps_low} must be <= 1 (1: no lower bound)")
   _check(a.dual_clip_c == 0 or a.dual_clip_c > 1,
          f"algorithm.dual_clip_c={a.dual_clip_c} must be 0 (off) or > 1")
-  _check(a.dual_clip_c == 0 or rl.get_policy_loss(a.policy_loss).dual_clip,
-         f"algorithm.dual_clip_c={a.dual_clip_c} is PPO's; algorithm.policy_loss="
-         f"{a.policy_loss!r} has no dual clip")
+  _check(
+      a.dual_clip_c == 0 or rl.get_policy_loss(a.policy_loss).dual_clip,
+      f"algorithm.dual_clip_c={a.dual_clip_c} is PPO's; algorithm.policy_loss="
+      f"{a.policy_loss!r} has no dual clip")
   _check(a.loss_scale_tokens >= 0,
          f"algorithm.loss_scale_tokens={a.loss_scale_tokens} must be >= 0")
-  _check(a.loss_scale_tokens == 0 or a.aggregation in rl.SCALED_AGGREGATIONS,
-         f"algorithm.loss_scale_tokens={a.loss_scale_tokens} is the divisor of "
-         f"{', '.join(rl.SCALED_AGGREGATIONS)}; algorithm.aggregation={a.aggregation!r} has none")
-  _check(a.rollout_correction in rl.CORRECTIONS,
-         f"algorithm.rollout_correction={a.rollout_correction!r} is not one of "
-         f"{list(rl.CORRECTIONS)}")
+  _check(
+      a.loss_scale_tokens == 0 or a.aggregation in rl.SCALED_AGGREGATIONS,
+      f"algorithm.loss_scale_tokens={a.loss_scale_tokens} is the divisor of "
+      f"{', '.join(rl.SCALED_AGGREGATIONS)}; algorithm.aggregation={a.aggregation!r} has none")
+  _check(
+      a.rollout_correction in rl.CORRECTIONS,
+      f"algorithm.rollout_correction={a.rollout_correction!r} is not one of "
+      f"{list(rl.CORRECTIONS)}")
   _check(a.rollout_correction_cap > 1,
          f"algorithm.rollout_correction_cap={a.rollout_correction_cap} must be > 1")
   for key in ("kl_coef", "kl_in_reward_coef", "entropy_coef", "value_coef"):
@@ -300,35 +313,39 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algorithm.gamma and lam must be in [0, 1]")
   _check(a.ppo_epochs >= 1, f"algorithm.ppo_epochs={a.ppo_epochs} must be >= 1")
   _check(a.num_minibatches >= 1, f"algorithm.num_minibatches={a.num_minibatches} must be >= 1")
-  _check(trajectories % a.num_minibatches == 0,
-         f"algorithm.num_minibatches={a.num_minibatches} does not divide the "
-         f"{trajectories} trajectories per step")
+  _check(
+      trajectories % a.num_minibatches == 0,
+      f"algorithm.num_minibatches={a.num_minibatches} does not divide the "
+      f"{trajectories} trajectories per step")
   minibatch = trajectories // max(a.num_minibatches, 1)
-  _check(a.micro_batch_rows == 0 or (a.micro_batch_rows > 0 and minibatch % a.micro_batch_rows
-                                     == 0),
-         f"algorithm.micro_batch_rows={a.micro_batch_rows} must be 0 (off) or divide the "
-         f"minibatch of {minibatch} trajectories")
+  _check(
+      a.micro_batch_rows == 0 or (a.micro_batch_rows > 0 and minibatch % a.micro_batch_rows == 0),
+      f"algorithm.micro_batch_rows={a.micro_batch_rows} must be 0 (off) or divide the "
+      f"minibatch of {minibatch} trajectories")
   estimator = rl.get_advantage_estimator(a.advantage)
-  _check(not estimator.needs_groups or r.samples_per_task > 1,
-         f"algorithm.advantage={a.advantage!r} compares samples of a task: "
-         f"rollout.samples_per_task must be > 1")
-  token_level = sorted(name for name, entry in rl.ADVANTAGE_ESTIMATORS.items()
-                       if "token_rewards" in entry.accepts)
-  _check(a.kl_in_reward_coef == 0 or a.advantage in token_level,
-         f"algorithm.kl_in_reward_coef={a.kl_in_reward_coef} needs a token-level estimator, one "
-         f"of {token_level}; {a.advantage!r} takes one reward per trajectory")
+  _check(
+      not estimator.needs_groups or r.samples_per_task > 1,
+      f"algorithm.advantage={a.advantage!r} compares samples of a task: "
+      f"rollout.samples_per_task must be > 1")
+  token_level = sorted(
+      name for name, entry in rl.ADVANTAGE_ESTIMATORS.items() if "token_rewards" in entry.accepts)
+  _check(
+      a.kl_in_reward_coef == 0 or a.advantage in token_level,
+      f"algorithm.kl_in_reward_coef={a.kl_in_reward_coef} needs a token-level estimator, one "
+      f"of {token_level}; {a.advantage!r} takes one reward per trajectory")
   _check(a.logprob_chunk > 0, f"algorithm.logprob_chunk={a.logprob_chunk} must be > 0")
   o = c.optim
   _check(o.learning_rate > 0, f"optim.learning_rate={o.learning_rate} must be > 0")
-  _check(o.schedule in ("constant", "cosine"),
-         f"optim.schedule={o.schedule!r} is not 'constant' or 'cosine'")
+  _check(
+      o.schedule in ("constant", "cosine"),
+      f"optim.schedule={o.schedule!r} is not 'constant' or 'cosine'")
   _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
   updates = optimizer_updates(c)
-  _check(o.schedule != "cosine" or o.warmup_steps < updates,
-         f"optim.warmup_steps={o.warmup_steps} must be below the run's {updates} optimizer "
-         "updates with the cosine schedule")
-  _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1,
-         f"optim.b1={o.b1} and optim.b2={o.b2} must be in [0, 1)")
+  _check(
+      o.schedule != "cosine" or o.warmup_steps < updates,
+      f"optim.warmup_steps={o.warmup_steps} must be below the run's {updates} optimizer "
+      "updates with the cosine schedule")
+  _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"optim.b1={o.b1} and optim.b2={o.b2} must be in [0, 1)")
   _check(o.eps > 0, f"optim.eps={o.eps} must be > 0")
   _check(o.grad_clip > 0, f"optim.grad_clip={o.grad_clip} must be > 0")
   _check(o.max_consecutive_nonfinite >= 1, "optim.max_consecutive_nonfinite must be >= 1")
@@ -344,23 +361,27 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(c.eval.temperature >= 0, f"eval.temperature={c.eval.temperature} must be >= 0")
   _check(c.eval.horizon >= 0, f"eval.horizon={c.eval.horizon} must be >= 0")
   _check(c.eval.rows >= 0, f"eval.rows={c.eval.rows} must be >= 0")
-  _check(not c.eval.stages or (c.mode == "rl" and c.checkpoint.export_hf),
-         "eval.stages evaluates the stages of an RL run's recipe from their exports: it needs "
-         "mode='rl' and checkpoint.export_hf=True")
+  _check(
+      not c.eval.stages or (c.mode == "rl" and c.checkpoint.export_hf),
+      "eval.stages evaluates the stages of an RL run's recipe from their exports: it needs "
+      "mode='rl' and checkpoint.export_hf=True")
   curriculum = c.rollout.curriculum
-  _check(isinstance(curriculum, (tuple, list)) and all(
-      isinstance(stage, (tuple, list)) and stage and all(isinstance(n, str) for n in stage)
-      for stage in curriculum),
-         f"rollout.curriculum={curriculum!r} must be a tuple of non-empty tuples of category "
-         "names, one a horizon stage, e.g. (('depth1',), ('depth1', 'depth2'))")
+  _check(
+      isinstance(curriculum, (tuple, list)) and all(
+          isinstance(stage, (tuple, list)) and stage and all(isinstance(n, str)
+                                                             for n in stage)
+          for stage in curriculum),
+      f"rollout.curriculum={curriculum!r} must be a tuple of non-empty tuples of category "
+      "names, one a horizon stage, e.g. (('depth1',), ('depth1', 'depth2'))")
   w = c.warm_start
   _check(w.steps >= 0 and w.max_tasks >= 0, "warm_start.steps and max_tasks must be >= 0")
   if w.steps:
     from agentgym_jax import demonstrations  # pylint: disable=import-outside-toplevel
     _check(c.mode == "rl", f"warm_start is a stage of an RL run, not of mode={c.mode!r}")
-    _check(bool(w.demonstrations) or c.env.name in demonstrations.EXPERTS,
-           f"warm_start.demonstrations must name a JSONL of conversations: env {c.env.name!r} "
-           f"has no expert (experts: {sorted(demonstrations.EXPERTS)})")
+    _check(
+        bool(w.demonstrations) or c.env.name in demonstrations.EXPERTS,
+        f"warm_start.demonstrations must name a JSONL of conversations: env {c.env.name!r} "
+        f"has no expert (experts: {sorted(demonstrations.EXPERTS)})")
     _check(w.learning_rate > 0 and w.batch_size > 0,
            "warm_start.learning_rate and batch_size must be > 0")
   if c.mode != "rl":
@@ -398,7 +419,7 @@ def horizon_options(c: ml_collections.ConfigDict) -> dict[str, Any]:
   kind = c.horizon.kind
   if kind not in horizon.HORIZON_SCHEDULES:
     raise ConfigError(f"invalid config: horizon.kind={kind!r} is not one of "
-                     f"{sorted(horizon.HORIZON_SCHEDULES)}")
+                      f"{sorted(horizon.HORIZON_SCHEDULES)}")
   fields = [f.name for f in dataclasses.fields(horizon.HORIZON_SCHEDULES[kind])]
   options = {name: c.horizon[name] for name in fields}
   if "caps" in options:
@@ -462,15 +483,18 @@ def tiny_echo(c: ml_collections.ConfigDict) -> None:
 
 def fixed_horizon(turns: int) -> Callable[[ml_collections.ConfigDict], None]:
   """A variant that replaces the staged schedule by a fixed cap (the paper's baselines)."""
+
   def apply(c: ml_collections.ConfigDict) -> None:
     c.horizon.kind = "fixed"
     c.horizon.turns = turns
+
   return apply
 
 
-def apply_variants(c: ml_collections.ConfigDict, variant: str,
-                   variants: Mapping[str, Callable[[ml_collections.ConfigDict], None]]
-                   ) -> ml_collections.ConfigDict:
+def apply_variants(
+    c: ml_collections.ConfigDict, variant: str,
+    variants: Mapping[str, Callable[[ml_collections.ConfigDict],
+                                    None]]) -> ml_collections.ConfigDict:
   """Applies comma-separated variants in order, e.g. `configs/x.py:short,local`."""
   for name in filter(None, (v.strip() for v in variant.split(","))):
     if name not in variants:

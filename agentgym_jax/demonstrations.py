@@ -52,18 +52,17 @@ Record = dict[str, Any]
 # An expert: (env, task_id) -> the replies it sends, in order. It may play the env to find them.
 Expert = Callable[[base.Env, int], list[str]]
 
-ORACLE, BOT, GOLD, HOPS, ROLLOUT = (
-    "textcraft_oracle", "babyai_bot", "sciworld_gold", "searchqa_hops", "rollout")
+ORACLE, BOT, GOLD, HOPS, ROLLOUT = ("textcraft_oracle", "babyai_bot", "sciworld_gold",
+                                    "searchqa_hops", "rollout")
 # Rewards summed in floating point (SciWorld: score differences / 100) may miss a threshold by
 # rounding, e.g. 0.9999999999999999 for a full score.
 _REWARD_TOLERANCE = 1e-6
 
-
 # --- verification --------------------------------------------------------------------------
 
 
-def replay(env: base.Env, task_id: int, replies: Sequence[str], *, source: str
-           ) -> tuple[Record, str]:
+def replay(env: base.Env, task_id: int, replies: Sequence[str], *,
+           source: str) -> tuple[Record, str]:
   """Plays `replies` in a fresh episode of `task_id`: (conversation record, failure reason).
 
   The reason is "" when the episode ends in success. Replies after the episode ends are
@@ -90,10 +89,16 @@ def replay(env: base.Env, task_id: int, replies: Sequence[str], *, source: str
     reason = "done without success"
   else:
     reason = ""
-  record = {"task_id": int(task_id), "env": env.name,
-            "category": str(env.task_info(task_id).get("category", "all")), "source": source,
-            "reward": float(sum(rewards)), "success": success, "num_turns": len(rewards),
-            "messages": messages}
+  record = {
+      "task_id": int(task_id),
+      "env": env.name,
+      "category": str(env.task_info(task_id).get("category", "all")),
+      "source": source,
+      "reward": float(sum(rewards)),
+      "success": success,
+      "num_turns": len(rewards),
+      "messages": messages
+  }
   tools = base.tools_of(env)
   if tools is not None:
     record["tools"] = tools
@@ -114,15 +119,17 @@ class Demonstrations:
   def summary(self) -> str:
     kept = len(self.demos)
     turns = sum(d["num_turns"] for d in self.demos) / kept if kept else 0.0
-    lines = [f"kept {kept} of {kept + len(self.rejected)} demonstrations "
-             f"(mean {turns:.1f} turns)"]
+    lines = [
+        f"kept {kept} of {kept + len(self.rejected)} demonstrations "
+        f"(mean {turns:.1f} turns)"
+    ]
     lines += [f"  rejected {n}: {reason}" for reason, n in sorted(self.rejection_counts().items())]
     return "\n".join(lines)
 
 
 def demonstrate(env: base.Env, task_id: int, expert: Expert, source: str, *,
-                require_success: bool = True, min_reward: float | None = None
-                ) -> tuple[Record | None, str]:
+                require_success: bool = True,
+                min_reward: float | None = None) -> tuple[Record | None, str]:
   """The expert's verified demonstration of one task: (record, "") or (None, reason).
 
   Verified means the replay succeeds (if `require_success`) and earns at least `min_reward`
@@ -176,8 +183,8 @@ def collect(env: base.Env, task_ids: Iterable[int], *, expert: Expert | None = N
   return result
 
 
-def from_rollouts(records: Iterable[Mapping[str, Any]], env: base.Env, *,
-                  min_reward: float = 1.0, require_success: bool = True) -> Demonstrations:
+def from_rollouts(records: Iterable[Mapping[str, Any]], env: base.Env, *, min_reward: float = 1.0,
+                  require_success: bool = True) -> Demonstrations:
   """Logged trajectories (e.g. `metrics.read_trajectories(workdir)`) as verified demonstrations.
 
   Keeps those with reward >= `min_reward` (and success, if `require_success`), one per distinct
@@ -189,8 +196,9 @@ def from_rollouts(records: Iterable[Mapping[str, Any]], env: base.Env, *,
   seen: set[tuple[int, tuple[str, ...]]] = set()
   for index, record in enumerate(records):
     task_id, replies = _rollout_replies(record, index)
-    if float(record.get("reward", 0.0)) < min_reward - _REWARD_TOLERANCE or (
-        require_success and not record.get("success", False)):
+    if float(record.get(
+        "reward", 0.0)) < min_reward - _REWARD_TOLERANCE or (require_success
+                                                             and not record.get("success", False)):
       continue
     if (task_id, replies) in seen:
       continue

@@ -19,24 +19,24 @@ from agentgym_jax.sampling import Sampler
 from environments.pool import EnvPool
 
 
-def evaluate(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
-             task_ids: Sequence[int], *, samples_per_task: int, horizon: int,
-             sampling: rollout.TurnSampling, max_context: int, key: jax.Array,
-             rows_per_batch: int, groups: int = 1,
-             progress: Callable[[int, int], None] | None = None
-             ) -> tuple[dict[str, Any], list[rollout.Trajectory]]:
+def evaluate(
+    sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate, task_ids: Sequence[int], *,
+    samples_per_task: int, horizon: int, sampling: rollout.TurnSampling, max_context: int,
+    key: jax.Array, rows_per_batch: int, groups: int = 1,
+    progress: Callable[[int, int], None] | None = None
+) -> tuple[dict[str, Any], list[rollout.Trajectory]]:
   """Plays every task `samples_per_task` times, `rows_per_batch` episodes at once in `groups`
   pipelined groups (`rollout.collect`); returns (summary, trajectories). `progress(done, total)`
   is called with the episodes played after each batch."""
-  plays = [(task_id, index) for index, task_id in enumerate(task_ids)
-           for _ in range(samples_per_task)]
+  plays = [
+      (task_id, index) for index, task_id in enumerate(task_ids) for _ in range(samples_per_task)
+  ]
   trajectories: list[rollout.Trajectory] = []
   for start in range(0, len(plays), rows_per_batch):
     chunk = plays[start:start + rows_per_batch]
     played, _ = rollout.collect(sampler, params, pool, chat, chunk, horizon=horizon,
                                 sampling=sampling, max_context=max_context,
-                                key=jax.random.fold_in(key, start),
-                                groups=min(groups, len(chunk)))
+                                key=jax.random.fold_in(key, start), groups=min(groups, len(chunk)))
     trajectories.extend(played)
     if progress is not None:
       progress(len(trajectories), len(plays))
@@ -45,8 +45,11 @@ def evaluate(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
 
 def as_metrics(summary: dict[str, Any]) -> dict[str, float]:
   """Flat metrics of a summary: eval/success (Avg@k), eval/pass@k, eval/turns, per category."""
-  out = {"eval/success": summary["avg@k"], "eval/pass@k": summary["pass@k"],
-         "eval/turns": summary["turns"]}
+  out = {
+      "eval/success": summary["avg@k"],
+      "eval/pass@k": summary["pass@k"],
+      "eval/turns": summary["turns"]
+  }
   for name, stats in summary["categories"].items():
     out[f"eval/success/{name}"] = stats["avg@k"]
   return out
@@ -56,8 +59,8 @@ def task_categories(pool: EnvPool, task_ids: Sequence[int]) -> dict[int, str]:
   return {task_id: str(pool.task_info(task_id).get("category", "all")) for task_id in task_ids}
 
 
-def summarize(trajectories: Sequence[rollout.Trajectory],
-              categories: dict[int, str]) -> dict[str, Any]:
+def summarize(trajectories: Sequence[rollout.Trajectory], categories: dict[int,
+                                                                           str]) -> dict[str, Any]:
   """Avg@k, Pass@k, mean turns and termination counts, overall and per category."""
   by_task: dict[int, list[rollout.Trajectory]] = collections.defaultdict(list)
   for trajectory in trajectories:
@@ -89,9 +92,10 @@ def format_table(summary: dict[str, Any]) -> str:
   """A plain-text table: one row per category and the total, under a line that says what k is."""
   k = summary["k"]
   header = f"{'category':<24} {'tasks':>6} {f'avg@{k}':>7} {f'pass@{k}':>7} {'turns':>6}"
-  lines = [f"k = {k} sample{'s' if k != 1 else ''} per task: avg@{k} is the mean success of "
-           f"a task's {k}, pass@{k} the share of tasks solved at least once", header,
-           "-" * len(header)]
+  lines = [
+      f"k = {k} sample{'s' if k != 1 else ''} per task: avg@{k} is the mean success of "
+      f"a task's {k}, pass@{k} the share of tasks solved at least once", header, "-" * len(header)
+  ]
   rows = list(summary["categories"].items()) + [("all", summary)]
   for name, s in rows:
     lines.append(f"{name:<24} {s['num_tasks']:>6} {100 * s['avg@k']:>6.2f}% "

@@ -46,8 +46,7 @@ def cpu_model() -> str:
   return _cpuinfo("model name") or "unknown CPU"
 
 
-def auto_dtype(backend: str | None = None, flags: frozenset[str] | None = None
-               ) -> tuple[str, str]:
+def auto_dtype(backend: str | None = None, flags: frozenset[str] | None = None) -> tuple[str, str]:
   """(matmul dtype, why) for `backend` (default: JAX's) and, on a CPU, its `flags`."""
   backend = backend or jax.default_backend()
   if backend != "cpu":

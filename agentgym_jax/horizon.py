@@ -73,8 +73,7 @@ class StepwiseHorizon:
   def __post_init__(self):
     if isinstance(self.caps, (str, bytes)) or not isinstance(self.caps, (list, tuple)):
       raise ValueError(
-          f"Horizon schedule field `caps` must be a list of integers, got {self.caps!r}."
-      )
+          f"Horizon schedule field `caps` must be a list of integers, got {self.caps!r}.")
     object.__setattr__(self, "caps", tuple(self.caps))
     if not self.caps:
       raise ValueError("Horizon schedule field `caps` must not be empty.")
@@ -82,8 +81,7 @@ class StepwiseHorizon:
       _check_positive_int("caps", cap)
     if any(later <= earlier for earlier, later in zip(self.caps, self.caps[1:])):
       raise ValueError(
-          f"Horizon schedule `caps` must be strictly increasing, got {list(self.caps)}."
-      )
+          f"Horizon schedule `caps` must be strictly increasing, got {list(self.caps)}.")
     _check_positive_int("every", self.every)
 
   @property
@@ -114,8 +112,7 @@ class LinearHorizon:
       _check_positive_int(field.name, getattr(self, field.name))
     if self.maximum < self.initial:
       raise ValueError(
-          f"Horizon schedule `maximum` ({self.maximum}) must be >= `initial` ({self.initial})."
-      )
+          f"Horizon schedule `maximum` ({self.maximum}) must be >= `initial` ({self.initial}).")
 
   @property
   def max_turns(self) -> int:
@@ -156,17 +153,13 @@ def make_horizon_schedule(config: Mapping[str, Any]) -> HorizonSchedule:
   fields = dict(config)
   kind = fields.pop("kind", None)
   if kind not in HORIZON_SCHEDULES:
-    raise ValueError(
-        f"Unknown horizon schedule kind {kind!r}; expected one of: "
-        f"{', '.join(repr(name) for name in HORIZON_SCHEDULES)}."
-    )
+    raise ValueError(f"Unknown horizon schedule kind {kind!r}; expected one of: "
+                     f"{', '.join(repr(name) for name in HORIZON_SCHEDULES)}.")
   schedule_class = HORIZON_SCHEDULES[kind]
   expected = [field.name for field in dataclasses.fields(schedule_class)]
   missing = [name for name in expected if name not in fields]
   unknown = sorted(set(fields) - set(expected))
   if missing or unknown:
-    raise ValueError(
-        f"Horizon schedule {kind!r} takes fields {expected}; "
-        f"missing {missing}, unknown {unknown}."
-    )
+    raise ValueError(f"Horizon schedule {kind!r} takes fields {expected}; "
+                     f"missing {missing}, unknown {unknown}.")
   return schedule_class(**fields)

@@ -95,20 +95,18 @@ class ValueHead(nnx.Module):
 
 
 def make_optimizer(learning_rate: float | optax.Schedule, *, weight_decay: float = 0.01,
-                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                   grad_clip: float = 1.0, max_consecutive_nonfinite: int = 5
-                   ) -> optax.GradientTransformation:
+                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, grad_clip: float = 1.0,
+                   max_consecutive_nonfinite: int = 5) -> optax.GradientTransformation:
   """AdamW after global-norm clipping; a non-finite gradient skips the step (counted)."""
   return optax.apply_if_finite(
-      optax.chain(optax.clip_by_global_norm(grad_clip),
-                  optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps,
-                              weight_decay=weight_decay)),
+      optax.chain(
+          optax.clip_by_global_norm(grad_clip),
+          optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)),
       max_consecutive_errors=max_consecutive_nonfinite)
 
 
-def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch,
-                   loss: LossConfig, value_head: ValueHead | None = None
-                   ) -> tuple[Array, Array, Array]:
+def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, loss: LossConfig,
+                   value_head: ValueHead | None = None) -> tuple[Array, Array, Array]:
   """(logprobs, entropies, values), each f32[N, T-1], aligned with the targets.
 
   The vocabulary projection runs chunk by chunk over the sequence, so full [N, T, V] f32
@@ -127,9 +125,11 @@ def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch,
 def micro_batches(tree: Any, micro_batch_rows: int) -> Any:
   """Splits every [M, ...] array of `tree` into [n, micro_batch_rows, ...] micro-batches, the
   j-th holding rows j, j + n, j + 2n, ... (n = M / micro_batch_rows)."""
+
   def split(x):
     n = x.shape[0] // micro_batch_rows
     return x.reshape(micro_batch_rows, n, *x.shape[1:]).swapaxes(0, 1)
+
   return jax.tree.map(split, tree)
 
 
@@ -142,9 +142,8 @@ def _splits(rows: int, loss: LossConfig) -> bool:
   return 0 < loss.micro_batch_rows < rows
 
 
-def _micro_token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch,
-                          loss: LossConfig, value_head: ValueHead | None = None
-                          ) -> tuple[Array, Array, Array]:
+def _micro_token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, loss: LossConfig,
+                          value_head: ValueHead | None = None) -> tuple[Array, Array, Array]:
   """`token_logprobs`, micro-batch by micro-batch when loss.micro_batch_rows splits the batch."""
   if not _splits(batch.tokens.shape[0], loss):
     return token_logprobs(graphdef, params, batch, loss, value_head)
@@ -153,17 +152,17 @@ def _micro_token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batc
   return join_micro_batches(per_micro)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "value_graphdef", "loss", "num_groups",
-                                             "num_turns"))
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "value_graphdef", "loss", "num_groups", "num_turns"))
 def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nnx.State | None,
                        value_graphdef: nnx.GraphDef | None, value_params: nnx.State | None,
-                       batch: Batch, *, loss: LossConfig, num_groups: int, num_turns: int = 0
-                       ) -> tuple[Experience, dict[str, Array]]:
+                       batch: Batch, *, loss: LossConfig, num_groups: int,
+                       num_turns: int = 0) -> tuple[Experience, dict[str, Array]]:
   """Old and reference log-probs, values, advantages and the rollout correction for one rollout
   batch; its metrics include the sampler-learner mismatch of the first `num_turns` turns."""
   value_head = nnx.merge(value_graphdef, value_params) if value_graphdef is not None else None
   old_logprobs, entropies, old_values = _micro_token_logprobs(graphdef, params, batch, loss,
-                                                               value_head)
+                                                              value_head)
   _, _, mask = batch.inputs_and_targets()
   if loss.uses_reference:
     ref_logprobs, _, _ = _micro_token_logprobs(graphdef, ref_params, batch, loss)
@@ -183,22 +182,27 @@ def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nn
   advantages, returns = estimator(batch.rewards, mask, **inputs)
   # The importance-sampling check: how far the sampler's log-probs are from the learner's.
   sampler_logprobs = batch.sampler_logprobs[:, 1:]
-  correction, correction_metrics = rl.rollout_correction(
-      old_logprobs, sampler_logprobs, mask, method=loss.rollout_correction,
-      cap=loss.rollout_correction_cap)
+  correction, correction_metrics = rl.rollout_correction(old_logprobs, sampler_logprobs, mask,
+                                                         method=loss.rollout_correction,
+                                                         cap=loss.rollout_correction_cap)
   gap = jnp.abs(sampler_logprobs - old_logprobs)
   metrics = {
       **correction_metrics,
       **rl.mismatch_metrics(old_logprobs, sampler_logprobs, mask, num_turns=num_turns),
-      "logprob_gap_mean": rl.masked_mean(gap, mask),
-      "logprob_gap_max": jnp.max(jnp.where(mask > 0, gap, 0.0)),
-      "entropy": rl.masked_mean(entropies, mask),
-      "advantage_mean": rl.masked_mean(advantages, mask),
-      "kl_to_ref": rl.masked_mean(rl.kl_divergence(old_logprobs, ref_logprobs, "low_var_kl"),
-                                  mask) if loss.uses_reference else jnp.zeros(()),
+      "logprob_gap_mean":
+          rl.masked_mean(gap, mask),
+      "logprob_gap_max":
+          jnp.max(jnp.where(mask > 0, gap, 0.0)),
+      "entropy":
+          rl.masked_mean(entropies, mask),
+      "advantage_mean":
+          rl.masked_mean(advantages, mask),
+      "kl_to_ref":
+          rl.masked_mean(rl.kl_divergence(old_logprobs, ref_logprobs, "low_var_kl"), mask)
+          if loss.uses_reference else jnp.zeros(()),
   }
-  return Experience(old_logprobs, ref_logprobs, old_values, advantages, returns,
-                    correction.weights, correction.kept), metrics
+  return Experience(old_logprobs, ref_logprobs, old_values, advantages, returns, correction.weights,
+                    correction.kept), metrics
 
 
 def _loss_fn(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.GraphDef,
@@ -215,9 +219,9 @@ def _loss_fn(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.GraphD
   clip = dict(clip_eps_low=loss.clip_eps_low, clip_eps_high=loss.clip_eps_high)
   if policy_loss.dual_clip:
     clip["dual_clip_c"] = loss.dual_clip_c
-  total, metrics = policy_loss.fn(
-      logprobs, experience.old_logprobs, experience.advantages, mask, **clip, **aggregation,
-      importance_weights=experience.rollout_weights)
+  total, metrics = policy_loss.fn(logprobs, experience.old_logprobs, experience.advantages, mask,
+                                  **clip, **aggregation,
+                                  importance_weights=experience.rollout_weights)
   metrics = {f"policy/{k}": v for k, v in metrics.items()}
   metrics["policy/loss"] = total
   if loss.kl_coef > 0:
@@ -296,8 +300,10 @@ def _gradients(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.Grap
     token_share = tokens(micro_batch, micro_experience) / total_tokens
     sums, maxima = carry
     grads = jax.tree.map(lambda total, x: total + share * x, sums[0], grads)
-    means = {k: total + (share if k.endswith("loss") else token_share) * metrics[k]
-             for k, total in sums[1].items()}
+    means = {
+        k: total + (share if k.endswith("loss") else token_share) * metrics[k]
+        for k, total in sums[1].items()
+    }
     maxima = {k: jnp.maximum(maxima[k], metrics[k]) for k in maxima}
     return ((grads, means), maxima), None
 
@@ -306,8 +312,9 @@ def _gradients(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.Grap
                           *jax.tree.map(lambda x: x[0], parts))
   (_, metric_shapes), grad_shapes = shapes
   zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
-  sums = (zeros(grad_shapes), zeros({k: v for k, v in metric_shapes.items()
-                                     if k not in MAX_METRICS}))
+  sums = (zeros(grad_shapes), zeros({
+      k: v for k, v in metric_shapes.items() if k not in MAX_METRICS
+  }))
   maxima = {k: jnp.full((), -jnp.inf) for k in metric_shapes if k in MAX_METRICS}
   ((grads, metrics), maxima), _ = jax.lax.scan(accumulate, (sums, maxima), parts)
   return grads, {**metrics, **maxima}

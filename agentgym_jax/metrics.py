@@ -310,8 +310,10 @@ def trajectory_steps(workdir: str | os.PathLike[str]) -> list[int]:
   directory = paths.path(workdir) / TRAJECTORY_DIR
   if not directory.is_dir():
     return []
-  return sorted(int(match.group(1)) for file in directory.iterdir()
-                if (match := _TRAJECTORY_FILE.fullmatch(file.name)))
+  return sorted(
+      int(match.group(1))
+      for file in directory.iterdir()
+      if (match := _TRAJECTORY_FILE.fullmatch(file.name)))
 
 
 def read_trajectories(workdir: str | os.PathLike[str],
@@ -364,8 +366,12 @@ class TrajectoryWriter:
                          "writer adds it.")
     if not _is_writer_process():
       return
-    _replace_file(_trajectory_path(self.directory, step),
-                  [_trajectory_line({"step": step, **trajectory}) for trajectory in trajectories])
+    _replace_file(
+        _trajectory_path(self.directory, step),
+        [_trajectory_line({
+            "step": step,
+            **trajectory
+        }) for trajectory in trajectories])
 
   def truncate_after(self, step: int) -> None:
     """Deletes the files of steps after `step`."""
@@ -406,14 +412,16 @@ class ProgressBar:
     self._total, self._initial, self._start = total, initial, time.monotonic()
     self._lines = enabled is None and not sys.stdout.isatty()
     self._file = file
-    self._bar = tqdm.tqdm(total=total, initial=initial, unit=unit, dynamic_ncols=True,
-                          file=file,
+    self._bar = tqdm.tqdm(total=total, initial=initial, unit=unit, dynamic_ncols=True, file=file,
                           disable=self._lines or (None if enabled is None else not enabled))
 
   def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
     """Moves the bar to `step` (steps done) and shows the chosen host-side `metrics`."""
-    shown = {key: "nan" if metrics[key] is None else f"{metrics[key]:.4g}"
-             for key in self.keys if metrics and key in metrics}
+    shown = {
+        key: "nan" if metrics[key] is None else f"{metrics[key]:.4g}"
+        for key in self.keys
+        if metrics and key in metrics
+    }
     if self._lines:
       print(self._line(step, shown), file=self._file or sys.stdout, flush=True)
       return

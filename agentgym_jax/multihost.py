@@ -73,9 +73,9 @@ class Processes:
       return list(items)
     return [item for part in all_gather_objects(list(items)) for item in part]
 
-  def gather_rollout(self, trajectories: Sequence[rollout.Trajectory],
-                     stats: rollout.RolloutStats
-                     ) -> tuple[list[rollout.Trajectory], rollout.RolloutStats]:
+  def gather_rollout(
+      self, trajectories: Sequence[rollout.Trajectory],
+      stats: rollout.RolloutStats) -> tuple[list[rollout.Trajectory], rollout.RolloutStats]:
     """All processes' trajectories in row order; tokens summed, times of the slowest process
     (and the least hidden env time, so the hidden fraction is a lower bound)."""
     if self.count == 1:
@@ -97,12 +97,11 @@ class Processes:
     local = sharding.state_shardings(params, self.local_mesh)
     blocks = np.stack([_process_block(self.mesh, p).devices for p in range(self.count)])
     replicas_mesh = Mesh(blocks, ("processes",) + self.local_mesh.axis_names)
-    replicas = jax.device_put(params, jax.tree.map(
-        lambda s: NamedSharding(replicas_mesh, s.spec), local))
+    replicas = jax.device_put(params,
+                              jax.tree.map(lambda s: NamedSharding(replicas_mesh, s.spec), local))
     return jax.tree.map(
         lambda x, s: jax.make_array_from_single_device_arrays(
-            x.shape, s, [shard.data for shard in x.addressable_shards]),
-        replicas, local)
+            x.shape, s, [shard.data for shard in x.addressable_shards]), replicas, local)
 
 
 def _process_block(mesh: Mesh, process: int) -> Mesh:

@@ -58,7 +58,6 @@ from environments import jsonl
 Array = jax.Array
 MODES = ("sft", "dpo")
 
-
 # --- data ----------------------------------------------------------------------------------
 
 
@@ -89,11 +88,13 @@ def sft_records(records: Sequence[dict[str, Any]], min_reward: float) -> list[di
   return [r for r in records if "reward" not in r or float(r["reward"]) >= min_reward]
 
 
-def preference_pairs(records: Sequence[dict[str, Any]], min_reward: float
-                     ) -> list[offline_data.PreferencePair]:
+def preference_pairs(records: Sequence[dict[str, Any]],
+                     min_reward: float) -> list[offline_data.PreferencePair]:
   """`offline_data.dpo_pairs` of the records whose chosen side reached min_reward."""
-  return [pair for pair in offline_data.dpo_pairs(records)
-          if float(pair.chosen.get("reward", 0.0)) >= min_reward]
+  return [
+      pair for pair in offline_data.dpo_pairs(records)
+      if float(pair.chosen.get("reward", 0.0)) >= min_reward
+  ]
 
 
 def make_batches(settings: run.Settings, records: Sequence[dict[str, Any]],
@@ -107,11 +108,11 @@ def make_batches(settings: run.Settings, records: Sequence[dict[str, Any]],
       raise ValueError(f"invalid config: {len(kept)} of {len(records)} records in data.path="
                        f"{data.path} have a reward >= data.min_reward={data.min_reward}, "
                        f"fewer than one batch of data.batch_size={data.batch_size}")
-    batches = offline_data.sft_batches(kept, chat, data.batch_size, data.max_length,
-                                       settings.seed)
-    logging.info("SFT on %d of %d conversations (%d longer than data.max_length dropped), "
-                 "%d steps per epoch", batches.num_examples, len(records), batches.num_dropped,
-                 batches.steps_per_epoch)
+    batches = offline_data.sft_batches(kept, chat, data.batch_size, data.max_length, settings.seed)
+    logging.info(
+        "SFT on %d of %d conversations (%d longer than data.max_length dropped), "
+        "%d steps per epoch", batches.num_examples, len(records), batches.num_dropped,
+        batches.steps_per_epoch)
     return batches
   pairs = preference_pairs(records, data.min_reward)
   if len(pairs) < data.batch_size:
@@ -121,11 +122,11 @@ def make_batches(settings: run.Settings, records: Sequence[dict[str, Any]],
                      f"one batch of data.batch_size={data.batch_size}: a pair needs two "
                      f"trajectories of one task, the better with reward >= "
                      f"data.min_reward={data.min_reward}")
-  batches = offline_data.dpo_batches(pairs, chat, data.batch_size, data.max_length,
-                                     settings.seed)
-  logging.info("DPO on %d preference pairs (%d with a side longer than data.max_length "
-               "dropped), %d steps per epoch", batches.num_pairs, batches.num_dropped,
-               batches.steps_per_epoch)
+  batches = offline_data.dpo_batches(pairs, chat, data.batch_size, data.max_length, settings.seed)
+  logging.info(
+      "DPO on %d preference pairs (%d with a side longer than data.max_length "
+      "dropped), %d steps per epoch", batches.num_pairs, batches.num_dropped,
+      batches.steps_per_epoch)
   return batches
 
 
@@ -190,21 +191,20 @@ def _apply(params: nnx.State, opt_state: optax.OptState, grads: nnx.State,
   return optax.apply_updates(params, updates), opt_state, out
 
 
-def sft_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptState,
-             batch: Batch, *, optimizer: optax.GradientTransformation,
-             loss: learner.LossConfig):
+def sft_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptState, batch: Batch, *,
+             optimizer: optax.GradientTransformation, loss: learner.LossConfig):
   """One SFT optimizer step. Returns (params, opt_state, metrics)."""
   (value, out), grads = jax.value_and_grad(sft_loss, has_aux=True)(params, graphdef, batch, loss)
   out["loss"] = value
   return _apply(params, opt_state, grads, optimizer, out)
 
 
-def dpo_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptState,
-             pairs: Batch, ref_logprobs: Array, *, optimizer: optax.GradientTransformation,
+def dpo_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptState, pairs: Batch,
+             ref_logprobs: Array, *, optimizer: optax.GradientTransformation,
              loss: learner.LossConfig, beta: float):
   """One DPO optimizer step on `stack_pairs` rows. Returns (params, opt_state, metrics)."""
-  (value, out), grads = jax.value_and_grad(dpo_loss, has_aux=True)(
-      params, graphdef, pairs, ref_logprobs, loss, beta)
+  (value, out), grads = jax.value_and_grad(dpo_loss, has_aux=True)(params, graphdef, pairs,
+                                                                   ref_logprobs, loss, beta)
   out["loss"] = value
   return _apply(params, opt_state, grads, optimizer, out)
 
@@ -220,8 +220,8 @@ def make_update(settings: run.Settings, graphdef: nnx.GraphDef, params: nnx.Stat
   input buffers donated; it compiles once per padded batch length.
   """
   optimizer = settings.optimizer
-  param_shardings, opt_shardings = run.state_shardings(
-      params, jax.eval_shape(optimizer.init, params), mesh)
+  param_shardings, opt_shardings = run.state_shardings(params,
+                                                       jax.eval_shape(optimizer.init, params), mesh)
   if settings.mode == "sft":
     step = functools.partial(sft_step, graphdef, optimizer=optimizer, loss=settings.loss)
   else:
@@ -244,18 +244,18 @@ def make_evaluator(settings: run.Settings, mesh: Mesh, model: Decoder, chat: Cha
   key = jax.random.key(settings.seed)
 
   def evaluate(params: nnx.State, step: int) -> dict[str, float]:
-    summary, _ = evaluation.evaluate(
-        sampler, params, pool, chat, task_ids, samples_per_task=plan.samples_per_task,
-        horizon=plan.horizon, sampling=plan.sampling, max_context=settings.max_context,
-        key=jax.random.fold_in(key, step), rows_per_batch=rows,
-        groups=settings.pipeline_groups)
+    summary, _ = evaluation.evaluate(sampler, params, pool, chat, task_ids,
+                                     samples_per_task=plan.samples_per_task, horizon=plan.horizon,
+                                     sampling=plan.sampling, max_context=settings.max_context,
+                                     key=jax.random.fold_in(key, step), rows_per_batch=rows,
+                                     groups=settings.pipeline_groups)
     return evaluation.as_metrics(summary)
 
   return evaluate
 
 
-def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
-                  ) -> list[dict[str, Any]]:
+def train_offline(c: ml_collections.ConfigDict,
+                  workdir: str | pathlib.Path) -> list[dict[str, Any]]:
   """Runs (or resumes) SFT or DPO in `workdir`; returns the per-step metrics of this call."""
   settings = run.Settings.from_config(c)
   loss, mode = settings.loss, settings.mode
@@ -282,20 +282,19 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
   checkpointer = settings.checkpointer(workdir)
   state, start_step, meta = run.resume(checkpointer, run.RunState(params, None, init(params)))
   if start_step and meta.get("data_size") != _data_size(batches):
-    logging.warning("resuming with %s examples where the checkpoint saw %s: the data order "
-                    "differs from the interrupted run's", _data_size(batches),
-                    meta.get("data_size"))
+    logging.warning(
+        "resuming with %s examples where the checkpoint saw %s: the data order "
+        "differs from the interrupted run's", _data_size(batches), meta.get("data_size"))
   metrics_writer = settings.metrics_writer(workdir, start_step)
 
   to_device = functools.partial(jax.device_put, device=sharding.batch_sharding(mesh, 1))
   history = []
   with contextlib.ExitStack() as stack:
     evaluate_every = settings.evaluation.every
-    evaluate = (make_evaluator(settings, mesh, model, chat, stack) if evaluate_every
-                else None)
-    progress = stack.enter_context(settings.progress(
-        (("loss", "reward_accuracy") if mode == "dpo" else ("loss",))
-        + ("time/update", "time/eval"), initial=start_step))
+    evaluate = (make_evaluator(settings, mesh, model, chat, stack) if evaluate_every else None)
+    progress = stack.enter_context(
+        settings.progress((("loss", "reward_accuracy") if mode == "dpo" else
+                           ("loss",)) + ("time/update", "time/eval"), initial=start_step))
     for step in range(start_step, settings.steps):
       timer = run.PhaseTimer()
       with timer("data"):
@@ -327,10 +326,10 @@ def train_offline(c: ml_collections.ConfigDict, workdir: str | pathlib.Path
       settings.check_health(metrics_writer.latest)
       progress.update(done, metrics_writer.latest)
       if settings.checkpoint_every:
-        checkpointer.save(done, state.tree(),
-                          settings.meta(done, mode=mode, data_size=_data_size(batches),
-                                        epoch=done / batches.steps_per_epoch),
-                          force=done == settings.steps)
+        checkpointer.save(
+            done, state.tree(),
+            settings.meta(done, mode=mode, data_size=_data_size(batches),
+                          epoch=done / batches.steps_per_epoch), force=done == settings.steps)
   checkpointer.wait()
   checkpointer.close()
   metrics_writer.close()

@@ -48,9 +48,9 @@ Conversation = Mapping[str, Any] | Sequence[Message]
 ASSISTANT = "assistant"
 
 
-def tokenize_conversation(chat: ChatTemplate, messages: Sequence[Message],
-                          tools: Sequence[Mapping[str, Any]] | None = None
-                          ) -> tuple[list[int], list[int]]:
+def tokenize_conversation(
+    chat: ChatTemplate, messages: Sequence[Message],
+    tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[list[int], list[int]]:
   """(tokens, loss_mask) of a conversation, built turn by turn as a rollout builds it, its
   prompt showing `tools` (the JSON schemas of a tool_call conversation) if given.
 
@@ -92,15 +92,15 @@ def tokenize_conversation(chat: ChatTemplate, messages: Sequence[Message],
   return tokens, loss_mask
 
 
-def _parts(conversation: Conversation, index: int
-           ) -> tuple[Sequence[Message], float, Sequence[Mapping[str, Any]] | None]:
+def _parts(conversation: Conversation,
+           index: int) -> tuple[Sequence[Message], float, Sequence[Mapping[str, Any]] | None]:
   """(messages, reward, tools) of a conversation."""
   if isinstance(conversation, Mapping):
     if "messages" not in conversation:
       raise ValueError(f"conversation {index} is a record without 'messages' "
                        f"(keys {sorted(conversation)})")
-    return (conversation["messages"], float(conversation.get("reward", 0.0)),
-            conversation.get("tools"))
+    return (conversation["messages"], float(conversation.get("reward",
+                                                             0.0)), conversation.get("tools"))
   return conversation, 0.0, None
 
 
@@ -127,9 +127,9 @@ def _pad(rows: Sequence[_Tokenized], length: int) -> Batch:
   for i, row in enumerate(rows):
     tokens[i, :len(row.tokens)] = row.tokens
     loss_mask[i, :len(row.loss_mask)] = row.loss_mask
-  return Batch(tokens=tokens, loss_mask=loss_mask,
-               sampler_logprobs=np.zeros((len(rows), length), np.float32),
-               rewards=np.asarray([row.reward for row in rows], np.float32),
+  return Batch(tokens=tokens, loss_mask=loss_mask, sampler_logprobs=np.zeros(
+      (len(rows), length), np.float32), rewards=np.asarray([row.reward for row in rows],
+                                                           np.float32),
                group_ids=np.arange(len(rows), dtype=np.int32))
 
 
@@ -181,8 +181,8 @@ class SFTBatches:
     steps_per_epoch: batches per epoch (num_examples // batch_size).
   """
 
-  def __init__(self, conversations: Sequence[Conversation], chat: ChatTemplate, *,
-               batch_size: int, max_length: int, seed: int = 0, sort_window: int = 16):
+  def __init__(self, conversations: Sequence[Conversation], chat: ChatTemplate, *, batch_size: int,
+               max_length: int, seed: int = 0, sort_window: int = 16):
     tokenized = [_tokenize(chat, c, i) for i, c in enumerate(conversations)]
     self.examples = [t for t in tokenized if len(t.tokens) <= max_length]
     self.num_examples = len(self.examples)
@@ -211,8 +211,8 @@ class SFTBatches:
 def sft_batches(conversations: Sequence[Conversation], chat: ChatTemplate, batch_size: int,
                 max_length: int, seed: int = 0, *, sort_window: int = 16) -> SFTBatches:
   """SFT batches of `conversations` (records with "messages", or message lists)."""
-  return SFTBatches(conversations, chat, batch_size=batch_size, max_length=max_length,
-                    seed=seed, sort_window=sort_window)
+  return SFTBatches(conversations, chat, batch_size=batch_size, max_length=max_length, seed=seed,
+                    sort_window=sort_window)
 
 
 def _padded_length(longest: int, max_length: int) -> int:
@@ -291,8 +291,8 @@ def dpo_pairs(trajectories: Sequence[Mapping[str, Any]], *, min_reward_gap: floa
 
   pairs = []
   for task_id, records in by_task.items():
-    ranked = sorted(records, key=lambda r: (not _outcome(r)[0], -_outcome(r)[1],
-                                            int(r.get("num_turns", 0))))
+    ranked = sorted(records, key=lambda r:
+                    (not _outcome(r)[0], -_outcome(r)[1], int(r.get("num_turns", 0))))
     for k in range(len(ranked) // 2):
       if max_pairs_per_task is not None and k >= max_pairs_per_task:
         break
@@ -320,19 +320,19 @@ class DPOBatches:
 
   def __init__(self, pairs: Sequence[PreferencePair], chat: ChatTemplate, *, batch_size: int,
                max_length: int, seed: int = 0, sort_window: int = 16):
-    tokenized = [(_tokenize(chat, p.chosen, i), _tokenize(chat, p.rejected, i))
-                 for i, p in enumerate(pairs)]
-    self.pairs = [(c, r) for c, r in tokenized
-                  if max(len(c.tokens), len(r.tokens)) <= max_length]
+    tokenized = [
+        (_tokenize(chat, p.chosen, i), _tokenize(chat, p.rejected, i)) for i, p in enumerate(pairs)
+    ]
+    self.pairs = [(c, r) for c, r in tokenized if max(len(c.tokens), len(r.tokens)) <= max_length]
     self.num_pairs = len(self.pairs)
     self.num_dropped = len(tokenized) - self.num_pairs
     if self.num_dropped:
       logging.warning("DPO: dropped %d of %d pairs with a side longer than max_length=%d.",
                       self.num_dropped, len(tokenized), max_length)
     self.max_length = max_length
-    self._schedule = _Schedule(
-        [max(len(c.tokens), len(r.tokens)) for c, r in self.pairs], batch_size=batch_size,
-        seed=seed, sort_window=sort_window, what="pairs")
+    self._schedule = _Schedule([max(len(c.tokens), len(r.tokens)) for c, r in self.pairs],
+                               batch_size=batch_size, seed=seed, sort_window=sort_window,
+                               what="pairs")
     self.steps_per_epoch = self._schedule.steps_per_epoch
 
   def batch(self, step: int) -> tuple[Batch, Batch]:

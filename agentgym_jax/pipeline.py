@@ -61,9 +61,10 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   return history
 
 
-def evaluate_policy(settings: run.Settings, model_name: str | None, rows: int,
-                    start: Callable[[int], Callable[[int, int], None]] | None = None
-                    ) -> tuple[dict[str, Any], list[rollout.Trajectory]]:
+def evaluate_policy(
+    settings: run.Settings, model_name: str | None, rows: int,
+    start: Callable[[int], Callable[[int, int], None]] | None = None
+) -> tuple[dict[str, Any], list[rollout.Trajectory]]:
   """(summary, trajectories): the policy `model_name` (the config's by default) played on
   settings.evaluation's tasks, `rows` episodes at a time, seeded with the run's seed.
   `start(tasks)`, if given, is called before the first episode and returns the progress
@@ -73,16 +74,15 @@ def evaluate_policy(settings: run.Settings, model_name: str | None, rows: int,
   sampler = settings.sampler(model, mesh, rows)
   with settings.env_pool(rows) as pool:
     task_ids = plan.tasks(pool)
-    return evaluation.evaluate(
-        sampler, sampler.params, pool, settings.chat(tokenizer), task_ids,
-        samples_per_task=plan.samples_per_task, horizon=plan.horizon, sampling=plan.sampling,
-        max_context=settings.max_context, key=jax.random.key(settings.seed),
-        rows_per_batch=rows, groups=settings.pipeline_groups,
-        progress=start(len(task_ids)) if start else None)
+    return evaluation.evaluate(sampler, sampler.params, pool, settings.chat(tokenizer), task_ids,
+                               samples_per_task=plan.samples_per_task, horizon=plan.horizon,
+                               sampling=plan.sampling, max_context=settings.max_context,
+                               key=jax.random.key(settings.seed), rows_per_batch=rows,
+                               groups=settings.pipeline_groups,
+                               progress=start(len(task_ids)) if start else None)
 
 
-def evaluate_stage(c: ml_collections.ConfigDict, policy: str, path: pathlib.Path
-                   ) -> dict[str, Any]:
+def evaluate_stage(c: ml_collections.ConfigDict, policy: str, path: pathlib.Path) -> dict[str, Any]:
   """The summary of `policy` on the evaluation, kept at `path` (read, if there, instead of
   played again)."""
   if path.exists():
@@ -102,13 +102,16 @@ def stage_table(summaries: dict[str, dict[str, Any]]) -> str:
   categories = sorted({name for s in summaries.values() for name in s["categories"]})
   header = f"{'category':<16} {'tasks':>5}" + "".join(
       f" {stage + f' avg@{k}':>18} {f'pass@{k}':>7}" for stage in stages)
-  lines = [f"k = {k} sample{'s' if k != 1 else ''} per task; avg@{k}: mean success of a task's "
-           f"{k}, pass@{k}: share of tasks solved at least once", header, "-" * len(header)]
+  lines = [
+      f"k = {k} sample{'s' if k != 1 else ''} per task; avg@{k}: mean success of a task's "
+      f"{k}, pass@{k}: share of tasks solved at least once", header, "-" * len(header)
+  ]
   for name in categories + ["all"]:
     stats = [s if name == "all" else s["categories"].get(name) for s in summaries.values()]
     tasks = next(x["num_tasks"] for x in stats if x is not None)
-    cells = "".join(f" {100 * x['avg@k']:>17.1f}% {100 * x['pass@k']:>6.1f}%" if x else
-                    f" {'-':>18} {'-':>7}" for x in stats)
+    cells = "".join(
+        f" {100 * x['avg@k']:>17.1f}% {100 * x['pass@k']:>6.1f}%" if x else f" {'-':>18} {'-':>7}"
+        for x in stats)
     lines.append(f"{name:<16} {tasks:>5}{cells}")
   return "\n".join(lines)
 

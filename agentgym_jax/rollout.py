@@ -35,6 +35,7 @@ from environments.pool import EnvPool
 
 T = TypeVar("T")
 
+
 @dataclasses.dataclass
 class Trajectory:
   """One episode as the sampler saw it, plus what the environment said."""
@@ -71,17 +72,26 @@ class Trajectory:
              logprobs: Sequence[float] | None = None) -> None:
     self.tokens.extend(int(t) for t in tokens)
     self.loss_mask.extend([int(trained)] * len(tokens))
-    self.sampler_logprobs.extend(
-        [float(x) for x in logprobs] if logprobs is not None else [0.0] * len(tokens))
+    self.sampler_logprobs.extend([float(x) for x in logprobs] if logprobs is not None else [0.0] *
+                                 len(tokens))
 
   def to_json(self) -> dict[str, Any]:
-    record = {"task_id": self.task_id, "group": self.group, "env": self.env,
-              "category": self.category, "reward": self.reward,
-              "success": self.success, "num_turns": self.num_turns,
-              "termination": self.termination, "error": self.error,
-              "turn_rewards": self.turn_rewards, "messages": self.messages,
-              "num_tokens": len(self.tokens), "num_trained_tokens": int(sum(self.loss_mask)),
-              "info": jsonl.json_safe(self.info)}
+    record = {
+        "task_id": self.task_id,
+        "group": self.group,
+        "env": self.env,
+        "category": self.category,
+        "reward": self.reward,
+        "success": self.success,
+        "num_turns": self.num_turns,
+        "termination": self.termination,
+        "error": self.error,
+        "turn_rewards": self.turn_rewards,
+        "messages": self.messages,
+        "num_tokens": len(self.tokens),
+        "num_trained_tokens": int(sum(self.loss_mask)),
+        "info": jsonl.json_safe(self.info)
+    }
     if self.tools is not None:
       record["tools"] = self.tools
     return record
@@ -118,8 +128,8 @@ class RolloutStats:
 
 def collect(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
             tasks: Sequence[tuple[int, int]], *, horizon: int, sampling: TurnSampling,
-            max_context: int, key: jax.Array, first_row: int = 0, groups: int = 1
-            ) -> tuple[list[Trajectory], RolloutStats]:
+            max_context: int, key: jax.Array, first_row: int = 0,
+            groups: int = 1) -> tuple[list[Trajectory], RolloutStats]:
   """Plays one episode per (task_id, group) in `tasks`, all at once, up to `horizon` turns.
 
   Trajectory i plays on slot i of the pool. The recorded log-probs are the sampler's log
@@ -142,8 +152,9 @@ def collect(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
                      f"slots and {group_size} sampler rows; the pool has {pool.num_slots}, "
                      f"the sampler {sampler.max_batch}")
   categories = {t: _category(pool, t) for t in {t for t, _ in tasks}}
-  trajectories = [Trajectory(task_id=t, group=g, env=pool.env_name, category=categories[t])
-                  for t, g in tasks]
+  trajectories = [
+      Trajectory(task_id=t, group=g, env=pool.env_name, category=categories[t]) for t, g in tasks
+  ]
   with _Timeline(groups) as timeline:
     first = timeline.env(pool.reset_async([(i, t.task_id) for i, t in enumerate(trajectories)]))
     instruction, tools = pool.instruction, pool.tools
@@ -152,8 +163,10 @@ def collect(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
       if result.done:  # The environment failed to start the episode.
         _end(trajectory, result.info.get("termination", ENV_ERROR), result.info)
         continue
-      trajectory.messages.append({"role": "user",
-                                  "content": f"{instruction}\n\n{result.observation}"})
+      trajectory.messages.append({
+          "role": "user",
+          "content": f"{instruction}\n\n{result.observation}"
+      })
       trajectory.tools = tools
       prompt = chat.render(trajectory.messages, add_generation_prompt=True, tools=tools)
       if len(prompt) + sampling.max_new_tokens > max_context:
@@ -163,10 +176,12 @@ def collect(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
       prompts[i] = prompt
 
     episodes = _Episodes(sampler, params, pool, chat, trajectories, horizon=horizon,
-                         sampling=sampling, max_context=max_context, key=key,
-                         first_row=first_row, timeline=timeline)
-    _round_robin([episodes.play(range(start, min(start + group_size, len(tasks))), prompts)
-                  for start in range(0, len(tasks), group_size)])
+                         sampling=sampling, max_context=max_context, key=key, first_row=first_row,
+                         timeline=timeline)
+    _round_robin([
+        episodes.play(range(start, min(start + group_size, len(tasks))), prompts)
+        for start in range(0, len(tasks), group_size)
+    ])
   return trajectories, timeline.stats(episodes.generated_tokens)
 
 
@@ -201,15 +216,17 @@ class _Episodes:
     for turn in range(self.horizon):
       if not live.any():
         return
-      row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
-          jax.random.fold_in(self.key, turn),
-          self.first_row + rows.start + jnp.arange(sampler.max_batch))
+      row_keys = jax.vmap(jax.random.fold_in,
+                          in_axes=(None,
+                                   0))(jax.random.fold_in(self.key, turn),
+                                       self.first_row + rows.start + jnp.arange(sampler.max_batch))
       started = time.perf_counter()
-      state, output = sampler.generate(
-          state, row_keys, max_new_tokens=sampling.max_new_tokens,
-          stop_ids=chat.turn_end_ids, rows=np.flatnonzero(live).tolist(),
-          temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-          params=self.params, lengths=self._lengths(rows))
+      state, output = sampler.generate(state, row_keys, max_new_tokens=sampling.max_new_tokens,
+                                       stop_ids=chat.turn_end_ids,
+                                       rows=np.flatnonzero(live).tolist(),
+                                       temperature=sampling.temperature, top_p=sampling.top_p,
+                                       top_k=sampling.top_k, params=self.params,
+                                       lengths=self._lengths(rows))
       self.timeline.device(started, output)
       yield  # The device decodes this group while the others step their envs.
       tokens = output.token_lists()
@@ -258,7 +275,6 @@ class _Episodes:
         # Reads back this group's lengths: its decode, the last work on the state, is done.
         state = sampler.append(state, appends, params=self.params)
 
-
   def _lengths(self, rows: range) -> np.ndarray:
     """The tokens each sampler row holds: its trajectory's, kept token for token. Passed to
     `generate` so that it does not wait for this group's prefill, queued behind another
@@ -284,8 +300,8 @@ class _Timeline:
   """
 
   def __init__(self, groups: int):
-    self._watcher = concurrent.futures.ThreadPoolExecutor(
-        max_workers=groups, thread_name_prefix="rollout-timeline")
+    self._watcher = concurrent.futures.ThreadPoolExecutor(max_workers=groups,
+                                                          thread_name_prefix="rollout-timeline")
     self._device: list[concurrent.futures.Future[tuple[float, float]]] = []
     self._env: list[tuple[float, float]] = []
 
@@ -317,9 +333,9 @@ class _Timeline:
     """The busy times; call after every future it watches has resolved."""
     device = _union([future.result() for future in self._device])
     env = _union(self._env)
-    return RolloutStats(generate_s=_length(device), env_s=_length(env),
-                        env_hidden_s=_length(_intersection(device, env)),
-                        generated_tokens=generated_tokens)
+    return RolloutStats(
+        generate_s=_length(device), env_s=_length(env),
+        env_hidden_s=_length(_intersection(device, env)), generated_tokens=generated_tokens)
 
 
 def _ready_interval(started: float, arrays: Any) -> tuple[float, float]:
@@ -338,8 +354,8 @@ def _union(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]
   return merged
 
 
-def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]
-                  ) -> list[tuple[float, float]]:
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float,
+                                                              float]]) -> list[tuple[float, float]]:
   """The time in both of two sorted disjoint interval lists."""
   return [(max(s, t), min(e, f)) for s, e in a for t, f in b if max(s, t) < min(e, f)]
 

@@ -32,7 +32,6 @@ from agentgym_jax.models.tokenizer import ChatTemplate, Tokenizer
 from agentgym_jax.sampling import Sampler
 from environments.pool import EnvPool
 
-
 # --- the settings ------------------------------------------------------------------------
 
 
@@ -133,23 +132,21 @@ class Settings:
     r, e = c.rollout, c.eval
     evaluation = Evaluation(every=e.every, split=e.split, max_tasks=e.max_tasks,
                             samples_per_task=e.samples_per_task,
-                            sampling=turn(temperature=e.temperature),
-                            horizon=e.horizon or schedule.max_turns)
+                            sampling=turn(temperature=e.temperature), horizon=e.horizon
+                            or schedule.max_turns)
     data = Data(path=c.data.path, min_reward=c.data.min_reward, batch_size=c.data.batch_size,
                 max_length=c.data.max_length)
-    return cls(config=c, mode=c.mode, seed=c.seed, steps=c.steps, schedule=schedule,
-               sampling=turn(temperature=r.temperature), evaluation=evaluation,
-               optimizer=make_optimizer(c), loss=_loss_config(c),
-               rows=r.tasks_per_step * r.samples_per_task, tasks_per_step=r.tasks_per_step,
-               samples_per_task=r.samples_per_task, dynamic_sampling=r.dynamic_sampling,
-               max_sampling_rounds=r.max_sampling_rounds,
-               curriculum=tuple(tuple(stage) for stage in r.curriculum),
-               max_context=r.max_context,
+    return cls(config=c, mode=c.mode, seed=c.seed, steps=c.steps, schedule=schedule, sampling=turn(
+        temperature=r.temperature), evaluation=evaluation, optimizer=make_optimizer(c),
+               loss=_loss_config(c), rows=r.tasks_per_step * r.samples_per_task,
+               tasks_per_step=r.tasks_per_step, samples_per_task=r.samples_per_task,
+               dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
+               curriculum=tuple(tuple(stage) for stage in r.curriculum), max_context=r.max_context,
                pipeline_groups=r.pipeline_groups, failed_episodes=c.env.failed_episodes,
                num_minibatches=c.algorithm.num_minibatches, ppo_epochs=c.algorithm.ppo_epochs,
                checkpoint_every=c.checkpoint.every, export_hf=c.checkpoint.export_hf,
-               log_trajectories=c.log.trajectories,
-               data=data, dpo_beta=c.dpo.beta, thinking=c.model.thinking == "on")
+               log_trajectories=c.log.trajectories, data=data, dpo_beta=c.dpo.beta,
+               thinking=c.model.thinking == "on")
 
   def check_layout(self, mesh: Mesh, process_count: int) -> None:
     """What the config can only be checked against once the mesh and processes are known."""
@@ -173,8 +170,8 @@ class Settings:
 
   # --- what a loop opens
 
-  def load_policy(self, model_name: str | None = None, *, training: bool = False
-                  ) -> tuple[Mesh, Decoder, Tokenizer]:
+  def load_policy(self, model_name: str | None = None, *,
+                  training: bool = False) -> tuple[Mesh, Decoder, Tokenizer]:
     """(mesh, model, tokenizer): the policy (model.name, or `model_name`) loaded sharded on
     the configured mesh. model.remat=auto is resolved for the run's update step when
     `training` (see `auto_remat`), and is none otherwise (sampling has no backward pass)."""
@@ -217,8 +214,7 @@ class Settings:
 
     rows, tokens = self.update_shape()
     param_dtype = jnp.dtype(self.config.model.param_dtype)
-    _, params = plan.abstract_params(model.config, mesh, dtype=model.dtype,
-                                     param_dtype=param_dtype)
+    _, params = plan.abstract_params(model.config, mesh, dtype=model.dtype, param_dtype=param_dtype)
     resident = 0
     if self.loss.uses_reference or self.mode == "dpo":
       resident += plan.device_bytes(params)
@@ -228,10 +224,10 @@ class Settings:
     if jax.process_count() > 1:
       device_bytes = min(multihost.all_gather_objects(device_bytes))
       source += ", the smallest of the processes'"
-    peak = lambda remat: plan.plan(
-        model.config, mesh, rows, tokens, dtype=model.dtype, param_dtype=param_dtype,
-        remat=remat, attention=model.attention, logits_chunk=self.loss.logprob_chunk,
-        micro_batch_rows=self.loss.micro_batch_rows).peak_bytes
+    peak = lambda remat: plan.plan(model.config, mesh, rows, tokens, dtype=model.dtype,
+                                   param_dtype=param_dtype, remat=remat, attention=model.attention,
+                                   logits_chunk=self.loss.logprob_chunk, micro_batch_rows=self.loss.
+                                   micro_batch_rows).peak_bytes
     remat, why = plan.choose_remat(peak, device_bytes, resident)
     return remat, f"a {rows} x {tokens} update step: {why} ({source})"
 
@@ -249,15 +245,14 @@ class Settings:
     """The sampler for playing `rows` episodes at once: rows / pipeline_groups rows of
     max_context slots each (every group of rows has its own state on it), the KV cache in
     rollout.cache_dtype."""
-    return Sampler(model, cache_slots=self.max_context,
-                   max_batch=-(-rows // self.pipeline_groups),
+    return Sampler(model, cache_slots=self.max_context, max_batch=-(-rows // self.pipeline_groups),
                    cache_dtype=self.config.rollout.cache_dtype or None, mesh=mesh)
 
   def env_pool(self, rows: int) -> EnvPool:
     """A pool of `rows` episodes of the configured environment."""
     env = self.config.env
-    return EnvPool(env.name, rows, options=config_lib.env_options(self.config),
-                   backend=env.backend, step_timeout_s=env.step_timeout)
+    return EnvPool(env.name, rows, options=config_lib.env_options(self.config), backend=env.backend,
+                   step_timeout_s=env.step_timeout)
 
   def checkpointer(self, workdir: pathlib.Path) -> checkpoint.Checkpointer:
     """workdir/checkpoints, saved every checkpoint_every steps (or only at the last step),
@@ -267,13 +262,14 @@ class Settings:
 
   def metrics_writer(self, workdir: pathlib.Path, start_step: int) -> metrics.MetricsWriter:
     log = self.config.log
-    wandb = (dict(project=log.wandb_project, name=log.wandb_run_name or workdir.name,
-                  config=self.config.to_dict()) if log.wandb else None)
+    wandb = (
+        dict(project=log.wandb_project, name=log.wandb_run_name or workdir.name,
+             config=self.config.to_dict()) if log.wandb else None)
     return metrics.MetricsWriter(workdir, tensorboard=log.tensorboard, resume_step=start_step,
                                  wandb=wandb)
 
-  def progress(self, keys: tuple[str, ...], initial: int, shown: bool = True
-               ) -> metrics.ProgressBar:
+  def progress(self, keys: tuple[str, ...], initial: int,
+               shown: bool = True) -> metrics.ProgressBar:
     """The console progress of the run's steps, off if log.progress_bar is or not `shown`."""
     return metrics.ProgressBar(self.steps, keys=keys, initial=initial,
                                enabled=None if self.config.log.progress_bar and shown else False)
@@ -318,16 +314,14 @@ def _loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:
   options = sorted((argument, a[key]) for argument, key in estimator.hyperparameters)
   clip_low, clip_high = rl.get_policy_loss(a.policy_loss).clip_keys
   return learner.LossConfig(
-      advantage_estimator=a.advantage, advantage_options=tuple(options),
-      policy_loss=a.policy_loss, clip_eps_low=a[clip_low], clip_eps_high=a[clip_high],
-      dual_clip_c=a.dual_clip_c or None, aggregation=a.aggregation,
-      loss_scale_tokens=_loss_scale_tokens(c), rollout_correction=a.rollout_correction,
-      rollout_correction_cap=a.rollout_correction_cap, kl_coef=a.kl_coef,
-      kl_estimator=a.kl_estimator, kl_in_reward_coef=a.kl_in_reward_coef,
-      kl_in_reward_estimator=a.kl_in_reward_estimator,
-      entropy_coef=a.entropy_coef, value_coef=a.value_coef, value_clip_eps=a.value_clip_eps,
-      temperature=c.rollout.temperature, logprob_chunk=a.logprob_chunk,
-      micro_batch_rows=a.micro_batch_rows)
+      advantage_estimator=a.advantage, advantage_options=tuple(options), policy_loss=a.policy_loss,
+      clip_eps_low=a[clip_low], clip_eps_high=a[clip_high], dual_clip_c=a.dual_clip_c or None,
+      aggregation=a.aggregation, loss_scale_tokens=_loss_scale_tokens(c),
+      rollout_correction=a.rollout_correction, rollout_correction_cap=a.rollout_correction_cap,
+      kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_in_reward_coef=a.kl_in_reward_coef,
+      kl_in_reward_estimator=a.kl_in_reward_estimator, entropy_coef=a.entropy_coef,
+      value_coef=a.value_coef, value_clip_eps=a.value_clip_eps, temperature=c.rollout.temperature,
+      logprob_chunk=a.logprob_chunk, micro_batch_rows=a.micro_batch_rows)
 
 
 def _loss_scale_tokens(c: ml_collections.ConfigDict) -> float | None:
@@ -360,8 +354,8 @@ def learning_rate_schedule(c: ml_collections.ConfigDict) -> optax.Schedule:
 def make_optimizer(c: ml_collections.ConfigDict) -> optax.GradientTransformation:
   """The run's optimizer from config.optim (AdamW after clipping, non-finite steps skipped)."""
   return learner.make_optimizer(
-      learning_rate_schedule(c), weight_decay=c.optim.weight_decay, b1=c.optim.b1,
-      b2=c.optim.b2, eps=c.optim.eps, grad_clip=c.optim.grad_clip,
+      learning_rate_schedule(c), weight_decay=c.optim.weight_decay, b1=c.optim.b1, b2=c.optim.b2,
+      eps=c.optim.eps, grad_clip=c.optim.grad_clip,
       max_consecutive_nonfinite=c.optim.max_consecutive_nonfinite)
 
 
@@ -374,8 +368,7 @@ class RunState:
   opt_state: optax.OptState
 
   def tree(self) -> dict[str, Any]:
-    return {"params": self.params, "value_params": self.value_params,
-            "opt_state": self.opt_state}
+    return {"params": self.params, "value_params": self.value_params, "opt_state": self.opt_state}
 
 
 def state_shardings(trainable: Any, opt_state: Any, mesh: Mesh) -> tuple[Any, Any]:
@@ -389,27 +382,27 @@ def state_shardings(trainable: Any, opt_state: Any, mesh: Mesh) -> tuple[Any, An
   update a second time. `opt_state` may be abstract (jax.eval_shape of the optimizer's init).
   """
   replicated = NamedSharding(mesh, PartitionSpec())
-  on_mesh = lambda x: (x.sharding if isinstance(x.sharding, NamedSharding)
-                       and x.sharding.mesh == mesh else replicated)
+  on_mesh = lambda x: (
+      x.sharding
+      if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh else replicated)
   trainable_shardings = jax.tree.map(on_mesh, trainable)
   structure = jax.tree.structure(trainable)
   like_trainable = lambda subtree: jax.tree.structure(subtree) == structure
-  opt_shardings = jax.tree.map(
-      lambda x: trainable_shardings if like_trainable(x) else replicated, opt_state,
-      is_leaf=like_trainable)
+  opt_shardings = jax.tree.map(lambda x: trainable_shardings if like_trainable(x) else replicated,
+                               opt_state, is_leaf=like_trainable)
   return trainable_shardings, opt_shardings
 
 
-def resume(checkpointer: checkpoint.Checkpointer, state: RunState
-           ) -> tuple[RunState, int, dict[str, Any]]:
+def resume(checkpointer: checkpoint.Checkpointer,
+           state: RunState) -> tuple[RunState, int, dict[str, Any]]:
   """(state, first step to run, checkpoint meta) from the newest complete checkpoint, or the
   given state at step 0. Step k's checkpoint is written after k steps."""
   if checkpointer.latest_step() is None:
     return state, 0, {}
   restored, meta = checkpointer.restore(state.tree())
   logging.info("resumed from step %d", int(meta["step"]))
-  return (RunState(restored["params"], restored["value_params"], restored["opt_state"]),
-          int(meta["step"]), meta)
+  return (RunState(restored["params"], restored["value_params"],
+                   restored["opt_state"]), int(meta["step"]), meta)
 
 
 # --- each step ----------------------------------------------------------------------------

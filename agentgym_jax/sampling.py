@@ -126,8 +126,7 @@ def sampling_logits(logits: Array, params: SamplingParams) -> Array:
   return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
-def sample_tokens(keys: Array, logits: Array, params: SamplingParams
-                  ) -> tuple[Array, Array, Array]:
+def sample_tokens(keys: Array, logits: Array, params: SamplingParams) -> tuple[Array, Array, Array]:
   """Draws one token per row. keys [B] (typed PRNG keys), logits [B, V] f32.
 
   Returns the tokens [B] int32, log p(token) under softmax(logits) and log q(token) under the
@@ -220,14 +219,14 @@ def bucket(n: int, floor: int, cap: int | None = None) -> int:
   return size if cap is None else min(size, cap)
 
 
-def _map_state(fn: Callable[[Array, tuple[str, ...]], Array], state: SamplerState
-               ) -> SamplerState:
+def _map_state(fn: Callable[[Array, tuple[str, ...]], Array], state: SamplerState) -> SamplerState:
   """Applies fn(array, logical axes) to every array of a state."""
   cache = state.cache
   return SamplerState(
-      cache=cache.replace(k=fn(cache.k, KVCache.AXES), v=fn(cache.v, KVCache.AXES),
-                          lengths=fn(cache.lengths, ("batch",))),
-      hidden=fn(state.hidden, ("batch", "activation_embed")))
+      cache=cache.replace(
+          k=fn(cache.k, KVCache.AXES), v=fn(cache.v, KVCache.AXES),
+          lengths=fn(cache.lengths, ("batch",))), hidden=fn(state.hidden,
+                                                            ("batch", "activation_embed")))
 
 
 def _constrain(state: SamplerState) -> SamplerState:
@@ -250,9 +249,8 @@ def _prefill(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, tok
   return _constrain(SamplerState(cache=cache, hidden=hidden))
 
 
-def _prefill_shared(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState,
-                    tokens: Array, counts: Array, sources: Array, *, window: int
-                    ) -> SamplerState:
+def _prefill_shared(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, tokens: Array,
+                    counts: Array, sources: Array, *, window: int) -> SamplerState:
   """Prefills the distinct prompts tokens [U, T] (the first counts[u] real) once, on U rows of
   their own, and copies prompt sources[b] into every row b with sources[b] >= 0 (rows that were
   empty; the others are unchanged).
@@ -291,10 +289,9 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys
   model = nnx.merge(graphdef, params)
   batch = budget.shape[0]
   zeros = lambda dtype: jnp.zeros((batch, width), dtype)
-  out = SampleOutput(tokens=zeros(jnp.int32), logprobs=zeros(jnp.float32),
-                     sampling_logprobs=zeros(jnp.float32),
-                     lengths=jnp.zeros((batch,), jnp.int32),
-                     stopped=jnp.zeros((batch,), bool))
+  out = SampleOutput(
+      tokens=zeros(jnp.int32), logprobs=zeros(jnp.float32), sampling_logprobs=zeros(jnp.float32),
+      lengths=jnp.zeros((batch,), jnp.int32), stopped=jnp.zeros((batch,), bool))
 
   def cond(carry):
     step, _, done, _ = carry
@@ -311,11 +308,9 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys
         values, jnp.where(live, new, jnp.zeros_like(new)), step, axis=1)
     stop = live & jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
     out = SampleOutput(
-        tokens=column(out.tokens, tokens),
-        logprobs=column(out.logprobs, logprobs),
+        tokens=column(out.tokens, tokens), logprobs=column(out.logprobs, logprobs),
         sampling_logprobs=column(out.sampling_logprobs, sampling_logprobs),
-        lengths=out.lengths + live,
-        stopped=out.stopped | stop)
+        lengths=out.lengths + live, stopped=out.stopped | stop)
     hidden, cache = model.hidden_states(tokens[:, None], attention_mask=live[:, None],
                                         cache=state.cache, cache_window=window)
     state = SamplerState(cache=cache, hidden=jnp.where(live[:, None], hidden[:, 0], state.hidden))
@@ -339,9 +334,8 @@ class Sampler:
     min_window: the smallest attention window (cache prefix read by a call).
   """
 
-  def __init__(self, model: Decoder, *, cache_slots: int, max_batch: int,
-               cache_dtype: Any = None, mesh: Mesh | None = None, min_bucket: int = 16,
-               min_window: int = 128):
+  def __init__(self, model: Decoder, *, cache_slots: int, max_batch: int, cache_dtype: Any = None,
+               mesh: Mesh | None = None, min_bucket: int = 16, min_window: int = 128):
     if cache_slots <= 0 or max_batch <= 0:
       raise ValueError(f"cache_slots ({cache_slots}) and max_batch ({max_batch}) must be > 0")
     if min_bucket <= 0 or min_window <= 0:
@@ -355,26 +349,28 @@ class Sampler:
     self.min_window = min_window
     self.graphdef, self.params = nnx.split(model)
     # The state is donated: its cache is updated in place instead of copied every call.
-    self._prefill = jax.jit(functools.partial(_prefill, self.graphdef),
-                            static_argnames=("window",), donate_argnums=(1,))
-    self._prefill_shared = jax.jit(functools.partial(_prefill_shared, self.graphdef),
-                                   static_argnames=("window",), donate_argnums=(1,))
-    self._decode = jax.jit(functools.partial(_decode, self.graphdef),
-                           static_argnames=("window", "width", "sampling"), donate_argnums=(1,))
+    self._prefill = jax.jit(
+        functools.partial(_prefill, self.graphdef), static_argnames=("window",),
+        donate_argnums=(1,))
+    self._prefill_shared = jax.jit(
+        functools.partial(_prefill_shared, self.graphdef), static_argnames=("window",),
+        donate_argnums=(1,))
+    self._decode = jax.jit(
+        functools.partial(_decode, self.graphdef), static_argnames=("window", "width", "sampling"),
+        donate_argnums=(1,))
 
   def empty(self) -> SamplerState:
     """A state whose rows hold nothing."""
     cache = KVCache.zeros(self.config, self.max_batch, self.cache_slots, self.cache_dtype)
-    state = SamplerState(cache=cache,
-                         hidden=jnp.zeros((self.max_batch, self.config.hidden_size), jnp.float32))
+    state = SamplerState(cache=cache, hidden=jnp.zeros((self.max_batch, self.config.hidden_size),
+                                                       jnp.float32))
     if self.mesh is None:
       return state
     return _map_state(
-        lambda x, axes: jax.device_put(x, sharding.named_sharding(self.mesh, axes, x.shape)),
-        state)
+        lambda x, axes: jax.device_put(x, sharding.named_sharding(self.mesh, axes, x.shape)), state)
 
-  def start(self, prompts: Sequence[Sequence[int]], params: nnx.State | None = None
-            ) -> SamplerState:
+  def start(self, prompts: Sequence[Sequence[int]],
+            params: nnx.State | None = None) -> SamplerState:
     """Prefills rows 0..len(prompts)-1 with the prompts (the other rows stay empty)."""
     if not 0 < len(prompts) <= self.max_batch:
       raise ValueError(f"start takes 1..{self.max_batch} prompts, got {len(prompts)}")
@@ -409,8 +405,9 @@ class Sampler:
       tokens[row, :len(ids)] = np.asarray(ids, np.int32)
     window = self._window((lengths + counts).max())
     with self._mesh_context():
-      return self._prefill(self._params(params), state, self._place_batch(tokens),
-                           self._place_batch(counts), window=window)
+      return self._prefill(
+          self._params(params), state, self._place_batch(tokens), self._place_batch(counts),
+          window=window)
 
   def _append_shared(self, state: SamplerState, rows_tokens: Mapping[int, Sequence[int]],
                      params: nnx.State | None) -> SamplerState:
@@ -428,15 +425,15 @@ class Sampler:
       counts[index] = len(ids)
     window = self._window(counts.max())
     with self._mesh_context():
-      return self._prefill_shared(self._params(params), state, jnp.asarray(tokens),
-                                  jnp.asarray(counts), self._place_batch(sources),
-                                  window=window)
+      return self._prefill_shared(
+          self._params(params), state, jnp.asarray(tokens), jnp.asarray(counts),
+          self._place_batch(sources), window=window)
 
   def generate(self, state: SamplerState, key: Array, *, max_new_tokens: int,
                stop_ids: Sequence[int] = (), rows: Sequence[int] | None = None,
                temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-               params: nnx.State | None = None, lengths: Sequence[int] | None = None
-               ) -> tuple[SamplerState, SampleOutput]:
+               params: nnx.State | None = None,
+               lengths: Sequence[int] | None = None) -> tuple[SamplerState, SampleOutput]:
     """Samples up to max_new_tokens per row, continuing each row from its live cache.
 
     Args:
@@ -478,8 +475,7 @@ class Sampler:
     with self._mesh_context():
       state, out = self._decode(
           self._params(params), state, keys, self._place_batch(budget.astype(np.int32)),
-          jnp.asarray(stops), window=window, width=bucket(max_new_tokens, 1),
-          sampling=sampling)
+          jnp.asarray(stops), window=window, width=bucket(max_new_tokens, 1), sampling=sampling)
     if out.tokens.shape[1] != max_new_tokens:
       out = jax.tree.map(lambda x: x[:, :max_new_tokens] if x.ndim == 2 else x, out)
     return state, out

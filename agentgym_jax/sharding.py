@@ -55,8 +55,7 @@ def on_cloud_tpu_vm() -> bool:
   return cloud_tpu_init.running_in_cloud_tpu_vm
 
 
-def initialize_distributed(coordinator_address: str | None = None,
-                           num_processes: int | None = None,
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None) -> None:
   """Joins the JAX distributed runtime on multi-host set-ups; a no-op on a single host.
 
@@ -73,8 +72,8 @@ def initialize_distributed(coordinator_address: str | None = None,
   coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
   if coordinator_address:
     jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes or int(os.environ["JAX_NUM_PROCESSES"]),
+        coordinator_address=coordinator_address, num_processes=num_processes
+        or int(os.environ["JAX_NUM_PROCESSES"]),
         process_id=int(os.environ["JAX_PROCESS_ID"]) if process_id is None else process_id)
   elif on_cloud_tpu_vm():
     jax.distributed.initialize()
@@ -139,8 +138,9 @@ def _variable_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
 def state_shardings(state: Any, mesh: Mesh) -> Any:
   """NamedShardings for an nnx.State whose Variables carry `axes` metadata."""
   return jax.tree.map(
-      lambda v: v.replace(named_sharding(mesh, _variable_axes(v), v.get_value().shape)),
-      state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+      lambda v: v.replace(named_sharding(mesh, _variable_axes(v),
+                                         v.get_value().shape)), state,
+      is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:

@@ -55,8 +55,8 @@ class TaskOrder:
     return out
 
 
-def stage_task_orders(pool: EnvPool, curriculum: Sequence[Sequence[str]], seed: int
-                      ) -> list[TaskOrder]:
+def stage_task_orders(pool: EnvPool, curriculum: Sequence[Sequence[str]],
+                      seed: int) -> list[TaskOrder]:
   """The training task order of each horizon stage: the train tasks whose category is one of
   curriculum[stage] (the last entry for later stages), or all of them without a curriculum."""
   train = list(pool.task_ids("train"))
@@ -77,8 +77,11 @@ def stage_task_orders(pool: EnvPool, curriculum: Sequence[Sequence[str]], seed: 
 def has_signal(group: Sequence[rollout.Trajectory], failed_episodes: str) -> bool:
   """Whether a group's rewards, as they enter the loss, are not all equal: failed episodes are
   left out ("exclude") or count as reward 0 ("zero_reward"), as rollout.pack treats them."""
-  rewards = {0.0 if t.env_failed else t.reward for t in group
-             if not (t.env_failed and failed_episodes == "exclude")}
+  rewards = {
+      0.0 if t.env_failed else t.reward
+      for t in group
+      if not (t.env_failed and failed_episodes == "exclude")
+  }
   return len(rewards) > 1
 
 
@@ -109,16 +112,17 @@ class StepRollout:
     """Dynamic sampling's metrics: rounds played, the fraction of played groups kept (with
     signal), and the groups without signal filling the batch (0 unless rounds ran out)."""
     played_groups = self.rounds * tasks_per_step
-    return {"dynamic_sampling/rounds": self.rounds,
-            "dynamic_sampling/kept_fraction": self.signal_groups / played_groups,
-            "dynamic_sampling/filled_groups": max(tasks_per_step - self.signal_groups, 0)}
+    return {
+        "dynamic_sampling/rounds": self.rounds,
+        "dynamic_sampling/kept_fraction": self.signal_groups / played_groups,
+        "dynamic_sampling/filled_groups": max(tasks_per_step - self.signal_groups, 0)
+    }
 
 
 def play_step(play: Callable[[list[int], int], tuple[list[rollout.Trajectory],
-                                                     rollout.RolloutStats]],
-              tasks: TaskOrder, cursor: int, *, tasks_per_step: int, samples_per_task: int,
-              dynamic_sampling: bool, max_rounds: int, failed_episodes: str
-              ) -> tuple[StepRollout, int]:
+                                                     rollout.RolloutStats]], tasks: TaskOrder,
+              cursor: int, *, tasks_per_step: int, samples_per_task: int, dynamic_sampling: bool,
+              max_rounds: int, failed_episodes: str) -> tuple[StepRollout, int]:
   """Plays a step's rounds and returns (its StepRollout, the task cursor after it).
 
   `play(task_ids, round)` plays samples_per_task episodes of each task, grouped task by task.
@@ -132,16 +136,20 @@ def play_step(play: Callable[[list[int], int], tuple[list[rollout.Trajectory],
     stats.append(round_stats)
     for start in range(0, len(trajectories), samples_per_task):
       group = trajectories[start:start + samples_per_task]
-      (signal if not dynamic_sampling or has_signal(group, failed_episodes) else other
-       ).append(group)
+      (signal
+       if not dynamic_sampling or has_signal(group, failed_episodes) else other).append(group)
     if len(signal) >= tasks_per_step:
       break
   groups = (signal + other)[:tasks_per_step]
-  batch = [dataclasses.replace(t, group=number) for number, group in enumerate(groups)
-           for t in group]
+  batch = [
+      dataclasses.replace(t, group=number) for number, group in enumerate(groups) for t in group
+  ]
   trained = [number < len(signal) for number, group in enumerate(groups) for _ in group]
-  total = rollout.RolloutStats(**{field.name: sum(getattr(s, field.name) for s in stats)
-                                  for field in dataclasses.fields(rollout.RolloutStats)})
+  total = rollout.RolloutStats(
+      **{
+          field.name: sum(getattr(s, field.name) for s in stats)
+          for field in dataclasses.fields(rollout.RolloutStats)
+      })
   return StepRollout(batch, trained, played, total, len(stats), len(signal)), cursor
 
 
@@ -156,13 +164,14 @@ def trajectory_records(trajectories: Sequence[rollout.Trajectory], advantages: j
   mask = loss_mask[:, 1:]
   trained = jnp.sum(mask, axis=-1)
   row_advantage = jnp.sum(advantages * mask, axis=-1) / jnp.maximum(trained, 1.0)
-  row_advantage, trained = multihost_utils.process_allgather((row_advantage, trained),
-                                                             tiled=True)
+  row_advantage, trained = multihost_utils.process_allgather((row_advantage, trained), tiled=True)
   samples = collections.Counter()
   records = []
   for t, advantage, count in zip(trajectories, row_advantage.tolist(), trained.tolist()):
-    records.append({**t.to_json(), "sample": samples[t.group],
-                    "advantage": advantage if count else None})
+    records.append({
+        **t.to_json(), "sample": samples[t.group],
+        "advantage": advantage if count else None
+    })
     samples[t.group] += 1
   return records
 
@@ -191,8 +200,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   # Resume from the newest complete checkpoint, if any. Steps count completed RL steps: the
   # checkpoint, metrics row and trajectory file of step k are written after k updates.
   checkpointer = settings.checkpointer(workdir)
-  state, start_step, meta = run.resume(checkpointer,
-                                       run.RunState(params, value_params, opt_state))
+  state, start_step, meta = run.resume(checkpointer, run.RunState(params, value_params, opt_state))
   # The position in the task stream: tasks_per_step a step, more with dynamic sampling.
   cursor = int(meta.get("task_cursor", start_step * settings.tasks_per_step))
   metrics_writer = settings.metrics_writer(workdir, start_step)
@@ -220,29 +228,31 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
       step_key = jax.random.fold_in(base_key, step)
 
       def play(task_ids: list[int], round_index: int):
-        group_of = [(task_id, group) for group, task_id in enumerate(task_ids)
+        group_of = [(task_id, group)
+                    for group, task_id in enumerate(task_ids)
                     for _ in range(settings.samples_per_task)]
         played, stats = rollout.collect(
             sampler, processes.local_copy(state.params), pool, chat,
-            group_of[process_rows.start:process_rows.stop], horizon=cap,
-            sampling=settings.sampling, max_context=settings.max_context,
+            group_of[process_rows.start:process_rows.stop], horizon=cap, sampling=settings.sampling,
+            max_context=settings.max_context,
             key=jax.random.fold_in(step_key, round_index) if round_index else step_key,
             first_row=process_rows.start, groups=settings.pipeline_groups)
         return processes.gather_rollout(played, stats)
 
       with timer("rollout"):
         step_rollout, cursor = play_step(
-            play, task_orders[min(schedule.stage(step), len(task_orders) - 1)], cursor,
+            play, task_orders[min(schedule.stage(step),
+                                  len(task_orders) - 1)], cursor,
             tasks_per_step=settings.tasks_per_step, samples_per_task=settings.samples_per_task,
-            dynamic_sampling=settings.dynamic_sampling,
-            max_rounds=settings.max_sampling_rounds, failed_episodes=settings.failed_episodes)
+            dynamic_sampling=settings.dynamic_sampling, max_rounds=settings.max_sampling_rounds,
+            failed_episodes=settings.failed_episodes)
         trajectories = step_rollout.batch
 
       # 2. Experience: old and reference log-probs, values, advantages.
       with timer("experience"):
         batch = rollout.pack(trajectories, failed_episodes=settings.failed_episodes)
-        batch = batch.replace(loss_mask=batch.loss_mask * np.asarray(
-            step_rollout.trained, np.float32)[:, None])
+        batch = batch.replace(loss_mask=batch.loss_mask *
+                              np.asarray(step_rollout.trained, np.float32)[:, None])
         batch = jax.device_put(batch, sharding.batch_sharding(mesh, 1))
         experience, experience_metrics = learner.compute_experience(
             graphdef, state.params, ref_params, value_graphdef, state.value_params, batch,
@@ -257,9 +267,9 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         for rows in learner.minibatch_indices(num_rows, settings.num_minibatches,
                                               settings.ppo_epochs, rng):
           minibatch = learner.take_rows(batch, rows)
-          trainable, opt_state, m = update_step(
-              graphdef, value_graphdef, trainable, opt_state, minibatch,
-              learner.take_rows(experience, rows), optimizer=optimizer, loss=loss)
+          trainable, opt_state, m = update_step(graphdef, value_graphdef, trainable, opt_state,
+                                                minibatch, learner.take_rows(experience, rows),
+                                                optimizer=optimizer, loss=loss)
           update_metrics.append(m)
         state = run.RunState(*jax.block_until_ready((trainable[0], trainable[1], opt_state)))
 
@@ -276,29 +286,30 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
       if settings.evaluation.every and done % settings.evaluation.every == 0:
         with timer("eval"):
           task_ids = settings.evaluation.tasks(pool)
-          _, played = evaluation.evaluate(
-              sampler, processes.local_copy(state.params), pool, chat,
-              processes.share(task_ids), samples_per_task=settings.evaluation.samples_per_task,
-              horizon=settings.evaluation.horizon, sampling=settings.evaluation.sampling,
-              max_context=settings.max_context, key=jax.random.fold_in(eval_key, done),
-              rows_per_batch=len(process_rows), groups=settings.pipeline_groups)
-          summary = evaluation.summarize(processes.gather(played),
-                                         evaluation.task_categories(pool, task_ids))
+          _, played = evaluation.evaluate(sampler, processes.local_copy(state.params), pool, chat,
+                                          processes.share(task_ids),
+                                          samples_per_task=settings.evaluation.samples_per_task,
+                                          horizon=settings.evaluation.horizon,
+                                          sampling=settings.evaluation.sampling,
+                                          max_context=settings.max_context, key=jax.random.fold_in(
+                                              eval_key, done), rows_per_batch=len(process_rows),
+                                          groups=settings.pipeline_groups)
+          summary = evaluation.summarize(
+              processes.gather(played), evaluation.task_categories(pool, task_ids))
         step_metrics.update(evaluation.as_metrics(summary))
         step_metrics["time/eval"] = timer.seconds["eval"]
       metrics_writer.write(done, step_metrics)
       history.append(metrics_writer.latest)
       settings.check_health(metrics_writer.latest)
       if settings.log_trajectories:
-        trajectory_writer.write(done, trajectory_records(trajectories, experience.advantages,
-                                                         batch.loss_mask))
+        trajectory_writer.write(
+            done, trajectory_records(trajectories, experience.advantages, batch.loss_mask))
       progress.update(done, metrics_writer.latest)
       if settings.checkpoint_every:
-        checkpointer.save(done, state.tree(),
-                          settings.meta(done, horizon_stage=schedule.stage(done),
-                                        horizon_cap=cap,
-                                        task_cursor=cursor),
-                          force=done == settings.steps)
+        checkpointer.save(
+            done, state.tree(),
+            settings.meta(done, horizon_stage=schedule.stage(done), horizon_cap=cap,
+                          task_cursor=cursor), force=done == settings.steps)
     progress.close()
   checkpointer.wait()
   checkpointer.close()
@@ -311,25 +322,28 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
 
 
 def _step_metrics(trajectories: Sequence[rollout.Trajectory], stats: rollout.RolloutStats,
-                  experience_metrics: dict[str, jax.Array],
-                  update_metrics: list[dict[str, jax.Array]], cap: int, stage: int,
-                  timer: run.PhaseTimer) -> dict[str, Any]:
+                  experience_metrics: dict[str, jax.Array], update_metrics: list[dict[str,
+                                                                                      jax.Array]],
+                  cap: int, stage: int, timer: run.PhaseTimer) -> dict[str, Any]:
   """Host-side rollout statistics plus device metrics (fetched once by the writer)."""
   rewards = np.array([t.reward for t in trajectories])
   turns = np.array([t.num_turns for t in trajectories])
   out: dict[str, Any] = {
-      "reward": rewards.mean(), "success": np.mean([t.success for t in trajectories]),
-      "turns": turns.mean(), "horizon_cap": cap, "horizon_stage": stage,
+      "reward": rewards.mean(),
+      "success": np.mean([t.success for t in trajectories]),
+      "turns": turns.mean(),
+      "horizon_cap": cap,
+      "horizon_stage": stage,
       "tokens_generated": stats.generated_tokens,
       "tokens_per_s": stats.generated_tokens / max(stats.generate_s, 1e-9),
-      "time/generate": stats.generate_s, "time/env": stats.env_s,
+      "time/generate": stats.generate_s,
+      "time/env": stats.env_s,
       "time/env_hidden": stats.env_hidden_s,
       "rollout/env_hidden_fraction": stats.env_hidden_fraction,
   }
   for reason in (rollout.DONE, rollout.HORIZON, rollout.CONTEXT, rollout.ENV_ERROR,
                  rollout.ENV_TIMEOUT):
-    out[f"termination/{reason}"] = float(np.mean([t.termination == reason
-                                                  for t in trajectories]))
+    out[f"termination/{reason}"] = float(np.mean([t.termination == reason for t in trajectories]))
   out.update({f"time/{k}": v for k, v in timer.seconds.items()})
   out.update(experience_metrics)
   # Means over minibatches; the last one's optimizer counters.

@@ -88,6 +88,8 @@ def slots_for(env: str, mode: str, slots: int) -> int:
   if (env, mode) in _COSTLY:
     return min(slots, _COSTLY_SLOTS_PER_CORE * len(os.sched_getaffinity(0)))
   return slots
+
+
 # Envs whose steps run in Python under the GIL, where only processes run steps in parallel.
 # SciWorld's steps run in its JVM, outside the GIL.
 _GIL_BOUND = frozenset({"textcraft", "babyai", "searchqa"})
@@ -96,10 +98,11 @@ _GIL_BOUND = frozenset({"textcraft", "babyai", "searchqa"})
 def pool_modes(env: str) -> tuple[str, ...]:
   """The modes, besides in-process, that `env` is measured in."""
   return ("pool/thread", "pool/process", "http") if env in _GIL_BOUND else ("pool/thread", "http")
+
+
 _SERVER_START_TIMEOUT_S = 120.0
 # Generous: a reset may build an adapter (a JVM over HTTP) on a machine busy with other work.
 _RESET_TIMEOUT_S = 600.0
-
 
 # Policies: one object per episode, `reply(observation)` once per step.
 
@@ -189,7 +192,6 @@ POLICIES = {
     "sciworld": _SciWorldExplorer,
     "searchqa": _SearchQAFollower,
 }
-
 
 # Measurements.
 
@@ -357,7 +359,8 @@ def run_env(plan: Plan) -> tuple[list[Measurement], list[str]]:
   """Every mode of one env: its rows, and notes on what they did."""
   rows = [play_in_process(plan)] + [
       play_http(plan) if mode == "http" else play_env_pool(plan, mode.removeprefix("pool/"))
-      for mode in pool_modes(plan.env)]
+      for mode in pool_modes(plan.env)
+  ]
   notes = []
   for row in rows:
     if row.server_start_s is not None:
@@ -372,8 +375,10 @@ def run_env(plan: Plan) -> tuple[list[Measurement], list[str]]:
 
 
 def table(rows: Sequence[Measurement]) -> str:
-  lines = ["| env | mode | slots | episodes | steps | steps/s | x in-proc | setup s | resets/s |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+  lines = [
+      "| env | mode | slots | episodes | steps | steps/s | x in-proc | setup s | resets/s |",
+      "|---|---|---:|---:|---:|---:|---:|---:|---:|"
+  ]
   in_process = {row.env: row.steps_per_s for row in rows if row.mode == "in-process"}
   for row in rows:
     ratio = row.steps_per_s / in_process[row.env] if row.env in in_process else float("nan")
@@ -387,8 +392,8 @@ def machine() -> str:
   cpu = platform.processor() or platform.machine()
   with contextlib.suppress(OSError):
     with open("/proc/cpuinfo") as cpuinfo:
-      cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo
-                  if line.startswith("model name")), cpu)
+      cpu = next(
+          (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), cpu)
   load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
   return (f"{len(os.sched_getaffinity(0))} cores ({cpu}), Python {platform.python_version()}, "
           f"load average at start {load}")
@@ -430,8 +435,10 @@ def main(argv: Sequence[str]) -> None:
 
 
 def _cpu_seconds() -> float:
-  return sum(usage.ru_utime + usage.ru_stime for usage in (
-      resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
+  return sum(usage.ru_utime + usage.ru_stime
+             for usage in (resource.getrusage(resource.RUSAGE_SELF),
+                           resource.getrusage(resource.RUSAGE_CHILDREN)))
+
 
 if __name__ == "__main__":
   app.run(main)

@@ -103,8 +103,10 @@ def make_config(model: str, groups: int) -> Any:
 
 
 def phase_seconds(row: dict[str, Any]) -> dict[str, float]:
-  out = {name: float(row.get(f"time/{name}", 0.0))
-         for name in ("rollout", "generate", "env", "env_hidden", "experience", "update")}
+  out = {
+      name: float(row.get(f"time/{name}", 0.0))
+      for name in ("rollout", "generate", "env", "env_hidden", "experience", "update")
+  }
   out["other"] = out["rollout"] - out["generate"] - out["env"] + out["env_hidden"]
   out["phases"] = out["rollout"] + out["experience"] + out["update"]
   out["step"] = out["phases"]
@@ -169,9 +171,11 @@ def print_steps(history: list[dict[str, Any]]) -> tuple[dict[str, float], dict[s
       measured.append((seconds, row))
     print(_row(label, seconds, row))
   mean_seconds = {k: float(np.mean([s[k] for s, _ in measured])) for k in measured[0][0]}
-  mean_row = {k: float(np.mean([r[k] for _, r in measured]))
-              for k in ("tokens_generated", "tokens_per_s", "turns", "reward",
-                        "rollout/env_hidden_fraction")}
+  mean_row = {
+      k: float(np.mean([r[k] for _, r in measured]))
+      for k in ("tokens_generated", "tokens_per_s", "turns", "reward",
+                "rollout/env_hidden_fraction")
+  }
   print(_row("mean", mean_seconds, mean_row))
   return mean_seconds, mean_row
 
@@ -181,9 +185,10 @@ def _row(label: str, seconds: dict[str, float], row: dict[str, Any]) -> str:
   hideable = min(env, step - env)
   cells = [label] + [f"{seconds[p]:.2f}" for p in PHASES] + [
       f"{seconds['phases']:.2f}", f"{step:.2f}", f"{env / step:.1%}",
-      f"{seconds['env_hidden'] / step:.1%}", f"{hideable / step:.1%}",
-      f"{step - hideable:.2f}", f"{row['tokens_generated']:.0f}", f"{row['tokens_per_s']:.0f}",
-      f"{row['tokens_generated'] / step:.0f}", f"{row['turns']:.2f}", f"{row['reward']:.2f}"]
+      f"{seconds['env_hidden'] / step:.1%}", f"{hideable / step:.1%}", f"{step - hideable:.2f}",
+      f"{row['tokens_generated']:.0f}", f"{row['tokens_per_s']:.0f}",
+      f"{row['tokens_generated'] / step:.0f}", f"{row['turns']:.2f}", f"{row['reward']:.2f}"
+  ]
   return "| " + " | ".join(cells) + " |"
 
 

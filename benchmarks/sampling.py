@@ -68,9 +68,10 @@ from agentgym_jax.sampling import Sampler, SamplingParams, bucket, sample_tokens
 
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32", "64"], "Batch sizes to measure.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 32, "Tokens sampled per row (--quick: 16).")
-_DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "bfloat16", "float32"],
-                           "Our matmul input dtype (matmuls accumulate in f32; auto: bf16 where "
-                           "the hardware runs it fast).")
+_DTYPE = flags.DEFINE_enum(
+    "dtype", "auto", ["auto", "bfloat16", "float32"],
+    "Our matmul input dtype (matmuls accumulate in f32; auto: bf16 where "
+    "the hardware runs it fast).")
 _PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "bfloat16", ["bfloat16", "float32"],
                                  "Our weight and KV cache storage dtype.")
 _HF_DTYPE = flags.DEFINE_enum("hf_dtype", "float32", ["bfloat16", "float32"],
@@ -155,12 +156,13 @@ def _dense_matmuls(config, dtype, param_dtype) -> Callable[[int], float]:
   f = config.intermediate_size
   shapes = ((e, heads), (e, kv), (e, kv), (heads, e), (e, f), (e, f), (f, e))
   key = jax.random.key(0)
-  layers = [[(0.02 * jax.random.normal(jax.random.fold_in(key, 7 * layer + i), shape)
-              ).astype(param_dtype) for i, shape in enumerate(shapes)]
+  layers = [[
+      (0.02 * jax.random.normal(jax.random.fold_in(key, 7 * layer + i), shape)).astype(param_dtype)
+      for i, shape in enumerate(shapes)
+  ]
             for layer in range(config.num_layers)]
   head = (0.02 * jax.random.normal(key, (e, v))).astype(param_dtype)
-  dot = lambda x, w: jnp.dot(x.astype(dtype), w.astype(dtype),
-                             preferred_element_type=jnp.float32)
+  dot = lambda x, w: jnp.dot(x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
 
   @jax.jit
   def step(x, layers, head):
@@ -190,12 +192,16 @@ def _draw_seconds(config, batch: int, repeats: int = 3) -> float:
 
 
 def _prompts(chat, batch: int) -> list[list[int]]:
-  return [chat.render([{"role": "user", "content": _USER_MESSAGES[row % len(_USER_MESSAGES)]}])
-          for row in range(batch)]
+  return [
+      chat.render([{
+          "role": "user",
+          "content": _USER_MESSAGES[row % len(_USER_MESSAGES)]
+      }]) for row in range(batch)
+  ]
 
 
-def _ours(model, prompts: list[list[int]], new_tokens: int, repeats: int, cache_dtype
-          ) -> dict[str, float]:
+def _ours(model, prompts: list[list[int]], new_tokens: int, repeats: int,
+          cache_dtype) -> dict[str, float]:
   batch = len(prompts)
   slots = bucket(max(map(len, prompts)) + new_tokens, 128)
   sampler = Sampler(model, cache_slots=slots, max_batch=batch, cache_dtype=cache_dtype)
@@ -213,9 +219,12 @@ def _ours(model, prompts: list[list[int]], new_tokens: int, repeats: int, cache_
       timings["decode"].append(decode)
     assert int(out.lengths.min()) == new_tokens
   prefill, decode = min(timings["prefill"]), min(timings["decode"])
-  return {"prefill_s": prefill, "decode_s": decode,
-          "decode_tps": batch * new_tokens / decode,
-          "total_tps": batch * new_tokens / (prefill + decode)}
+  return {
+      "prefill_s": prefill,
+      "decode_s": decode,
+      "decode_tps": batch * new_tokens / decode,
+      "total_tps": batch * new_tokens / (prefill + decode)
+  }
 
 
 class _HuggingFace:
@@ -227,8 +236,9 @@ class _HuggingFace:
     self.torch = torch
     directory = tempfile.mkdtemp(prefix="smollm2_hf_")
     weights.save_hf(model, directory, dtype=jnp.float32)
-    self.model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, dtype=getattr(torch, dtype)).eval()
+    self.model = transformers.AutoModelForCausalLM.from_pretrained(directory,
+                                                                   dtype=getattr(torch,
+                                                                                 dtype)).eval()
     self.threads = torch.get_num_threads()
     self.stamps: list[float] = []
 
@@ -258,14 +268,12 @@ class _HuggingFace:
       mask[row, width - len(prompt):] = 1
     with torch.inference_mode():
       out = self.model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                min_new_tokens=new_tokens, do_sample=True, temperature=1.0,
-                                top_k=0, top_p=1.0, pad_token_id=0,
-                                logits_processor=[self._stamp])
+                                min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0,
+                                top_p=1.0, pad_token_id=0, logits_processor=[self._stamp])
     assert out.shape[1] == width + new_tokens
     return out
 
-  def measure(self, prompts: list[list[int]], new_tokens: int, repeats: int
-              ) -> dict[str, float]:
+  def measure(self, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, float]:
     self.generate(prompts, 2)
     decode, total = [], []
     for _ in range(repeats):
@@ -275,22 +283,26 @@ class _HuggingFace:
       total.append(time.perf_counter() - start)
       # Stamp t follows the forward pass of token t; token 0's is the prompt's.
       decode.append(self.stamps[-1] - self.stamps[0])
-    return {"decode_tps": len(prompts) * (new_tokens - 1) / min(decode),
-            "total_tps": len(prompts) * new_tokens / min(total)}
+    return {
+        "decode_tps": len(prompts) * (new_tokens - 1) / min(decode),
+        "total_tps": len(prompts) * new_tokens / min(total)
+    }
 
 
-def _conversation(model, chat, rows: int, turns: int, turn_tokens: int, cache_dtype
-                  ) -> dict[str, float]:
+def _conversation(model, chat, rows: int, turns: int, turn_tokens: int,
+                  cache_dtype) -> dict[str, float]:
   """Seconds for `turns` turns on the live cache and by re-prefilling every turn."""
   rng = np.random.RandomState(0)
   prompts = _prompts(chat, rows)
-  observations = [[chat.continuation_ids(
-      "user", f"Observation {turn}: " + " ".join(["the agent sees a door"] *
-                                                 int(rng.randint(1, 7))))
-                   for _ in range(rows)] for turn in range(turns)]
+  observations = [[
+      chat.continuation_ids(
+          "user",
+          f"Observation {turn}: " + " ".join(["the agent sees a door"] * int(rng.randint(1, 7))))
+      for _ in range(rows)
+  ]
+                  for turn in range(turns)]
   length = max(map(len, prompts)) + sum(turn_tokens + max(map(len, o)) for o in observations)
-  sampler = Sampler(model, cache_slots=bucket(length, 128), max_batch=rows,
-                    cache_dtype=cache_dtype)
+  sampler = Sampler(model, cache_slots=bucket(length, 128), max_batch=rows, cache_dtype=cache_dtype)
 
   def live() -> list[list[int]]:
     state = sampler.start(prompts)
@@ -318,15 +330,19 @@ def _conversation(model, chat, rows: int, turns: int, turn_tokens: int, cache_dt
   live_s = _best(live, 1)
   reprefill_s = _best(reprefill, 1)
   same = np.mean([a == b for x, y in zip(live_tokens, reprefill_tokens) for a, b in zip(x, y)])
-  return {"live_s": live_s, "reprefill_s": reprefill_s, "tokens_equal": float(same),
-          "context": length}
+  return {
+      "live_s": live_s,
+      "reprefill_s": reprefill_s,
+      "tokens_equal": float(same),
+      "context": length
+  }
 
 
 def main(argv: Sequence[str]) -> None:
   del argv
   quick = _QUICK.value
-  batches = [1, 8] if quick and _BATCHES.value == _BATCHES.default else [
-      int(b) for b in _BATCHES.value]
+  batches = [1, 8
+            ] if quick and _BATCHES.value == _BATCHES.default else [int(b) for b in _BATCHES.value]
   new_tokens = 16 if quick and _NEW_TOKENS.value == _NEW_TOKENS.default else _NEW_TOKENS.value
   turns = 4 if quick and _TURNS.value == _TURNS.default else _TURNS.value
   dtype_name = hardware.matmul_dtype(_DTYPE.value)
@@ -338,7 +354,7 @@ def main(argv: Sequence[str]) -> None:
         f"load average at start {load}")
 
   model, tokenizer = agentgym_jax.load_model("smollm2-135m-instruct", dtype=dtype,
-                                              param_dtype=param_dtype)
+                                             param_dtype=param_dtype)
   chat = tokenizer.chat
   config = model.config
   peak = _peak_flops(_PEAK_SIZE.value, jnp.bfloat16)
@@ -374,9 +390,10 @@ def main(argv: Sequence[str]) -> None:
     theirs = hf.measure(prompts, new_tokens, _REPEATS.value) if hf else None
     rows.append((batch, ours, theirs, flops, roofline, matmul_roofline, draw_ms))
     ratio = f"{ours['decode_tps'] / theirs['decode_tps']:.1f}x" if theirs else "-"
-    print(f"  batch {batch}: ours {ours['decode_tps']:.1f} tok/s, "
-          f"transformers {theirs['decode_tps'] if theirs else float('nan'):.1f} tok/s, "
-          f"{ratio}", flush=True)
+    print(
+        f"  batch {batch}: ours {ours['decode_tps']:.1f} tok/s, "
+        f"transformers {theirs['decode_tps'] if theirs else float('nan'):.1f} tok/s, "
+        f"{ratio}", flush=True)
 
   conversation = _conversation(model, chat, _CONVERSATIONS.value, turns, _TURN_TOKENS.value,
                                param_dtype)

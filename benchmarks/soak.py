@@ -47,21 +47,21 @@ _ENVS = flags.DEFINE_list("envs", ["textcraft", "babyai"], f"Environments, from 
 _MINUTES = flags.DEFINE_float("minutes", 5.0, "Wall-time budget per environment.")
 _EPISODES = flags.DEFINE_integer("episodes", 0, "Episode budget per environment; 0: none.")
 _EVERY = flags.DEFINE_integer("every", 0, "Episodes between rows; 0: a row every tenth of "
-                               "--minutes.")
+                              "--minutes.")
 _SLOTS = flags.DEFINE_integer("slots", 16, "Concurrent episodes (SciWorld: at most 4 JVMs).")
 _MAX_STEPS = flags.DEFINE_integer("max_steps", 10, "Step cap of an episode.")
 _BACKEND = flags.DEFINE_enum("backend", "thread", ["thread", "process"], "EnvPool backend.")
 _JUNK = flags.DEFINE_float("junk", 0.1, "Probability of a bad reply instead of the policy's.")
 _RSS_TOLERANCE_MB = flags.DEFINE_float("rss_tolerance_mb", 20.0,
                                        "Memory growth over the run still called flat.")
-_WARMUP = flags.DEFINE_float("warmup", 0.25, "Fraction of the run's episodes left out of the "
-                             "verdict's fit (the first row always is).")
+_WARMUP = flags.DEFINE_float(
+    "warmup", 0.25, "Fraction of the run's episodes left out of the "
+    "verdict's fit (the first row always is).")
 _QUICK = flags.DEFINE_bool("quick", False, "A smoke run: 20 s per env, 8 slots.")
 
 _MAX_SLOTS = {"sciworld": 4}  # Each SciWorld adapter runs its own JVM (~150 MB).
 _JUNK_REPLIES = ("", "Action: " + "y" * 20_000, "Thought: \x00\x1b[2J\x7f\n\nAction: \x08",
                  "no marker here", "Action:\nAction:\nAction: inventory")
-
 
 # Policies: one per episode, `reply(observation)` once per step.
 
@@ -110,13 +110,12 @@ class _SciWorldRandom:
   def reply(self, observation: str) -> str:
     if doors := _DOOR.findall(observation):
       self._door = self._rng.choice(doors)
-    return _reply(self._rng.choice(["look around", "inventory", f"open door to {self._door}",
-                                    f"go to {self._door}"]))
+    return _reply(
+        self._rng.choice(
+            ["look around", "inventory", f"open door to {self._door}", f"go to {self._door}"]))
 
 
-POLICIES = {"textcraft": _TextCraftOracle, "babyai": _BabyAIRandom,
-            "sciworld": _SciWorldRandom}
-
+POLICIES = {"textcraft": _TextCraftOracle, "babyai": _BabyAIRandom, "sciworld": _SciWorldRandom}
 
 # Resource samples.
 
@@ -142,8 +141,7 @@ def sample(episodes: int, start: float) -> Sample:
       threads += process.num_threads()
     except (psutil.NoSuchProcess, psutil.AccessDenied):  # Exited while we looked.
       pass
-  return Sample(episodes, time.monotonic() - start, rss / 2**20, len(processes) - 1, fds,
-                threads)
+  return Sample(episodes, time.monotonic() - start, rss / 2**20, len(processes) - 1, fds, threads)
 
 
 def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -187,8 +185,11 @@ def play_wave(pool: EnvPool, env: str, task_ids: Sequence[int], max_steps: int, 
   for _ in range(max_steps):
     if not policies:
       break
-    requests = [(slot, rng.choice(_JUNK_REPLIES) if rng.random() < junk
-                 else policy.reply(observations[slot])) for slot, policy in policies.items()]
+    requests = [
+        (slot,
+         rng.choice(_JUNK_REPLIES) if rng.random() < junk else policy.reply(observations[slot]))
+        for slot, policy in policies.items()
+    ]
     results = pool.step(requests)
     steps += len(results)
     for (slot, _), result in zip(requests, results):
@@ -210,9 +211,10 @@ def soak(env: str, *, minutes: float, episodes: int, every: int, slots: int, max
     adapter.close()
   rng = random.Random(0)
   rng.shuffle(task_ids)
-  print(f"\n== {env}: {slots} slots, {backend} backend, --max_steps={max_steps}, "
-        f"--junk={junk}; a row every "
-        f"{f'{every} episodes' if every else f'{6 * minutes:.0f} s'}", flush=True)
+  print(
+      f"\n== {env}: {slots} slots, {backend} backend, --max_steps={max_steps}, "
+      f"--junk={junk}; a row every "
+      f"{f'{every} episodes' if every else f'{6 * minutes:.0f} s'}", flush=True)
   header = (f"{'episodes':>9} {'seconds':>8} {'rss MB':>8} {'children':>8} {'fds':>6} "
             f"{'threads':>7} {'steps':>7} {'faults':>6}")
   print(header, flush=True)
@@ -221,8 +223,7 @@ def soak(env: str, *, minutes: float, episodes: int, every: int, slots: int, max
   samples: list[Sample] = []
   played = steps = faults = 0
   with EnvPool(env, slots, backend=backend, reset_timeout_s=600.0) as pool:
-    while (time.monotonic() - start < 60 * minutes
-           and (not episodes or played < episodes)):
+    while (time.monotonic() - start < 60 * minutes and (not episodes or played < episodes)):
       wave = [task_ids[(played + i) % len(task_ids)] for i in range(slots)]
       wave_steps, wave_faults = play_wave(pool, env, wave, max_steps, junk, rng)
       played += len(wave)
@@ -243,15 +244,20 @@ def soak(env: str, *, minutes: float, episodes: int, every: int, slots: int, max
         "episodes/s; verdict:")
   for line in verdict(samples, rss_tolerance_mb, warmup):
     print("  " + line)
-  leaks = [f"{name} {getattr(after, name)} > {getattr(before, name)}"
-           for name in ("children", "threads") if getattr(after, name) > getattr(before, name)]
-  print("  after close: " + ("LEFT BEHIND " + ", ".join(leaks) if leaks
-                             else "no child processes or threads left behind"), flush=True)
+  leaks = [
+      f"{name} {getattr(after, name)} > {getattr(before, name)}" for name in ("children", "threads")
+      if getattr(after, name) > getattr(before, name)
+  ]
+  print(
+      "  after close: " +
+      ("LEFT BEHIND " + ", ".join(leaks) if leaks else "no child processes or threads left behind"),
+      flush=True)
 
 
 def _print_row(s: Sample, steps: int, faults: int) -> None:
-  print(f"{s.episodes:9d} {s.seconds:8.1f} {s.rss_mb:8.1f} {s.children:8d} {s.fds:6d} "
-        f"{s.threads:7d} {steps:7d} {faults:6d}", flush=True)
+  print(
+      f"{s.episodes:9d} {s.seconds:8.1f} {s.rss_mb:8.1f} {s.children:8d} {s.fds:6d} "
+      f"{s.threads:7d} {steps:7d} {faults:6d}", flush=True)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -263,8 +269,9 @@ def main(argv: Sequence[str]) -> None:
   minutes, slots = _MINUTES.value, _SLOTS.value
   if _QUICK.value:
     minutes, slots = 1 / 3, min(slots, 8)
-  print(f"soak: {psutil.cpu_count()} CPUs, load average "
-        f"{', '.join(f'{x:.1f}' for x in psutil.getloadavg())}", flush=True)
+  print(
+      f"soak: {psutil.cpu_count()} CPUs, load average "
+      f"{', '.join(f'{x:.1f}' for x in psutil.getloadavg())}", flush=True)
   for env in _ENVS.value:
     soak(env, minutes=minutes, episodes=_EPISODES.value, every=_EVERY.value, slots=slots,
          max_steps=_MAX_STEPS.value, backend=_BACKEND.value, junk=_JUNK.value,

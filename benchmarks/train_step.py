@@ -141,15 +141,14 @@ def synthetic_batch(vocab: int, batch: int, length: int) -> batch_lib.Batch:
   loss_mask = np.zeros((batch, length), np.float32)
   loss_mask[:, length // 4:] = 1.0
   return batch_lib.Batch(
-      tokens=rng.integers(0, vocab, (batch, length)).astype(np.int32),
-      loss_mask=loss_mask,
+      tokens=rng.integers(0, vocab, (batch, length)).astype(np.int32), loss_mask=loss_mask,
       sampler_logprobs=np.where(loss_mask > 0, -10.0, 0.0).astype(np.float32),
       rewards=rng.integers(0, 2, batch).astype(np.float32),
       group_ids=(np.arange(batch) // 2).astype(np.int32))
 
 
-def ours_step(model, dtype: str, remat: str, attention: str, batch: batch_lib.Batch
-              ) -> Callable[[], None]:
+def ours_step(model, dtype: str, remat: str, attention: str,
+              batch: batch_lib.Batch) -> Callable[[], None]:
   """A closure running one step (experience + update) of our learner, blocking on its end."""
   model.dtype = jnp.dtype(dtype)
   model.remat = remat
@@ -161,9 +160,8 @@ def ours_step(model, dtype: str, remat: str, attention: str, batch: batch_lib.Ba
   params = jax.device_put(jax.tree.map(jnp.copy, params), shardings_of(params))
   ref_params = jax.tree.map(jnp.copy, params)
   loss = learner.LossConfig(advantage_estimator="grpo",
-                            advantage_options=(("normalize_by_std", True),),
-                            clip_eps_high=0.28, kl_coef=KL_COEF,
-                            logprob_chunk=_LOGPROB_CHUNK.value)
+                            advantage_options=(("normalize_by_std", True),), clip_eps_high=0.28,
+                            kl_coef=KL_COEF, logprob_chunk=_LOGPROB_CHUNK.value)
   optimizer = learner.make_optimizer(1e-6)
   opt_state = jax.jit(optimizer.init)((params, None))
   opt_state = jax.device_put(opt_state, shardings_of(opt_state))
@@ -172,12 +170,11 @@ def ours_step(model, dtype: str, remat: str, attention: str, batch: batch_lib.Ba
   state = {"trainable": (params, None), "opt_state": opt_state}
 
   def step():
-    experience, _ = learner.compute_experience(
-        graphdef, state["trainable"][0], ref_params, None, None, batch, loss=loss,
-        num_groups=2 * batch.tokens.shape[0])
-    trainable, opt_state, metrics = update(graphdef, None, state["trainable"],
-                                           state["opt_state"], batch, experience,
-                                           optimizer=optimizer, loss=loss)
+    experience, _ = learner.compute_experience(graphdef, state["trainable"][0], ref_params, None,
+                                               None, batch, loss=loss,
+                                               num_groups=2 * batch.tokens.shape[0])
+    trainable, opt_state, metrics = update(graphdef, None, state["trainable"], state["opt_state"],
+                                           batch, experience, optimizer=optimizer, loss=loss)
     jax.block_until_ready((trainable, opt_state, metrics))
     state.update(trainable=trainable, opt_state=opt_state)
 
@@ -190,8 +187,7 @@ def torch_step(directory: pathlib.Path, dtype: str, batch: batch_lib.Batch) -> C
   import transformers
 
   policy = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-  reference = transformers.AutoModelForCausalLM.from_pretrained(directory,
-                                                                dtype=torch.float32)
+  reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
   print(f"torch attention: transformers' {policy.config._attn_implementation}")  # pylint: disable=protected-access
   policy.train()
   reference.eval()
@@ -212,8 +208,9 @@ def torch_step(directory: pathlib.Path, dtype: str, batch: batch_lib.Batch) -> C
       pieces = []
       for start in range(0, hidden.shape[1], chunk):
         logits = model.lm_head(hidden[:, start:start + chunk]).float()
-        pieces.append(torch.gather(torch.log_softmax(logits, -1), -1,
-                                   targets[:, start:start + chunk, None])[..., 0])
+        pieces.append(
+            torch.gather(torch.log_softmax(logits, -1), -1, targets[:, start:start + chunk,
+                                                                    None])[..., 0])
     return torch.cat(pieces, dim=1)
 
   def step():
@@ -222,12 +219,11 @@ def torch_step(directory: pathlib.Path, dtype: str, batch: batch_lib.Batch) -> C
       ref = logprobs(reference)
       # GRPO: reward minus the group mean, over the group std (groups of 2 rows).
       grouped = rewards.view(-1, 2)
-      advantage = ((grouped - grouped.mean(1, keepdim=True))
-                   / (grouped.std(1, keepdim=True) + 1e-6)).view(-1, 1)
+      advantage = ((grouped - grouped.mean(1, keepdim=True)) /
+                   (grouped.std(1, keepdim=True) + 1e-6)).view(-1, 1)
     new = logprobs(policy)
     ratio = torch.exp(new - old)
-    surrogate = -torch.minimum(ratio * advantage,
-                               torch.clamp(ratio, 1 - 0.2, 1 + 0.28) * advantage)
+    surrogate = -torch.minimum(ratio * advantage, torch.clamp(ratio, 1 - 0.2, 1 + 0.28) * advantage)
     log_ratio = torch.clamp(ref - new, -20, 20)
     kl = torch.clamp(torch.exp(log_ratio) - log_ratio - 1, -10, 10)  # low_var_kl
     loss = ((surrogate + KL_COEF * kl) * mask).sum() / mask.sum()
@@ -239,8 +235,7 @@ def torch_step(directory: pathlib.Path, dtype: str, batch: batch_lib.Batch) -> C
   return step
 
 
-def measure(steps: list[Callable[[], None]], warmup: int, rounds: int
-            ) -> list[tuple[float, float]]:
+def measure(steps: list[Callable[[], None]], warmup: int, rounds: int) -> list[tuple[float, float]]:
   """(first call seconds, median timed seconds) of each step function: `warmup` calls each,
   then `rounds` rounds timing one call of each in turn."""
   firsts = []
@@ -264,8 +259,7 @@ def main(argv):
   print(f"host: {platform.node()}, {os.cpu_count()} CPUs, load average "
         f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}, jax {jax.__version__} "
         f"({jax.devices()[0].platform})")
-  peaks = {name: matmul_peak(_PEAK_SIZE.value, jnp.dtype(name))
-           for name in ("bfloat16", "float32")}
+  peaks = {name: matmul_peak(_PEAK_SIZE.value, jnp.dtype(name)) for name in ("bfloat16", "float32")}
   print(f"matmul peak ({_PEAK_SIZE.value}^3 jnp.dot, f32 accumulation): "
         f"bf16 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s, f32 {peaks['float32'] / 1e9:.1f} GFLOP/s")
   if _TORCH.value:

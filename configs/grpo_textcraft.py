@@ -32,9 +32,13 @@ from agentgym_jax import config
 def get_config(variant: str = ""):
   c = config.base_config()
   c.env.name = "textcraft"
-  return config.apply_variants(c, variant, {"local": local, "short": config.fixed_horizon(10),
-                                            "long": config.fixed_horizon(30),
-                                            "shallow": shallow})
+  return config.apply_variants(
+      c, variant, {
+          "local": local,
+          "short": config.fixed_horizon(10),
+          "long": config.fixed_horizon(30),
+          "shallow": shallow
+      })
 
 
 def shallow(c):

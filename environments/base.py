@@ -99,8 +99,11 @@ class Parameter:
     if fits and self.type == "array":
       fits = all(isinstance(item, str) for item in value)
     if not fits:
-      kind = {"string": "a string", "integer": "an integer", "array": "an array of strings"}[
-          self.type]
+      kind = {
+          "string": "a string",
+          "integer": "an integer",
+          "array": "an array of strings"
+      }[self.type]
       raise ToolCallError(f"{tool}'s argument {self.name!r} must be {kind}, got "
                           f"{_shown(json.dumps(value, ensure_ascii=False))}")
     if self.enum and value not in self.enum:
@@ -129,11 +132,20 @@ class Tool:
 
   def schema(self) -> dict[str, Any]:
     """The OpenAI-style function schema chat templates render."""
-    return {"type": "function", "function": {
-        "name": self.name, "description": self.description,
-        "parameters": {"type": "object",
-                       "properties": {p.name: p.schema() for p in self.parameters},
-                       "required": [p.name for p in self.parameters if p.required]}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": self.name,
+            "description": self.description,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    p.name: p.schema() for p in self.parameters
+                },
+                "required": [p.name for p in self.parameters if p.required]
+            }
+        }
+    }
 
   def action_text(self, arguments: Mapping[str, Any]) -> str:
     """The action of a call with `arguments`; ToolCallError if they do not fit the schema."""
@@ -156,8 +168,9 @@ class Tool:
 
   def arguments_of(self, action: str) -> dict[str, Any] | None:
     """The arguments of the call that stands for `action`, or None if this tool cannot."""
-    match = next(filter(None, (_pattern(spelling, self.parameters).fullmatch(action)
-                               for spelling in (self.action, *self.aliases))), None)
+    match = next(
+        filter(None, (_pattern(spelling, self.parameters).fullmatch(action)
+                      for spelling in (self.action, *self.aliases))), None)
     if match is None:
       return None
     arguments = {}
@@ -173,7 +186,6 @@ class Tool:
     return arguments
 
 
-
 def _pattern(action: str, parameters: Sequence[Parameter]) -> re.Pattern[str]:
   """A regex reading the arguments out of action text spelled as `action` (see Tool)."""
   pattern = re.escape(action)
@@ -185,8 +197,8 @@ def _pattern(action: str, parameters: Sequence[Parameter]) -> re.Pattern[str]:
       pattern = pattern.replace(escaped, group)
       continue
     segment = re.search(_attached(parameter.name), action).group(0)
-    pattern = pattern.replace(re.escape(segment),
-                              f"(?:{re.escape(segment).replace(escaped, group)})?")
+    pattern = pattern.replace(
+        re.escape(segment), f"(?:{re.escape(segment).replace(escaped, group)})?")
   return re.compile(pattern, re.DOTALL)
 
 
@@ -202,8 +214,8 @@ class ActionFormat:
   """How an environment's replies carry actions (module docstring): `kind` "react" or
   "tool_call", the environment's `tools`, and `react(thought, action)`, its ReAct reply."""
 
-  def __init__(self, kind: str, tools: Sequence[Tool],
-               react: Callable[[str, str], str] = react_reply):
+  def __init__(self, kind: str, tools: Sequence[Tool], react: Callable[[str, str],
+                                                                       str] = react_reply):
     if kind not in ACTION_FORMATS:
       raise ValueError(f"action_format={kind!r} is not one of {ACTION_FORMATS}")
     self.kind = kind
@@ -258,8 +270,8 @@ def _tool_call(reply: str) -> tuple[str, dict[str, Any]]:
   try:
     call = json.loads(text)
   except json.JSONDecodeError as error:
-    raise ToolCallError(f"the call is not valid JSON ({error.msg} at character {error.pos})"
-                        ) from None
+    raise ToolCallError(
+        f"the call is not valid JSON ({error.msg} at character {error.pos})") from None
   except (ValueError, RecursionError) as error:  # Over-long integers, deep nesting.
     raise ToolCallError(f"the call is not usable JSON ({_shown(str(error))})") from None
   if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -290,10 +302,11 @@ def reply_for(env: Env, thought: str, action: str) -> str:
 class ExpertError(RuntimeError):
   """An environment's expert could not produce replies for a task."""
 
+
 # Why an episode ended: its own end, the rollout's turn cap or context limit, or a failure of
 # its environment (an exception, or a step slower than the pool's timeout).
-DONE, HORIZON, CONTEXT, ENV_ERROR, ENV_TIMEOUT = (
-    "done", "horizon", "context", "env_error", "env_timeout")
+DONE, HORIZON, CONTEXT, ENV_ERROR, ENV_TIMEOUT = ("done", "horizon", "context", "env_error",
+                                                  "env_timeout")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,8 +27,8 @@ def parse_line(line: bytes | str, where: str) -> dict[str, Any]:
   return record
 
 
-def iterate(path: str | os.PathLike[str], *, allow_truncated_tail: bool = False
-            ) -> Iterator[dict[str, Any]]:
+def iterate(path: str | os.PathLike[str], *,
+            allow_truncated_tail: bool = False) -> Iterator[dict[str, Any]]:
   """The JSON objects of a JSONL file, streamed in order; blank lines are skipped.
 
   A line that is not a JSON object raises ValueError naming `path:line`. With
@@ -43,14 +43,13 @@ def iterate(path: str | os.PathLike[str], *, allow_truncated_tail: bool = False
         yield parse_line(line, f"{os.fspath(path)}:{number}")
       except ValueError:
         if allow_truncated_tail and not line.endswith(b"\n"):
-          logging.warning("Skipping the truncated last line of %s: %r", os.fspath(path),
-                          line[:80])
+          logging.warning("Skipping the truncated last line of %s: %r", os.fspath(path), line[:80])
           return
         raise
 
 
-def read(path: str | os.PathLike[str], *, allow_truncated_tail: bool = False
-         ) -> list[dict[str, Any]]:
+def read(path: str | os.PathLike[str], *,
+         allow_truncated_tail: bool = False) -> list[dict[str, Any]]:
   """`iterate` as a list."""
   return list(iterate(path, allow_truncated_tail=allow_truncated_tail))
 

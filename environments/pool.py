@@ -63,8 +63,10 @@ _OPTIONAL_ATTRIBUTES = ("action_format",)
 
 def episode_failure(termination: str, reason: str) -> StepResult:
   """The result that ends an episode whose environment failed (not the agent)."""
-  return StepResult(observation="", reward=0.0, done=True,
-                    info={"error": reason, "termination": termination})
+  return StepResult(observation="", reward=0.0, done=True, info={
+      "error": reason,
+      "termination": termination
+  })
 
 
 class EnvPool:
@@ -141,8 +143,8 @@ class EnvPool:
     """Applies the replies `[(slot, reply), ...]`; see `step_async`."""
     return self.step_async(requests).result()
 
-  def reset_async(self, requests: Sequence[tuple[int, int]]
-                  ) -> concurrent.futures.Future[list[StepResult]]:
+  def reset_async(
+      self, requests: Sequence[tuple[int, int]]) -> concurrent.futures.Future[list[StepResult]]:
     """Starts one episode per (slot, task_id) pair, concurrently.
 
     A slot with an episode in progress abandons it. The results hold the first observations as
@@ -151,8 +153,8 @@ class EnvPool:
     """
     return self._submit([slot for slot, _ in requests], self._reset_batch, list(requests))
 
-  def step_async(self, requests: Sequence[tuple[int, str]]
-                 ) -> concurrent.futures.Future[list[StepResult]]:
+  def step_async(
+      self, requests: Sequence[tuple[int, str]]) -> concurrent.futures.Future[list[StepResult]]:
     """Applies one model reply per (slot, reply) pair, concurrently.
 
     Every slot must have an episode in progress. The future's result lists one StepResult per
@@ -209,8 +211,8 @@ class EnvPool:
 
   # Internals. Everything below runs on coordinator threads, one batch per slot at a time.
 
-  def _submit(self, slots: Sequence[Any], batch: Callable[..., Any], *args: Any
-              ) -> concurrent.futures.Future:
+  def _submit(self, slots: Sequence[Any], batch: Callable[..., Any], *args:
+              Any) -> concurrent.futures.Future:
     """Runs batch(*args) once the earlier calls on any of `slots` have finished."""
     if self._closed:
       raise RuntimeError("EnvPool is closed")
@@ -225,11 +227,13 @@ class EnvPool:
 
   def _ask(self, call: _Call, what: str) -> Any:
     """Runs `call` on slot 0's adapter; a failure raises EnvError (there is no episode)."""
+
     def ask() -> Any:
       [(value, failure)] = self._run([(0, call)], self._reset_timeout_s, what)
       if failure is not None:
         raise EnvError(failure.info["error"])
       return value
+
     return self._submit([0], ask).result()
 
   def _reset_batch(self, requests: list[tuple[int, int]]) -> list[StepResult]:
@@ -237,11 +241,11 @@ class EnvPool:
     for slot, task_id in requests:
       if not isinstance(task_id, int) or isinstance(task_id, bool) or task_id < 0:
         raise ValueError(f"task ids are non-negative ints; slot {slot} got {task_id!r}")
-    calls = [(slot, lambda env, task_id=task_id: env.reset(task_id))
-             for slot, task_id in requests]
+    calls = [(slot, lambda env, task_id=task_id: env.reset(task_id)) for slot, task_id in requests]
     results = []
-    for (slot, task_id), (observation, failure) in zip(
-        requests, self._run(calls, self._reset_timeout_s, "reset")):
+    for (slot,
+         task_id), (observation, failure) in zip(requests,
+                                                 self._run(calls, self._reset_timeout_s, "reset")):
       if failure is None and not isinstance(observation, str):
         failure = self._fail(slot, ENV_ERROR,
                              f"reset({task_id}) returned {type(observation).__name__}, not str")
@@ -258,8 +262,8 @@ class EnvPool:
         raise ValueError(f"replies are str; slot {slot} got {type(reply).__name__}")
     calls = [(slot, lambda env, reply=reply: env.step(reply)) for slot, reply in requests]
     results = []
-    for (slot, _), (result, failure) in zip(
-        requests, self._run(calls, self._step_timeout_s, "step")):
+    for (slot, _), (result, failure) in zip(requests, self._run(calls, self._step_timeout_s,
+                                                                "step")):
       if failure is None and not isinstance(result, StepResult):
         failure = self._fail(slot, ENV_ERROR,
                              f"step returned {type(result).__name__}, not StepResult")
@@ -276,8 +280,8 @@ class EnvPool:
     if len(set(slots)) != len(slots):
       raise ValueError(f"a batch names each slot at most once, got slots {slots}")
 
-  def _run(self, calls: list[tuple[int, _Call]], timeout_s: float, what: str
-           ) -> list[tuple[Any, StepResult | None]]:
+  def _run(self, calls: list[tuple[int, _Call]], timeout_s: float,
+           what: str) -> list[tuple[Any, StepResult | None]]:
     """Runs one call per slot concurrently; returns (value, None) or (None, failure) each."""
     futures = []
     for slot, call in calls:
@@ -294,9 +298,9 @@ class EnvPool:
           failure = self._fail(slot, ENV_TIMEOUT,
                                f"{self.env_name} {what} in slot {slot} took over {timeout_s} s")
         else:
-          failure = self._fail(slot, ENV_ERROR,
-                               f"{self.env_name} {what} in slot {slot} raised "
-                               f"{type(e).__name__}: {e}")
+          failure = self._fail(
+              slot, ENV_ERROR, f"{self.env_name} {what} in slot {slot} raised "
+              f"{type(e).__name__}: {e}")
         outcomes.append((None, failure))
     return outcomes
 
@@ -313,8 +317,8 @@ class EnvPool:
     return episode_failure(termination, reason)
 
 
-def _after(earlier: Sequence[concurrent.futures.Future], batch: Callable[..., Any],
-           *args: Any) -> Any:
+def _after(earlier: Sequence[concurrent.futures.Future], batch: Callable[..., Any], *args:
+           Any) -> Any:
   concurrent.futures.wait(earlier)
   return batch(*args)
 
@@ -455,8 +459,7 @@ class _ProcessAdapter:
     return value
 
 
-def _serve_adapter(conn: multiprocessing.connection.Connection,
-                   factory: Callable[[], Env]) -> None:
+def _serve_adapter(conn: multiprocessing.connection.Connection, factory: Callable[[], Env]) -> None:
   """A child process's main loop: answers (method, args) requests until "close" or EOF."""
   os.setpgrp()
   adapter = None
@@ -471,8 +474,9 @@ def _serve_adapter(conn: multiprocessing.connection.Connection,
       try:
         if adapter is None:
           adapter = factory()
-        value = (getattr(adapter, name, None) if name in _OPTIONAL_ATTRIBUTES
-                 else getattr(adapter, name))
+        value = (
+            getattr(adapter, name, None) if name in _OPTIONAL_ATTRIBUTES else getattr(
+                adapter, name))
         reply = ("ok", value(*args) if callable(value) else value)
       except Exception as e:  # Exceptions may not pickle; their text always does.
         reply = ("error", f"{type(e).__name__}: {e}")

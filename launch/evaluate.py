@@ -32,8 +32,9 @@ def main(argv):
   plan, bars = settings.evaluation, []
 
   def start(tasks: int):
-    print(f"{tasks} {settings.config.env.name} tasks of the {plan.split} split, "
-          f"k = {plan.samples_per_task} sample(s) each, up to {plan.horizon} turns", flush=True)
+    print(
+        f"{tasks} {settings.config.env.name} tasks of the {plan.split} split, "
+        f"k = {plan.samples_per_task} sample(s) each, up to {plan.horizon} turns", flush=True)
     bars.append(metrics.ProgressBar(tasks * plan.samples_per_task, unit="episode"))
     return lambda done, _: bars[0].update(done)
 

@@ -38,8 +38,9 @@ _CACHE_SLOTS = flags.DEFINE_integer("cache_slots", 4096, "Tokens the whole chat 
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Matmul input dtype.")
 _PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "bfloat16", ["float32", "bfloat16"],
                                  "Weight and KV cache storage dtype.")
-_THINKING = flags.DEFINE_bool("thinking", True, "Qwen3: --nothinking pre-fills an empty think "
-                              "block in every generation prompt (enable_thinking=False).")
+_THINKING = flags.DEFINE_bool(
+    "thinking", True, "Qwen3: --nothinking pre-fills an empty think "
+    "block in every generation prompt (enable_thinking=False).")
 _STREAM_TOKENS = flags.DEFINE_integer("stream_tokens", 8,
                                       "Tokens sampled between two prints of the reply.")
 
@@ -68,8 +69,7 @@ def main(argv):
   state = sampler.start([chat.render([*system, {"role": "user", "content": message}])])
   key = jax.random.key(_SEED.value)
   for turn in range(sys.maxsize):
-    state, reply, stopped = _stream_reply(sampler, state, jax.random.fold_in(key, turn),
-                                          chat)
+    state, reply, stopped = _stream_reply(sampler, state, jax.random.fold_in(key, turn), chat)
     if not interactive:
       return
     if not stopped:
@@ -83,23 +83,22 @@ def main(argv):
     continuation = closing + chat.continuation_ids("user", message)
     used = int(state.lengths[0])
     if used + len(continuation) + _MAX_NEW_TOKENS.value > _CACHE_SLOTS.value:
-      print(f"[the chat holds {used} tokens; another turn would pass --cache_slots="
-            f"{_CACHE_SLOTS.value}]", file=sys.stderr)
+      print(
+          f"[the chat holds {used} tokens; another turn would pass --cache_slots="
+          f"{_CACHE_SLOTS.value}]", file=sys.stderr)
       return
     state = sampler.append(state, {0: continuation})
 
 
-def _stream_reply(sampler: Sampler, state, key: jax.Array, chat
-                  ) -> tuple[object, list[int], bool]:
+def _stream_reply(sampler: Sampler, state, key: jax.Array, chat) -> tuple[object, list[int], bool]:
   """Samples a reply --stream_tokens at a time, printing its text as it grows; returns (state,
   reply ids, whether it ended on a turn-end id)."""
   tokenizer, reply, shown = chat.tokenizer, [], ""
   while len(reply) < _MAX_NEW_TOKENS.value:
     budget = min(_STREAM_TOKENS.value, _MAX_NEW_TOKENS.value - len(reply))
-    state, out = sampler.generate(
-        state, jax.random.fold_in(key, len(reply)), max_new_tokens=budget,
-        stop_ids=chat.turn_end_ids, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
-        top_k=_TOP_K.value)
+    state, out = sampler.generate(state, jax.random.fold_in(key, len(reply)), max_new_tokens=budget,
+                                  stop_ids=chat.turn_end_ids, temperature=_TEMPERATURE.value,
+                                  top_p=_TOP_P.value, top_k=_TOP_K.value)
     chunk = out.token_lists()[0]
     reply += chunk
     # Decoding the whole reply, not the chunk: a character may span tokens of two chunks.

@@ -28,15 +28,16 @@ from environments import jsonl
 from environments.babyai import expert as babyai_expert
 from agentgym_jax import metrics
 
-_ENV = flags.DEFINE_string("env", None, "Environment: textcraft, babyai, sciworld or searchqa "
-                           "(any registered one with --from_rollouts).", required=True)
+_ENV = flags.DEFINE_string(
+    "env", None, "Environment: textcraft, babyai, sciworld or searchqa "
+    "(any registered one with --from_rollouts).", required=True)
 _ACTION_FORMAT = flags.DEFINE_enum(
     "action_format", "react", list(environments.base.ACTION_FORMATS),
     "How replies carry actions: ReAct text, or calls of the env's tools.")
 _SPLIT = flags.DEFINE_enum("split", "train", ["train", "test"], "Tasks to demonstrate.")
 _OUT = flags.DEFINE_string("out", None, "Output JSONL file.", required=True)
-_MAX_DEPTH = flags.DEFINE_integer(
-    "max_depth", None, "TextCraft: only goals of crafting depth <= this.", lower_bound=1)
+_MAX_DEPTH = flags.DEFINE_integer("max_depth", None,
+                                  "TextCraft: only goals of crafting depth <= this.", lower_bound=1)
 _LIMIT = flags.DEFINE_integer("limit", 0, "Demonstrate only the first N tasks (0: all).",
                               lower_bound=0)
 _FROM_ROLLOUTS = flags.DEFINE_string(
@@ -44,8 +45,8 @@ _FROM_ROLLOUTS = flags.DEFINE_string(
     "expert.")
 _MIN_REWARD = flags.DEFINE_float("min_reward", 1.0,
                                  "--from_rollouts: keep trajectories with at least this reward.")
-_REQUIRE_SUCCESS = flags.DEFINE_bool(
-    "require_success", True, "--from_rollouts: keep only trajectories that succeeded.")
+_REQUIRE_SUCCESS = flags.DEFINE_bool("require_success", True,
+                                     "--from_rollouts: keep only trajectories that succeeded.")
 _HIGH_LEVEL = flags.DEFINE_bool(
     "high_level", True, "BabyAI: shorten the bot's primitive moves into high-level actions.")
 
@@ -78,8 +79,9 @@ def main(argv: list[str]) -> None:
     start = time.perf_counter()
     if _FROM_ROLLOUTS.value is not None:
       wanted = set(task_ids)
-      records = [r for r in metrics.read_trajectories(_FROM_ROLLOUTS.value)
-                 if r.get("task_id") in wanted]
+      records = [
+          r for r in metrics.read_trajectories(_FROM_ROLLOUTS.value) if r.get("task_id") in wanted
+      ]
       logging.info("%d logged trajectories of %s tasks", len(records), _SPLIT.value)
       result = demonstrations.from_rollouts(records, env, min_reward=_MIN_REWARD.value,
                                             require_success=_REQUIRE_SUCCESS.value)
@@ -94,7 +96,8 @@ def main(argv: list[str]) -> None:
           result.demos.append(record)
         if count % 50 == 0 or count == len(task_ids):
           logging.info("%d/%d tasks, %d demonstrations, %.0f s", count, len(task_ids),
-                       len(result.demos), time.perf_counter() - start)
+                       len(result.demos),
+                       time.perf_counter() - start)
   finally:
     env.close()
   jsonl.write(_OUT.value, result.demos)

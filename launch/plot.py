@@ -13,8 +13,7 @@ from absl import logging
 
 from agentgym_jax.tools import plots
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (its metrics.jsonl).",
-                               required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (its metrics.jsonl).", required=True)
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Where the PNGs go (default workdir/plots).")
 _SMOOTHING = flags.DEFINE_float(
     "smoothing", 0.6, "EMA weight in [0, 1) for noisy curves with >= 10 points (0: raw only).")

@@ -21,17 +21,16 @@ _HOST = flags.DEFINE_string("host", "127.0.0.1",
                             "Interface to listen on; 0.0.0.0 serves other machines too.")
 _PORT = flags.DEFINE_integer("port", 36001, "Port to listen on (0 picks a free one).")
 _MAX_ENVS = flags.DEFINE_integer("max_envs", 256, "Most envs hosted at once.")
-_IDLE_TIMEOUT = flags.DEFINE_float(
-    "idle_timeout", 1800.0, "Seconds after which an untouched env is closed (0: never).")
-_MAX_BODY_BYTES = flags.DEFINE_integer(
-    "max_body_bytes", 1 << 20, "Larger request bodies are refused with 413.")
+_IDLE_TIMEOUT = flags.DEFINE_float("idle_timeout", 1800.0,
+                                   "Seconds after which an untouched env is closed (0: never).")
+_MAX_BODY_BYTES = flags.DEFINE_integer("max_body_bytes", 1 << 20,
+                                       "Larger request bodies are refused with 413.")
 
 
 def main(argv: list[str]) -> None:
   del argv
-  server = AgentGymServer(_ENV.value, host=_HOST.value, port=_PORT.value,
-                          max_envs=_MAX_ENVS.value, idle_timeout_s=_IDLE_TIMEOUT.value,
-                          max_body_bytes=_MAX_BODY_BYTES.value)
+  server = AgentGymServer(_ENV.value, host=_HOST.value, port=_PORT.value, max_envs=_MAX_ENVS.value,
+                          idle_timeout_s=_IDLE_TIMEOUT.value, max_body_bytes=_MAX_BODY_BYTES.value)
   stop = threading.Event()
   for signum in (signal.SIGINT, signal.SIGTERM):
     signal.signal(signum, lambda *_: stop.set())

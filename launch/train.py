@@ -26,8 +26,8 @@ from agentgym_jax import cli, offline, pipeline, sharding
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Checkpoints, metrics, trajectories.")
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator", None, "host:port of process 0, for a run on several processes.")
+_COORDINATOR = flags.DEFINE_string("coordinator", None,
+                                   "host:port of process 0, for a run on several processes.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes of a multi-process run.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0..num_processes-1.")
 

@@ -25,8 +25,8 @@ _MAX_STEPS = flags.DEFINE_integer(
 def main(argv: list[str]) -> None:
   del argv
   out = viewer.write_viewer(_WORKDIR.value, _OUT.value, max_steps=_MAX_STEPS.value)
-  logging.info("Wrote %s (%.1f MB); open file://%s", out, os.path.getsize(out) / 2**20,
-               os.path.abspath(out))
+  logging.info("Wrote %s (%.1f MB); open file://%s", out,
+               os.path.getsize(out) / 2**20, os.path.abspath(out))
   print(os.path.abspath(out))
 
 

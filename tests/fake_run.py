@@ -47,17 +47,19 @@ def _trajectory(rng: random.Random, step: int, task_id: int, group: int, sample:
     termination = "env_timeout"
   else:
     termination = rng.choice(("done", "done", "done", "horizon", "context"))
-  num_turns = 0 if termination in ("env_error", "env_timeout") and failure < 0.03 else (
-      rng.randint(1, horizon))
+  num_turns = 0 if termination in ("env_error", "env_timeout") and failure < 0.03 else (rng.randint(
+      1, horizon))
   success = termination == "done" and rng.random() < 0.3 + 0.1 * step
   turn_rewards = [0.0] * num_turns
   if success:
     turn_rewards[-1] = 1.0
   elif num_turns and env == "sciworld":
     turn_rewards[0] = 0.25  # Partial progress, as SciWorld's score gives.
-  messages = [{"role": "user",
-               "content": f"{INSTRUCTIONS[env]}\n\nTask {task_id}: you are in a room "
-                          f"with a <chest> & a 'table'."}]
+  messages = [{
+      "role": "user",
+      "content": f"{INSTRUCTIONS[env]}\n\nTask {task_id}: you are in a room "
+                 f"with a <chest> & a 'table'."
+  }]
   if (step, task_id, sample) == NEEDLE_AT:
     messages[0]["content"] += f" A map of {NEEDLE.upper()} lies here."  # Found case-blind.
   for turn in range(num_turns):
@@ -70,13 +72,23 @@ def _trajectory(rng: random.Random, step: int, task_id: int, group: int, sample:
       observation = f"Observation {turn + 1}: nothing happens.\n  x <= y && y > z"
       messages.append({"role": "user", "content": observation})
   record = {
-      "task_id": task_id, "group": group, "sample": sample, "reward": sum(turn_rewards), "success": success,
-      "num_turns": num_turns, "termination": termination,
+      "task_id": task_id,
+      "group": group,
+      "sample": sample,
+      "reward": sum(turn_rewards),
+      "success": success,
+      "num_turns": num_turns,
+      "termination": termination,
       "error": ("adapter crashed: <ConnectionError> & retries exhausted"
                 if termination == "env_error" else ""),
-      "turn_rewards": turn_rewards, "messages": messages,
-      "num_tokens": 40 * (1 + 2 * num_turns), "num_trained_tokens": 25 * num_turns,
-      "info": {"success": success, "score": sum(turn_rewards) * 100},
+      "turn_rewards": turn_rewards,
+      "messages": messages,
+      "num_tokens": 40 * (1 + 2 * num_turns),
+      "num_trained_tokens": 25 * num_turns,
+      "info": {
+          "success": success,
+          "score": sum(turn_rewards) * 100
+      },
   }
   if task_id % 5 != 4:  # Some records lack the optional fields.
     record["env"] = env
@@ -98,23 +110,35 @@ def write_fake_run(workdir: str | os.PathLike[str], num_steps: int = 6, tasks_pe
   os.makedirs(os.path.join(workdir, "trajectories"), exist_ok=True)
   metric_lines = []
   for step in range(num_steps):
-    records = [_trajectory(rng, step, 1000 + (step * tasks_per_step + k) % 8, k, sample)
-               for k in range(tasks_per_step) for sample in range(samples_per_task)]
-    with open(os.path.join(workdir, "trajectories", f"step_{step:06d}.jsonl"), "w",
-              encoding="utf-8") as f:
+    records = [
+        _trajectory(rng, step, 1000 + (step * tasks_per_step + k) % 8, k, sample)
+        for k in range(tasks_per_step)
+        for sample in range(samples_per_task)
+    ]
+    with open(
+        os.path.join(workdir, "trajectories", f"step_{step:06d}.jsonl"), "w",
+        encoding="utf-8") as f:
       for record in records:
         f.write(json.dumps({"step": step, **record}, ensure_ascii=False) + "\n")
     count = len(records)
     row = {
-        "step": step, "time": 1.7e9 + 60.0 * step,
+        "step": step,
+        "time": 1.7e9 + 60.0 * step,
         "reward": sum(r["reward"] for r in records) / count,
         "success": sum(r["success"] for r in records) / count,
         "turns": sum(r["num_turns"] for r in records) / count,
-        "horizon_cap": 3 + step // 2, "horizon_stage": step // 2,
-        "tokens_per_s": 900.0 + 40.0 * step, "entropy": 1.2 - 0.1 * step,
-        "kl_to_ref": 0.002 * step, "grad_norm": 0.8 + 0.05 * step,
-        "logprob_gap_mean": 0.001, "policy/clip_fraction": 0.02 * step, "loss": 0.3 - 0.02 * step,
-        "time/rollout": 20.0 + step, "time/experience": 3.0, "time/update": 8.0,
+        "horizon_cap": 3 + step // 2,
+        "horizon_stage": step // 2,
+        "tokens_per_s": 900.0 + 40.0 * step,
+        "entropy": 1.2 - 0.1 * step,
+        "kl_to_ref": 0.002 * step,
+        "grad_norm": 0.8 + 0.05 * step,
+        "logprob_gap_mean": 0.001,
+        "policy/clip_fraction": 0.02 * step,
+        "loss": 0.3 - 0.02 * step,
+        "time/rollout": 20.0 + step,
+        "time/experience": 3.0,
+        "time/update": 8.0,
     }
     for termination in TERMINATIONS:
       row[f"termination/{termination}"] = sum(
@@ -123,8 +147,11 @@ def write_fake_run(workdir: str | os.PathLike[str], num_steps: int = 6, tasks_pe
       del row["entropy"]  # A key missing from one row...
       row["kl_to_ref"] = None  # ...and a non-finite value logged as null.
     if step % 2 == 1:  # Evaluations every other step, per category.
-      row.update({"eval/success": 0.2 + 0.1 * step, "eval/success/depth1": 0.3 + 0.1 * step,
-                  "eval/success/depth2": 0.1 + 0.05 * step})
+      row.update({
+          "eval/success": 0.2 + 0.1 * step,
+          "eval/success/depth1": 0.3 + 0.1 * step,
+          "eval/success/depth2": 0.1 + 0.05 * step
+      })
     metric_lines.append(json.dumps(row) + "\n")
   with open(os.path.join(workdir, "metrics.jsonl"), "w", encoding="utf-8") as f:
     f.writelines(metric_lines)

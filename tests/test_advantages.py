@@ -1,6 +1,5 @@
 """Advantage estimators: worked examples, textbook-loop parity, outcome-reward placement."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,9 +32,8 @@ def test_grpo_worked_example_single_group():
 def test_grpo_without_std_normalisation():
   # Dr. GRPO: [1, 0, 0, 0] -> mean 0.25 -> [0.75, -0.25, -0.25, -0.25], no division.
   rewards = jnp.array([1.0, 0.0, 0.0, 0.0])
-  out = grpo(
-      rewards, jnp.ones((4, 1)), jnp.zeros(4, jnp.int32), num_groups=1, normalize_by_std=False
-  )
+  out = grpo(rewards, jnp.ones((4, 1)), jnp.zeros(4, jnp.int32), num_groups=1,
+             normalize_by_std=False)
   np.testing.assert_allclose(out[:, 0], [0.75, -0.25, -0.25, -0.25], atol=1e-7)
 
 
@@ -64,8 +62,7 @@ def test_group_statistics_are_invariant_to_group_order():
   for estimator in (grpo, rloo):
     contiguous = estimator(jnp.asarray(rewards), mask, jnp.asarray(group_ids), num_groups=3)
     shuffled = estimator(
-        jnp.asarray(rewards[permutation]), mask, jnp.asarray(group_ids[permutation]), num_groups=3
-    )
+        jnp.asarray(rewards[permutation]), mask, jnp.asarray(group_ids[permutation]), num_groups=3)
     np.testing.assert_allclose(shuffled, np.asarray(contiguous)[permutation], atol=1e-6)
 
 
@@ -109,9 +106,7 @@ def test_reinforce_plus_plus_adds_token_rewards():
   # A -0.1 KL penalty on every trained token of row 0, gamma 1: returns at tokens 4, 1, 0 are
   # 1 - 0.1 = 0.9, 0.9 - 0.1 = 0.8, 0.7. Penalties on untrained tokens (2, 5) are ignored.
   token_rewards = jnp.full((2, 6), -0.1).at[1].set(0.0)
-  out = reinforce_plus_plus(
-      jnp.array([1.0, 0.0]), _MASK, token_rewards=token_rewards, gamma=1.0
-  )
+  out = reinforce_plus_plus(jnp.array([1.0, 0.0]), _MASK, token_rewards=token_rewards, gamma=1.0)
   np.testing.assert_allclose(out.returns[0], [0.7, 0.8, 0, 0, 0.9, 0], atol=1e-6)
 
 
@@ -120,9 +115,7 @@ def test_outcome_on_a_masked_token_is_lost_and_ours_is_not():
   # Rewards on untrained tokens never enter, so every return and advantage is 0: the success
   # teaches nothing. Passing the outcome as `rewards` places it on token 4 instead.
   reference_layout = jnp.zeros((2, 6)).at[0, 5].set(1.0)
-  lost = reinforce_plus_plus(
-      jnp.zeros(2), _MASK, token_rewards=reference_layout, gamma=0.5
-  )
+  lost = reinforce_plus_plus(jnp.zeros(2), _MASK, token_rewards=reference_layout, gamma=0.5)
   np.testing.assert_array_equal(lost.advantages, 0.0)
   ours = reinforce_plus_plus(jnp.array([1.0, 0.0]), _MASK, gamma=0.5)
   assert float(jnp.max(jnp.abs(ours.advantages))) > 0.5
@@ -173,9 +166,7 @@ def test_gae_matches_textbook_loop_on_random_multi_turn_masks():
   mask[3] = 0.0  # an all-padding row
   values = rng.normal(size=(batch, length)).astype(np.float32)
   rewards = rng.random(batch).astype(np.float32)
-  out = gae(
-      jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(values), gamma=0.95, lam=0.9
-  )
+  out = gae(jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(values), gamma=0.95, lam=0.9)
   raw = _reference_gae(rewards, mask, values, 0.95, 0.9)
   trained = mask.astype(bool)
   np.testing.assert_allclose(out.returns, np.where(trained, raw + values, 0.0), atol=1e-5)
@@ -188,9 +179,7 @@ def test_gae_with_full_mask_is_plain_gae():
   # Single-turn case, every token trained: lam = 1 gives the Monte-Carlo advantage
   # R * gamma^(T-1-t) - V_t. T = 3, gamma 0.5, R = 1, V = [0.1, 0.2, 0.3]:
   # raw = [0.25 - 0.1, 0.5 - 0.2, 1 - 0.3] = [0.15, 0.3, 0.7]; returns = [0.25, 0.5, 1].
-  out = gae(
-      jnp.array([1.0]), jnp.ones((1, 3)), jnp.array([[0.1, 0.2, 0.3]]), gamma=0.5, lam=1.0
-  )
+  out = gae(jnp.array([1.0]), jnp.ones((1, 3)), jnp.array([[0.1, 0.2, 0.3]]), gamma=0.5, lam=1.0)
   np.testing.assert_allclose(out.returns, [[0.25, 0.5, 1.0]], atol=1e-6)
   np.testing.assert_allclose(out.advantages[0], _whiten([0.15, 0.3, 0.7]), atol=1e-5)
 
@@ -203,6 +192,7 @@ def test_registry_estimators_jit_and_agree_with_direct_calls():
 
   @jax.jit
   def through_registry(rewards, mask, group_ids, values):
+
     def estimate(name, **inputs):
       return adv.get_advantage_estimator(name)(rewards, mask, **inputs).advantages
 
@@ -216,20 +206,17 @@ def test_registry_estimators_jit_and_agree_with_direct_calls():
   registry = through_registry(rewards, mask, group_ids, values)
   np.testing.assert_allclose(registry["grpo"], grpo(rewards, mask, group_ids, num_groups=2))
   np.testing.assert_allclose(registry["rloo"], rloo(rewards, mask, group_ids, num_groups=2))
-  np.testing.assert_allclose(
-      registry["reinforce_plus_plus"], reinforce_plus_plus(rewards, mask, gamma=0.9).advantages
-  )
-  np.testing.assert_allclose(
-      registry["gae"], gae(rewards, mask, values, gamma=0.9, lam=0.8).advantages, atol=1e-6
-  )
+  np.testing.assert_allclose(registry["reinforce_plus_plus"],
+                             reinforce_plus_plus(rewards, mask, gamma=0.9).advantages)
+  np.testing.assert_allclose(registry["gae"],
+                             gae(rewards, mask, values, gamma=0.9, lam=0.8).advantages, atol=1e-6)
 
 
 def test_registry_dispatches_and_returns_outcome_for_group_estimators():
   rewards = jnp.array([1.0, 0.0])
   mask = jnp.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-  out = adv.get_advantage_estimator("grpo")(
-      rewards, mask, group_ids=jnp.array([0, 0]), num_groups=1, normalize_by_std=False
-  )
+  out = adv.get_advantage_estimator("grpo")(rewards, mask, group_ids=jnp.array([0, 0]),
+                                            num_groups=1, normalize_by_std=False)
   np.testing.assert_allclose(out.advantages, [[0.5, 0.5, 0], [-0.5, 0, 0]])
   np.testing.assert_allclose(out.returns, [[1, 1, 0], [0, 0, 0]])
   assert set(adv.ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce_plus_plus", "gae"}
@@ -242,9 +229,8 @@ def test_registry_errors_are_clear():
   with pytest.raises(ValueError, match="'grpo' needs `group_ids`"):
     adv.get_advantage_estimator("grpo")(jnp.zeros(2), mask, num_groups=1)
   with pytest.raises(ValueError, match="'rloo' does not use `token_rewards`"):
-    adv.get_advantage_estimator("rloo")(
-        jnp.zeros(2), mask, group_ids=jnp.zeros(2, jnp.int32), num_groups=1, token_rewards=mask
-    )
+    adv.get_advantage_estimator("rloo")(jnp.zeros(2), mask, group_ids=jnp.zeros(2, jnp.int32),
+                                        num_groups=1, token_rewards=mask)
   with pytest.raises(ValueError, match="'gae' needs `values`"):
     adv.get_advantage_estimator("gae")(jnp.zeros(2), mask)
 

@@ -68,10 +68,11 @@ def _real(segments: np.ndarray | None, shape: tuple[int, int]) -> np.ndarray:
 
 def _value_and_grads(implementation: str, q, k, v, cotangent, segments, **options):
   """The attention's output and the gradients of <output, cotangent> by q, k and v."""
+
   def loss(q, k, v):
-    out = attention.causal_attention(q, k, v, segments, implementation=implementation,
-                                     **options)
+    out = attention.causal_attention(q, k, v, segments, implementation=implementation, **options)
     return jnp.sum(out * cotangent), out
+
   (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
   return out, grads
 
@@ -86,15 +87,16 @@ def _assert_matches_dense(implementation, heads, kv_heads, segment_kind, batch=4
   ref_out, ref_grads = _value_and_grads("dense", q, k, v, cotangent, segments)
   relative = tolerances.reordered_sum(LENGTH)
   assert relative < 1e-5
-  np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref_out)[real], rtol=0,
-                             atol=relative * float(jnp.max(jnp.abs(v))))
+  np.testing.assert_allclose(
+      np.asarray(out)[real],
+      np.asarray(ref_out)[real], rtol=0, atol=relative * float(jnp.max(jnp.abs(v))))
   for name, grad, ref in zip("qkv", grads, ref_grads):
     np.testing.assert_allclose(grad, ref, rtol=0, atol=relative * float(jnp.max(jnp.abs(ref))),
                                err_msg=f"d{name}")
 
 
-@pytest.mark.parametrize("segment_kind, block", [
-    ("none", 64), ("right_padded", 32), ("left_padded", 128), ("packed", 32)])
+@pytest.mark.parametrize("segment_kind, block", [("none", 64), ("right_padded", 32),
+                                                 ("left_padded", 128), ("packed", 32)])
 def test_flash_matches_dense_values_and_gradients(segment_kind, block):
   _assert_matches_dense("flash", 6, 2, segment_kind, block=block)
 
@@ -106,8 +108,9 @@ def test_flash_matches_dense_for_every_head_grouping(heads, kv_heads):
 
 def test_flash_in_bf16_stays_within_bf16_rounding_of_dense():
   q, k, v, _ = _inputs(2, LENGTH, 6, 2, 16)
-  run = jax.jit(lambda name: attention.causal_attention(
-      q, k, v, None, implementation=name, dtype=jnp.bfloat16, block=64), static_argnums=0)
+  run = jax.jit(
+      lambda name: attention.causal_attention(q, k, v, None, implementation=name, dtype=jnp.
+                                              bfloat16, block=64), static_argnums=0)
   # Both round q, k and v alike; each rounds every probability once to bf16 (relative error
   # 2^-9), flash before normalising and dense after, so an output moves by at most
   # 2 * 2^-9 * sum_s p_s |v_s| <= 2^-8 max|v| = 2^-8; 2^-7 leaves a factor 2 for the f32
@@ -197,12 +200,14 @@ def _model(implementation: str, remat: str = "none") -> Decoder:
 @nnx.jit
 def _logits_and_grads(model: Decoder, tokens, attention_mask):
   """Logits and the gradient of the mean next-token NLL of the real tokens by every parameter."""
+
   def loss(model):
     logits = model(tokens[:, :-1], attention_mask=attention_mask[:, :-1])
     logprobs = jax.nn.log_softmax(logits)
     picked = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)[..., 0]
     weights = attention_mask[:, 1:] * attention_mask[:, :-1]
     return -jnp.sum(picked * weights) / jnp.sum(weights), logits
+
   (_, logits), grads = nnx.value_and_grad(loss, has_aux=True)(model)
   return logits, grads
 
@@ -218,14 +223,17 @@ def test_model_logits_and_loss_gradient_equal_the_dense_models(remat, monkeypatc
   real = attention_mask[:, :-1].astype(bool)
   scale = float(jnp.max(jnp.abs(ref_logits)))
   # The decoder's error model (L layers, the widest dot K) with attention's sum over the row.
-  atol = tolerances.reordered_logits(CONFIG.num_layers,
-                                     max(CONFIG.intermediate_size, LENGTH), scale)
-  np.testing.assert_allclose(np.asarray(logits)[real], np.asarray(ref_logits)[real], rtol=0,
-                             atol=atol)
+  atol = tolerances.reordered_logits(CONFIG.num_layers, max(CONFIG.intermediate_size, LENGTH),
+                                     scale)
+  np.testing.assert_allclose(
+      np.asarray(logits)[real],
+      np.asarray(ref_logits)[real], rtol=0, atol=atol)
   # A weight's gradient sums the same per-token errors over the batch's tokens.
-  relative = tolerances.reordered_sum(CONFIG.num_layers * max(CONFIG.intermediate_size, LENGTH)
-                                      * int(real.sum()))
+  relative = tolerances.reordered_sum(CONFIG.num_layers * max(CONFIG.intermediate_size, LENGTH) *
+                                      int(real.sum()))
+
   def check(path, grad, ref):
     np.testing.assert_allclose(grad, ref, rtol=0, atol=relative * float(jnp.max(jnp.abs(ref))),
                                err_msg=jax.tree_util.keystr(path))
+
   jax.tree_util.tree_map_with_path(check, nnx.state(grads), nnx.state(ref_grads))

@@ -63,8 +63,11 @@ def test_task_ids_map_to_level_and_seed_like_agentgym_data_idx(env):
   # AgentGym's server: level = all_levels[idx % 40 + 1] (1-based), seed = idx // 40.
   assert env.task_info(0) == {"category": "GoTo", "level": "BabyAI-GoToRedBallGrey-v0", "seed": 0}
   assert env.task_info(41) == {"category": "GoTo", "level": "BabyAI-GoToRedBall-v0", "seed": 1}
-  assert env.task_info(38 + 40 * 7) == {"category": "Synth", "level": "BabyAI-BossLevel-v0",
-                                         "seed": 7}
+  assert env.task_info(38 + 40 * 7) == {
+      "category": "Synth",
+      "level": "BabyAI-BossLevel-v0",
+      "seed": 7
+  }
   assert len(LEVELS) == 40
   assert all(name in gymnasium.envs.registry for name, _ in LEVELS)
 
@@ -90,8 +93,10 @@ def test_reset_is_the_same_in_another_process_with_another_hash_seed(env):
   ids = [10, 38, 77]
   script = ("from environments.babyai import BabyAIEnv; import json; e = BabyAIEnv(); "
             f"print(json.dumps([e.reset(t) for t in {ids}]))")
-  other = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                         text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "12345"})
+  other = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                         check=True, env={
+                             **os.environ, "PYTHONHASHSEED": "12345"
+                         })
   assert json.loads(other.stdout) == [env.reset(t) for t in ids]
 
 
@@ -124,12 +129,11 @@ def test_first_observation_of_a_seeded_level(env):
       "- red ball 1: 4 steps forward, 3 steps right",
       "You are facing a wall, 6 steps away.",
       "You are carrying nothing.",
-      "Available actions: " + json.dumps(
-          ["turn left", "turn right", "move forward"]
-          + [f"{verb} {name}" for verb in ("go to", "pick up") for name in (
-              "yellow key 1", "grey ball 1", "purple key 1", "blue key 1", "red box 1",
-              "green key 1", "grey ball 2", "red ball 1")]
-          + ["check available actions"]),
+      "Available actions: " + json.dumps(["turn left", "turn right", "move forward"] + [
+          f"{verb} {name}" for verb in ("go to", "pick up")
+          for name in ("yellow key 1", "grey ball 1", "purple key 1", "blue key 1", "red box 1",
+                       "green key 1", "grey ball 2", "red ball 1")
+      ] + ["check available actions"]),
   ])
   level = env.minigrid_env
   assert tuple(level.agent_pos) == (6, 5) and level.agent_dir == 2
@@ -139,13 +143,17 @@ def test_first_observation_of_a_seeded_level(env):
 
 def test_scene_numbers_objects_nearest_first_and_places_them_in_steps():
   # Agent at (3, 5) facing up (-y): forward = 5 - y, right = x - 3.
-  room = _room((3, 5), UP, {(3, 4): Box("grey"), (3, 2): Ball("red"), (1, 5): Key("yellow"),
-                            (5, 1): Ball("red")})
+  room = _room((3, 5), UP, {
+      (3, 4): Box("grey"),
+      (3, 2): Ball("red"),
+      (1, 5): Key("yellow"),
+      (5, 1): Ball("red")
+  })
   assert scene_lib.observe(room).describe() == "\n".join([
       "You see:",
-      "- grey box 1: 1 step forward",            # distance 1
-      "- yellow key 1: 2 steps left",            # distance 2
-      "- red ball 1: 3 steps forward",           # distance 3
+      "- grey box 1: 1 step forward",  # distance 1
+      "- yellow key 1: 2 steps left",  # distance 2
+      "- red ball 1: 3 steps forward",  # distance 3
       "- red ball 2: 4 steps forward, 2 steps right",  # distance 6
       "You are facing grey box 1, 1 step away.",
       "You are carrying nothing.",
@@ -229,9 +237,10 @@ def test_parser_reads_the_action_line(reply, expected):
   assert (command.verb, command.color, command.kind, command.index) == expected
 
 
-@pytest.mark.parametrize("reply", ["Action: go through red ball 1", "Action: go to pink ball 1",
-                                   "Action: fly", "Action: go to red ball one",
-                                   "Action: go to red ball " + "9" * 5000, ""])
+@pytest.mark.parametrize("reply", [
+    "Action: go through red ball 1", "Action: go to pink ball 1", "Action: fly",
+    "Action: go to red ball one", "Action: go to red ball " + "9" * 5000, ""
+])
 def test_parser_rejects_actions_outside_the_grammar(reply):
   assert actions_lib.parse(actions_lib.extract_action(reply)) is None
 
@@ -271,18 +280,20 @@ def test_every_listed_action_is_accepted(env, task_id):
     assert env.step(_reply(action)).info["valid_action"], action
 
 
-_WORDS = ["turn", "left", "right", "move", "forward", "go", "to", "through", "toggle", "and",
-          "pick", "up", "pickup", "drop", "check", "available", "actions", "the", "a", "red",
-          "grey", "yellow", "ball", "box", "key", "door", "1", "2", "0", "99", "Action:",
-          "Thought:", "\n", ".", '"', "`", "ACTION :", "é", "\x00"]
+_WORDS = [
+    "turn", "left", "right", "move", "forward", "go", "to", "through", "toggle", "and", "pick",
+    "up", "pickup", "drop", "check", "available", "actions", "the", "a", "red", "grey", "yellow",
+    "ball", "box", "key", "door", "1", "2", "0", "99", "Action:", "Thought:", "\n", ".", '"', "`",
+    "ACTION :", "é", "\x00"
+]
 
 
 @hypothesis.settings(max_examples=150, deadline=None,
                      suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
 @hypothesis.given(
-    task_id=st.sampled_from([1, 16, 31]),
-    reply=st.one_of(st.text(max_size=120),
-                    st.lists(st.sampled_from(_WORDS), max_size=10).map(" ".join)))
+    task_id=st.sampled_from([1, 16, 31]), reply=st.one_of(
+        st.text(max_size=120),
+        st.lists(st.sampled_from(_WORDS), max_size=10).map(" ".join)))
 def test_any_reply_gets_an_observation_never_an_exception(env, task_id, reply):
   env.reset(task_id)
   result = env.step(reply)
@@ -327,9 +338,14 @@ def test_running_out_of_steps_ends_the_episode_without_reward(env):
 
 # --- whole episodes ------------------------------------------------------------------------
 
-_BOT_TEXT = {Actions.left: "turn left", Actions.right: "turn right",
-             Actions.forward: "move forward", Actions.pickup: "pick up", Actions.drop: "drop",
-             Actions.toggle: "toggle"}
+_BOT_TEXT = {
+    Actions.left: "turn left",
+    Actions.right: "turn right",
+    Actions.forward: "move forward",
+    Actions.pickup: "pick up",
+    Actions.drop: "drop",
+    Actions.toggle: "toggle"
+}
 
 
 # Test-split tasks over the families (BabyAIBot cannot solve KeyInBox, PutNextS7N4Carrying
@@ -347,8 +363,9 @@ def test_expert_bot_solves_test_tasks_through_text_actions(env, task_id):
   assert result.info["success"] and result.reward > 0
 
 
-_GOAL = re.compile(r"^Your goal: (go to|pick up) (?:the|a) "
-                   r"(?:(red|green|blue|purple|yellow|grey) )?(ball|box|key)$", re.M)
+_GOAL = re.compile(
+    r"^Your goal: (go to|pick up) (?:the|a) "
+    r"(?:(red|green|blue|purple|yellow|grey) )?(ball|box|key)$", re.M)
 
 
 def _play_high_level(env, task_id):

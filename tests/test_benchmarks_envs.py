@@ -10,8 +10,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 def test_quick_run_measures_every_mode_of_textcraft_on_the_same_episodes():
   completed = subprocess.run(
-      [sys.executable, str(REPO / "benchmarks" / "envs.py"), "--quick", "--envs=textcraft"],
-      cwd=REPO, capture_output=True, text=True, timeout=120)
+      [sys.executable,
+       str(REPO / "benchmarks" / "envs.py"), "--quick", "--envs=textcraft"], cwd=REPO,
+      capture_output=True, text=True, timeout=120)
   assert completed.returncode == 0, completed.stderr
   row = r"^\| textcraft \| (\S+) \| (\d+) \| (\d+) \| (\d+) \| ([\d,.]+) \| ([\d.]+) \|"
   rows = re.findall(row, completed.stdout, re.MULTILINE)

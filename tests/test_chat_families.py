@@ -74,20 +74,21 @@ def _echo_config(checkpoint_dir, thinking):
 
 # Qwen3 with thinking on lays out turns as plain ChatML does (covered by every other tiny-model
 # test), so it runs with the slow tests; each case compiles a sampler and an update (~30 s).
-@pytest.mark.parametrize("chat,thinking", [
-    ("llama3", "on"), pytest.param("qwen3", "on", marks=pytest.mark.slow), ("qwen3", "off")])
+@pytest.mark.parametrize("chat,thinking", [("llama3", "on"),
+                                           pytest.param("qwen3", "on", marks=pytest.mark.slow),
+                                           ("qwen3", "off")])
 def test_rollout_and_training_step_on_each_chat_family(checkpoint, chat, thinking, tmp_path,
-                                                      monkeypatch):
+                                                       monkeypatch):
   c = _echo_config(checkpoint(chat), thinking)
   settings = run.Settings.from_config(c)
   model, tokenizer = load_model(c.model.name, dtype=jnp.float32)
   template = settings.chat(tokenizer)
   sampler = Sampler(model, cache_slots=128, max_batch=4)
   with EnvPool("echo", 4, options={"turns": 2}) as pool:
-    trajectories, _ = rollout.collect(
-        sampler, sampler.params, pool, template, [(0, 0), (0, 0), (1, 1), (1, 1)], horizon=2,
-        sampling=rollout.TurnSampling(max_new_tokens=3), max_context=128,
-        key=jax.random.key(0))
+    trajectories, _ = rollout.collect(sampler, sampler.params, pool, template, [(0, 0), (0, 0),
+                                                                                (1, 1), (1, 1)],
+                                      horizon=2, sampling=rollout.TurnSampling(max_new_tokens=3),
+                                      max_context=128, key=jax.random.key(0))
   # The text of the prompt each trajectory starts with (_check_turns: token for token).
   prompt = template.render_text(trajectories[0].messages[:1])
   if chat == "llama3":
@@ -98,8 +99,8 @@ def test_rollout_and_training_step_on_each_chat_family(checkpoint, chat, thinkin
     assert prompt.endswith("<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
   else:
     assert prompt.startswith("<|im_start|>user\n")
-    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n" if thinking == "off"
-                           else "<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n" if thinking ==
+                           "off" else "<|im_end|>\n<|im_start|>assistant\n")
   for trajectory in trajectories:
     _check_turns(trajectory, template)
 
@@ -110,25 +111,24 @@ def test_rollout_and_training_step_on_each_chat_family(checkpoint, chat, thinkin
   assert metrics["step"] == 1 and np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
 
 
-@pytest.mark.parametrize("env_name,chat", [
-    ("textcraft", "qwen3"), ("searchqa", "llama3"),
-    pytest.param("textcraft", "chatml", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("env_name,chat",
+                         [("textcraft", "qwen3"), ("searchqa", "llama3"),
+                          pytest.param("textcraft", "chatml", marks=pytest.mark.slow)])
 def test_tool_call_episodes_play_on_the_tiny_model(checkpoint, env_name, chat):
   model, tokenizer = load_model(checkpoint(chat), dtype=jnp.float32)
   sampler = Sampler(model, cache_slots=4096, max_batch=2)
   with EnvPool(env_name, 2, options={"action_format": "tool_call"}) as pool:
     tools = pool.tools
-    trajectories, _ = rollout.collect(
-        sampler, sampler.params, pool, tokenizer.chat, [(0, 0), (1, 1)], horizon=3,
-        sampling=rollout.TurnSampling(max_new_tokens=8), max_context=4096,
-        key=jax.random.key(0))
+    trajectories, _ = rollout.collect(sampler, sampler.params, pool, tokenizer.chat, [(0, 0),
+                                                                                      (1, 1)],
+                                      horizon=3, sampling=rollout.TurnSampling(max_new_tokens=8),
+                                      max_context=4096, key=jax.random.key(0))
   assert tools == base.tools_of(base.make(env_name, action_format="tool_call"))
   for trajectory in trajectories:
     assert trajectory.tools == tools and trajectory.to_json()["tools"] == tools
     assert trajectory.termination == "horizon" and trajectory.num_turns == 3
     # A random policy calls no tool: each observation says so, and the episode goes on.
-    assert all(m["content"].startswith("Invalid tool call: ")
-               for m in trajectory.messages[2::2])
+    assert all(m["content"].startswith("Invalid tool call: ") for m in trajectory.messages[2::2])
     _check_turns(trajectory, tokenizer.chat, tools)
   # The tools are shown where the family's template shows them: Qwen3 in the system turn,
   # Llama 3.x in the first user turn, a template without tools in our system text.
@@ -141,7 +141,7 @@ def test_tool_call_episodes_play_on_the_tiny_model(checkpoint, env_name, chat):
 def test_a_chat_the_model_cannot_have_is_a_config_error(checkpoint):
   c = _echo_config(checkpoint("llama3"), "off")
   tokenizer = Tokenizer.from_pretrained(c.model.name)
-  with pytest.raises(config_lib.ConfigError,
-                     match=r"^invalid config: model.name='.*', model.thinking='off': "
-                           r"thinking off needs a chat template with a thinking switch"):
+  with pytest.raises(
+      config_lib.ConfigError, match=r"^invalid config: model.name='.*', model.thinking='off': "
+      r"thinking off needs a chat template with a thinking switch"):
     run.Settings.from_config(c).chat(tokenizer)

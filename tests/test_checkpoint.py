@@ -19,7 +19,6 @@ from agentgym_jax.sharding import make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
 _OPTIMIZER = optax.adamw(1e-3, weight_decay=0.01)
 
 
@@ -36,11 +35,18 @@ def _train_state(seed: int = 0) -> dict:
   rng = np.random.default_rng(seed)
   params, opt_state = _one_adamw_update({
       "embed": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32),
-      "layers": {"mlp": jnp.asarray(rng.normal(size=(2, 8, 4)), jnp.bfloat16),
-                 "norm": jnp.ones((8,), jnp.float32)},
+      "layers": {
+          "mlp": jnp.asarray(rng.normal(size=(2, 8, 4)), jnp.bfloat16),
+          "norm": jnp.ones((8,), jnp.float32)
+      },
   })
-  return {"params": params, "opt_state": opt_state, "step": jnp.asarray(7, jnp.int32),
-          "rng": jax.random.key_data(jax.random.key(seed)), "typed_rng": jax.random.key(seed)}
+  return {
+      "params": params,
+      "opt_state": opt_state,
+      "step": jnp.asarray(7, jnp.int32),
+      "rng": jax.random.key_data(jax.random.key(seed)),
+      "typed_rng": jax.random.key(seed)
+  }
 
 
 def _assert_trees_bit_equal(actual, expected) -> None:
@@ -58,9 +64,22 @@ def _abstract(tree):
 
 def test_round_trip_is_bit_exact_with_adamw_state_prng_key_and_meta(tmp_path):
   state = _train_state()
-  meta = {"step": 7, "rng": [int(v) for v in jax.random.key_data(jax.random.key(3))],
-          "horizon_stage": 1, "task_cursor": {"epoch": 0, "index": 96},
-          "config": {"lr": 1e-6, "caps": [10, 20, 30]}, "metrics": {"reward/mean": 0.25}}
+  meta = {
+      "step": 7,
+      "rng": [int(v) for v in jax.random.key_data(jax.random.key(3))],
+      "horizon_stage": 1,
+      "task_cursor": {
+          "epoch": 0,
+          "index": 96
+      },
+      "config": {
+          "lr": 1e-6,
+          "caps": [10, 20, 30]
+      },
+      "metrics": {
+          "reward/mean": 0.25
+      }
+  }
   with Checkpointer(tmp_path, keep=2) as checkpointer:
     assert checkpointer.latest_step() is None
     assert checkpointer.save(7, state, meta)
@@ -97,8 +116,10 @@ def test_async_save_is_complete_after_wait_and_on_reopen(tmp_path):
 def test_keeps_newest_n_plus_every_kth_and_saves_every_nth(tmp_path):
   state = {"w": jnp.zeros((2,))}
   with Checkpointer(tmp_path, keep=2, keep_every=4, save_every=2) as checkpointer:
-    saved = [step for step in range(1, 13)
-             if checkpointer.save(step, jax.tree.map(lambda x: x + step, state), {"step": step})]
+    saved = [
+        step for step in range(1, 13)
+        if checkpointer.save(step, jax.tree.map(lambda x: x + step, state), {"step": step})
+    ]
     # save_every=2 writes the even steps; keep=2 keeps 10 and 12, keep_every=4 keeps 4 and 8.
     assert saved == [2, 4, 6, 8, 10, 12]
     assert checkpointer.all_steps() == [4, 8, 10, 12]
@@ -117,12 +138,14 @@ def test_restore_places_arrays_in_target_named_shardings_on_the_mesh(tmp_path):
   # Saved from a single device ...
   state = {"params": {"embed": embed, "bias": jnp.arange(8, dtype=jnp.float32)}}
   # ... restored split over fsdp x tensor, the bias replicated.
-  targets = {"params": {
-      "embed": NamedSharding(mesh, PartitionSpec("fsdp", "tensor")),
-      "bias": NamedSharding(mesh, PartitionSpec()),
-  }}
-  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          state, targets)
+  targets = {
+      "params": {
+          "embed": NamedSharding(mesh, PartitionSpec("fsdp", "tensor")),
+          "bias": NamedSharding(mesh, PartitionSpec()),
+      }
+  }
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                          targets)
   with Checkpointer(tmp_path) as checkpointer:
     checkpointer.save(5, state, {"step": 5})
     restored, _ = checkpointer.restore(abstract)
@@ -179,8 +202,8 @@ def test_kill_during_save_leaves_the_previous_step_as_latest(tmp_path, kill_poin
   log = tmp_path / "writer.log"
   with open(log, "w") as log_file:
     process = subprocess.Popen(
-        [sys.executable, "-c", _SAVE_THEN_DIE, str(directory), str(marker)],
-        env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        [sys.executable, "-c", _SAVE_THEN_DIE,
+         str(directory), str(marker)], env=env, stdout=log_file, stderr=subprocess.STDOUT)
 
   def temporary_step_2():
     if not directory.exists():
@@ -208,7 +231,7 @@ def test_structure_mismatch_names_the_differing_keys(tmp_path):
     checkpointer.save(4, {"params": {"w": jnp.zeros((2, 3)), "b": jnp.zeros((3,))}}, {"step": 4})
     expected = {"params": {"w": jnp.zeros((2, 3)), "bias": jnp.zeros((3,))}}
     with pytest.raises(ValueError, match=r"step 4 .*does not expect: params/b;.*"
-                                         r"expects: params/bias"):
+                       r"expects: params/bias"):
       checkpointer.restore(expected)
     with pytest.raises(ValueError, match=r"params/w: saved \(2, 3\), expected \(3, 3\)"):
       checkpointer.restore({"params": {"w": jnp.zeros((3, 3)), "b": jnp.zeros((3,))}})

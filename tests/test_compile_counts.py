@@ -35,8 +35,9 @@ def _fun_name(name: str) -> str:
 
 def test_horizon_stages_compile_only_the_first_continuation_prefill(checkpoint_dir, tmp_path,
                                                                     monkeypatch):
-  monkeypatch.setattr(sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
-      np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
+  monkeypatch.setattr(
+      sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
+          np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
   lowered: list[str] = []
 
   def on_duration(event, duration, **kwargs):

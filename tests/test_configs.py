@@ -9,8 +9,10 @@ from agentgym_jax import config as config_lib
 from agentgym_jax.models import MODELS
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
-RL_CONFIGS = ["grpo_textcraft", "grpo_babyai", "grpo_sciworld", "ppo_textcraft",
-              "rloo_textcraft", "reinforce_pp_textcraft"]
+RL_CONFIGS = [
+    "grpo_textcraft", "grpo_babyai", "grpo_sciworld", "ppo_textcraft", "rloo_textcraft",
+    "reinforce_pp_textcraft"
+]
 
 
 def load(name: str):
@@ -66,7 +68,7 @@ def test_rollout_pipeline_and_cache_keys_are_validated(key, value, message):
 
 @pytest.mark.parametrize("advantage, kl_in_reward_coef, samples_per_task, message", [
     ("grpo", 0.01, 8, r"kl_in_reward_coef=0.01 needs a token-level estimator, one of "
-                      r"\['gae', 'reinforce_plus_plus'\]; 'grpo' takes one reward"),
+     r"\['gae', 'reinforce_plus_plus'\]; 'grpo' takes one reward"),
     ("rloo", 0.0, 1, r"algorithm.advantage='rloo' compares samples of a task"),
     ("reinforce_plus_plus", 0.01, 1, None),
     ("gae", 0.01, 1, None),
@@ -85,12 +87,14 @@ def test_what_an_estimator_reads_is_checked_at_start_up(advantage, kl_in_reward_
       config_lib.validate(c)
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("grpo_std", "sample", r"algorithm.grpo_std='sample' is not 'population' or 'unbiased'"),
-    ("grpo_eps", -1e-6, r"algorithm.grpo_eps=-1e-06 must be >= 0"),
-    ("kl_in_reward_estimator", "k4", r"algorithm.kl_in_reward_estimator='k4' is not one of"),
-    ("kl_estimator", "kl", None),  # verl's name for k1
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("grpo_std", "sample", r"algorithm.grpo_std='sample' is not 'population' or 'unbiased'"),
+        ("grpo_eps", -1e-6, r"algorithm.grpo_eps=-1e-06 must be >= 0"),
+        ("kl_in_reward_estimator", "k4", r"algorithm.kl_in_reward_estimator='k4' is not one of"),
+        ("kl_estimator", "kl", None),  # verl's name for k1
+    ])
 def test_verl_compatible_algorithm_keys_are_validated(key, value, message):
   c = load("grpo_textcraft")("")
   c.algorithm[key] = value
@@ -157,7 +161,7 @@ def _set(c, key, value):
 @pytest.mark.parametrize("key, value, message", [
     ("model.thinking", "maybe", r"model.thinking='maybe' is not 'on' or 'off'"),
     ("env.action_format", "json", r"env.action_format='json' is not one of \('react', "
-                                  r"'tool_call'\)"),
+     r"'tool_call'\)"),
     ("env.name", "echo", r"env.action_format='tool_call': env 'echo' publishes no tools"),
     ("env.options.action_format", "tool_call",
      r"set env.action_format, not env.options.action_format"),

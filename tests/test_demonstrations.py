@@ -48,8 +48,9 @@ def test_oracle_demos_of_every_train_goal_up_to_depth_2_succeed_on_replay(textcr
   assert result.rejected == []
   assert [d["task_id"] for d in result.demos] == task_ids
   for demo in result.demos:
-    assert set(demo) == {"task_id", "env", "category", "source", "reward", "success",
-                         "num_turns", "messages"}
+    assert set(demo) == {
+        "task_id", "env", "category", "source", "reward", "success", "num_turns", "messages"
+    }
     assert (demo["env"], demo["source"]) == ("textcraft", "textcraft_oracle")
     assert demo["success"] and demo["reward"] == 1.0
     assert demo["category"] == textcraft.task_info(demo["task_id"])["category"]
@@ -65,8 +66,10 @@ def test_oracle_demos_of_every_train_goal_up_to_depth_2_succeed_on_replay(textcr
 
 
 def test_textcraft_thoughts_say_what_each_action_is_for():
-  plan = ["get 2 oak logs", "craft 4 oak planks using 1 oak logs",
-          "craft 4 oak planks using 1 oak logs", "craft 1 chest using 8 oak planks"]
+  plan = [
+      "get 2 oak logs", "craft 4 oak planks using 1 oak logs",
+      "craft 4 oak planks using 1 oak logs", "craft 1 chest using 8 oak planks"
+  ]
   # The chest takes 8 oak planks = 2 crafts of 4, which take 2 x 1 oak logs.
   assert [textcraft_expert.thought(plan, i, "chest") for i in range(4)] == [
       "To craft the oak planks I need 2 oak logs, which I can get directly, so I get 2.",
@@ -174,8 +177,15 @@ def _rollout(task_id, replies, *, reward, success, messages=None):
       messages += [{"role": "assistant", "content": text}]
       if i + 1 < len(replies):
         messages += [{"role": "user", "content": "stale observation"}]
-  return {"task_id": task_id, "group": 0, "reward": reward, "success": success,
-          "num_turns": len(replies), "termination": "done", "messages": messages}
+  return {
+      "task_id": task_id,
+      "group": 0,
+      "reward": reward,
+      "success": success,
+      "num_turns": len(replies),
+      "termination": "done",
+      "messages": messages
+  }
 
 
 def test_from_rollouts_filters_dedupes_and_replays(textcraft):
@@ -260,9 +270,10 @@ def test_jsonl_round_trip_and_bad_lines(tmp_path, textcraft):
 
 def test_make_demos_writes_verified_textcraft_demos(tmp_path):
   out = tmp_path / "demos.jsonl"
-  subprocess.run([sys.executable, "launch/make_demos.py", "--env=textcraft", "--split=train",
-                  f"--out={out}", "--max_depth=1", "--limit=5"], cwd=REPO, check=True,
-                 capture_output=True, text=True)
+  subprocess.run([
+      sys.executable, "launch/make_demos.py", "--env=textcraft", "--split=train", f"--out={out}",
+      "--max_depth=1", "--limit=5"
+  ], cwd=REPO, check=True, capture_output=True, text=True)
   demos = jsonl.read(out)
   assert len(demos) == 5
   assert all(d["success"] and d["category"] == "depth1" for d in demos)
@@ -299,8 +310,8 @@ def test_oracle_demos_succeed_in_the_tool_call_format(textcraft):
     # observations.
     actions = [parse_action(r) for r in _replies(react_demo)]
     calls = _tool_calls(demo)
-    assert [tool_env.action_format.tools[name].action_text(arguments)
-            for name, arguments in calls] == actions
+    assert [tool_env.action_format.tools[name].action_text(arguments) for name, arguments in calls
+           ] == actions
     assert {name for name, _ in calls} <= {"get", "craft"}
     observations = [m["content"] for m in demo["messages"][2::2]]
     assert observations == [m["content"] for m in react_demo["messages"][2::2]]
@@ -325,6 +336,7 @@ def test_searchqa_expert_answers_every_test_question(action_format):
 
 
 def test_searchqa_has_no_expert_for_questions_without_hops():
+
   class Flashrag:
     name = "searchqa"
 

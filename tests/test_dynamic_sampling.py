@@ -29,8 +29,16 @@ def test_a_group_has_signal_when_the_rewards_entering_the_loss_differ():
 
 
 # The fake environment's rewards per task: tasks 0-3 give a group without signal, 4-7 with.
-_REWARDS = {0: (0.0, 0.0), 1: (1.0, 1.0), 2: (0.0, 0.0), 3: (1.0, 1.0),
-            4: (0.0, 1.0), 5: (1.0, 0.0), 6: (0.5, 1.0), 7: (0.0, 0.5)}
+_REWARDS = {
+    0: (0.0, 0.0),
+    1: (1.0, 1.0),
+    2: (0.0, 0.0),
+    3: (1.0, 1.0),
+    4: (0.0, 1.0),
+    5: (1.0, 0.0),
+    6: (0.5, 1.0),
+    7: (0.0, 0.5)
+}
 
 
 class _FakeEpisodes:
@@ -41,8 +49,11 @@ class _FakeEpisodes:
 
   def __call__(self, task_ids, round_index):
     self.calls.append((list(task_ids), round_index))
-    trajectories = [dataclasses.replace(_trajectory(task, reward), group=group)
-                    for group, task in enumerate(task_ids) for reward in _REWARDS[task]]
+    trajectories = [
+        dataclasses.replace(_trajectory(task, reward), group=group)
+        for group, task in enumerate(task_ids)
+        for reward in _REWARDS[task]
+    ]
     return trajectories, rollout.RolloutStats(generate_s=1.0, env_s=0.5, generated_tokens=10)
 
 
@@ -75,9 +86,11 @@ def test_rounds_are_played_until_enough_groups_have_signal():
   assert cursor == 4 and step.rounds == 2 and step.signal_groups == 2
   assert len(step.played) == 8
   assert step.stats.generate_s == 2.0 and step.stats.generated_tokens == 20
-  assert step.metrics(2) == {"dynamic_sampling/rounds": 2,
-                             "dynamic_sampling/kept_fraction": 0.5,
-                             "dynamic_sampling/filled_groups": 0}
+  assert step.metrics(2) == {
+      "dynamic_sampling/rounds": 2,
+      "dynamic_sampling/kept_fraction": 0.5,
+      "dynamic_sampling/filled_groups": 0
+  }
 
 
 def test_extra_groups_with_signal_are_left_out_in_play_order():
@@ -94,9 +107,11 @@ def test_when_rounds_run_out_groups_without_signal_fill_the_batch_untrained():
   assert [t.task_id for t in step.batch[::2]] == [7, 0]
   assert step.trained == [True, True, False, False]
   assert cursor == 6 and step.rounds == 3
-  assert step.metrics(2) == {"dynamic_sampling/rounds": 3,
-                             "dynamic_sampling/kept_fraction": 1 / 6,
-                             "dynamic_sampling/filled_groups": 1}
+  assert step.metrics(2) == {
+      "dynamic_sampling/rounds": 3,
+      "dynamic_sampling/kept_fraction": 1 / 6,
+      "dynamic_sampling/filled_groups": 1
+  }
 
 
 def test_without_dynamic_sampling_one_round_is_trained_whatever_its_rewards():
@@ -118,7 +133,7 @@ def test_dynamic_sampling_keys_are_validated_at_start_up():
   c.rollout.samples_per_task = 1
   c.algorithm.advantage = "reinforce_plus_plus"
   with pytest.raises(config_lib.ConfigError, match=r"rollout.dynamic_sampling keeps the groups "
-                                                   r"whose rewards differ"):
+                     r"whose rewards differ"):
     config_lib.validate(c)
 
 
@@ -131,8 +146,9 @@ def _single_device(monkeypatch):
   import jax
   from agentgym_jax import sharding
 
-  monkeypatch.setattr(sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
-      np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
+  monkeypatch.setattr(
+      sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
+          np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
 
 
 def test_a_resumed_dynamic_sampling_run_matches_an_uninterrupted_one(checkpoint_dir, tmp_path,
@@ -169,8 +185,8 @@ def test_a_resumed_dynamic_sampling_run_matches_an_uninterrupted_one(checkpoint_
       np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=key)
   # The checkpoints keep the cursor: 4 tasks a round played.
   with checkpoint.Checkpointer(tmp_path / "straight" / "checkpoints") as saved:
-    assert [saved.read_meta(step)["task_cursor"] for step in (2, 4)] == [
-        4 * sum(rounds[:2]), 4 * sum(rounds)]
+    assert [saved.read_meta(step)["task_cursor"] for step in (2, 4)
+           ] == [4 * sum(rounds[:2]), 4 * sum(rounds)]
   # Every trained group's rewards differ; a filling group's rows have no advantage (no trained
   # token), and there are as many as the metrics say.
   for step, row in enumerate(straight, start=1):

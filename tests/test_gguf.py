@@ -32,8 +32,11 @@ def test_tensor_names_and_shapes_match_transformers(smollm2, transformers_smollm
   assert config["tie_word_embeddings"]
   assert set(reference) - set(ours) == {"lm_head.weight"}
   assert set(ours) <= set(reference)
-  assert {name: ours[name].shape for name in ours} == {
-      name: tuple(reference[name].shape) for name in ours}
+  assert {
+      name: ours[name].shape for name in ours
+  } == {
+      name: tuple(reference[name].shape) for name in ours
+  }
   assert all(weight.dtype == np.float32 for weight in ours.values())
 
 
@@ -62,10 +65,10 @@ def test_query_and_key_rows_are_unpermuted(smollm2, transformers_smollm2):
 def test_config_matches_transformers(smollm2, transformers_smollm2):
   ours, _ = smollm2
   reference, _ = transformers_smollm2
-  for field in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
-                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
-                "eos_token_id", "pad_token_id", "hidden_act", "attention_bias", "mlp_bias"):
+  for field in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+                "pad_token_id", "hidden_act", "attention_bias", "mlp_bias"):
     assert ours[field] == getattr(reference, field), field
   # transformers 5 keeps rope_theta inside rope_parameters; config.json files have it on top.
   rope_parameters = getattr(reference, "rope_parameters", None) or {}
@@ -81,15 +84,16 @@ def test_unpermute_rope_rows_worked_example():
   # One head of 4 dims over 1 input: llama.cpp stores rows (i, j) = HF row i + 2j, i.e. the
   # HF rows in order [0, 2, 1, 3]; a second head follows with rows offset by 4.
   stored = np.array([[0.], [2.], [1.], [3.], [4.], [6.], [5.], [7.]], dtype=np.float32)
-  np.testing.assert_array_equal(gguf_io._unpermute_rope_rows(stored, n_heads=2),
-                                np.arange(8, dtype=np.float32)[:, None])
+  np.testing.assert_array_equal(
+      gguf_io._unpermute_rope_rows(stored, n_heads=2),
+      np.arange(8, dtype=np.float32)[:, None])
 
 
 def _llamacpp_permute(weight, n_heads):
   """llama.cpp's converter: HF rows (j, i) of each head written in order (i, j)."""
   out_features, in_features = weight.shape
-  return (weight.reshape(n_heads, 2, out_features // n_heads // 2, in_features)
-          .swapaxes(1, 2).reshape(out_features, in_features))
+  return (weight.reshape(n_heads, 2, out_features // n_heads // 2,
+                         in_features).swapaxes(1, 2).reshape(out_features, in_features))
 
 
 def test_synthetic_untied_file_round_trips(tmp_path):
@@ -112,19 +116,30 @@ def test_synthetic_untied_file_round_trips(tmp_path):
   }
   hf = {name: weight.astype(np.float32) for name, weight in hf.items()}
   stored = {
-      "token_embd.weight": hf["model.embed_tokens.weight"],
-      "blk.0.attn_q.weight": _llamacpp_permute(hf["model.layers.0.self_attn.q_proj.weight"], heads),
-      "blk.0.attn_k.weight": _llamacpp_permute(hf["model.layers.0.self_attn.k_proj.weight"],
-                                               kv_heads),
-      "blk.0.attn_v.weight": hf["model.layers.0.self_attn.v_proj.weight"],
-      "blk.0.attn_output.weight": hf["model.layers.0.self_attn.o_proj.weight"],
-      "blk.0.ffn_gate.weight": hf["model.layers.0.mlp.gate_proj.weight"],
-      "blk.0.ffn_up.weight": hf["model.layers.0.mlp.up_proj.weight"],
-      "blk.0.ffn_down.weight": hf["model.layers.0.mlp.down_proj.weight"],
-      "blk.0.attn_norm.weight": hf["model.layers.0.input_layernorm.weight"],
-      "blk.0.ffn_norm.weight": hf["model.layers.0.post_attention_layernorm.weight"],
-      "output_norm.weight": hf["model.norm.weight"],
-      "output.weight": hf["lm_head.weight"],
+      "token_embd.weight":
+          hf["model.embed_tokens.weight"],
+      "blk.0.attn_q.weight":
+          _llamacpp_permute(hf["model.layers.0.self_attn.q_proj.weight"], heads),
+      "blk.0.attn_k.weight":
+          _llamacpp_permute(hf["model.layers.0.self_attn.k_proj.weight"], kv_heads),
+      "blk.0.attn_v.weight":
+          hf["model.layers.0.self_attn.v_proj.weight"],
+      "blk.0.attn_output.weight":
+          hf["model.layers.0.self_attn.o_proj.weight"],
+      "blk.0.ffn_gate.weight":
+          hf["model.layers.0.mlp.gate_proj.weight"],
+      "blk.0.ffn_up.weight":
+          hf["model.layers.0.mlp.up_proj.weight"],
+      "blk.0.ffn_down.weight":
+          hf["model.layers.0.mlp.down_proj.weight"],
+      "blk.0.attn_norm.weight":
+          hf["model.layers.0.input_layernorm.weight"],
+      "blk.0.ffn_norm.weight":
+          hf["model.layers.0.post_attention_layernorm.weight"],
+      "output_norm.weight":
+          hf["model.norm.weight"],
+      "output.weight":
+          hf["lm_head.weight"],
   }
   path = tmp_path / "tiny.gguf"
   writer = gguf.GGUFWriter(str(path), arch="llama")

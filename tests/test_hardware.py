@@ -7,18 +7,20 @@ import tiny
 from agentgym_jax import config as config_lib, hardware, run
 
 
-@pytest.mark.parametrize("backend, flags, expected", [
-    ("tpu", frozenset(), "bfloat16"),
-    ("gpu", frozenset(), "bfloat16"),
-    # Intel Sapphire Rapids: AMX tiles.
-    ("cpu", frozenset({"avx2", "avx512f", "amx_tile", "amx_bf16"}), "bfloat16"),
-    # AMD Zen 4, Intel Cooper Lake: AVX512-BF16 dot products.
-    ("cpu", frozenset({"avx2", "avx512f", "avx512_bf16"}), "bfloat16"),
-    # AVX2 (and AVX-512 without BF16): bf16 is converted around every dot.
-    ("cpu", frozenset({"avx2", "fma"}), "float32"),
-    ("cpu", frozenset({"avx2", "avx512f", "avx512bw"}), "float32"),
-    ("cpu", frozenset(), "float32"),
-])
+@pytest.mark.parametrize(
+    "backend, flags, expected",
+    [
+        ("tpu", frozenset(), "bfloat16"),
+        ("gpu", frozenset(), "bfloat16"),
+        # Intel Sapphire Rapids: AMX tiles.
+        ("cpu", frozenset({"avx2", "avx512f", "amx_tile", "amx_bf16"}), "bfloat16"),
+        # AMD Zen 4, Intel Cooper Lake: AVX512-BF16 dot products.
+        ("cpu", frozenset({"avx2", "avx512f", "avx512_bf16"}), "bfloat16"),
+        # AVX2 (and AVX-512 without BF16): bf16 is converted around every dot.
+        ("cpu", frozenset({"avx2", "fma"}), "float32"),
+        ("cpu", frozenset({"avx2", "avx512f", "avx512bw"}), "float32"),
+        ("cpu", frozenset(), "float32"),
+    ])
 def test_auto_picks_bf16_only_where_the_hardware_runs_it_fast(backend, flags, expected):
   dtype, why = hardware.auto_dtype(backend, flags)
   assert dtype == expected

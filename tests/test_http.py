@@ -54,10 +54,16 @@ def _request(port, method, path, body=None, headers=None):
 
 
 # Task t hides (7t + 3) mod 10: task 3 -> 4 (solved on the 4th guess), task 5 -> 8 (not solved).
-_EPISODES = {3: ["Thought: low.\n\nAction: guess 1", "Action: guess 9", "Action: jump",
-                 "Action: guess 5", "Action: guess 4"],
-             5: ["Action: guess 0", "Action: guess 1", "Action: guess 2", "Action: guess 3",
-                 "Action: guess 4"]}
+_EPISODES = {
+    3: [
+        "Thought: low.\n\nAction: guess 1", "Action: guess 9", "Action: jump", "Action: guess 5",
+        "Action: guess 4"
+    ],
+    5: [
+        "Action: guess 0", "Action: guess 1", "Action: guess 2", "Action: guess 3",
+        "Action: guess 4"
+    ]
+}
 
 
 def _play(env, task_id, replies):
@@ -78,7 +84,8 @@ def test_a_remote_episode_matches_the_in_process_adapter(style):
       expected = _play(local, task_id, replies)
       got = _play(remote, task_id, replies)
       assert [r if isinstance(r, str) else (r.observation, r.reward, r.done) for r in got] == [
-          r if isinstance(r, str) else (r.observation, r.reward, r.done) for r in expected]
+          r if isinstance(r, str) else (r.observation, r.reward, r.done) for r in expected
+      ]
       assert got[-1].info["success"] == (task_id == 3)
       if style == "sciworld":  # Scores are in points: the solved episode ends at 100.
         assert got[-1].info["score"] == (100.0 if task_id == 3 else 0.0)
@@ -94,18 +101,22 @@ def test_payloads_follow_the_environment_style():
     status, created = _request(server.port, "POST", "/create", {})
     assert status == 200 and set(created) == {"id", "observation", "done", "reward"}
     assert created["observation"].startswith("Task 0:")  # /create starts train task 0.
-    status, stepped = _request(server.port, "POST", "/step",
-                               {"id": created["id"], "action": "Action: guess 3"})
+    status, stepped = _request(server.port, "POST", "/step", {
+        "id": created["id"],
+        "action": "Action: guess 3"
+    })
     assert stepped["reward"] == 1.0 and stepped["done"] and "score" not in stepped
-    assert _request(server.port, "GET", f"/observation?id={created['id']}") == (
-        200, "Guess 1: 3 is correct.")
+    assert _request(server.port, "GET",
+                    f"/observation?id={created['id']}") == (200, "Guess 1: 3 is correct.")
   with AgentGymServer("toy", style="sciworld") as server:
     status, created = _request(server.port, "POST", "/create")
     assert status == 200 and set(created) == {"id"}
     status, reset = _request(server.port, "POST", "/reset", {"id": created["id"], "data_idx": 0})
     assert reset["score"] == 0.0 and reset["task_description"] == ""
-    status, stepped = _request(server.port, "POST", "/step",
-                               {"id": created["id"], "action": "Action: guess 3"})
+    status, stepped = _request(server.port, "POST", "/step", {
+        "id": created["id"],
+        "action": "Action: guess 3"
+    })
     # A normalised reward of 1 is 100 points.
     assert (stepped["reward"], stepped["score"], stepped["success"]) == (100.0, 100.0, True)
 
@@ -121,41 +132,82 @@ def shared_server():
 _UNKNOWN = 987654321987
 
 
-@pytest.mark.parametrize("method, path, body, headers, status, message", [
-    ("POST", "/step", b"{bad", None, 400, "malformed JSON"),
-    ("POST", "/step", b"\xff\xfe", None, 400, "malformed JSON"),
-    ("POST", "/step", b"[1, 2]", None, 400, "must be an object, got list"),
-    ("POST", "/step", b"", None, 400, "missing JSON body"),
-    ("POST", "/step", {"id": 1}, None, 400, "missing field 'action'"),
-    ("POST", "/step", {"action": "x"}, None, 400, "missing field 'id'"),
-    ("POST", "/step", {"id": "1", "action": "x"}, None, 400, "'id' must be an integer"),
-    ("POST", "/step", {"id": True, "action": "x"}, None, 400, "'id' must be an integer"),
-    ("POST", "/step", {"id": 1.0, "action": "x"}, None, 400, "'id' must be an integer"),
-    ("POST", "/step", {"id": 1, "action": 5}, None, 400, "'action' must be a string"),
-    ("POST", "/reset", {"id": -1, "data_idx": 0}, None, 400, "'id' must be >= 0"),
-    ("POST", "/reset", {"id": "FRESH", "data_idx": 55}, None, 400,
-     "data_idx 55 is not a task id"),
-    ("POST", "/reset", {"id": "FRESH"}, None, 400, "missing field 'data_idx'"),
-    ("POST", "/step", {"id": _UNKNOWN, "action": "x"}, None, 404, "unknown env id"),
-    ("POST", "/reset", {"id": _UNKNOWN, "data_idx": 0}, None, 404, "unknown env id"),
-    ("POST", "/close", {"id": _UNKNOWN}, None, 404, "unknown env id"),
-    ("GET", f"/observation?id={_UNKNOWN}", None, None, 404, "unknown env id"),
-    ("GET", "/observation", None, None, 400, "missing query parameter 'id'"),
-    ("GET", "/observation?id=abc", None, None, 400, "must be a non-negative integer"),
-    ("GET", "/task_ids?split=dev", None, None, 400, "'split' must be one of"),
-    ("GET", "/task_info?data_idx=55", None, None, 400, "data_idx 55 is not a task id"),
-    ("POST", "/step", {"id": "FRESH", "action": "x"}, None, 409, "no episode in progress"),
-    ("POST", "/create", {"goal": "diamond"}, None, 400, "'goal' is not supported"),
-    ("POST", "/steps", {}, None, 404, "unknown route POST /steps"),
-    ("GET", "/step", None, None, 405, "/step takes POST, not GET"),
-    ("DELETE", "/create", None, None, 405, "/create takes POST"),
-    ("POST", "/step", "2000 BYTES", None, 413, "2000 bytes is over the limit of 1024"),
-    # Larger than the socket buffers: the client is still sending when the server answers.
-    ("POST", "/step", "8 MIB", None, 413, "8388608 bytes is over the limit of 1024"),
-    ("POST", "/step", b"5\r\nhello\r\n0\r\n\r\n", {"Transfer-Encoding": "chunked"}, 411,
-     "chunked"),
-    ("POST", "/step", b"{}", {"Content-Length": "-3"}, 400, "bad Content-Length"),
-])
+@pytest.mark.parametrize(
+    "method, path, body, headers, status, message",
+    [
+        ("POST", "/step", b"{bad", None, 400, "malformed JSON"),
+        ("POST", "/step", b"\xff\xfe", None, 400, "malformed JSON"),
+        ("POST", "/step", b"[1, 2]", None, 400, "must be an object, got list"),
+        ("POST", "/step", b"", None, 400, "missing JSON body"),
+        ("POST", "/step", {
+            "id": 1
+        }, None, 400, "missing field 'action'"),
+        ("POST", "/step", {
+            "action": "x"
+        }, None, 400, "missing field 'id'"),
+        ("POST", "/step", {
+            "id": "1",
+            "action": "x"
+        }, None, 400, "'id' must be an integer"),
+        ("POST", "/step", {
+            "id": True,
+            "action": "x"
+        }, None, 400, "'id' must be an integer"),
+        ("POST", "/step", {
+            "id": 1.0,
+            "action": "x"
+        }, None, 400, "'id' must be an integer"),
+        ("POST", "/step", {
+            "id": 1,
+            "action": 5
+        }, None, 400, "'action' must be a string"),
+        ("POST", "/reset", {
+            "id": -1,
+            "data_idx": 0
+        }, None, 400, "'id' must be >= 0"),
+        ("POST", "/reset", {
+            "id": "FRESH",
+            "data_idx": 55
+        }, None, 400, "data_idx 55 is not a task id"),
+        ("POST", "/reset", {
+            "id": "FRESH"
+        }, None, 400, "missing field 'data_idx'"),
+        ("POST", "/step", {
+            "id": _UNKNOWN,
+            "action": "x"
+        }, None, 404, "unknown env id"),
+        ("POST", "/reset", {
+            "id": _UNKNOWN,
+            "data_idx": 0
+        }, None, 404, "unknown env id"),
+        ("POST", "/close", {
+            "id": _UNKNOWN
+        }, None, 404, "unknown env id"),
+        ("GET", f"/observation?id={_UNKNOWN}", None, None, 404, "unknown env id"),
+        ("GET", "/observation", None, None, 400, "missing query parameter 'id'"),
+        ("GET", "/observation?id=abc", None, None, 400, "must be a non-negative integer"),
+        ("GET", "/task_ids?split=dev", None, None, 400, "'split' must be one of"),
+        ("GET", "/task_info?data_idx=55", None, None, 400, "data_idx 55 is not a task id"),
+        ("POST", "/step", {
+            "id": "FRESH",
+            "action": "x"
+        }, None, 409, "no episode in progress"),
+        ("POST", "/create", {
+            "goal": "diamond"
+        }, None, 400, "'goal' is not supported"),
+        ("POST", "/steps", {}, None, 404, "unknown route POST /steps"),
+        ("GET", "/step", None, None, 405, "/step takes POST, not GET"),
+        ("DELETE", "/create", None, None, 405, "/create takes POST"),
+        ("POST", "/step", "2000 BYTES", None, 413, "2000 bytes is over the limit of 1024"),
+        # Larger than the socket buffers: the client is still sending when the server answers.
+        ("POST", "/step", "8 MIB", None, 413, "8388608 bytes is over the limit of 1024"),
+        ("POST", "/step", b"5\r\nhello\r\n0\r\n\r\n", {
+            "Transfer-Encoding": "chunked"
+        }, 411, "chunked"),
+        ("POST", "/step", b"{}", {
+            "Content-Length": "-3"
+        }, 400, "bad Content-Length"),
+    ])
 def test_bad_requests_get_json_4xx_answers(shared_server, method, path, body, headers, status,
                                            message):
   if isinstance(body, dict) and body.get("id") == "FRESH":
@@ -210,8 +262,8 @@ def test_concurrent_clients_never_mix_up_states(server):
       for step in range(num_steps):
         reply = f"Action: guess {(3 * client_index + step) % 10}"
         got, expected = remote.step(reply), local.step(reply)
-        assert (got.observation, got.reward, got.done) == (
-            expected.observation, expected.reward, expected.done), (client_index, step)
+        assert (got.observation, got.reward, got.done) == (expected.observation, expected.reward,
+                                                           expected.done), (client_index, step)
         if got.done:
           task_id = (task_id + 1) % len(toy_env.TRAIN_IDS)
           assert remote.reset(task_id) == local.reset(task_id)
@@ -267,8 +319,9 @@ def _play_oracle_episodes(url, client_index, num_clients, num_steps, task_ids):
         got, expected = remote.step(_LOAD_REPLY.format(action)), local.step(
             _LOAD_REPLY.format(action))
         steps += 1
-        assert (got.observation, got.reward, got.done) == (
-            expected.observation, expected.reward, expected.done), (client_index, task_id, action)
+        assert (got.observation, got.reward, got.done) == (expected.observation, expected.reward,
+                                                           expected.done), (client_index, task_id,
+                                                                            action)
       assert got.done and got.reward == 1.0 and got.info["success"], (client_index, task_id)
       solved += 1
     return solved
@@ -309,12 +362,16 @@ def _load_round(served, num_clients, num_steps, task_ids):
       peaks["threads"] = max(peaks["threads"], server.num_threads())
       peaks["fds"] = max(peaks["fds"], server.num_fds())
 
-  players = [threading.Thread(target=run, args=(i, _play_oracle_episodes, served.url, i,
-                                                num_clients, num_steps, task_ids))
-             for i in range(num_clients)]
-  helpers = [threading.Thread(target=watch),
-             threading.Thread(target=run, args=("junk", _send_junk_until, served.port, stop,
-                                                junk_answers))]
+  players = [
+      threading.Thread(
+          target=run,
+          args=(i, _play_oracle_episodes, served.url, i, num_clients, num_steps, task_ids))
+      for i in range(num_clients)
+  ]
+  helpers = [
+      threading.Thread(target=watch),
+      threading.Thread(target=run, args=("junk", _send_junk_until, served.port, stop, junk_answers))
+  ]
   for thread in players + helpers:
     thread.start()
   for thread in players:
@@ -336,8 +393,11 @@ def _load_round(served, num_clients, num_steps, task_ids):
 
 def _server_resources(served):
   server = psutil.Process(served.pid)
-  return {"threads": server.num_threads(), "fds": server.num_fds(),
-          "rss_mb": server.memory_info().rss / 2**20}
+  return {
+      "threads": server.num_threads(),
+      "fds": server.num_fds(),
+      "rss_mb": server.memory_info().rss / 2**20
+  }
 
 
 def _check_load(num_clients, num_steps, rounds):
@@ -407,9 +467,11 @@ def test_the_client_rides_out_a_server_restart():
   servers = []
 
   def restart(delay_s):
+
     def start():
       time.sleep(delay_s)
       servers.append(AgentGymServer("toy", port=port).start())
+
     thread = threading.Thread(target=start)
     thread.start()
     return thread
@@ -460,8 +522,15 @@ def test_retries_back_off_doubling_up_to_the_cap():
   assert list(endpoint.delays(retries=1)) == pytest.approx([0.0, 0.1])
   for bad in ({"retries": -1}, {"backoff_s": -0.1}, {"timeout_s": 0.0}):
     with pytest.raises(ValueError):
-      Endpoint(**{"base_url": "http://h:1", "timeout_s": 1.0, "retries": 1, "backoff_s": 0.1,
-                  "max_backoff_s": 1.0, **bad})
+      Endpoint(
+          **{
+              "base_url": "http://h:1",
+              "timeout_s": 1.0,
+              "retries": 1,
+              "backoff_s": 0.1,
+              "max_backoff_s": 1.0,
+              **bad
+          })
 
 
 class _OriginalScoreServer(http.server.BaseHTTPRequestHandler):
@@ -488,8 +557,12 @@ class _OriginalScoreServer(http.server.BaseHTTPRequestHandler):
     elif self.path == "/reset":
       state = self.envs[body["id"]]
       state.update(score=0.0, guesses=0)
-      payload = {"observation": state["env"].reset(body["data_idx"]), "reward": 0, "score": 0,
-                 "done": False}
+      payload = {
+          "observation": state["env"].reset(body["data_idx"]),
+          "reward": 0,
+          "score": 0,
+          "done": False
+      }
       if self.style == "sciworld":
         payload["task_description"] = "Your task is to find the digit."
     else:
@@ -503,8 +576,12 @@ class _OriginalScoreServer(http.server.BaseHTTPRequestHandler):
         state["score"] = 100.0
       else:
         state["score"] = -100.0 if result.done else 10.0 * state["guesses"]
-      payload = {"observation": result.observation, "reward": 0, "score": state["score"],
-                 "done": result.done}
+      payload = {
+          "observation": result.observation,
+          "reward": 0,
+          "score": state["score"],
+          "done": result.done
+      }
     self._send(payload)
 
   def do_GET(self):  # The routes only our server has: FastAPI's 404.
@@ -537,8 +614,10 @@ def original_server():
 def test_the_client_speaks_to_original_babyai_servers(original_server):
   _OriginalScoreServer.style = "babyai"
   client = AgentGymClient(original_server, "babyai", extract_action=True,
-                          instruction="Find the digit.",
-                          task_ids={"train": [0, 1], "test": [100]}, retries=0)
+                          instruction="Find the digit.", task_ids={
+                              "train": [0, 1],
+                              "test": [100]
+                          }, retries=0)
   assert client.instruction == "Find the digit." and client.task_ids("test") == (100,)
   assert client.reset(0).startswith("Task 0:")
   first = client.step("Thought: try 1.\n\nAction: guess 1\n")
@@ -586,8 +665,8 @@ def test_a_pool_of_remote_envs_plays_like_local_ones(server):
   tasks = [3, 5, 7]
   with EnvPool("http", num_slots=3, options={"base_url": server.url, "env": "toy"}) as pool:
     first = pool.reset(list(enumerate(tasks)))
-    assert [result.observation for result in first] == [
-        toy_env.ToyEnv().reset(task) for task in tasks]
+    assert [result.observation for result in first
+           ] == [toy_env.ToyEnv().reset(task) for task in tasks]
     results = pool.step([(slot, "Action: guess 4") for slot in range(3)])
     # Secrets: task 3 -> 4, task 5 -> 8, task 7 -> 2.
     assert [(r.reward, r.done) for r in results] == [(1.0, True), (0.0, False), (0.0, False)]

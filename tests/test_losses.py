@@ -41,8 +41,9 @@ def test_aggregation_of_an_empty_batch_is_zero_not_nan():
 
 
 def test_unknown_aggregation_lists_the_valid_ones():
-  with pytest.raises(ValueError, match="'seq-mean-token-mean', 'seq-mean-token-sum', "
-                                       "'seq-mean-token-sum-norm', 'token-mean'"):
+  with pytest.raises(
+      ValueError, match="'seq-mean-token-mean', 'seq-mean-token-sum', "
+      "'seq-mean-token-sum-norm', 'token-mean'"):
     losses.aggregate(_PER_TOKEN, _MASK, "sum")
 
 
@@ -95,8 +96,8 @@ def test_dual_clip_bounds_negative_advantages_only():
   assert float(dual) == pytest.approx((3.0 - 1.2) / 2, abs=1e-5)
   assert float(metrics["dual_clip_fraction"]) == pytest.approx(0.5)
   grad = jax.grad(
-      lambda logp: policy_gradient_loss(logp, old, advantages, mask, dual_clip_c=3.0)[0]
-  )(new)
+      lambda logp: policy_gradient_loss(logp, old, advantages, mask, dual_clip_c=3.0)[0])(
+          new)
   np.testing.assert_array_equal(grad, 0.0)
 
 
@@ -166,7 +167,11 @@ def test_kl_estimators_are_finite_with_finite_gradients_far_off_policy(estimator
       "k2": ([5000.0, 450.0, 0.0, 450.0, 5000.0], [-100.0, -30.0, 0.0, 30.0, 100.0]),
       "k3": ([10.0, 10.0, 0.0, 10.0, 10.0], [0.0] * 5),
       "abs": ([100.0, 30.0, 0.0, 30.0, 100.0], [-1.0, -1.0, ABS_GRAD_AT_0, 1.0, 1.0]),
-  }[{"low_var_kl": "k3", "kl": "k1", "mse": "k2"}.get(estimator, estimator)]
+  }[{
+      "low_var_kl": "k3",
+      "kl": "k1",
+      "mse": "k2"
+  }.get(estimator, estimator)]
   value = kl_divergence(d, ref, estimator)
   grad = jax.grad(lambda x: jnp.sum(kl_divergence(x, ref, estimator)))(d)
   np.testing.assert_allclose(value, [expected[0]], rtol=1e-6)
@@ -230,9 +235,8 @@ def test_dpo_worked_value():
   assert float(metrics["reward_accuracy"]) == pytest.approx(0.5)
   assert float(metrics["reward_margin"]) == pytest.approx(0.0, abs=1e-6)
   assert float(metrics["chosen_reward"]) == pytest.approx((1.0 - 0.5) / 2)
-  single, single_metrics = dpo_loss(
-      chosen[:1], rejected[:1], ref_chosen[:1], ref_rejected[:1], beta=0.5
-  )
+  single, single_metrics = dpo_loss(chosen[:1], rejected[:1], ref_chosen[:1], ref_rejected[:1],
+                                    beta=0.5)
   assert float(single) == pytest.approx(0.201413, abs=1e-6)
   assert float(single_metrics["reward_accuracy"]) == 1.0
 
@@ -280,9 +284,9 @@ def test_token_logprobs_and_entropy_match_log_softmax():
 
 
 def _chunked(hidden, unembedding, targets, chunk_size):
-  return losses.chunked_token_logprobs_and_entropy(
-      hidden, targets, lambda chunk: chunk @ unembedding, chunk_size=chunk_size
-  )
+  return losses.chunked_token_logprobs_and_entropy(hidden, targets,
+                                                   lambda chunk: chunk @ unembedding,
+                                                   chunk_size=chunk_size)
 
 
 def _objective(logprobs_and_entropy):
@@ -300,12 +304,11 @@ def test_chunked_logprobs_match_unchunked_values_and_gradients():
     # T = 11 is not a multiple of 4: the last chunk is padded and the padding dropped.
     chunked = _chunked(hidden, unembedding, targets, 4)
     unchunked = losses.token_logprobs_and_entropy(hidden @ unembedding, targets)
-    chunked_grads = jax.grad(
-        lambda h, w: _objective(_chunked(h, w, targets, 4)), argnums=(0, 1)
-    )(hidden, unembedding)
+    chunked_grads = jax.grad(lambda h, w: _objective(_chunked(h, w, targets, 4)),
+                             argnums=(0, 1))(hidden, unembedding)
     reference_grads = jax.grad(
-        lambda h, w: _objective(_reference_logprobs_and_entropy(h @ w, targets)), argnums=(0, 1)
-    )(hidden, unembedding)
+        lambda h, w: _objective(_reference_logprobs_and_entropy(h @ w, targets)),
+        argnums=(0, 1))(hidden, unembedding)
     return chunked, unchunked, chunked_grads, reference_grads
 
   chunked, unchunked, chunked_grads, reference_grads = compare(hidden, unembedding)
@@ -348,9 +351,8 @@ def test_chunked_logprobs_never_materialise_full_logits():
   assert _largest_intermediate(forward) == chunk_logits < full_logits
   assert _largest_intermediate(backward) == chunk_logits
   # The check itself can fail: the unchunked computation does hold [B, T, V].
-  unchunked = jax.make_jaxpr(
-      lambda h, w: losses.token_logprobs_and_entropy(h @ w, targets)
-  )(hidden, unembedding)
+  unchunked = jax.make_jaxpr(lambda h, w: losses.token_logprobs_and_entropy(h @ w, targets))(
+      hidden, unembedding)
   assert _largest_intermediate(unchunked) == full_logits
 
 

@@ -22,8 +22,10 @@ from agentgym_jax.metrics import (MetricsWriter, ProgressBar, TrajectoryWriter, 
 
 def _strict_json_lines(path):
   """Parses every line, refusing the NaN / Infinity extensions that strict JSON lacks."""
+
   def refuse(constant):
     raise AssertionError(f"non-standard JSON constant {constant}")
+
   with open(path) as f:
     return [json.loads(line, parse_constant=refuse) for line in f]
 
@@ -48,8 +50,14 @@ def _tensorboard_scalars(logdir):
 def test_rows_hold_step_time_and_host_values_of_device_arrays(tmp_path):
   before = time.time()
   with MetricsWriter(tmp_path, tensorboard=False) as writer:
-    writer.write(1, {"loss": jnp.float32(0.5), "turns": jnp.asarray(3), "count": 7,
-                     "kl": np.float64(0.25), "solved": True})
+    writer.write(
+        1, {
+            "loss": jnp.float32(0.5),
+            "turns": jnp.asarray(3),
+            "count": 7,
+            "kl": np.float64(0.25),
+            "solved": True
+        })
     writer.write(2, {"loss": jnp.float32(0.25)})
     assert writer.latest["step"] == 2 and writer.latest["loss"] == 0.25
   rows = _strict_json_lines(tmp_path / "metrics.jsonl")
@@ -65,8 +73,11 @@ def test_each_row_is_fetched_in_one_device_get_when_written(tmp_path, monkeypatc
   fetches = []
   real_device_get = jax.device_get
   monkeypatch.setattr(jax, "device_get", lambda tree: fetches.append(tree) or real_device_get(tree))
-  metrics = lambda step: {"loss": jnp.float32(step), "reward": jnp.float32(2 * step),
-                          "entropy": jnp.float32(0.5)}
+  metrics = lambda step: {
+      "loss": jnp.float32(step),
+      "reward": jnp.float32(2 * step),
+      "entropy": jnp.float32(0.5)
+  }
   writer = MetricsWriter(tmp_path, tensorboard=False)
   writer.write(1, metrics(1))
   assert [row["step"] for row in read_metrics(tmp_path)] == [1] and len(fetches) == 1
@@ -74,7 +85,7 @@ def test_each_row_is_fetched_in_one_device_get_when_written(tmp_path, monkeypatc
   writer.close()
   rows = read_metrics(tmp_path)
   assert [(row["step"], row["loss"], row["reward"]) for row in rows] == [(1, 1.0, 2.0),
-                                                                       (2, 2.0, 4.0)]
+                                                                         (2, 2.0, 4.0)]
   # One device_get per row of three metrics, not one per metric.
   assert len(fetches) == 2 and all(len(tree) == 3 for tree in fetches)
 
@@ -109,8 +120,8 @@ def test_truncated_last_line_is_skipped_and_repaired_on_reopen(tmp_path):
   assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2]
   with MetricsWriter(tmp_path, tensorboard=False) as writer:
     writer.write(3, {"loss": 0.25})
-  assert [(row["step"], row["loss"]) for row in _strict_json_lines(path)] == [
-      (1, 1.0), (2, 0.5), (3, 0.25)]
+  assert [(row["step"], row["loss"]) for row in _strict_json_lines(path)] == [(1, 1.0), (2, 0.5),
+                                                                              (3, 0.25)]
 
 
 def test_whole_row_missing_only_its_newline_is_kept_on_reopen(tmp_path):
@@ -134,8 +145,8 @@ def test_resume_drops_rows_after_the_restored_step(tmp_path):
   with MetricsWriter(tmp_path, tensorboard=False, resume_step=2) as writer:
     assert [row["step"] for row in read_metrics(tmp_path)] == [0, 1, 2]
     writer.write(3, {"loss": 30.0})
-  assert [(row["step"], row["loss"]) for row in read_metrics(tmp_path)] == [
-      (0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
+  assert [(row["step"], row["loss"]) for row in read_metrics(tmp_path)] == [(0, 0.0), (1, 1.0),
+                                                                            (2, 2.0), (3, 30.0)]
 
 
 def test_other_processes_keep_the_latest_row_but_write_nothing(tmp_path, monkeypatch):
@@ -143,8 +154,8 @@ def test_other_processes_keep_the_latest_row_but_write_nothing(tmp_path, monkeyp
   writer = MetricsWriter(tmp_path / "run")
   writer.write(3, {"loss": jnp.float32(0.5), "nonfinite_steps": jnp.int32(2)})
   # Fetched at once, so every process can stop on the same step.
-  assert (writer.latest["step"], writer.latest["loss"], writer.latest["nonfinite_steps"]) == (
-      3, 0.5, 2)
+  assert (writer.latest["step"], writer.latest["loss"],
+          writer.latest["nonfinite_steps"]) == (3, 0.5, 2)
   writer.close()
   assert not (tmp_path / "run").exists()
 
@@ -155,14 +166,20 @@ def test_truncate_after_drops_later_rows(tmp_path):
       writer.write(step, {"loss": jnp.float32(step)})
     writer.truncate_after(2)
     writer.write(3, {"loss": jnp.float32(33.0)})
-  assert [(row["step"], row["loss"]) for row in read_metrics(tmp_path)] == [
-      (0, 0.0), (1, 1.0), (2, 2.0), (3, 33.0)]
+  assert [(row["step"], row["loss"]) for row in read_metrics(tmp_path)] == [(0, 0.0), (1, 1.0),
+                                                                            (2, 2.0), (3, 33.0)]
 
 
 @pytest.mark.parametrize("metrics, message", [
-    ({"loss": jnp.zeros((2,))}, r"'loss' at step 0 must be a scalar, got .* shape \(2,\)"),
-    ({"note": "fine"}, "'note' at step 0 must be a scalar"),
-    ({"step": 1.0}, "Metric names must be strings other than"),
+    ({
+        "loss": jnp.zeros((2,))
+    }, r"'loss' at step 0 must be a scalar, got .* shape \(2,\)"),
+    ({
+        "note": "fine"
+    }, "'note' at step 0 must be a scalar"),
+    ({
+        "step": 1.0
+    }, "Metric names must be strings other than"),
 ])
 def test_non_scalar_and_reserved_metrics_are_rejected(tmp_path, metrics, message):
   with MetricsWriter(tmp_path, tensorboard=False) as writer:
@@ -173,25 +190,47 @@ def test_non_scalar_and_reserved_metrics_are_rejected(tmp_path, metrics, message
 def test_trajectories_round_trip_per_step_with_arrays_as_lists_and_nan_as_null(tmp_path):
   writer = TrajectoryWriter(tmp_path)
   writer.write(3, [
-      {"task": "textcraft/7", "tokens": np.arange(4, dtype=np.int32), "reward": 1.0,
-       "turns": [{"action": "get 1 oak log", "observation": "Got 1 oak log"}]},
-      {"task": "textcraft/8", "tokens": jnp.asarray([5, 6]), "reward": float("nan"),
-       "logprobs": np.asarray([-0.5, np.nan], np.float32)},
+      {
+          "task": "textcraft/7",
+          "tokens": np.arange(4, dtype=np.int32),
+          "reward": 1.0,
+          "turns": [{
+              "action": "get 1 oak log",
+              "observation": "Got 1 oak log"
+          }]
+      },
+      {
+          "task": "textcraft/8",
+          "tokens": jnp.asarray([5, 6]),
+          "reward": float("nan"),
+          "logprobs": np.asarray([-0.5, np.nan], np.float32)
+      },
   ])
   writer.write(12, [{"task": "babyai/1", "reward": np.float32(0.75)}])
-  assert sorted(os.listdir(tmp_path / "trajectories")) == ["step_000003.jsonl",
-                                                            "step_000012.jsonl"]
+  assert sorted(os.listdir(tmp_path / "trajectories")) == ["step_000003.jsonl", "step_000012.jsonl"]
   assert trajectory_steps(tmp_path) == [3, 12]
   step_3 = read_trajectories(tmp_path, 3)
   assert step_3 == [
-      {"step": 3, "task": "textcraft/7", "tokens": [0, 1, 2, 3], "reward": 1.0,
-       "turns": [{"action": "get 1 oak log", "observation": "Got 1 oak log"}]},
-      {"step": 3, "task": "textcraft/8", "tokens": [5, 6], "reward": None,
-       "logprobs": [-0.5, None]},
+      {
+          "step": 3,
+          "task": "textcraft/7",
+          "tokens": [0, 1, 2, 3],
+          "reward": 1.0,
+          "turns": [{
+              "action": "get 1 oak log",
+              "observation": "Got 1 oak log"
+          }]
+      },
+      {
+          "step": 3,
+          "task": "textcraft/8",
+          "tokens": [5, 6],
+          "reward": None,
+          "logprobs": [-0.5, None]
+      },
   ]
   assert _strict_json_lines(tmp_path / "trajectories" / "step_000003.jsonl") == step_3
-  assert read_trajectories(tmp_path) == step_3 + [{"step": 12, "task": "babyai/1",
-                                                   "reward": 0.75}]
+  assert read_trajectories(tmp_path) == step_3 + [{"step": 12, "task": "babyai/1", "reward": 0.75}]
   with pytest.raises(FileNotFoundError, match=r"step 4 .*logged steps: \[3, 12\]"):
     read_trajectories(tmp_path, 4)
 
@@ -202,6 +241,7 @@ def test_trajectory_file_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
 
   def crash(*args):
     raise OSError("killed before the rename")
+
   monkeypatch.setattr(metrics_lib.os, "replace", crash)
   with pytest.raises(OSError):
     writer.write(1, [{"reward": 1.0}, {"reward": 1.0}])
@@ -226,8 +266,7 @@ def test_trajectory_resume_deletes_later_steps(tmp_path):
 
 def test_progress_bar_shows_step_of_total_and_the_chosen_metrics(tmp_path):
   stream = io.StringIO()
-  with ProgressBar(10, keys=("reward/mean", "loss", "absent"), enabled=True,
-                   file=stream) as bar:
+  with ProgressBar(10, keys=("reward/mean", "loss", "absent"), enabled=True, file=stream) as bar:
     bar.update(3, {"reward/mean": 0.5, "loss": 0.1234567, "kl": 9.0, "step": 2})
   shown = stream.getvalue()
   assert "3/10" in shown

@@ -35,15 +35,16 @@ def _batch(seed=0):
     start, stop = sorted(rng.choice(np.arange(2, LENGTH + 1), 2, replace=False))
     loss_mask[row, start:stop] = 1.0  # Ragged replies of 1 to 21 tokens...
   loss_mask[5] = 0.0  # ...and an excluded (failed) episode with none.
-  return Batch(tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(loss_mask),
-               sampler_logprobs=jnp.asarray(rng.normal(-2.0, 0.3, (ROWS, LENGTH)), jnp.float32),
-               rewards=jnp.asarray(rng.integers(0, 2, ROWS), jnp.float32),
-               group_ids=jnp.asarray(np.repeat(np.arange(ROWS // 4), 4), jnp.int32))
+  return Batch(
+      tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(loss_mask),
+      sampler_logprobs=jnp.asarray(rng.normal(-2.0, 0.3, (ROWS, LENGTH)), jnp.float32),
+      rewards=jnp.asarray(rng.integers(0, 2, ROWS), jnp.float32),
+      group_ids=jnp.asarray(np.repeat(np.arange(ROWS // 4), 4), jnp.int32))
 
 
 def _config(**changes):
-  return learner.LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.1,
-                            entropy_coef=0.01, logprob_chunk=8, **changes)
+  return learner.LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.1, entropy_coef=0.01,
+                            logprob_chunk=8, **changes)
 
 
 def _grad_tolerance(grads) -> float:
@@ -51,8 +52,8 @@ def _grad_tolerance(grads) -> float:
   reordered sum over the batch's tokens (tests/tolerances.py), relative to the largest entry,
   through the decoder's L layers of dots."""
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads))
-  return tolerances.reordered_sum(ROWS * LENGTH * CONFIG.num_layers * CONFIG.intermediate_size
-                                  ) * scale
+  return tolerances.reordered_sum(
+      ROWS * LENGTH * CONFIG.num_layers * CONFIG.intermediate_size) * scale
 
 
 @pytest.mark.parametrize("micro_batch_rows, changes", [
@@ -71,8 +72,7 @@ def test_accumulated_gradients_equal_the_whole_minibatch(policy, micro_batch_row
   experience = experience.replace(kept=jnp.asarray([1, 1, 0, 1, 1, 1, 1, 0], jnp.float32))
   # A policy one step away from the one that played, so ratios and the KL are not trivial.
   params = jax.tree.map(lambda p: p * 1.01, params)
-  expected, expected_metrics = gradients((params, None), graphdef, None, batch, experience,
-                                         whole)
+  expected, expected_metrics = gradients((params, None), graphdef, None, batch, experience, whole)
   parts = dataclasses.replace(whole, micro_batch_rows=micro_batch_rows)
   grads, metrics = gradients((params, None), graphdef, None, batch, experience, parts)
   tolerance = _grad_tolerance(expected)
@@ -88,17 +88,17 @@ def test_the_experience_pass_in_micro_batches_equals_one_pass(policy):
   graphdef, params = policy
   batch = _batch(seed=1)
   whole = _config()
-  expected, expected_metrics = learner.compute_experience(
-      graphdef, params, params, None, None, batch, loss=whole, num_groups=ROWS // 4)
-  got, metrics = learner.compute_experience(
-      graphdef, params, params, None, None, batch,
-      loss=dataclasses.replace(whole, micro_batch_rows=2), num_groups=ROWS // 4)
+  expected, expected_metrics = learner.compute_experience(graphdef, params, params, None, None,
+                                                          batch, loss=whole, num_groups=ROWS // 4)
+  got, metrics = learner.compute_experience(graphdef, params, params, None, None, batch,
+                                            loss=dataclasses.replace(whole, micro_batch_rows=2),
+                                            num_groups=ROWS // 4)
   # Each row's forward pass is the same computation on fewer rows: the reordering model of
   # tests/tolerances.py for log-probs of logits of order 1.
   tolerance = tolerances.reordered_logprobs(CONFIG.num_layers, CONFIG.intermediate_size, 4.0)
   for name in ("old_logprobs", "ref_logprobs", "advantages", "returns"):
-    np.testing.assert_allclose(getattr(got, name), getattr(expected, name), rtol=0,
-                               atol=tolerance, err_msg=name)
+    np.testing.assert_allclose(
+        getattr(got, name), getattr(expected, name), rtol=0, atol=tolerance, err_msg=name)
   for key in metrics:
     np.testing.assert_allclose(metrics[key], expected_metrics[key], rtol=0, atol=tolerance,
                                err_msg=key)

@@ -28,15 +28,22 @@ import tolerances
 _TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 HF_CONFIGS = {
-    "qwen2": lambda: transformers.Qwen2Config(**_TINY, tie_word_embeddings=False,
-                                              rope_theta=1e6),
-    "qwen3": lambda: transformers.Qwen3Config(**_TINY, head_dim=32, tie_word_embeddings=False),
-    "llama": lambda: transformers.LlamaConfig(**_TINY, tie_word_embeddings=True),
-    "llama3_rope": lambda: transformers.LlamaConfig(
-        **_TINY, tie_word_embeddings=True,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-                      "rope_theta": 500000.0}),
+    "qwen2":
+        lambda: transformers.Qwen2Config(**_TINY, tie_word_embeddings=False, rope_theta=1e6),
+    "qwen3":
+        lambda: transformers.Qwen3Config(**_TINY, head_dim=32, tie_word_embeddings=False),
+    "llama":
+        lambda: transformers.LlamaConfig(**_TINY, tie_word_embeddings=True),
+    "llama3_rope":
+        lambda: transformers.LlamaConfig(
+            **_TINY, tie_word_embeddings=True, rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 500000.0
+            }),
 }
 
 
@@ -64,8 +71,8 @@ def _forward(model: Decoder, input_ids, positions=None, attention_mask=None) -> 
 
 def _load(directory, **kwargs) -> Decoder:
   config = ModelConfig.from_json(directory / "config.json")
-  return weights.load_params(weights.abstract_model(config, **kwargs),
-                             weights.SafetensorsReader(directory))
+  return weights.load_params(
+      weights.abstract_model(config, **kwargs), weights.SafetensorsReader(directory))
 
 
 @pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
@@ -119,8 +126,9 @@ def test_left_padded_batch_matches_transformers_and_unpadded_rows(hf_checkpoint)
   # Right padding leaves the real tokens' positions and keys as unpadded (causal attention never
   # looks ahead), so it gives each row's unpadded logits; left padding must agree with them.
   right_mask = (np.arange(12) < np.array(lengths)[:, None]).astype(np.int64)
-  right_padded = np.asarray(_forward(model, rows * right_mask, np.arange(12)[None].repeat(3, 0),
-                                     right_mask))
+  right_padded = np.asarray(
+      _forward(model, rows * right_mask,
+               np.arange(12)[None].repeat(3, 0), right_mask))
   for b, n in enumerate(lengths):
     _assert_tiny_logits_close(ours[b, 12 - n:], right_padded[b, :n])
 
@@ -165,8 +173,8 @@ def test_export_loads_in_transformers_with_the_same_logits(hf_checkpoint, tmp_pa
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").eval()
   assert exported.dtype == torch.bfloat16
   reloaded = _load(tmp_path / "bf16")
-  _assert_tiny_logits_close(np.asarray(_forward(reloaded, INPUT_IDS)),
-                            _hf_logits(exported.float(), INPUT_IDS))
+  _assert_tiny_logits_close(
+      np.asarray(_forward(reloaded, INPUT_IDS)), _hf_logits(exported.float(), INPUT_IDS))
 
 
 def test_config_round_trips_through_hf_json(hf_checkpoint):
@@ -190,8 +198,7 @@ def test_llama3_rope_scaling_is_read():
   assert dict(config.rope_scaling)["factor"] == 8.0
   # Older checkpoints spell it rope_scaling={"type": ...} beside a top-level rope_theta.
   legacy = {**config.to_hf(), "rope_scaling": {"type": "linear", "factor": 2.0}}
-  assert dict(ModelConfig.from_hf(legacy).rope_scaling) == {"rope_type": "linear",
-                                                            "factor": 2.0}
+  assert dict(ModelConfig.from_hf(legacy).rope_scaling) == {"rope_type": "linear", "factor": 2.0}
 
 
 _VALID = ModelConfig(model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=96,
@@ -199,15 +206,36 @@ _VALID = ModelConfig(model_type="qwen2", vocab_size=128, hidden_size=64, interme
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"model_type": "mistral"}, r"model_type 'mistral'.*supported.*qwen2"),
-    ({"use_sliding_window": True}, r"sliding-window attention"),
-    ({"num_attention_heads": 5}, r"num_heads=5 is not a multiple of num_kv_heads=2"),
-    ({"num_key_value_heads": 3}, r"num_heads=4 is not a multiple of num_kv_heads=3"),
-    ({"hidden_size": 0}, r"hidden_size must be positive"),
-    ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
-    ({"mlp_bias": True}, r"mlp_bias"),
-    ({"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling type 'yarn'"),
+    ({
+        "model_type": "mistral"
+    }, r"model_type 'mistral'.*supported.*qwen2"),
+    ({
+        "use_sliding_window": True
+    }, r"sliding-window attention"),
+    ({
+        "num_attention_heads": 5
+    }, r"num_heads=5 is not a multiple of num_kv_heads=2"),
+    ({
+        "num_key_value_heads": 3
+    }, r"num_heads=4 is not a multiple of num_kv_heads=3"),
+    ({
+        "hidden_size": 0
+    }, r"hidden_size must be positive"),
+    ({
+        "hidden_act": "gelu"
+    }, r"hidden_act 'gelu' is not supported"),
+    ({
+        "mlp_bias": True
+    }, r"mlp_bias"),
+    ({
+        "layer_types": ["full_attention", "sliding_attention"]
+    }, r"layer_types"),
+    ({
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0
+        }
+    }, r"rope_scaling type 'yarn'"),
 ])
 def test_unsupported_configs_fail_with_a_clear_message(change, message):
   with pytest.raises(ValueError, match=message):
@@ -218,9 +246,10 @@ def test_checkpoint_that_does_not_fit_the_config_names_the_tensor(hf_checkpoint,
   _, directory = hf_checkpoint
   hf_config = json.loads((directory / "config.json").read_text())
   wrong = ModelConfig.from_hf({**hf_config, "intermediate_size": 80})
-  with pytest.raises(ValueError, match=r"tensor model.layers.0.mlp.down_proj.weight has shape "
-                     r"\(64, 96\), which does not fit parameter layers.down_proj of shape "
-                     r"\(80, 64\)"):
+  with pytest.raises(
+      ValueError, match=r"tensor model.layers.0.mlp.down_proj.weight has shape "
+      r"\(64, 96\), which does not fit parameter layers.down_proj of shape "
+      r"\(80, 64\)"):
     weights.load_params(weights.abstract_model(wrong), weights.SafetensorsReader(directory))
   untied = ModelConfig.from_hf({**hf_config, "tie_word_embeddings": False})
   if hf_config.get("tie_word_embeddings"):
@@ -307,9 +336,9 @@ def test_smollm2_greedy_continuations_match_transformers(smollm2):
   lengths = []
   for row, continuation in zip(rows, ours):
     with torch.no_grad():
-      generated = hf_model.generate(torch.tensor([row]), do_sample=False, num_beams=1,
-                                    max_new_tokens=GENERATED_TOKENS,
-                                    attention_mask=torch.ones(1, len(row), dtype=torch.long))
+      generated = hf_model.generate(
+          torch.tensor([row]), do_sample=False, num_beams=1, max_new_tokens=GENERATED_TOKENS,
+          attention_mask=torch.ones(1, len(row), dtype=torch.long))
     # transformers stops after the end-of-turn token; ours runs on, so compare up to there.
     theirs = generated[0, len(row):].tolist()
     assert continuation[:len(theirs)] == theirs, tokenizer.decode(continuation)
@@ -325,5 +354,5 @@ def test_smollm2_export_loads_in_transformers_with_the_same_logits(smollm2, tmp_
   ids = np.array([tokenizer.chat.render([{"role": "user", "content": CHATS[0]}])])
   # The same f32 weights (GGUF dequantised, then exported) run by the same library: any
   # difference is a defect of the export, and 1e-4 is 1/30 of the reordering tolerance above.
-  np.testing.assert_allclose(_hf_logits(exported, ids), _hf_logits(hf_model, ids), atol=1e-4,
-                             rtol=0)
+  np.testing.assert_allclose(
+      _hf_logits(exported, ids), _hf_logits(hf_model, ids), atol=1e-4, rtol=0)

@@ -39,10 +39,12 @@ PARAMETER_TOLERANCE = UPDATES * LR * (1 + 3) * GRAD_ROUNDING / ADAM_EPS
 # One-turn echo episodes, which a random policy sometimes gets right; 4 tasks x 4 samples. Each
 # process plays 2 tasks on 2 devices, and the mesh's fsdp axis (4 devices) spans both processes,
 # so the sampler's copy of the policy is gathered.
-SETTINGS = ["--config.env.options.turns=1", "--config.horizon.turns=1",
-            "--config.rollout.tasks_per_step=4", "--config.rollout.samples_per_task=4",
-            "--config.mesh.fsdp=-1", "--config.log.trajectories=True",
-            f"--config.optim.learning_rate={LR}", f"--config.optim.eps={ADAM_EPS}"]
+SETTINGS = [
+    "--config.env.options.turns=1", "--config.horizon.turns=1", "--config.rollout.tasks_per_step=4",
+    "--config.rollout.samples_per_task=4", "--config.mesh.fsdp=-1",
+    "--config.log.trajectories=True", f"--config.optim.learning_rate={LR}",
+    f"--config.optim.eps={ADAM_EPS}"
+]
 TIMEOUT_S = 300
 
 
@@ -57,25 +59,29 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(name: str, workdir: pathlib.Path, checkpoint_dir: str, devices: int, *flags: str
-            ) -> tuple[subprocess.Popen, pathlib.Path]:
+def _launch(name: str, workdir: pathlib.Path, checkpoint_dir: str, devices: int, *flags:
+            str) -> tuple[subprocess.Popen, pathlib.Path]:
   """Starts launch/train.py; returns the process and the file that gets its stderr."""
-  command = [sys.executable, str(REPO / "launch" / "train.py"),
-             f"--config={REPO / 'configs' / 'ablation_echo.py'}:long", f"--workdir={workdir}",
-             f"--config.model.name={checkpoint_dir}", *SETTINGS, *flags]
+  command = [
+      sys.executable,
+      str(REPO / "launch" / "train.py"), f"--config={REPO / 'configs' / 'ablation_echo.py'}:long",
+      f"--workdir={workdir}", f"--config.model.name={checkpoint_dir}", *SETTINGS, *flags
+  ]
   env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
   log = workdir.parent / f"{name}.stderr"
   with open(log, "w") as stderr:
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr), log
 
 
-def _two_processes(workdir: pathlib.Path, checkpoint_dir: str, *flags: str
-                   ) -> list[tuple[subprocess.Popen, pathlib.Path]]:
+def _two_processes(workdir: pathlib.Path, checkpoint_dir: str, *flags:
+                   str) -> list[tuple[subprocess.Popen, pathlib.Path]]:
   """launch/train.py as processes 0 and 1 of one run, 2 devices each."""
   port = _free_port()
-  return [_launch(f"{workdir.name}_process_{i}", workdir, checkpoint_dir, 2, *flags,
-                  f"--coordinator=localhost:{port}", "--num_processes=2", f"--process_id={i}")
-          for i in range(2)]
+  return [
+      _launch(f"{workdir.name}_process_{i}", workdir, checkpoint_dir, 2, *flags,
+              f"--coordinator=localhost:{port}", "--num_processes=2", f"--process_id={i}")
+      for i in range(2)
+  ]
 
 
 def _wait(runs: list[tuple[subprocess.Popen, pathlib.Path]]) -> None:
@@ -101,8 +107,7 @@ def _final_state(workdir: pathlib.Path) -> dict[str, np.ndarray]:
   with ocp.StandardCheckpointer() as checkpointer:
     stored = checkpointer.metadata(path).item_metadata.tree
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-                          stored)
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), stored)
     state = checkpointer.restore(path, target)
   leaves = jax.tree_util.tree_flatten_with_path(state)[0]
   return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
@@ -118,8 +123,9 @@ def _assert_same_parameters(workdir: pathlib.Path, reference: pathlib.Path) -> N
 
 def test_two_processes_train_as_one_process(checkpoint_dir, tmp_path):
   flags = [f"--config.steps={STEPS}", f"--config.checkpoint.every={STEPS}"]
-  _wait(_two_processes(tmp_path / "two", checkpoint_dir, *flags)
-        + [_launch("one", tmp_path / "one", checkpoint_dir, 4, *flags)])
+  _wait(
+      _two_processes(tmp_path / "two", checkpoint_dir, *flags) +
+      [_launch("one", tmp_path / "one", checkpoint_dir, 4, *flags)])
 
   single, multi = metrics.read_metrics(tmp_path / "one"), metrics.read_metrics(tmp_path / "two")
   assert [row["step"] for row in multi] == [row["step"] for row in single] == [1, 2, 3]
@@ -139,8 +145,8 @@ def test_two_processes_train_as_one_process(checkpoint_dir, tmp_path):
   # Rewards vary within groups, so the updates move the parameters.
   assert all(0 < row["reward"] < 1 and row["grad_norm"] > 0 for row in single)
   for step in range(1, STEPS + 1):
-    conversations = lambda workdir: [(t["task_id"], t["group"], t["messages"]) for t in
-                                     metrics.read_trajectories(workdir, step)]
+    conversations = lambda workdir: [(t["task_id"], t["group"], t["messages"])
+                                     for t in metrics.read_trajectories(workdir, step)]
     assert conversations(tmp_path / "two") == conversations(tmp_path / "one")
     assert len(conversations(tmp_path / "two")) == 16
 
@@ -152,9 +158,9 @@ def test_two_processes_resume_from_their_checkpoint_and_export(checkpoint_dir, t
   # Both processes write every step's checkpoint (Orbax, each its own shards); the run stops
   # after step 2, is resumed to step 3, and ends where an uninterrupted 1-process run does.
   flags = ["--config.checkpoint.every=1", "--config.checkpoint.export_hf=True"]
-  _wait(_two_processes(tmp_path / "two", checkpoint_dir, "--config.steps=2", *flags)
-        + [_launch("one", tmp_path / "one", checkpoint_dir, 4, f"--config.steps={STEPS}",
-                   *flags)])
+  _wait(
+      _two_processes(tmp_path / "two", checkpoint_dir, "--config.steps=2", *flags) +
+      [_launch("one", tmp_path / "one", checkpoint_dir, 4, f"--config.steps={STEPS}", *flags)])
   _wait(_two_processes(tmp_path / "two", checkpoint_dir, f"--config.steps={STEPS}", *flags))
 
   resumed, straight = metrics.read_metrics(tmp_path / "two"), metrics.read_metrics(tmp_path / "one")

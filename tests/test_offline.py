@@ -24,30 +24,50 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def _conversation(*turns):
   """user, assistant, user, ... from the given contents."""
-  return [{"role": "user" if i % 2 == 0 else "assistant", "content": c}
-          for i, c in enumerate(turns)]
+  return [{
+      "role": "user" if i % 2 == 0 else "assistant",
+      "content": c
+  } for i, c in enumerate(turns)]
 
 
 # Replies that depend on the prompt, of different lengths, one with two turns.
 DEMOS = [
-    {"messages": _conversation("1 0", "0 1 1")},
-    {"messages": _conversation("0 0", "1")},
-    {"messages": _conversation("1 1", "0 0", "1", "1 0 1")},
-    {"messages": _conversation("0 1", "1 1 0 0")},
+    {
+        "messages": _conversation("1 0", "0 1 1")
+    },
+    {
+        "messages": _conversation("0 0", "1")
+    },
+    {
+        "messages": _conversation("1 1", "0 0", "1", "1 0 1")
+    },
+    {
+        "messages": _conversation("0 1", "1 1 0 0")
+    },
 ]
 
 
 def _record(task_id, prompt, reply, success):
-  return {"task_id": task_id, "env": "echo", "messages": _conversation(prompt, reply),
-          "reward": float(success), "success": success, "num_turns": 1}
+  return {
+      "task_id": task_id,
+      "env": "echo",
+      "messages": _conversation(prompt, reply),
+      "reward": float(success),
+      "success": success,
+      "num_turns": 1
+  }
 
 
 # Per task a preferred (successful) and a rejected reply.
 PAIR_RECORDS = [
-    _record(0, "1 0", "0 1", True), _record(0, "1 0", "1 1", False),
-    _record(1, "0 0", "1", True), _record(1, "0 0", "0", False),
-    _record(2, "1 1", "0 0 1", True), _record(2, "1 1", "1 0 0", False),
-    _record(3, "0 1", "1 0", True), _record(3, "0 1", "0 1", False),
+    _record(0, "1 0", "0 1", True),
+    _record(0, "1 0", "1 1", False),
+    _record(1, "0 0", "1", True),
+    _record(1, "0 0", "0", False),
+    _record(2, "1 1", "0 0 1", True),
+    _record(2, "1 1", "1 0 0", False),
+    _record(3, "0 1", "1 0", True),
+    _record(3, "0 1", "0 1", False),
 ]
 
 
@@ -89,8 +109,9 @@ def offline_config(checkpoint_dir, data_path, mode="sft", steps=40):
 @pytest.fixture
 def single_device(monkeypatch):
   # The learning tests run on one device; sharding is tested elsewhere.
-  monkeypatch.setattr(sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
-      np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
+  monkeypatch.setattr(
+      sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
+          np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
 
 
 def _trained_params(c, workdir):
@@ -163,19 +184,19 @@ def test_sft_loss_is_the_token_mean_over_reply_tokens_only(checkpoint_dir, tiny_
   np.testing.assert_allclose(perturbed_loss, loss, rtol=1e-6)
   # ... though a loss over every position would.
   unmasked = np.ones_like(batch.loss_mask)
-  loss_all, _ = offline.sft_loss(params, graphdef, batch.replace(loss_mask=unmasked),
-                                 loss_config)
-  loss_all_perturbed, _ = offline.sft_loss(
-      params, graphdef, batch.replace(tokens=perturbed, loss_mask=unmasked), loss_config)
+  loss_all, _ = offline.sft_loss(params, graphdef, batch.replace(loss_mask=unmasked), loss_config)
+  loss_all_perturbed, _ = offline.sft_loss(params, graphdef,
+                                           batch.replace(tokens=perturbed, loss_mask=unmasked),
+                                           loss_config)
   assert abs(float(loss_all_perturbed) - float(loss_all)) > 1e-3
 
 
-def test_sft_on_echo_demonstrations_solves_the_test_split(checkpoint_dir, tmp_path,
-                                                          single_device):
+def test_sft_on_echo_demonstrations_solves_the_test_split(checkpoint_dir, tmp_path, single_device):
   env = base.make("echo", turns=2)
   # The expert answers each turn with the symbol it is shown.
   demos = demonstrations.collect(
-      env, env.task_ids("train")[:16], source="echo",
+      env,
+      env.task_ids("train")[:16], source="echo",
       expert=lambda env, task_id: list(env.task_info(task_id)["sequence"])).demos
   c = offline_config(checkpoint_dir, _write_jsonl(tmp_path / "demos.jsonl", demos), steps=50)
   c.data.batch_size = 8
@@ -202,8 +223,7 @@ def test_update_compiles_once_per_batch_length(checkpoint_dir, tmp_path):
   c = offline_config(checkpoint_dir, tmp_path)
   init, update = offline.make_update(run.Settings.from_config(c), graphdef, params, mesh)
   opt_state = init(params)
-  batches = offline_data.sft_batches(DEMOS, tokenizer.chat, c.data.batch_size,
-                                     c.data.max_length)
+  batches = offline_data.sft_batches(DEMOS, tokenizer.chat, c.data.batch_size, c.data.max_length)
   for step in range(3):
     params, opt_state, _ = update(params, opt_state, jax.device_put(batches.batch(step)))
   # The state comes back with the shardings it went in with, so later steps reuse the first
@@ -242,12 +262,10 @@ def test_resumed_sft_equals_an_uninterrupted_run(checkpoint_dir, tmp_path, singl
                              [h["loss"] for h in uninterrupted], rtol=1e-6)
   assert [r["step"] for r in metrics.read_metrics(tmp_path / "resumed")] == [1, 2, 3, 4]
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8),
-               _trained_params(c, tmp_path / "resumed"),
-               _trained_params(c, tmp_path / "whole"))
+               _trained_params(c, tmp_path / "resumed"), _trained_params(c, tmp_path / "whole"))
 
 
-def test_run_workdir_data_filtered_for_sft_and_paired_for_dpo(checkpoint_dir, tiny_model,
-                                                              tmp_path):
+def test_run_workdir_data_filtered_for_sft_and_paired_for_dpo(checkpoint_dir, tiny_model, tmp_path):
   _, tokenizer = tiny_model
   metrics.TrajectoryWriter(tmp_path).write(1, PAIR_RECORDS[:4])
   metrics.TrajectoryWriter(tmp_path).write(2, PAIR_RECORDS[4:])
@@ -255,7 +273,8 @@ def test_run_workdir_data_filtered_for_sft_and_paired_for_dpo(checkpoint_dir, ti
   c.data.min_reward = 1.0
   records = offline.load_records(tmp_path)
   assert len(records) == 8
-  assert offline.make_batches(run.Settings.from_config(c), records, tokenizer.chat).num_examples == 4  # The successes.
+  assert offline.make_batches(run.Settings.from_config(c), records,
+                              tokenizer.chat).num_examples == 4  # The successes.
   c.mode = "dpo"
   assert offline.make_batches(run.Settings.from_config(c), records, tokenizer.chat).num_pairs == 4
   # No pair has a chosen side with reward >= 2.
@@ -279,13 +298,12 @@ def test_launch_train_runs_sft_from_the_config_file(checkpoint_dir, tmp_path):
   data = _write_jsonl(tmp_path / "demos.jsonl", DEMOS)
   workdir = tmp_path / "run"
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-  result = subprocess.run(
-      [sys.executable, "launch/train.py", "--config=configs/sft_textcraft.py:local",
-       "--config.steps=2", "--config.optim.warmup_steps=1", f"--config.model.name={checkpoint_dir}",
-       f"--config.data.path={data}", "--config.data.batch_size=2",
-       "--config.data.max_length=32", "--config.log.progress_bar=False",
-       f"--workdir={workdir}"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  result = subprocess.run([
+      sys.executable, "launch/train.py", "--config=configs/sft_textcraft.py:local",
+      "--config.steps=2", "--config.optim.warmup_steps=1", f"--config.model.name={checkpoint_dir}",
+      f"--config.data.path={data}", "--config.data.batch_size=2", "--config.data.max_length=32",
+      "--config.log.progress_bar=False", f"--workdir={workdir}"
+  ], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   rows = metrics.read_metrics(workdir)
   assert [r["step"] for r in rows] == [1, 2]

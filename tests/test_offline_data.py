@@ -31,8 +31,10 @@ def textcraft_demos():
 
 def _conversation(*turns):
   """user, assistant, user, ... from the given contents."""
-  return [{"role": "user" if i % 2 == 0 else "assistant", "content": c}
-          for i, c in enumerate(turns)]
+  return [{
+      "role": "user" if i % 2 == 0 else "assistant",
+      "content": c
+  } for i, c in enumerate(turns)]
 
 
 def _check_invariants(chat, messages):
@@ -60,26 +62,23 @@ def test_tokens_equal_the_whole_render_and_the_mask_covers_replies_smollm(
     smollm_chat, textcraft_demos):
   for demo in textcraft_demos:
     _check_invariants(smollm_chat, demo["messages"])
-  tricky = _conversation(
-      "Goal: say <|im_end|> without ending the turn.",
-      "Thought: the text <|im_end|><|im_start|>user is plain.\n\nAction: echo",
-      "  leading spaces, unicode é ✓, and a trailing newline\n",
-      "\n\nAction: 42")
+  tricky = _conversation("Goal: say <|im_end|> without ending the turn.",
+                         "Thought: the text <|im_end|><|im_start|>user is plain.\n\nAction: echo",
+                         "  leading spaces, unicode é ✓, and a trailing newline\n",
+                         "\n\nAction: 42")
   _check_invariants(smollm_chat, tricky)
   # A system message joins the prompt; SmolLM2's default system message is not added then.
   _check_invariants(smollm_chat, [{"role": "system", "content": "Be brief."}, *tricky])
 
 
 def test_tokens_equal_the_whole_render_and_the_mask_covers_replies_tiny(tiny_chat):
-  tokens, loss_mask = _check_invariants(
-      tiny_chat, _conversation("1 0", "0 1 1", "1", "0"))
+  tokens, loss_mask = _check_invariants(tiny_chat, _conversation("1 0", "0 1 1", "1", "0"))
   # Worked example, ids: <|im_start|>=0 <|im_end|>=1 \n=3 " "=4 user=5 assistant=6 0=7 1=8.
   # Prompt "<s>user\n1 0<e>\n<s>assistant\n", reply "0 1 1<e>", continuation
   # "\n<s>user\n1<e>\n<s>assistant\n", reply "0<e>".
-  assert tokens == [0, 5, 3, 8, 4, 7, 1, 3, 0, 6, 3,
-                    7, 4, 8, 4, 8, 1,
-                    3, 0, 5, 3, 8, 1, 3, 0, 6, 3,
-                    7, 1]
+  assert tokens == [
+      0, 5, 3, 8, 4, 7, 1, 3, 0, 6, 3, 7, 4, 8, 4, 8, 1, 3, 0, 5, 3, 8, 1, 3, 0, 6, 3, 7, 1
+  ]
   assert loss_mask == [0] * 11 + [1] * 6 + [0] * 10 + [1] * 2
 
 
@@ -91,8 +90,8 @@ def test_tokens_match_the_rollouts_turn_by_turn_construction(tiny_chat):
   trajectory.extend(tiny_chat.reply_ids("0 0"), trained=True)
   trajectory.extend(tiny_chat.continuation_ids("user", "1 1"), trained=False)
   trajectory.extend(tiny_chat.reply_ids("1"), trained=True)
-  assert offline_data.tokenize_conversation(tiny_chat, messages) == (
-      trajectory.tokens, trajectory.loss_mask)
+  assert offline_data.tokenize_conversation(tiny_chat,
+                                            messages) == (trajectory.tokens, trajectory.loss_mask)
 
 
 @pytest.mark.parametrize("chat_family", ["qwen3", "llama3"])
@@ -117,10 +116,21 @@ def test_tool_call_demos_tokenize_with_their_tools(chat_family, tmp_path):
 @pytest.mark.parametrize("messages,message", [
     (_conversation("1", "0", "1"), "ends with a 'user' turn"),
     (_conversation("1"), "no assistant reply"),
-    ([{"role": "assistant", "content": "0"}], "starts with an assistant reply"),
-    (_conversation("1", "0") + [{"role": "assistant", "content": "1"}], "must alternate"),
-    (_conversation("1", "0") + [{"role": "user", "content": 1},
-                                {"role": "assistant", "content": "0"}], "not str"),
+    ([{
+        "role": "assistant",
+        "content": "0"
+    }], "starts with an assistant reply"),
+    (_conversation("1", "0") + [{
+        "role": "assistant",
+        "content": "1"
+    }], "must alternate"),
+    (_conversation("1", "0") + [{
+        "role": "user",
+        "content": 1
+    }, {
+        "role": "assistant",
+        "content": "0"
+    }], "not str"),
     ([], "non-empty list"),
 ])
 def test_malformed_conversations_are_refused(tiny_chat, messages, message):
@@ -133,16 +143,19 @@ def test_malformed_conversations_are_refused(tiny_chat, messages, message):
 
 def _records(lengths):
   """Conversations whose single reply has the given number of words ("0 1 0 ..." style)."""
-  return [{"messages": _conversation("1", " ".join("01"[j % 2] for j in range(n))),
-           "reward": float(i)} for i, n in enumerate(lengths)]
+  return [{
+      "messages": _conversation("1", " ".join("01"[j % 2] for j in range(n))),
+      "reward": float(i)
+  } for i, n in enumerate(lengths)]
 
 
 def test_sft_batches_pad_to_buckets_and_mask_exactly_the_replies(tiny_chat):
   records = _records([5, 40, 7, 90, 12, 33, 64, 3, 100, 20])
   data = offline_data.sft_batches(records, tiny_chat, batch_size=4, max_length=512, seed=0)
   assert (data.num_examples, data.num_dropped, data.steps_per_epoch) == (10, 0, 2)
-  expected = {r["reward"]: offline_data.tokenize_conversation(tiny_chat, r["messages"])
-              for r in records}
+  expected = {
+      r["reward"]: offline_data.tokenize_conversation(tiny_chat, r["messages"]) for r in records
+  }
   seen = []
   for step in range(2):
     batch = data.batch(step)
@@ -167,8 +180,7 @@ def test_sft_batches_are_deterministic_and_reshuffled_each_epoch(tiny_chat):
   records = _records(range(1, 33))
 
   def order(seed, steps):
-    data = offline_data.sft_batches(records, tiny_chat, batch_size=4, max_length=512,
-                                    seed=seed)
+    data = offline_data.sft_batches(records, tiny_chat, batch_size=4, max_length=512, seed=seed)
     return [data.batch(s).rewards.tolist() for s in steps]
 
   assert order(0, range(16)) == order(0, range(16))
@@ -210,8 +222,15 @@ def test_over_long_conversations_are_dropped_and_counted_never_cut(tiny_chat):
 
 
 def _trajectory(name, task_id, success, reward, num_turns=1, **extra):
-  return {"name": name, "task_id": task_id, "success": success, "reward": reward,
-          "num_turns": num_turns, "messages": _conversation("1", "0"), **extra}
+  return {
+      "name": name,
+      "task_id": task_id,
+      "success": success,
+      "reward": reward,
+      "num_turns": num_turns,
+      "messages": _conversation("1", "0"),
+      **extra
+  }
 
 
 def _names(pairs):
@@ -219,9 +238,13 @@ def _names(pairs):
 
 
 def test_dpo_pairs_best_against_worst_while_the_first_strictly_wins():
-  trajectories = [_trajectory("A", 7, False, 0.0), _trajectory("B", 7, True, 1.0),
-                  _trajectory("C", 7, False, 0.0), _trajectory("D", 7, True, 1.0),
-                  _trajectory("E", 7, False, 0.0)]
+  trajectories = [
+      _trajectory("A", 7, False, 0.0),
+      _trajectory("B", 7, True, 1.0),
+      _trajectory("C", 7, False, 0.0),
+      _trajectory("D", 7, True, 1.0),
+      _trajectory("E", 7, False, 0.0)
+  ]
   # Ranked B, D, A, C, E (ties in input order): (B, E), (D, C); A is the unpaired middle.
   pairs = offline_data.dpo_pairs(trajectories)
   assert _names(pairs) == [("B", "E"), ("D", "C")]
@@ -232,8 +255,12 @@ def test_dpo_pairs_best_against_worst_while_the_first_strictly_wins():
 def test_dpo_pairs_by_reward_gap_between_equals_in_success():
   # SciWorld-like scores, all failures: ranked 0.9, 0.6, 0.5, 0.2. With a gap of 0.3:
   # (0.9, 0.2) differ by 0.7 > 0.3, a pair; (0.6, 0.5) by 0.1, not, and pairing stops.
-  trajectories = [_trajectory("s5", 1, False, 0.5), _trajectory("s9", 1, False, 0.9),
-                  _trajectory("s2", 1, False, 0.2), _trajectory("s6", 1, False, 0.6)]
+  trajectories = [
+      _trajectory("s5", 1, False, 0.5),
+      _trajectory("s9", 1, False, 0.9),
+      _trajectory("s2", 1, False, 0.2),
+      _trajectory("s6", 1, False, 0.6)
+  ]
   assert _names(offline_data.dpo_pairs(trajectories, min_reward_gap=0.3)) == [("s9", "s2")]
   assert _names(offline_data.dpo_pairs(trajectories)) == [("s9", "s2"), ("s6", "s5")]
   # Success beats failure even at a lower reward (BabyAI: a slow success vs a failure).
@@ -257,8 +284,10 @@ def test_dpo_pairs_prefer_shorter_successes_and_skip_broken_episodes():
 
 def test_dpo_pairs_refuse_mixed_environments_and_different_prompts():
   with pytest.raises(ValueError, match="several environments"):
-    offline_data.dpo_pairs([_trajectory("a", 1, True, 1.0, env="textcraft"),
-                            _trajectory("b", 1, False, 0.0, env="babyai")])
+    offline_data.dpo_pairs([
+        _trajectory("a", 1, True, 1.0, env="textcraft"),
+        _trajectory("b", 1, False, 0.0, env="babyai")
+    ])
   other_prompt = _trajectory("b", 1, False, 0.0, messages=_conversation("0", "0"))
   with pytest.raises(ValueError, match="different prompts"):
     offline_data.dpo_pairs([_trajectory("a", 1, True, 1.0), other_prompt])
@@ -267,11 +296,19 @@ def test_dpo_pairs_refuse_mixed_environments_and_different_prompts():
 def test_dpo_batches_align_chosen_and_rejected_rows(tiny_chat):
   trajectories = []
   for task in range(6):  # chosen: a short success; rejected: a longer failure
-    trajectories += [
-        {"task_id": task, "success": True, "reward": 1.0, "num_turns": 1,
-         "messages": _conversation("1", "0 " * task + "1")},
-        {"task_id": task, "success": False, "reward": 0.0, "num_turns": 2,
-         "messages": _conversation("1", "0", "0", "1 " * (10 * task) + "0")}]
+    trajectories += [{
+        "task_id": task,
+        "success": True,
+        "reward": 1.0,
+        "num_turns": 1,
+        "messages": _conversation("1", "0 " * task + "1")
+    }, {
+        "task_id": task,
+        "success": False,
+        "reward": 0.0,
+        "num_turns": 2,
+        "messages": _conversation("1", "0", "0", "1 " * (10 * task) + "0")
+    }]
   pairs = offline_data.dpo_pairs(trajectories)
   assert [p.task_id for p in pairs] == list(range(6))
   data = offline_data.dpo_batches(pairs, tiny_chat, batch_size=2, max_length=256, seed=0)

@@ -73,13 +73,15 @@ def test_metrics_and_trajectories_resume_in_the_bucket(bucket):
     for step in range(3):
       writer.write(step, {"reward": step / 2})
   assert "gs://runs/grpo/metrics.jsonl" in bucket
-  assert [(row["step"], row["reward"]) for row in metrics.read_metrics(workdir)] == [
-      (0, 0.0), (1, 0.5), (2, 1.0)]
+  assert [(row["step"], row["reward"]) for row in metrics.read_metrics(workdir)] == [(0, 0.0),
+                                                                                     (1, 0.5),
+                                                                                     (2, 1.0)]
   # Resumed from the step-1 checkpoint: step 2 is dropped, then logged again.
   with metrics.MetricsWriter(workdir, tensorboard=False, resume_step=1) as writer:
     writer.write(2, {"reward": 0.25})
-  assert [(row["step"], row["reward"]) for row in metrics.read_metrics(workdir)] == [
-      (0, 0.0), (1, 0.5), (2, 0.25)]
+  assert [(row["step"], row["reward"]) for row in metrics.read_metrics(workdir)] == [(0, 0.0),
+                                                                                     (1, 0.5),
+                                                                                     (2, 0.25)]
 
   trajectories = metrics.TrajectoryWriter(workdir)
   for step in range(3):
@@ -87,8 +89,8 @@ def test_metrics_and_trajectories_resume_in_the_bucket(bucket):
   assert metrics.trajectory_steps(workdir) == [0, 1, 2]
   metrics.TrajectoryWriter(workdir, resume_step=1)
   assert metrics.trajectory_steps(workdir) == [0, 1]
-  assert [(r["step"], r["reward"]) for r in metrics.read_trajectories(workdir)] == [
-      (0, 0), (0, 0), (1, 1), (1, -1)]
+  assert [(r["step"], r["reward"]) for r in metrics.read_trajectories(workdir)] == [(0, 0), (0, 0),
+                                                                                    (1, 1), (1, -1)]
 
 
 def test_model_directory_in_the_bucket_loads_as_the_local_one(bucket, tmp_path):
@@ -99,7 +101,8 @@ def test_model_directory_in_the_bucket_loads_as_the_local_one(bucket, tmp_path):
   from_disk, _ = models.load_model(str(checkpoint))
   ids = jnp.array([[0, 4, 2, 5, 1]])
   np.testing.assert_array_equal(np.asarray(from_bucket(ids)), np.asarray(from_disk(ids)))
-  with pytest.raises(weights.WeightsNotFoundError, match="^model directory gs://models/absent cannot be read"):
+  with pytest.raises(weights.WeightsNotFoundError,
+                     match="^model directory gs://models/absent cannot be read"):
     models.resolve("gs://models/absent")
 
 
@@ -119,13 +122,18 @@ def test_train_with_an_unreachable_bucket_stops_at_start_up(tmp_path):
   """No fake here: this machine has no route to Cloud Storage (and no gcsfs, or no
   credentials), which is what an unreachable bucket looks like to the launch script."""
   done = subprocess.run(
-      [sys.executable, str(REPO / "launch" / "train.py"),
-       f"--config={REPO / 'configs' / 'ablation_echo.py'}",
-       "--workdir=gs://no-such-bucket-agentgym/run"],
-      cwd=tmp_path, capture_output=True, text=True, timeout=120,
-      env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(REPO),
-           "NO_GCE_CHECK": "true", "GCE_METADATA_HOST": "127.0.0.1:9",
-           "GCE_METADATA_IP": "127.0.0.1:9"})
+      [
+          sys.executable,
+          str(REPO / "launch" / "train.py"), f"--config={REPO / 'configs' / 'ablation_echo.py'}",
+          "--workdir=gs://no-such-bucket-agentgym/run"
+      ], cwd=tmp_path, capture_output=True, text=True, timeout=120, env={
+          "PATH": "/usr/bin:/bin",
+          "HOME": str(tmp_path),
+          "PYTHONPATH": str(REPO),
+          "NO_GCE_CHECK": "true",
+          "GCE_METADATA_HOST": "127.0.0.1:9",
+          "GCE_METADATA_IP": "127.0.0.1:9"
+      })
   assert done.returncode == 1, done.stderr[-2000:]
   assert done.stderr.startswith("error: --workdir=gs://no-such-bucket-agentgym/run cannot be "
                                 "reached"), done.stderr[-2000:]

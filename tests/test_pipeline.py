@@ -13,8 +13,15 @@ from agentgym_jax import demonstrations, metrics, pipeline, run, sharding, train
 from environments import jsonl
 
 # Echo conversations (a prompt of symbols, the reply repeating them).
-DEMOS = [{"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]}
-         for prompt, reply in (("1 0", "1 0"), ("0 0", "0 0"), ("1 1", "1 1"), ("0 1", "0 1"))]
+DEMOS = [{
+    "messages": [{
+        "role": "user",
+        "content": prompt
+    }, {
+        "role": "assistant",
+        "content": reply
+    }]
+} for prompt, reply in (("1 0", "1 0"), ("0 0", "0 0"), ("1 1", "1 1"), ("0 1", "0 1"))]
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +32,9 @@ def checkpoint_dir(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def single_device(monkeypatch):
   # The runs use one device, as on a workstation; sharding is tested elsewhere.
-  monkeypatch.setattr(sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
-      np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
+  monkeypatch.setattr(
+      sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
+          np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
 
 
 def config(checkpoint_dir, demos_path):
@@ -89,8 +97,8 @@ def test_demonstrations_are_made_with_the_expert_once(tmp_path, monkeypatch):
   c.warm_start.max_tasks = 2
   path = pipeline.demonstrations_file(c, tmp_path)
   records = [json.loads(line) for line in path.read_text().splitlines()]
-  assert len(records) == 2 and all(r["success"] and r["source"] == demonstrations.ORACLE
-                                   for r in records)
+  assert len(records) == 2 and all(
+      r["success"] and r["source"] == demonstrations.ORACLE for r in records)
   monkeypatch.setattr(demonstrations, "collect", lambda *a, **k: pytest.fail("made twice"))
   assert pipeline.demonstrations_file(c, tmp_path) == path
 
@@ -101,8 +109,10 @@ def test_demonstrations_are_made_in_the_runs_action_format(tmp_path):
   c.env.action_format = "tool_call"
   c.warm_start.steps = 1
   c.warm_start.max_tasks = 2
-  records = [json.loads(line) for line in
-             pipeline.demonstrations_file(c, tmp_path).read_text().splitlines()]
+  records = [
+      json.loads(line)
+      for line in pipeline.demonstrations_file(c, tmp_path).read_text().splitlines()
+  ]
   assert len(records) == 2 and all(r["source"] == demonstrations.HOPS for r in records)
   for record in records:
     assert [tool["function"]["name"] for tool in record["tools"]] == ["search", "answer"]
@@ -111,7 +121,7 @@ def test_demonstrations_are_made_in_the_runs_action_format(tmp_path):
 
 @pytest.mark.parametrize("key, value, message", [
     ("env.name", "echo", r"warm_start.demonstrations must name a JSONL .* env 'echo' has no "
-                         r"expert"),
+     r"expert"),
     ("mode", "sft", r"warm_start is a stage of an RL run, not of mode='sft'"),
     ("warm_start.learning_rate", 0.0, r"warm_start.learning_rate and batch_size must be > 0"),
 ])
@@ -135,13 +145,14 @@ def test_each_stage_is_evaluated_once_and_tabled(checkpoint_dir, tmp_path, monke
   c.eval.horizon = 1
   pipeline.train(c, tmp_path / "run")
   evaluated = tmp_path / "run" / "evaluation"
-  summaries = {stage: json.loads((evaluated / f"{name}.json").read_text())
-               for stage, name in (("initial", "initial"), ("warm start", "warm_start"),
-                                   ("RL", "rl"))}
+  summaries = {
+      stage: json.loads((evaluated / f"{name}.json").read_text())
+      for stage, name in (("initial", "initial"), ("warm start", "warm_start"), ("RL", "rl"))
+  }
   assert all(s["num_tasks"] == 4 and s["k"] == 1 for s in summaries.values())
   # The RL stage is the exported policy, played as launch/evaluate.py plays it.
-  direct, _ = pipeline.evaluate_policy(run.Settings.from_config(c), str(tmp_path / "run" /
-                                                                         "export"), 4)
+  direct, _ = pipeline.evaluate_policy(
+      run.Settings.from_config(c), str(tmp_path / "run" / "export"), 4)
   assert direct == summaries["RL"]
   table = (evaluated / "table.txt").read_text()
   assert table.strip() == pipeline.stage_table(summaries)
@@ -153,31 +164,53 @@ def test_each_stage_is_evaluated_once_and_tabled(checkpoint_dir, tmp_path, monke
 
 
 def _summary(avg, pass_, by_category):
-  return {"k": 2, "num_tasks": sum(n for n, _, _ in by_category.values()), "avg@k": avg,
-          "pass@k": pass_, "categories": {name: {"num_tasks": n, "avg@k": a, "pass@k": p}
-                                          for name, (n, a, p) in by_category.items()}}
+  return {
+      "k": 2,
+      "num_tasks": sum(n for n, _, _ in by_category.values()),
+      "avg@k": avg,
+      "pass@k": pass_,
+      "categories": {
+          name: {
+              "num_tasks": n,
+              "avg@k": a,
+              "pass@k": p
+          } for name, (n, a, p) in by_category.items()
+      }
+  }
 
 
 def test_the_stage_table_has_a_row_per_category_and_a_column_pair_per_stage():
   table = pipeline.stage_table({
-      "initial": _summary(0.0, 0.0, {"depth1": (2, 0.0, 0.0), "depth2": (2, 0.0, 0.0)}),
-      "RL": _summary(0.375, 0.5, {"depth1": (2, 0.75, 1.0), "depth2": (2, 0.0, 0.0)}),
+      "initial": _summary(0.0, 0.0, {
+          "depth1": (2, 0.0, 0.0),
+          "depth2": (2, 0.0, 0.0)
+      }),
+      "RL": _summary(0.375, 0.5, {
+          "depth1": (2, 0.75, 1.0),
+          "depth2": (2, 0.0, 0.0)
+      }),
   })
   lines = table.splitlines()
   assert lines[0].startswith("k = 2 samples per task")
-  assert lines[1].split() == ["category", "tasks", "initial", "avg@2", "pass@2", "RL", "avg@2",
-                              "pass@2"]
+  assert lines[1].split() == [
+      "category", "tasks", "initial", "avg@2", "pass@2", "RL", "avg@2", "pass@2"
+  ]
   rows = {line.split()[0]: line.split()[1:] for line in lines[3:]}
   # depth1 under RL: 3 of 4 samples, both tasks at least once.
-  assert rows == {"depth1": ["2", "0.0%", "0.0%", "75.0%", "100.0%"],
-                  "depth2": ["2", "0.0%", "0.0%", "0.0%", "0.0%"],
-                  "all": ["4", "0.0%", "0.0%", "37.5%", "50.0%"]}
+  assert rows == {
+      "depth1": ["2", "0.0%", "0.0%", "75.0%", "100.0%"],
+      "depth2": ["2", "0.0%", "0.0%", "0.0%", "0.0%"],
+      "all": ["4", "0.0%", "0.0%", "37.5%", "50.0%"]
+  }
 
 
 def test_a_stage_without_a_category_shows_dashes():
   table = pipeline.stage_table({
       "initial": _summary(0.0, 0.0, {"depth1": (2, 0.0, 0.0)}),
-      "RL": _summary(0.5, 0.5, {"depth1": (1, 1.0, 1.0), "depth2": (1, 0.0, 0.0)}),
+      "RL": _summary(0.5, 0.5, {
+          "depth1": (1, 1.0, 1.0),
+          "depth2": (1, 0.0, 0.0)
+      }),
   })
   depth2 = next(line for line in table.splitlines() if line.startswith("depth2"))
   assert depth2.split() == ["depth2", "1", "-", "-", "0.0%", "0.0%"]

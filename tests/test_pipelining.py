@@ -21,18 +21,16 @@ ROWS = 16
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
-  return load_model(str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny"))),
-                    dtype=jnp.float32)
+  return load_model(str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny"))), dtype=jnp.float32)
 
 
 def play(policy, env, groups, tasks, *, horizon=4, step_timeout_s=60.0, sampler=None):
   model, tokenizer = policy
   sampler = sampler or Sampler(model, cache_slots=96, max_batch=len(tasks) // groups)
   with EnvPool(env, len(tasks), step_timeout_s=step_timeout_s) as pool:
-    return rollout.collect(
-        sampler, sampler.params, pool, tokenizer.chat, tasks, horizon=horizon,
-        sampling=rollout.TurnSampling(max_new_tokens=3), max_context=96,
-        key=jax.random.key(7), first_row=5, groups=groups)
+    return rollout.collect(sampler, sampler.params, pool, tokenizer.chat, tasks, horizon=horizon,
+                           sampling=rollout.TurnSampling(max_new_tokens=3), max_context=96,
+                           key=jax.random.key(7), first_row=5, groups=groups)
 
 
 def echo_tasks():
@@ -100,8 +98,10 @@ def test_env_faults_end_only_their_episode_under_pipelining(policy):
                              hang_tasks=(2,), hang_s=3.0)
   tasks = [(100 + row // 2, row // 2) for row in range(8)]
   played, _ = play(policy, faulty, 2, tasks, horizon=2, step_timeout_s=1.0)
-  terminations = {task_id: {t.termination for t in played if t.task_id == task_id}
-                  for task_id in range(100, 104)}
+  terminations = {
+      task_id: {t.termination for t in played if t.task_id == task_id}
+      for task_id in range(100, 104)
+  }
   assert terminations[101] == {rollout.ENV_ERROR}
   assert terminations[102] == {rollout.ENV_TIMEOUT}
   for task_id in (100, 103):
@@ -153,8 +153,8 @@ def test_training_with_two_groups_matches_one_group(tmp_path, monkeypatch):
       if key in a:
         # The same episodes; the step's means differ by reordering alone (the sampler's
         # log-probs enter through the logged gap), relative to their size.
-        np.testing.assert_allclose(b[key], a[key], rtol=tolerances.reordered_sum(1024),
-                                   atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(b[key], a[key], rtol=tolerances.reordered_sum(1024), atol=1e-6,
+                                   err_msg=key)
     assert 0 <= b["rollout/env_hidden_fraction"] <= 1
   assert "eval/success" in two[-1]
 

@@ -26,12 +26,14 @@ def test_qwen_7b_config_counts_its_published_parameters():
                                                                                      False)
 
 
-@pytest.mark.parametrize("mesh_shape, per_device_params", [
-    # fsdp=8 splits every matrix on its embed axis (3584 = 8 * 448); norms and biases stay whole.
-    ((1, 8, 1), (QWEN_7B.num_params - NORMS - BIASES) // 8 + BIASES + NORMS),
-    # fsdp=4 x tensor=2: matrices split 8-way (embed / 4, heads or mlp or vocab / 2), biases 2-way.
-    ((1, 4, 2), (QWEN_7B.num_params - NORMS - BIASES) // 8 + BIASES // 2 + NORMS),
-])
+@pytest.mark.parametrize(
+    "mesh_shape, per_device_params",
+    [
+        # fsdp=8 splits every matrix on its embed axis (3584 = 8 * 448); norms and biases stay whole.
+        ((1, 8, 1), (QWEN_7B.num_params - NORMS - BIASES) // 8 + BIASES + NORMS),
+        # fsdp=4 x tensor=2: matrices split 8-way (embed / 4, heads or mlp or vocab / 2), biases 2-way.
+        ((1, 4, 2), (QWEN_7B.num_params - NORMS - BIASES) // 8 + BIASES // 2 + NORMS),
+    ])
 def test_sharded_parameters_take_an_eighth_per_device(mesh_shape, per_device_params):
   memory = plan.plan(QWEN_7B, sharding.make_mesh(*mesh_shape), batch=8, seq=4096, compile=False)
   assert memory.param_bytes == 4 * per_device_params  # f32 parameters.
@@ -76,8 +78,8 @@ def test_train_step_compiles_with_donated_sharded_state():
   assert memory.output_bytes - memory.alias_bytes < 1024
   # The f32 gradients (as large as the parameters' shards) live in the step's scratch space.
   assert memory.param_bytes < memory.temp_bytes
-  assert memory.peak_bytes == (memory.argument_bytes + memory.output_bytes - memory.alias_bytes
-                               + memory.temp_bytes)
+  assert memory.peak_bytes == (
+      memory.argument_bytes + memory.output_bytes - memory.alias_bytes + memory.temp_bytes)
 
 
 def test_cli_prints_a_table_per_mesh(capsys):
@@ -99,10 +101,14 @@ def test_cli_rejects_meshes_it_cannot_build():
 
 
 # A 2-layer Qwen2 with the 7B's structure (GQA, q/k/v biases): compiles in seconds.
-SMALL = ModelConfig.from_hf({**plan.HF_CONFIGS["qwen2.5-7b-instruct"], "vocab_size": 1024,
-                             "hidden_size": 256, "intermediate_size": 512,
-                             "num_hidden_layers": 2, "num_attention_heads": 4,
-                             "num_key_value_heads": 2})
+SMALL = ModelConfig.from_hf({
+    **plan.HF_CONFIGS["qwen2.5-7b-instruct"], "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2
+})
 
 
 def test_sampler_plan_holds_the_cache_shard_and_updates_it_in_place():
@@ -113,10 +119,11 @@ def test_sampler_plan_holds_the_cache_shard_and_updates_it_in_place():
   # split over data x fsdp (4-way), kv heads over tensor (2-way).
   assert memory.cache_bytes == 2 * (2 * 8 * 2 * 256 * 64 * 2) // 8
   assert memory.param_bytes == plan.plan(SMALL, mesh, 8, 32, compile=False).param_bytes
-  assert memory.peak_bytes == (memory.param_bytes + memory.cache_bytes
-                               + max(memory.prefill_bytes, memory.decode_bytes))
-  prefill, decode = (lowered.compile().memory_analysis() for lowered in plan.lower_sampler(
-      SMALL, mesh, 8, 256, prefill_tokens=32, max_new_tokens=16))
+  assert memory.peak_bytes == (
+      memory.param_bytes + memory.cache_bytes + max(memory.prefill_bytes, memory.decode_bytes))
+  prefill, decode = (
+      lowered.compile().memory_analysis()
+      for lowered in plan.lower_sampler(SMALL, mesh, 8, 256, prefill_tokens=32, max_new_tokens=16))
   # The donated state comes back in place: the cache is never copied.
   assert prefill.alias_size_in_bytes == decode.alias_size_in_bytes > memory.cache_bytes
   # Both take the planned shards of the parameters and the state: the cache, 2 rows' lengths
@@ -125,8 +132,8 @@ def test_sampler_plan_holds_the_cache_shard_and_updates_it_in_place():
   # and adds a [2, 32] shard of tokens and 2 counts.
   state_bytes = memory.cache_bytes + 2 * 4 + 2 * 256 * 4
   assert decode.argument_size_in_bytes == memory.param_bytes + state_bytes + 64 + 2 * 4 + 32
-  assert prefill.argument_size_in_bytes == (memory.param_bytes - 262144 + state_bytes
-                                            + 2 * 32 * 4 + 2 * 4)
+  assert prefill.argument_size_in_bytes == (
+      memory.param_bytes - 262144 + state_bytes + 2 * 32 * 4 + 2 * 4)
 
 
 def test_cli_plans_a_sampler_on_the_requested_devices(capsys):
@@ -135,7 +142,6 @@ def test_cli_plans_a_sampler_on_the_requested_devices(capsys):
   assert lines[0] == "qwen2.5-7b-instruct sampler: GiB per device"
   # 28 layers x 64 rows x 4 kv heads x 10240 slots x 128 x 2 B x 2 (k, v) / 4 = 8.75 GiB.
   assert lines[3].split()[:6] == ["1,4,1", "64", "x", "10240", "7.09", "8.75"]
-
 
 
 def test_train_step_with_the_tpu_attention_kernel_compiles_on_a_tpu_shaped_mesh():
@@ -157,19 +163,21 @@ GIB = 2**30
 PEAKS = {"none": 10 * GIB, "dots": 6 * GIB, "full": 3 * GIB}
 
 
-@pytest.mark.parametrize("device_gib, expected, asked, why", [
-    # Budgets are 90% of the device; 2 GiB stay resident beside the step.
-    (100, "none", ["none"], "none needs 12.00 GiB per device, within 90% of 100.00 GiB"),
-    # none: 12 > 11.25; dots: 8 <= 11.25.
-    (12.5, "dots", ["none", "dots"],
-     "none needs 12.00 GiB, dots needs 8.00 GiB per device, within 90% of 12.50 GiB"),
-    # full: 5 <= 5.4.
-    (6, "full", ["none", "dots", "full"], "full needs 5.00 GiB per device, within 90% of 6.00"),
-    # full: 5 > 4.5, the least memory there is.
-    (5, "full", ["none", "dots", "full"],
-     "none fits: none needs 12.00 GiB, dots needs 8.00 GiB, full needs 5.00 GiB per device, "
-     "over 90% of 5.00 GiB"),
-])
+@pytest.mark.parametrize(
+    "device_gib, expected, asked, why",
+    [
+        # Budgets are 90% of the device; 2 GiB stay resident beside the step.
+        (100, "none", ["none"], "none needs 12.00 GiB per device, within 90% of 100.00 GiB"),
+        # none: 12 > 11.25; dots: 8 <= 11.25.
+        (12.5, "dots", ["none", "dots"],
+         "none needs 12.00 GiB, dots needs 8.00 GiB per device, within 90% of 12.50 GiB"),
+        # full: 5 <= 5.4.
+        (6, "full", ["none", "dots", "full"], "full needs 5.00 GiB per device, within 90% of 6.00"),
+        # full: 5 > 4.5, the least memory there is.
+        (5, "full", ["none", "dots", "full"],
+         "none fits: none needs 12.00 GiB, dots needs 8.00 GiB, full needs 5.00 GiB per device, "
+         "over 90% of 5.00 GiB"),
+    ])
 def test_remat_auto_takes_the_fastest_policy_that_fits(device_gib, expected, asked, why):
   calls = []
   peak = lambda remat: calls.append(remat) or PEAKS[remat]
@@ -179,12 +187,12 @@ def test_remat_auto_takes_the_fastest_policy_that_fits(device_gib, expected, ask
 
 
 def test_remat_auto_without_a_memory_analysis_is_full():
-  assert plan.choose_remat(lambda remat: None, GIB) == (
-      "full", "the compiler gives no memory analysis to choose by")
+  assert plan.choose_remat(lambda remat: None,
+                           GIB) == ("full", "the compiler gives no memory analysis to choose by")
 
 
-def test_a_training_run_resolves_remat_auto_from_its_compiled_update_step(tmp_path, monkeypatch,
-                                                                        caplog):
+def test_a_training_run_resolves_remat_auto_from_its_compiled_update_step(
+    tmp_path, monkeypatch, caplog):
   import logging
   import re
 
@@ -203,8 +211,9 @@ def test_a_training_run_resolves_remat_auto_from_its_compiled_update_step(tmp_pa
   with caplog.at_level(logging.INFO):
     mesh, model, _ = settings.load_policy(training=True)
   assert model.remat == "none"
-  assert re.search(r"model.remat=auto: none, as a 8 x 256 update step: none needs [\d.]+ MiB "
-                   r"per device, within 90% of 1024.00 GiB \(a test budget\)", caplog.text)
+  assert re.search(
+      r"model.remat=auto: none, as a 8 x 256 update step: none needs [\d.]+ MiB "
+      r"per device, within 90% of 1024.00 GiB \(a test budget\)", caplog.text)
   # Sampling-only loads (evaluation) never compile an update step.
   assert settings.load_policy()[1].remat == "none"
   # A device too small for any policy: full, the smallest; the compiled steps' needs shrink

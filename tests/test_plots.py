@@ -45,18 +45,42 @@ def test_smooth_rejects_weights_outside_unit_interval():
 
 
 def test_metric_series_skips_missing_and_null_and_keeps_last_repeat_of_a_step():
-  rows = [{"step": 0, "kl": 0.1}, {"step": 1}, {"step": 2, "kl": None},
-          {"step": 3, "kl": 0.5}, {"step": 3, "kl": 0.7}, {"step": 4, "kl": True}]
+  rows = [{
+      "step": 0,
+      "kl": 0.1
+  }, {
+      "step": 1
+  }, {
+      "step": 2,
+      "kl": None
+  }, {
+      "step": 3,
+      "kl": 0.5
+  }, {
+      "step": 3,
+      "kl": 0.7
+  }, {
+      "step": 4,
+      "kl": True
+  }]
   assert plots.metric_series(rows, "kl") == ([0, 3], [0.1, 0.7])
   assert plots.metric_series(rows, "absent") == ([], [])
 
 
 def test_matching_keys_takes_exact_names_then_prefixes_without_repeats():
-  rows = [{"step": 0, "time": 1.0, "time/update": 2.0, "time/rollout": 3.0, "eval/success": 1,
-           "eval/success/b": 0, "eval/success/a": 1}]
+  rows = [{
+      "step": 0,
+      "time": 1.0,
+      "time/update": 2.0,
+      "time/rollout": 3.0,
+      "eval/success": 1,
+      "eval/success/b": 0,
+      "eval/success/a": 1
+  }]
   assert plots.matching_keys(rows, ("time/",)) == ["time/rollout", "time/update"]
   assert plots.matching_keys(rows, ("eval/success", "eval/success/")) == [
-      "eval/success", "eval/success/a", "eval/success/b"]
+      "eval/success", "eval/success/a", "eval/success/b"
+  ]
 
 
 def test_write_plots_draws_every_logged_panel(tmp_path):
@@ -76,8 +100,8 @@ def test_missing_keys_leave_their_panels_out(tmp_path):
   rows = [{"step": s, "reward": 0.1 * s, "success": None if s == 3 else 0.5} for s in range(12)]
   rows[4]["horizon_cap"] = 5
   paths = plots.write_plots(_write_metrics(tmp_path, rows), smoothing=0.9)
-  assert [os.path.basename(p) for p in paths] == [
-      plots.OVERVIEW_FILE, "reward.png", "success.png", "horizon_cap.png"]
+  assert [os.path.basename(p) for p in paths
+         ] == [plots.OVERVIEW_FILE, "reward.png", "success.png", "horizon_cap.png"]
   assert os.path.dirname(paths[0]) == os.path.join(tmp_path, "plots")
   assert _png_size(paths[0]) == (3 * 600, 360)
 
@@ -96,7 +120,6 @@ def test_plot_command_line(tmp_path):
   out_dir = tmp_path / "images"
   result = subprocess.run(
       [sys.executable, "launch/plot.py", f"--workdir={workdir}", f"--out_dir={out_dir}"],
-      cwd=os.path.join(os.path.dirname(__file__), ".."), capture_output=True, text=True,
-      check=True)
+      cwd=os.path.join(os.path.dirname(__file__), ".."), capture_output=True, text=True, check=True)
   assert result.stdout.split() == [str(out_dir / plots.OVERVIEW_FILE), str(out_dir / "reward.png")]
   assert _png_size(out_dir / "reward.png") == _PANEL_PIXELS

@@ -23,13 +23,13 @@ _MASK = jnp.array([[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]], jnp.float32)
 
 def test_seq_mean_token_sum_norm_divides_by_a_constant():
   # seq-mean-token-sum: (10 + 6) / 2 = 8; divided by L = 10: 0.8; by default L = T = 4: 2.0.
-  assert float(aggregate(_PER_TOKEN, _MASK, "seq-mean-token-sum-norm", scale_tokens=10.0)
-               ) == pytest.approx(0.8)
+  assert float(aggregate(_PER_TOKEN, _MASK, "seq-mean-token-sum-norm",
+                         scale_tokens=10.0)) == pytest.approx(0.8)
   assert float(aggregate(_PER_TOKEN, _MASK, "seq-mean-token-sum-norm")) == pytest.approx(2.0)
   # Every trained token's gradient is 1 / (rows with tokens x L) = 1 / 20, whatever its row's
   # length; seq-mean-token-mean gives row 0's tokens 1/8 and row 1's token 1/2.
-  grad = jax.grad(lambda x: aggregate(x, _MASK, "seq-mean-token-sum-norm", scale_tokens=10.0)
-                  )(_PER_TOKEN)
+  grad = jax.grad(lambda x: aggregate(x, _MASK, "seq-mean-token-sum-norm", scale_tokens=10.0))(
+      _PER_TOKEN)
   np.testing.assert_allclose(grad, 0.05 * _MASK, rtol=1e-6)
   grad = jax.grad(lambda x: aggregate(x, _MASK, "seq-mean-token-mean"))(_PER_TOKEN)
   np.testing.assert_allclose(grad[:2, 0], [0.125, 0.5], rtol=1e-6)
@@ -54,22 +54,23 @@ _GSPO_MASK = jnp.ones((2, 2))
 
 
 def test_gspo_clips_one_length_normalised_ratio_per_trajectory():
-  loss, metrics = gspo_loss(_GSPO_NEW, _GSPO_OLD, _GSPO_ADVANTAGES, _GSPO_MASK,
-                            clip_eps_low=0.2, clip_eps_high=0.2)
+  loss, metrics = gspo_loss(_GSPO_NEW, _GSPO_OLD, _GSPO_ADVANTAGES, _GSPO_MASK, clip_eps_low=0.2,
+                            clip_eps_high=0.2)
   assert float(loss) == pytest.approx(-0.1, abs=1e-6)
   assert float(metrics["clip_fraction"]) == pytest.approx(0.5)  # Row 0's two tokens.
   assert float(metrics["ratio_mean"]) == pytest.approx((2 * 1.5 + 2 * 1.0) / 4, abs=1e-6)
   assert float(metrics["ratio_max"]) == pytest.approx(1.5, abs=1e-6)
   # d loss / d logp_1,t = (1/2 rows) (1/2 tokens) (-A_1 s_1) = 0.25; row 0 is clipped: 0.
   grad = jax.grad(lambda logp: gspo_loss(logp, _GSPO_OLD, _GSPO_ADVANTAGES, _GSPO_MASK,
-                                         clip_eps_low=0.2, clip_eps_high=0.2)[0])(_GSPO_NEW)
+                                         clip_eps_low=0.2, clip_eps_high=0.2)[0])(
+                                             _GSPO_NEW)
   np.testing.assert_allclose(grad, [[0.0, 0.0], [0.25, 0.25]], atol=1e-6)
 
 
 def _gspo_by_definition(logprobs, old_logprobs, advantages, loss_mask, eps_low, eps_high):
   """GSPO as the paper writes it: s_i differentiated as a whole, one advantage a row."""
-  sequence_ratio = jnp.exp(jnp.sum((logprobs - old_logprobs) * loss_mask, axis=1)
-                           / jnp.sum(loss_mask, axis=1))
+  sequence_ratio = jnp.exp(
+      jnp.sum((logprobs - old_logprobs) * loss_mask, axis=1) / jnp.sum(loss_mask, axis=1))
   advantage = advantages[:, 0]
   objective = jnp.minimum(sequence_ratio * advantage,
                           jnp.clip(sequence_ratio, 1 - eps_low, 1 + eps_high) * advantage)
@@ -84,16 +85,14 @@ def test_gspo_token_form_has_the_gradient_of_gspo_itself():
   new = old + jnp.asarray(rng.uniform(-1e-3, 1e-3, (6, 9)), jnp.float32)
   lengths = np.array([9, 7, 5, 3, 2, 1])
   mask = jnp.asarray(np.arange(9)[None, :] < lengths[:, None], jnp.float32)
-  advantages = jnp.asarray(rng.choice([-1.5, 0.5, 1.0], size=(6, 1)) * np.ones((1, 9)),
-                           jnp.float32)
+  advantages = jnp.asarray(rng.choice([-1.5, 0.5, 1.0], size=(6, 1)) * np.ones((1, 9)), jnp.float32)
   ours = lambda logp: gspo_loss(logp, old, advantages, mask)[0]
   reference = lambda logp: _gspo_by_definition(logp, old, advantages, mask, 3e-4, 4e-4)
   _, metrics = gspo_loss(new, old, advantages, mask)
   assert 0.0 < float(metrics["clip_fraction"]) < 1.0
   # Both are -mean_i of the same f32 terms: equal to the rounding of a 6-term mean.
   assert float(ours(new)) == pytest.approx(float(reference(new)), rel=1e-6)
-  np.testing.assert_allclose(jax.grad(ours)(new), jax.grad(reference)(new), rtol=1e-5,
-                             atol=1e-7)
+  np.testing.assert_allclose(jax.grad(ours)(new), jax.grad(reference)(new), rtol=1e-5, atol=1e-7)
 
 
 def test_gspo_sequence_ratio_keeps_its_precision_next_to_large_log_probs():
@@ -122,18 +121,19 @@ _CISPO_ADVANTAGES = jnp.array([[1.0, -1.0, 1.0]])
 
 def test_cispo_clips_a_stop_gradient_weight_and_keeps_every_token_gradient():
   mask = jnp.ones((1, 3))
-  loss, metrics = cispo_loss(_CISPO_NEW, _CISPO_OLD, _CISPO_ADVANTAGES, mask,
-                             clip_eps_low=0.2, clip_eps_high=0.2)
+  loss, metrics = cispo_loss(_CISPO_NEW, _CISPO_OLD, _CISPO_ADVANTAGES, mask, clip_eps_low=0.2,
+                             clip_eps_high=0.2)
   new = np.asarray(_CISPO_NEW)[0]
   expected = (-0.9 * new[0] + 1.2 * new[1] - 1.2 * new[2]) / 3
   assert float(loss) == pytest.approx(expected, abs=1e-6)
   assert float(metrics["clip_fraction"]) == pytest.approx(2 / 3)
   grad = jax.grad(lambda logp: cispo_loss(logp, _CISPO_OLD, _CISPO_ADVANTAGES, mask,
-                                          clip_eps_low=0.2, clip_eps_high=0.2)[0])(_CISPO_NEW)
+                                          clip_eps_low=0.2, clip_eps_high=0.2)[0])(
+                                              _CISPO_NEW)
   np.testing.assert_allclose(grad, [[-0.9 / 3, 1.2 / 3, -1.2 / 3]], rtol=1e-5)
-  ppo_grad = jax.grad(lambda logp: policy_gradient_loss(
-      logp, _CISPO_OLD, _CISPO_ADVANTAGES, mask, clip_eps_low=0.2, clip_eps_high=0.2)[0]
-                      )(_CISPO_NEW)
+  ppo_grad = jax.grad(lambda logp: policy_gradient_loss(logp, _CISPO_OLD, _CISPO_ADVANTAGES, mask,
+                                                        clip_eps_low=0.2, clip_eps_high=0.2)[0])(
+                                                            _CISPO_NEW)
   np.testing.assert_allclose(ppo_grad, [[-0.9 / 3, 1.5 / 3, 0.0]], rtol=1e-5)
 
 
@@ -158,8 +158,9 @@ def test_importance_weights_scale_each_token_loss_and_are_not_trained():
   loss, _ = policy_gradient_loss(new, old, advantages, mask, importance_weights=weights)
   assert float(loss) == pytest.approx(-0.18, abs=1e-6)
   for loss_fn in (policy_gradient_loss, gspo_loss, cispo_loss):
-    weight_grad = jax.grad(lambda w, f=loss_fn: f(new, old, advantages, mask,
-                                                  importance_weights=w)[0])(weights)
+    weight_grad = jax.grad(
+        lambda w, f=loss_fn: f(new, old, advantages, mask, importance_weights=w)[0])(
+            weights)
     np.testing.assert_array_equal(weight_grad, 0.0)
 
 
@@ -171,7 +172,7 @@ def test_policy_loss_registry_names_each_loss_and_its_config_keys():
       assert key in c.algorithm
   assert [n for n, e in losses.POLICY_LOSSES.items() if e.dual_clip] == ["ppo"]
   with pytest.raises(ValueError, match="Unknown policy loss 'grpo'; expected one of: 'cispo', "
-                                       "'gspo', 'ppo'"):
+                     "'gspo', 'ppo'"):
     losses.get_policy_loss("grpo")
 
 
@@ -180,9 +181,9 @@ def test_policy_loss_registry_names_each_loss_and_its_config_keys():
     ("gspo_clip_eps_high", 0.0, r"algorithm.gspo_clip_eps_high=0.0 must be > 0"),
     ("cispo_clip_eps_low", 1.5, r"algorithm.cispo_clip_eps_low=1.5 must be <= 1"),
     ("dual_clip_c", 3.0, r"algorithm.dual_clip_c=3.0 is PPO's; algorithm.policy_loss='gspo' "
-                         r"has no dual clip"),
+     r"has no dual clip"),
     ("loss_scale_tokens", 512, r"algorithm.loss_scale_tokens=512 is the divisor of "
-                               r"seq-mean-token-sum-norm; algorithm.aggregation='token-mean'"),
+     r"seq-mean-token-sum-norm; algorithm.aggregation='token-mean'"),
     ("loss_scale_tokens", -1, r"algorithm.loss_scale_tokens=-1 must be >= 0"),
 ])
 def test_policy_loss_keys_are_validated_at_start_up(key, value, message):

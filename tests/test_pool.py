@@ -41,8 +41,10 @@ def _play_alone(task_id, replies):
 
 
 # Task t hides (7t + 3) mod 10: task 0 -> 3, task 1 -> 0, task 2 -> 7, task 3 -> 4.
-_SCRIPT = ["Thought: start low.\n\nAction: guess 0", "Action: guess 4", "Action: guess 7",
-           "Action: dance", "Action: guess 3", "Action: guess 9", "Action: guess 8"]
+_SCRIPT = [
+    "Thought: start low.\n\nAction: guess 0", "Action: guess 4", "Action: guess 7", "Action: dance",
+    "Action: guess 3", "Action: guess 9", "Action: guess 8"
+]
 
 
 @pytest.mark.parametrize("backend", ["thread", "process"])
@@ -83,8 +85,8 @@ def test_a_raising_adapter_ends_only_its_episode_and_is_replaced():
   with EnvPool("toy", num_slots=3) as pool:
     pool.reset([(0, 0), (1, 1), (2, 2)])
     created, closed = toy_env.ToyEnv.created, toy_env.ToyEnv.closed
-    crashed, solved, wrong = pool.step(
-        [(0, "Action: crash"), (1, "Action: guess 0"), (2, "Action: guess 1")])
+    crashed, solved, wrong = pool.step([(0, "Action: crash"), (1, "Action: guess 0"),
+                                        (2, "Action: guess 1")])
 
     assert crashed.done and crashed.reward == 0.0 and crashed.observation == ""
     assert crashed.info["termination"] == "env_error"
@@ -97,8 +99,8 @@ def test_a_raising_adapter_ends_only_its_episode_and_is_replaced():
     with pytest.raises(ValueError, match="slot 0 has no episode in progress"):
       pool.step([(0, "Action: guess 1")])
     [again] = pool.reset([(0, 4)])
-    assert again == StepResult(
-        "Task 4: guess the secret digit in at most 5 guesses.", 0.0, False, {})
+    assert again == StepResult("Task 4: guess the secret digit in at most 5 guesses.", 0.0, False,
+                               {})
     assert toy_env.ToyEnv.created == created + 1
     # The other slots kept their adapters and episodes.
     assert pool.step([(2, "Action: guess 7")])[0].reward == 1.0
@@ -121,7 +123,9 @@ def test_a_hanging_adapter_times_out_without_holding_up_the_batch():
 
 
 def test_an_adapter_that_outlasts_the_reset_timeout_ends_that_episode():
+
   class SlowToBuild(toy_env.ToyEnv):
+
     def __init__(self):
       time.sleep(0.5)
       super().__init__()
@@ -204,8 +208,8 @@ def test_step_async_overlaps_the_callers_work_and_keeps_call_order():
     first = pool.step_async([(0, "Action: guess 9"), (1, "Action: guess 9")])
     second = pool.step_async([(0, "Action: guess 8")])
     assert not first.done()  # Returned at once; the steps run meanwhile.
-    assert [r.observation for r in first.result(timeout=5)] == [
-        "Guess 1: 9 is too high.", "Guess 1: 9 is too high."]
+    assert [r.observation for r in first.result(timeout=5)
+           ] == ["Guess 1: 9 is too high.", "Guess 1: 9 is too high."]
     assert second.result(timeout=5)[0].observation == "Guess 2: 8 is too high."
 
 

@@ -72,8 +72,8 @@ def _record(monkeypatch, module, name):
 
 
 @pytest.mark.parametrize("failed_episodes", ["exclude", "zero_reward"])
-def test_env_errors_and_timeouts_end_only_their_episodes(failed_episodes, checkpoint_dir,
-                                                         tmp_path, monkeypatch):
+def test_env_errors_and_timeouts_end_only_their_episodes(failed_episodes, checkpoint_dir, tmp_path,
+                                                         monkeypatch):
   _single_device(monkeypatch)
   # Task 100 raises on its first step, task 101 hangs 2 s past the 0.5 s step timeout.
   c = faulty_config(checkpoint_dir, steps=2, raise_tasks=(0,), hang_tasks=(1,), hang_s=2.0)
@@ -129,8 +129,12 @@ def test_training_rides_out_an_http_server_dying(checkpoint_dir, tmp_path, monke
   servers = [AgentGymServer("echo", options={"turns": 2}, port=port).start()]
   c = echo_config(checkpoint_dir, steps=5)
   c.env.name = "http"
-  c.env.options = {"base_url": f"http://127.0.0.1:{port}", "env": "echo", "retries": 3,
-                   "backoff_s": 0.05}
+  c.env.options = {
+      "base_url": f"http://127.0.0.1:{port}",
+      "env": "echo",
+      "retries": 3,
+      "backoff_s": 0.05
+  }
   c.env.step_timeout = 30.0
   c.rollout.tasks_per_step = 4
   c.rollout.samples_per_task = 2
@@ -184,8 +188,7 @@ BAD_REPLIES = {
     "only a marker": "Action:",
 }
 
-ENV_OPTIONS = {"textcraft": {}, "babyai": {}, "searchqa": {},
-               "echo": {}}
+ENV_OPTIONS = {"textcraft": {}, "babyai": {}, "searchqa": {}, "echo": {}}
 
 
 @pytest.fixture(scope="module")
@@ -225,8 +228,7 @@ def test_bad_replies_to_sciworld_get_an_observation():  # starts a JVM, ~20 s
 
 
 @hypothesis.settings(max_examples=300, deadline=None)
-@hypothesis.given(st.text(alphabet=st.characters(codec=None, exclude_categories=()),
-                          max_size=200))
+@hypothesis.given(st.text(alphabet=st.characters(codec=None, exclude_categories=()), max_size=200))
 def test_sciworld_parse_action_is_one_stripped_line_or_none(reply):
   from environments.sciworld.env import parse_action
 
@@ -250,8 +252,10 @@ def test_a_full_context_ends_episodes_as_context(room, checkpoint_dir, tmp_path,
   c.log.trajectories = True
   chat = Tokenizer.from_pretrained(checkpoint_dir).chat
   env = environments.make("echo", turns=2)
-  first = [{"role": "user",
-            "content": f"{env.instruction}\n\n{env.reset(env.task_ids('train')[0])}"}]
+  first = [{
+      "role": "user",
+      "content": f"{env.instruction}\n\n{env.reset(env.task_ids('train')[0])}"
+  }]
   prompt = len(chat.render(first, add_generation_prompt=True))
   # "one turn": the first reply fits, the next user turn (>= 3 tokens) plus a reply does not.
   # "no turn": not even the first reply fits after the prompt.
@@ -267,8 +271,8 @@ def test_a_full_context_ends_episodes_as_context(room, checkpoint_dir, tmp_path,
     assert all(t["num_turns"] == 1 for t in trajectories)
     for t in trajectories:
       reply = t["messages"][1]["content"]
-      right = next((s for s in reply if s in "01"), None) == env.task_info(
-          t["task_id"])["sequence"][0]
+      right = next((s for s in reply if s in "01"),
+                   None) == env.task_info(t["task_id"])["sequence"][0]
       assert t["termination"] == ("context" if right else "done"), t
     assert 0 < h["termination/context"] < 1
   assert h["nonfinite_steps"] == 0 and np.isfinite(h["loss"])
@@ -277,8 +281,7 @@ def test_a_full_context_ends_episodes_as_context(room, checkpoint_dir, tmp_path,
 # 5. Non-finite updates.
 
 
-def test_nonfinite_updates_are_skipped_then_stop_the_run(checkpoint_dir, tmp_path,
-                                                         monkeypatch):
+def test_nonfinite_updates_are_skipped_then_stop_the_run(checkpoint_dir, tmp_path, monkeypatch):
   _single_device(monkeypatch)
   # NaN rewards -> NaN advantages -> NaN gradients on every update.
   c = faulty_config(checkpoint_dir, steps=1, nan_reward=True)
@@ -291,12 +294,13 @@ def test_nonfinite_updates_are_skipped_then_stop_the_run(checkpoint_dir, tmp_pat
   initial = weights.SafetensorsReader(pathlib.Path(checkpoint_dir))
   trained = weights.SafetensorsReader(tmp_path / "export")
   for name in initial:  # The skipped update left every parameter as it was (export: bf16).
-    np.testing.assert_array_equal(np.asarray(initial[name]).astype(trained[name].dtype),
-                                  trained[name], err_msg=name)
+    np.testing.assert_array_equal(
+        np.asarray(initial[name]).astype(trained[name].dtype), trained[name], err_msg=name)
   # Resumed, the restored counter reaches 2 on the next update.
   c.steps = 3
-  with pytest.raises(FloatingPointError, match=r"^2 consecutive updates had non-finite "
-                     r"gradients; stopping \(optim.max_consecutive_nonfinite=2\)$"):
+  with pytest.raises(
+      FloatingPointError, match=r"^2 consecutive updates had non-finite "
+      r"gradients; stopping \(optim.max_consecutive_nonfinite=2\)$"):
     trainer.train(c, tmp_path)
   assert [row["step"] for row in metrics.read_metrics(tmp_path)] == [1, 2]
 
@@ -305,14 +309,16 @@ def test_nonfinite_updates_are_skipped_then_stop_the_run(checkpoint_dir, tmp_pat
 
 
 def _launch_command(checkpoint_dir: str, workdir: pathlib.Path, steps: int) -> list[str]:
-  return [sys.executable, str(REPO / "launch" / "train.py"),
-          f"--config={REPO / 'configs' / 'ablation_echo.py'}:long", f"--workdir={workdir}",
-          f"--config.model.name={checkpoint_dir}", f"--config.steps={steps}",
-          "--config.rollout.tasks_per_step=2", "--config.rollout.samples_per_task=2",
-          "--config.rollout.max_new_tokens=4", "--config.rollout.max_context=128",
-          "--config.checkpoint.every=1", "--config.checkpoint.keep=10",
-          "--config.checkpoint.export_hf=True", "--config.log.progress_bar=False",
-          "--config.mesh.fsdp=1", "--config.mesh.data=-1"]
+  return [
+      sys.executable,
+      str(REPO / "launch" / "train.py"), f"--config={REPO / 'configs' / 'ablation_echo.py'}:long",
+      f"--workdir={workdir}", f"--config.model.name={checkpoint_dir}", f"--config.steps={steps}",
+      "--config.rollout.tasks_per_step=2", "--config.rollout.samples_per_task=2",
+      "--config.rollout.max_new_tokens=4", "--config.rollout.max_context=128",
+      "--config.checkpoint.every=1", "--config.checkpoint.keep=10",
+      "--config.checkpoint.export_hf=True", "--config.log.progress_bar=False",
+      "--config.mesh.fsdp=1", "--config.mesh.data=-1"
+  ]
 
 
 _ONE_DEVICE = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
@@ -320,20 +326,21 @@ _ONE_DEVICE = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_coun
 
 def _checkpoint_steps(workdir: pathlib.Path) -> list[int]:
   directory = workdir / "checkpoints"
-  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if (
-      directory.exists()) else []
+  return sorted(
+      int(p.name) for p in directory.iterdir() if p.name.isdigit()) if (directory.exists()) else []
 
 
 @pytest.mark.slow
 def test_a_killed_run_resumes_to_the_uninterrupted_result(checkpoint_dir, tmp_path):
   """Three launches of ~30-60 s each: straight, killed after checkpoint 2, restarted."""
   steps = 5
-  straight = subprocess.Popen(_launch_command(checkpoint_dir, tmp_path / "straight", steps),
-                              env=_ONE_DEVICE, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+  straight = subprocess.Popen(
+      _launch_command(checkpoint_dir, tmp_path / "straight", steps), env=_ONE_DEVICE,
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   workdir = tmp_path / "killed"
-  killed = subprocess.Popen(_launch_command(checkpoint_dir, workdir, steps), env=_ONE_DEVICE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  killed = subprocess.Popen(
+      _launch_command(checkpoint_dir, workdir, steps), env=_ONE_DEVICE, stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL)
   deadline = time.monotonic() + 900
   # A step directory appears under its final name only once Orbax has finalized it.
   while 2 not in _checkpoint_steps(workdir):
@@ -348,8 +355,9 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(checkpoint_dir, tmp_pa
   (partial / "state").mkdir(parents=True)
   (partial / "state" / "garbage").write_bytes(b"\x00" * 100)
 
-  resumed = subprocess.run(_launch_command(checkpoint_dir, workdir, steps), env=_ONE_DEVICE,
-                           capture_output=True, text=True, timeout=900)
+  resumed = subprocess.run(
+      _launch_command(checkpoint_dir, workdir, steps), env=_ONE_DEVICE, capture_output=True,
+      text=True, timeout=900)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"resumed from step {completed[-1]}" in resumed.stderr
   assert straight.wait(timeout=900) == 0, straight.stderr.read()[-3000:]
@@ -365,17 +373,19 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(checkpoint_dir, tmp_pa
   final_straight = weights.SafetensorsReader(tmp_path / "straight" / "export")
   final_resumed = weights.SafetensorsReader(workdir / "export")
   for name in final_straight:
-    np.testing.assert_allclose(final_straight[name], final_resumed[name], rtol=1e-5,
-                               atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(final_straight[name], final_resumed[name], rtol=1e-5, atol=1e-6,
+                               err_msg=name)
 
 
 # 7. Config errors at start-up.
 
 
 def _launch_with(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
-  command = [sys.executable, str(REPO / "launch" / "train.py"),
-             f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:local",
-             f"--workdir={tmp_path / 'run'}", *overrides]
+  command = [
+      sys.executable,
+      str(REPO / "launch" / "train.py"), f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:local",
+      f"--workdir={tmp_path / 'run'}", *overrides
+  ]
   return subprocess.run(command, capture_output=True, text=True, timeout=300, env=_ONE_DEVICE)
 
 

@@ -36,23 +36,22 @@ def test_token_tis_truncates_each_ratio_at_the_cap():
   # w = min(rho, 2): [1.5, 1.5, 1.5, 0.9, 0.5, 0.9] on trained tokens, 1 elsewhere; no token's
   # ratio exceeds 2; the mean of w is 6.8 / 6.
   correction, metrics = rollout_correction(_OLD, _SAMPLER, _MASK, method="token_tis", cap=2.0)
-  np.testing.assert_allclose(correction.weights,
-                             [[1.5, 1.5], [1.5, 0.9], [0.5, 0.9], [1.0, 1.0]], rtol=1e-6)
+  np.testing.assert_allclose(correction.weights, [[1.5, 1.5], [1.5, 0.9], [0.5, 0.9], [1.0, 1.0]],
+                             rtol=1e-6)
   np.testing.assert_array_equal(correction.kept, 1.0)
   assert float(metrics["rollout_correction/weight_mean"]) == pytest.approx(6.8 / 6, rel=1e-6)
   assert float(metrics["rollout_correction/truncated_fraction"]) == 0.0
   # Cap 1.2: the three 1.5s become 1.2, half the trained tokens are truncated.
   correction, metrics = rollout_correction(_OLD, _SAMPLER, _MASK, method="token_tis", cap=1.2)
-  np.testing.assert_allclose(correction.weights[:3],
-                             [[1.2, 1.2], [1.2, 0.9], [0.5, 0.9]], rtol=1e-6)
+  np.testing.assert_allclose(correction.weights[:3], [[1.2, 1.2], [1.2, 0.9], [0.5, 0.9]],
+                             rtol=1e-6)
   assert float(metrics["rollout_correction/truncated_fraction"]) == pytest.approx(0.5)
 
 
 def test_sequence_mask_drops_trajectories_whose_product_leaves_the_cap():
   # Cap 2: keep 1/2 <= product <= 2: row 0 (2.25) and row 2 (0.45) go, row 1 (1.35) stays; the
   # untrained row 3 (an empty product, 1) stays and is not counted: 2 of 3 dropped.
-  correction, metrics = rollout_correction(_OLD, _SAMPLER, _MASK, method="sequence_mask",
-                                           cap=2.0)
+  correction, metrics = rollout_correction(_OLD, _SAMPLER, _MASK, method="sequence_mask", cap=2.0)
   np.testing.assert_array_equal(correction.kept, [0.0, 1.0, 0.0, 1.0])
   np.testing.assert_array_equal(correction.weights, 1.0)
   assert float(metrics["rollout_correction/dropped_fraction"]) == pytest.approx(2 / 3)
@@ -61,8 +60,7 @@ def test_sequence_mask_drops_trajectories_whose_product_leaves_the_cap():
 def test_geometric_mask_uses_the_per_token_geometric_mean():
   # Cap 2: geometric means 1.5, 1.162, 0.671 are all inside [0.5, 2]: nothing dropped, where the
   # product dropped two. Cap 1.3: row 0 (1.5 > 1.3) and row 2 (0.671 < 0.769) go.
-  correction, metrics = rollout_correction(_OLD, _SAMPLER, _MASK, method="geometric_mask",
-                                           cap=2.0)
+  correction, metrics = rollout_correction(_OLD, _SAMPLER, _MASK, method="geometric_mask", cap=2.0)
   np.testing.assert_array_equal(correction.kept, 1.0)
   assert float(metrics["rollout_correction/dropped_fraction"]) == 0.0
   correction, _ = rollout_correction(_OLD, _SAMPLER, _MASK, method="geometric_mask", cap=1.3)
@@ -82,8 +80,8 @@ def test_no_correction_changes_nothing_and_bad_settings_are_refused():
 
 def test_turn_indices_count_runs_of_trained_tokens():
   mask = jnp.array([[0, 1, 1, 0, 0, 1, 0, 1, 1], [1, 0, 0, 0, 0, 0, 0, 0, 0]])
-  np.testing.assert_array_equal(rl.turn_indices(mask), [[-1, 0, 0, -1, -1, 1, -1, 2, 2],
-                                                        [0, -1, -1, -1, -1, -1, -1, -1, -1]])
+  np.testing.assert_array_equal(
+      rl.turn_indices(mask), [[-1, 0, 0, -1, -1, 1, -1, 2, 2], [0, -1, -1, -1, -1, -1, -1, -1, -1]])
 
 
 def test_mismatch_metrics_by_turn_worked_values():
@@ -97,11 +95,11 @@ def test_mismatch_metrics_by_turn_worked_values():
   metrics = mismatch_metrics(log_ratio, jnp.zeros_like(log_ratio), mask, num_turns=3)
   k = lambda x: math.exp(x) - 1 - x
   assert float(metrics["mismatch/log_ratio"]) == pytest.approx(0.6 / 4, rel=1e-6)
-  assert float(metrics["mismatch/kl"]) == pytest.approx(
-      (k(0.1) + k(-0.1) + k(0.2) + k(0.4)) / 4, rel=1e-5)
+  assert float(metrics["mismatch/kl"]) == pytest.approx((k(0.1) + k(-0.1) + k(0.2) + k(0.4)) / 4,
+                                                        rel=1e-5)
   assert float(metrics["mismatch/turn_1/log_ratio"]) == pytest.approx(0.4 / 3, rel=1e-6)
-  assert float(metrics["mismatch/turn_1/kl"]) == pytest.approx(
-      (k(0.1) + k(-0.1) + k(0.4)) / 3, rel=1e-5)
+  assert float(metrics["mismatch/turn_1/kl"]) == pytest.approx((k(0.1) + k(-0.1) + k(0.4)) / 3,
+                                                               rel=1e-5)
   assert float(metrics["mismatch/turn_2/log_ratio"]) == pytest.approx(0.2, rel=1e-6)
   assert float(metrics["mismatch/turn_2/kl"]) == pytest.approx(k(0.2), rel=1e-5)
   assert float(metrics["mismatch/turn_3/log_ratio"]) == 0.0
@@ -134,24 +132,25 @@ def played(tmp_path_factory):
   keys = jax.random.split(jax.random.key(1), len(leaves))
   perturbed = jax.tree.unflatten(treedef, [
       x + 0.3 * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype) if x.ndim else x
-      for x, k in zip(leaves, keys)])
+      for x, k in zip(leaves, keys)
+  ])
   sampler = Sampler(model, cache_slots=96, max_batch=_ROWS)
-  tasks = [(task, group) for group, task in enumerate(range(100, 100 + _ROWS // 4))
-           for _ in range(4)]
+  tasks = [
+      (task, group) for group, task in enumerate(range(100, 100 + _ROWS // 4)) for _ in range(4)
+  ]
   batches = {}
   with EnvPool("echo", _ROWS, options={"turns": _TURNS}) as pool:
     for name, sampler_params in (("same", params), ("perturbed", perturbed)):
-      trajectories, _ = rollout.collect(
-          sampler, sampler_params, pool, tokenizer.chat, tasks, horizon=_TURNS,
-          sampling=rollout.TurnSampling(max_new_tokens=2), max_context=96,
-          key=jax.random.key(0))
+      trajectories, _ = rollout.collect(sampler, sampler_params, pool, tokenizer.chat, tasks,
+                                        horizon=_TURNS,
+                                        sampling=rollout.TurnSampling(max_new_tokens=2),
+                                        max_context=96, key=jax.random.key(0))
       batches[name] = (trajectories, rollout.pack(trajectories))
   return graphdef, params, batches
 
 
 def _experience(graphdef, params, batch, method, cap=2.0):
-  loss = learner.LossConfig(rollout_correction=method, rollout_correction_cap=cap,
-                            logprob_chunk=64)
+  loss = learner.LossConfig(rollout_correction=method, rollout_correction_cap=cap, logprob_chunk=64)
   return learner.compute_experience(graphdef, params, None, None, None, batch, loss=loss,
                                     num_groups=2 * _ROWS, num_turns=_TURNS)
 
@@ -180,8 +179,7 @@ def test_an_identical_sampler_shows_no_mismatch(played):
   # (tests/tolerances.py: 2 layers, widest dot 128; the sharpened logits are within +-8).
   tolerance = tolerances.reordered_logprobs(num_layers=2, widest_dot=128, logit_scale=8.0)
   assert np.abs(log_ratio).max() <= tolerance
-  np.testing.assert_allclose(np.asarray(experience.rollout_weights)[mask], 1.0,
-                             atol=2 * tolerance)
+  np.testing.assert_allclose(np.asarray(experience.rollout_weights)[mask], 1.0, atol=2 * tolerance)
   assert abs(float(metrics["mismatch/log_ratio"])) <= tolerance
   assert float(metrics["rollout_correction/truncated_fraction"]) == 0.0
 
@@ -204,8 +202,9 @@ def test_a_perturbed_sampler_gets_the_weights_masks_and_metrics_of_the_equations
   assert kl[mask].mean() > 1e-2
   assert (rho[mask] > 2.0).any() and (rho[mask] <= 2.0).any()
   # token_tis: w = min(rho, 2) on trained tokens (f32 exp of an f32 log-ratio: 1e-6 relative).
-  np.testing.assert_allclose(np.asarray(experience.rollout_weights)[mask],
-                             np.minimum(rho, 2.0)[mask], rtol=1e-5)
+  np.testing.assert_allclose(
+      np.asarray(experience.rollout_weights)[mask],
+      np.minimum(rho, 2.0)[mask], rtol=1e-5)
   assert float(metrics["rollout_correction/truncated_fraction"]) == pytest.approx(
       (rho[mask] > 2.0).mean(), abs=1e-6)
   # Mismatch metrics, overall and for each of the 3 turns, from the trajectories' replies.
@@ -216,8 +215,7 @@ def test_a_perturbed_sampler_gets_the_weights_masks_and_metrics_of_the_equations
   for turn in range(1, _TURNS + 1):
     on_turn = turns == turn
     expected = (log_ratio[on_turn].mean(), kl[on_turn].mean()) if on_turn.any() else (0, 0)
-    assert float(metrics[f"mismatch/turn_{turn}/log_ratio"]) == pytest.approx(expected[0],
-                                                                              abs=1e-5)
+    assert float(metrics[f"mismatch/turn_{turn}/log_ratio"]) == pytest.approx(expected[0], abs=1e-5)
     assert float(metrics[f"mismatch/turn_{turn}/kl"]) == pytest.approx(expected[1], rel=1e-4)
   # sequence_mask keeps the trajectories whose product of ratios is within [1/2, 2]; with a
   # mismatch this large some go, some stay.
@@ -243,8 +241,8 @@ def test_the_update_trains_only_kept_trajectories_with_their_weights(played):
   experience = experience.replace(advantages=jnp.where(batch.loss_mask[:, 1:] > 0, 1.0, 0.0))
 
   def policy_loss(experience):
-    return learner._loss_fn((params, None), graphdef, None, batch, experience, loss)[1][
-        "policy/loss"]
+    return learner._loss_fn((params, None), graphdef, None, batch, experience,
+                            loss)[1]["policy/loss"]
 
   # Old log-probs are the learner's own, so every PPO ratio is 1 and the unweighted loss is
   # -mean(A) = -1; with the TIS weights it is -mean(w) over trained tokens.

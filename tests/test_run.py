@@ -36,8 +36,7 @@ def test_the_loss_settings_carry_what_the_estimator_reads_from_the_config():
   c.algorithm.grpo_std = "unbiased"
   c.algorithm.grpo_eps = 1e-4
   loss = run.Settings.from_config(c).loss
-  assert loss.advantage_options == (("eps", 1e-4), ("normalize_by_std", True),
-                                    ("std", "unbiased"))
+  assert loss.advantage_options == (("eps", 1e-4), ("normalize_by_std", True), ("std", "unbiased"))
   # The in-reward penalty's estimator is its own key, k1 by default, whatever the loss's is.
   assert (loss.kl_estimator, loss.kl_in_reward_estimator) == ("low_var_kl", "k1")
   c.algorithm.advantage = "gae"

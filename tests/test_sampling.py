@@ -27,6 +27,8 @@ def _logprob_tolerance(reference: np.ndarray) -> float:
   log-probs compared, or 1 if smaller (the random model's logits are of order 1)."""
   return tolerances.reordered_logprobs(CONFIG.num_layers, CONFIG.intermediate_size,
                                        max(float(np.abs(reference).max()), 1.0))
+
+
 BATCH = 4
 
 
@@ -76,9 +78,21 @@ def test_logprobs_equal_the_forward_pass_over_a_multi_turn_episode(model, forwar
   sequences = _prompts([5, 2, 11])
   generated = [[] for _ in sequences]  # (position, token, logprob, sampling logprob)
   state = sampler.start(sequences)
-  appends = [{0: [7, 8, 9], 1: [3] * 13, 2: [4, 5]},
-             {0: [10] * 6, 2: [11]},  # row 1's episode is over: it appends nothing...
-             {0: [12], 2: [13] * 9}]
+  appends = [
+      {
+          0: [7, 8, 9],
+          1: [3] * 13,
+          2: [4, 5]
+      },
+      {
+          0: [10] * 6,
+          2: [11]
+      },  # row 1's episode is over: it appends nothing...
+      {
+          0: [12],
+          2: [13] * 9
+      }
+  ]
   for turn in range(4):
     rows = [0, 2] if turn >= 2 else None  # ...and generates nothing from turn 2 on.
     state, out = sampler.generate(state, jax.random.key(turn), rows=rows,
@@ -122,8 +136,8 @@ def test_lengths_kept_by_the_caller_replace_reading_them_back(model):
   prompts = _prompts([4, 6, 3])
 
   def run(lengths):
-    _, out = sampler.generate(sampler.start(prompts), jax.random.key(3), max_new_tokens=8,
-                              lengths=lengths)
+    _, out = sampler.generate(
+        sampler.start(prompts), jax.random.key(3), max_new_tokens=8, lengths=lengths)
     return np.asarray(out.tokens), np.asarray(out.logprobs), np.asarray(out.lengths)
 
   read_back, kept = run(None), run([4, 6, 3, 0])
@@ -147,8 +161,7 @@ def test_a_row_does_not_depend_on_the_other_rows(model):
     state, first = sampler.generate(state, key, max_new_tokens=9, stop_ids=stop_ids,
                                     rows=sorted(rows))
     state = sampler.append(state, {1: [5, 6, 7], **{row: [9] * 20 for row in others}})
-    state, second = sampler.generate(state, jax.random.key(4), max_new_tokens=7,
-                                     rows=sorted(rows))
+    state, second = sampler.generate(state, jax.random.key(4), max_new_tokens=7, rows=sorted(rows))
     return [(np.asarray(out.tokens[1]), np.asarray(out.logprobs[1]),
              np.asarray(out.sampling_logprobs[1])) for out in (first, second)]
 
@@ -162,8 +175,8 @@ def test_a_row_does_not_depend_on_the_other_rows(model):
   stop = next(t for t in free.token_lists()[2][2:] if t not in alone[0][0].tolist())
   early = episode({2: row_2}, stop_ids=[stop])
   for other in (crowded, early):
-    for (tokens, logprobs, sampling_logprobs), (ref_tokens, ref_logprobs, ref_sampling) in zip(
-        other, alone):
+    for (tokens, logprobs, sampling_logprobs), (ref_tokens, ref_logprobs,
+                                                ref_sampling) in zip(other, alone):
       # Other rows change only the shapes XLA blocks its sums by: the reordering error model.
       # (A draw could flip only where a uniform falls within that error of a CDF boundary,
       # probability ~1e-6 a token.)
@@ -177,13 +190,13 @@ def test_a_row_does_not_depend_on_the_other_rows(model):
 def test_rows_stop_independently_on_stop_ids_budget_or_a_full_cache(model):
   sampler = Sampler(model, cache_slots=32, max_batch=BATCH, min_window=8)
   prompts = _prompts([4, 4, 28])
-  _, greedy = sampler.generate(sampler.start(prompts), jax.random.key(0), max_new_tokens=8,
-                               temperature=0.0)
+  _, greedy = sampler.generate(
+      sampler.start(prompts), jax.random.key(0), max_new_tokens=8, temperature=0.0)
   row_0 = greedy.token_lists()[0]
   ends = next(i for i in range(1, 8) if row_0[i] not in row_0[:i])
   stop = row_0[ends]
-  state, out = sampler.generate(sampler.start(prompts), jax.random.key(0), max_new_tokens=8,
-                                temperature=0.0, stop_ids=[stop])
+  state, out = sampler.generate(
+      sampler.start(prompts), jax.random.key(0), max_new_tokens=8, temperature=0.0, stop_ids=[stop])
   tokens = out.token_lists()
   # Row 0 ends on the first occurrence of the stop id, kept as its last token; row 1 runs to
   # its budget unless it meets the stop id; row 2 has 32 - 28 = 4 free slots.
@@ -203,10 +216,10 @@ def test_rows_stop_independently_on_stop_ids_budget_or_a_full_cache(model):
 def test_top_k_1_equals_greedy(model):
   sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
   prompts = _prompts([5, 7, 2, 3])
-  _, greedy = sampler.generate(sampler.start(prompts), jax.random.key(0), max_new_tokens=10,
-                               temperature=0.0)
-  _, top1 = sampler.generate(sampler.start(prompts), jax.random.key(5), max_new_tokens=10,
-                             temperature=1.3, top_k=1)
+  _, greedy = sampler.generate(
+      sampler.start(prompts), jax.random.key(0), max_new_tokens=10, temperature=0.0)
+  _, top1 = sampler.generate(
+      sampler.start(prompts), jax.random.key(5), max_new_tokens=10, temperature=1.3, top_k=1)
   np.testing.assert_array_equal(np.asarray(top1.tokens), np.asarray(greedy.tokens))
   np.testing.assert_allclose(np.asarray(top1.logprobs), np.asarray(greedy.logprobs), atol=1e-6)
   np.testing.assert_array_equal(np.asarray(top1.sampling_logprobs), 0.0)
@@ -218,18 +231,21 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
   # Cumulative mass 0.5, 0.7, 0.85, 0.95, 1: p=0.45 keeps {0}; p=0.6 keeps {0, 1} (0.5 < 0.6
   # <= 0.7); p=0.75 keeps {0, 1, 2} (0.7 < 0.75 <= 0.85); p=1 keeps all.
   for top_p, kept in [(0.45, 1), (0.6, 2), (0.75, 3), (1.0, 5)]:
-    q = np.exp(np.asarray(jax.nn.log_softmax(sampling_logits(logits, SamplingParams(top_p=top_p))))[0])
+    q = np.exp(
+        np.asarray(jax.nn.log_softmax(sampling_logits(logits, SamplingParams(top_p=top_p))))[0])
     np.testing.assert_allclose(q[:kept], probs[:kept] / probs[:kept].sum(), rtol=1e-5)
     np.testing.assert_array_equal(q[kept:], 0.0)
   # Draws follow the renormalised nucleus: with p=0.6, tokens 0 and 1 at 0.5/0.7 and 0.2/0.7.
   keys = jax.random.split(jax.random.key(0), 4000)
-  tokens, _, sampling_logprobs = jax.jit(sample_tokens, static_argnums=2)(
-      keys, jnp.repeat(logits, 4000, axis=0), SamplingParams(top_p=0.6))
+  tokens, _, sampling_logprobs = jax.jit(sample_tokens,
+                                         static_argnums=2)(keys, jnp.repeat(logits, 4000, axis=0),
+                                                           SamplingParams(top_p=0.6))
   counts = np.bincount(np.asarray(tokens), minlength=5)
   assert counts[2:].sum() == 0
   assert abs(counts[0] / 4000 - 0.5 / 0.7) < 0.03
-  np.testing.assert_allclose(np.exp(np.asarray(sampling_logprobs)),
-                             np.where(np.asarray(tokens) == 0, 0.5 / 0.7, 0.2 / 0.7), rtol=1e-5)
+  np.testing.assert_allclose(
+      np.exp(np.asarray(sampling_logprobs)),
+      np.where(np.asarray(tokens) == 0, 0.5 / 0.7, 0.2 / 0.7), rtol=1e-5)
 
 
 def test_temperature_scales_the_sampling_logprobs_only():
@@ -240,8 +256,8 @@ def test_temperature_scales_the_sampling_logprobs_only():
   q = jax.nn.log_softmax(sampling_logits(logits, SamplingParams(temperature=2.0)))
   assert float(q[0, 0]) == pytest.approx(-0.68026, abs=1e-5)
   keys = jax.random.split(jax.random.key(1), 64)
-  tokens, logprobs, sampling_logprobs = sample_tokens(
-      keys, jnp.repeat(logits, 64, axis=0), SamplingParams(temperature=2.0))
+  tokens, logprobs, sampling_logprobs = sample_tokens(keys, jnp.repeat(logits, 64, axis=0),
+                                                      SamplingParams(temperature=2.0))
   first = np.asarray(tokens) == 0
   assert first.any()
   np.testing.assert_allclose(np.asarray(logprobs)[first], -0.40761, atol=1e-5)
@@ -280,8 +296,8 @@ def test_compilations_are_bounded_over_multi_turn_episodes(model):
 
 def test_sharded_sampler_matches_the_unsharded_one(model):
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-  sharded_model = weights.load_params(weights.abstract_model(CONFIG),
-                                      weights.to_hf_state_dict(model), mesh)
+  sharded_model = weights.load_params(
+      weights.abstract_model(CONFIG), weights.to_hf_state_dict(model), mesh)
   prompts = _prompts([4, 9, 2, 6, 5, 3, 7, 1])
   results = []
   for candidate, candidate_mesh in [(model, None), (sharded_model, mesh)]:
@@ -298,8 +314,9 @@ def test_sharded_sampler_matches_the_unsharded_one(model):
   for out, ref in zip(outputs, reference):
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     # Sharded over 8 devices: partial sums added in another order (reordering error model).
-    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), rtol=0,
-                               atol=_logprob_tolerance(np.asarray(ref.logprobs)))
+    np.testing.assert_allclose(
+        np.asarray(out.logprobs), np.asarray(ref.logprobs), rtol=0,
+        atol=_logprob_tolerance(np.asarray(ref.logprobs)))
 
 
 def test_draws_follow_the_sampling_distribution():
@@ -309,8 +326,8 @@ def test_draws_follow_the_sampling_distribution():
   tokens, _, _ = jax.jit(sample_tokens, static_argnums=2)(keys, logits, SamplingParams())
   frequencies = np.bincount(np.asarray(tokens), minlength=5) / 20000
   # Within 4 standard errors of each probability; the token of probability 0 never appears.
-  np.testing.assert_array_less(np.abs(frequencies - probs),
-                               4 * np.sqrt(probs * (1 - probs) / 20000) + 1e-12)
+  np.testing.assert_array_less(
+      np.abs(frequencies - probs), 4 * np.sqrt(probs * (1 - probs) / 20000) + 1e-12)
 
 
 def test_bf16_sampler_matches_the_bf16_forward_pass(model):
@@ -352,15 +369,20 @@ def test_greedy_matches_transformers_on_smollm2(tmp_path):
   weights.save_hf(model, tmp_path, dtype=jnp.float32)
   reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path,
                                                                 dtype=torch.float32).eval()
-  prompts = [tokenizer.chat.render([{"role": "user", "content": content}])
-             for content in ("What is 2+2?", "Write a poem about the sea.", "List colors.")]
+  prompts = [
+      tokenizer.chat.render([{
+          "role": "user",
+          "content": content
+      }]) for content in ("What is 2+2?", "Write a poem about the sea.", "List colors.")
+  ]
   sampler = Sampler(model, cache_slots=256, max_batch=4)
-  _, out = sampler.generate(sampler.start(prompts), jax.random.key(0), max_new_tokens=40,
-                            temperature=0.0)
+  _, out = sampler.generate(
+      sampler.start(prompts), jax.random.key(0), max_new_tokens=40, temperature=0.0)
   for row, prompt in enumerate(prompts):
     with torch.inference_mode():
-      expected = reference.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
-                                    pad_token_id=0, eos_token_id=None)[0, len(prompt):]
+      expected = reference.generate(
+          torch.tensor([prompt]), max_new_tokens=40, do_sample=False, pad_token_id=0,
+          eos_token_id=None)[0, len(prompt):]
     assert out.token_lists()[row] == expected.tolist()
 
 
@@ -374,8 +396,8 @@ def test_inverse_cdf_draws_a_distribution_spread_over_many_blocks():
   probs = weights / weights.sum()
   rows = 50_000
   logits = jnp.repeat(jnp.log(jnp.asarray(probs, jnp.float32))[None], rows, axis=0)
-  tokens = np.asarray(jax.jit(sampling.inverse_cdf)(jax.random.split(jax.random.key(3), rows),
-                                                     logits))
+  tokens = np.asarray(
+      jax.jit(sampling.inverse_cdf)(jax.random.split(jax.random.key(3), rows), logits))
   counts = np.bincount(tokens, minlength=1000)
   assert counts[probs == 0].sum() == 0
   # Chi-square over the tokens of positive weight (each expected over 5 times): with ~250
@@ -385,7 +407,7 @@ def test_inverse_cdf_draws_a_distribution_spread_over_many_blocks():
   observed, expected = counts[big], expected[big]
   assert counts[~big].sum() == 0  # Every positive weight here is expected >= 5 times.
   dof = len(observed) - 1
-  chi2 = np.sum((observed - expected) ** 2 / expected)
+  chi2 = np.sum((observed - expected)**2 / expected)
   assert chi2 < dof + 4.5 * np.sqrt(2 * dof), (chi2, dof)
 
 
@@ -405,8 +427,10 @@ def test_inverse_cdf_never_lands_on_a_zero_weight_at_the_ends_of_the_unit_interv
 def test_a_draw_takes_one_random_word_a_row_not_one_a_token():
   keys = jax.random.split(jax.random.key(0), 4)
   jaxpr = jax.make_jaxpr(sampling.inverse_cdf)(keys, jnp.zeros((4, 49152)))
-  random_shapes = [v.aval.shape for eqn in jaxpr.jaxpr.eqns if "random" in eqn.primitive.name
-                   for v in eqn.outvars]
+  random_shapes = [
+      v.aval.shape for eqn in jaxpr.jaxpr.eqns if "random" in eqn.primitive.name
+      for v in eqn.outvars
+  ]
   assert random_shapes and all(np.prod(shape, dtype=int) <= 4 for shape in random_shapes)
 
 
@@ -430,8 +454,8 @@ def test_rows_sharing_a_prompt_prefill_it_once_and_continue_as_their_own(model, 
     assert out.token_lists()[row] == sequence[len(prompt):]
     np.testing.assert_allclose(
         np.asarray(out.logprobs[row]),
-        [forward(sequence[:t])[-1][sequence[t]] for t in range(len(prompt), len(sequence))],
-        rtol=0, atol=_logprob_tolerance(np.asarray(out.logprobs)))
+        [forward(sequence[:t])[-1][sequence[t]] for t in range(len(prompt), len(sequence))], rtol=0,
+        atol=_logprob_tolerance(np.asarray(out.logprobs)))
   # Appending to rows that hold tokens takes the plain prefill, attending to what they hold.
   state = sampler.append(state, {0: [5, 6], 1: [5, 6]})
   assert prefilled == [2] and np.asarray(state.lengths).tolist() == [17, 17, 10, 15]

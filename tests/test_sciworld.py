@@ -55,15 +55,18 @@ def _reply(action: str) -> str:
 
 
 def _first_test_id(task_name: str) -> int:
-  return next(i for i in tasks_lib.split_ids("test")
-              if tasks_lib.task_info(i)["category"] == task_name)
+  return next(
+      i for i in tasks_lib.split_ids("test") if tasks_lib.task_info(i)["category"] == task_name)
 
 
 def _java_children() -> set[int]:
   """Process ids of the live `java` processes this test process started."""
   if psutil is not None:
-    return {p.pid for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and p.name() == "java"}
+    return {
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and p.name() == "java"
+    }
   pids = set()
   for entry in filter(str.isdigit, os.listdir("/proc")):
     try:
@@ -86,14 +89,22 @@ def _lines(observation: str) -> list[str]:
 
 # Task ids and splits (no JVM).
 
+
 def test_task_ids_name_task_index_and_variation():
   # 140225 = 10_000 * 14 + 225: find-animal (paper task 4-4), variation 225, its first test one.
   assert tasks_lib.task_info(140225) == {
-      "category": "find-animal", "task": "4-4", "variation": 225, "split": "test"}
+      "category": "find-animal",
+      "task": "4-4",
+      "variation": 225,
+      "split": "test"
+  }
   assert tasks_lib.task_info(0)["category"] == "boil"
   assert tasks_lib.task_info(290479) == {  # the last variation of the last task
-      "category": "mendelian-genetics-unknown-plant", "task": "10-2", "variation": 479,
-      "split": "test"}
+      "category": "mendelian-genetics-unknown-plant",
+      "task": "10-2",
+      "variation": 479,
+      "split": "test"
+  }
   for bad in (-1, 300_000, 30, 140300, 1.5, True, "21"):  # boil has 30, find-animal 300
     with pytest.raises(ValueError):
       tasks_lib.lookup(bad)
@@ -125,8 +136,10 @@ def test_split_sizes_and_test_spread(env):
 def test_task_ids_are_the_same_in_another_process_and_hash_seed(env):
   code = ("import json; from environments.sciworld import tasks; "
           "print(json.dumps([tasks.split_ids('train'), tasks.split_ids('test')]))")
-  result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "123"})
+  result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          check=True, env={
+                              **os.environ, "PYTHONHASHSEED": "123"
+                          })
   train, test = json.loads(result.stdout)
   assert tuple(train) == tuple(env.task_ids("train"))
   assert tuple(test) == tuple(env.task_ids("test"))
@@ -135,8 +148,8 @@ def test_task_ids_are_the_same_in_another_process_and_hash_seed(env):
 
 
 def test_variation_counts_match_package(package_env):
-  assert [task.name for task in tasks_lib.TASKS] == [
-      task["task_name"] for task in scienceworld.constants.TASKS]
+  assert [task.name for task in tasks_lib.TASKS
+         ] == [task["task_name"] for task in scienceworld.constants.TASKS]
   assert sorted(task.name for task in tasks_lib.TASKS) == sorted(package_env.get_task_names())
   for task in tasks_lib.TASKS:
     assert package_env.get_max_variations(task.name) == task.num_variations, task.name
@@ -149,8 +162,8 @@ def _check_variation_split(package_env, task):
   assert package_env.get_variations_test() == list(task.variations("test")), task.name
 
 
-@pytest.mark.parametrize("task_name", ["boil", "identify-life-stages-2",
-                                       "inclined-plane-friction-named-surfaces"])
+@pytest.mark.parametrize(
+    "task_name", ["boil", "identify-life-stages-2", "inclined-plane-friction-named-surfaces"])
 def test_variation_split_matches_package(package_env, task_name):
   # Three shapes of split: 30 = 14 + 7 + 9, 10 = 4 + 2 + 4, 1386 = 692 + 346 + 348.
   _check_variation_split(package_env, next(t for t in tasks_lib.TASKS if t.name == task_name))
@@ -163,6 +176,7 @@ def test_variation_split_of_every_task_matches_package(package_env):
 
 
 # Replies and the instruction.
+
 
 def test_parse_action_reads_first_line_after_first_marker():
   assert parse_action("Thought: open it.\n\nAction: open door to kitchen") == (
@@ -178,8 +192,9 @@ def test_instruction_lists_every_simulator_verb(env, package_env):
   package_env.load("boil", 0)
   # The simulator's templates, e.g. "go OBJ", "pour OBJ in OBJ"; "reset task" is withheld.
   simulator_verbs = {template.split()[0] for template in package_env.get_possible_actions()}
-  instruction_verbs = {part.split()[0] for template, _ in env_lib.ACTIONS
-                       for part in template.split(" / ")}
+  instruction_verbs = {
+      part.split()[0] for template, _ in env_lib.ACTIONS for part in template.split(" / ")
+  }
   assert instruction_verbs == simulator_verbs - {"reset"}
   for template, _ in env_lib.ACTIONS:
     assert f"- {template}: " in env.instruction
@@ -187,6 +202,7 @@ def test_instruction_lists_every_simulator_verb(env, package_env):
 
 
 # Episodes.
+
 
 @pytest.mark.parametrize("task_name", QUICK_GOLD_TASKS)
 def test_gold_actions_reach_full_score(env, task_name):
@@ -303,6 +319,7 @@ def test_step_limit_ends_the_episode(env):
 
 # The JVM's life.
 
+
 def test_close_stops_the_jvm_and_its_threads():  # starts a JVM of its own, ~2 s
   threads_before = threading.active_count()
   java_before = _java_children()
@@ -374,8 +391,9 @@ def test_tool_calls_reach_the_simulator_as_their_actions(find_animal_gold):
     bad = adapter.step(base.tool_call_reply("Hm.", "look_at", {}))
     assert bad.observation.startswith("Invalid tool call: look_at needs the argument 'object'")
     assert (bad.reward, bad.done, bad.info["score"]) == (0.0, False, 0)
-    total = sum(adapter.step(base.reply_for(adapter, "On.", action)).reward
-                for action in find_animal_gold[:9])
+    total = sum(
+        adapter.step(base.reply_for(adapter, "On.", action)).reward
+        for action in find_animal_gold[:9])
   with SciWorldEnv() as react:
     react.reset(tasks_lib.task_id(FIND_ANIMAL, 225))
     assert total == sum(react.step(_reply(action)).reward for action in find_animal_gold[:9])

@@ -31,14 +31,16 @@ def env():
 # Answer normalisation and exact match.
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("The  U.S.A.!", "usa"),               # articles, punctuation and extra spaces go
-    ("An apple a day", "apple day"),       # "An" and "a" are whole-word articles
-    ("Theatre anthem", "theatre anthem"),  # ...but not prefixes of words
-    ("Jack o'Lantern", "jack olantern"),   # the apostrophe is punctuation
-    ("  Iron_Ingot\t", "ironingot"),       # so is "_"
-    ("Café", "café"),                      # non-ASCII letters stay
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("The  U.S.A.!", "usa"),  # articles, punctuation and extra spaces go
+        ("An apple a day", "apple day"),  # "An" and "a" are whole-word articles
+        ("Theatre anthem", "theatre anthem"),  # ...but not prefixes of words
+        ("Jack o'Lantern", "jack olantern"),  # the apostrophe is punctuation
+        ("  Iron_Ingot\t", "ironingot"),  # so is "_"
+        ("Café", "café"),  # non-ASCII letters stay
+    ])
 def test_normalize_answer_worked_examples(text, expected):
   assert normalize_answer(text) == expected
 
@@ -55,23 +57,25 @@ def test_exact_match_against_any_gold_answer():
 # Reply parsing.
 
 
-@pytest.mark.parametrize("reply, expected", [
-    ("<think>hm</think>\n<search> capital of France </search>",
-     Action("search", "capital of France")),
-    ("<answer>Paris</answer>", Action("answer", "Paris")),
-    ("<search>a\nb</search>", Action("search", "a\nb")),
-    ("<search>first</search> <search>second</search>", Action("search", "first")),
-    ("<answer>first</answer> then <answer> last </answer>", Action("answer", "last")),
-    ("<answer> </answer>", Action("answer", "")),            # empty answer: valid and wrong
-    ("<search>q</search><search>", Action("search", "q")),   # a dangling tag is text
-    ("Paris", None),                                          # no tag
-    ("<search>capital</search><answer>Paris</answer>", None),  # both tags
-    ("<answer>Paris</answer><search>capital</search>", None),
-    ("<search>   </search>", None),                           # empty query
-    ("<search>unclosed", None),
-    ("<search>mixed</answer>", None),
-    ("<SEARCH>upper</SEARCH>", None),                         # tags are lowercase
-])
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("<think>hm</think>\n<search> capital of France </search>",
+         Action("search", "capital of France")),
+        ("<answer>Paris</answer>", Action("answer", "Paris")),
+        ("<search>a\nb</search>", Action("search", "a\nb")),
+        ("<search>first</search> <search>second</search>", Action("search", "first")),
+        ("<answer>first</answer> then <answer> last </answer>", Action("answer", "last")),
+        ("<answer> </answer>", Action("answer", "")),  # empty answer: valid and wrong
+        ("<search>q</search><search>", Action("search", "q")),  # a dangling tag is text
+        ("Paris", None),  # no tag
+        ("<search>capital</search><answer>Paris</answer>", None),  # both tags
+        ("<answer>Paris</answer><search>capital</search>", None),
+        ("<search>   </search>", None),  # empty query
+        ("<search>unclosed", None),
+        ("<search>mixed</answer>", None),
+        ("<SEARCH>upper</SEARCH>", None),  # tags are lowercase
+    ])
 def test_parse_reply_cases(reply, expected):
   assert parse_reply(reply) == expected
 
@@ -94,8 +98,10 @@ def _blocks_by_scanning(reply):
       return blocks
 
 
-_FRAGMENTS = ["<search>", "</search>", "<answer>", "</answer>", "<think>", "</think>", "<", ">",
-              "/", " ", "\n", "search", "answer", "Paris", "?"]
+_FRAGMENTS = [
+    "<search>", "</search>", "<answer>", "</answer>", "<think>", "</think>", "<", ">", "/", " ",
+    "\n", "search", "answer", "Paris", "?"
+]
 _replies = st.lists(st.one_of(st.sampled_from(_FRAGMENTS), st.text(max_size=4)),
                     max_size=14).map("".join)
 
@@ -141,8 +147,8 @@ def test_env_step_never_raises_on_model_output(env, reply):
 
 
 def test_s_stem_folds_plurals():
-  assert [s_stem(w) for w in ["sticks", "berries", "boxes", "glass", "cactus", "stick"]] == [
-      "stick", "berry", "boxe", "glass", "cactus", "stick"]
+  assert [s_stem(w) for w in ["sticks", "berries", "boxes", "glass", "cactus", "stick"]
+         ] == ["stick", "berry", "boxe", "glass", "cactus", "stick"]
 
 
 def test_bm25_finds_the_page_of_a_title_query():
@@ -161,8 +167,11 @@ def test_bm25_finds_the_page_of_a_title_query():
 
 
 def test_bm25_index_saved_and_reloaded(tmp_path):
-  docs = [Doc("Oak Log", "A log of oak wood."), Doc("Stick", "Made from planks."),
-          Doc("Torch", "Made from coal and a stick.")]
+  docs = [
+      Doc("Oak Log", "A log of oak wood."),
+      Doc("Stick", "Made from planks."),
+      Doc("Torch", "Made from coal and a stick.")
+  ]
   built = BM25Retriever(docs, tmp_path / "index")
   reloaded = BM25Retriever(docs, tmp_path / "index")
   for query in ["stick", "oak wood", "coal"]:
@@ -179,14 +188,18 @@ def test_top_k_indices_breaks_ties_by_document_order():
 
 
 _VOCABULARY = ("oak", "stone", "iron", "tool", "wood")
-_DENSE_DOCS = [Doc("Oak Planks", "wood from oak"), Doc("Stone Pickaxe", "a stone tool"),
-               Doc("Iron Pickaxe", "an iron tool, better than stone"), Doc("Oak Door", "oak")]
+_DENSE_DOCS = [
+    Doc("Oak Planks", "wood from oak"),
+    Doc("Stone Pickaxe", "a stone tool"),
+    Doc("Iron Pickaxe", "an iron tool, better than stone"),
+    Doc("Oak Door", "oak")
+]
 
 
 def _toy_embed(texts):
   """Bag of words over _VOCABULARY: [Q, 5] counts."""
-  return np.array([[text.lower().split().count(word) for word in _VOCABULARY]
-                   for text in texts], dtype=np.float32)
+  return np.array([[text.lower().split().count(word) for word in _VOCABULARY] for text in texts],
+                  dtype=np.float32)
 
 
 @pytest.mark.parametrize("use_faiss", [False, True])
@@ -217,17 +230,18 @@ def test_dense_retriever_rejects_mismatched_shapes():
 def test_world_facts_worked_examples():
   world = minecraft.World()
   assert world.always_drop("creeper") == "gunpowder"
-  assert world.always_drop("spider") is None          # string and spider eye: ambiguous
+  assert world.always_drop("spider") is None  # string and spider eye: ambiguous
   assert world.mined_drop("diamond_ore") == "diamond"
-  assert world.mined_drop("gravel") is None           # flint or gravel
+  assert world.mined_drop("gravel") is None  # flint or gravel
   assert world.only_use("magma_cream") == "magma_block"
-  assert world.count("tnt", "gunpowder") == 5          # 5 gunpowder + 4 sand
-  assert world.count("stone_pickaxe", "stick") == 2    # both recipes (cobblestone, blackstone)
+  assert world.count("tnt", "gunpowder") == 5  # 5 gunpowder + 4 sand
+  assert world.count("stone_pickaxe", "stick") == 2  # both recipes (cobblestone, blackstone)
   assert world.count("stone_pickaxe", "cobblestone") is None  # the blackstone one has none
   assert world.combinations()[("gunpowder", "sand")][0] == "tnt"
-  assert ("coal", "stick") in world.combinations()     # torch; campfire also takes logs
+  assert ("coal", "stick") in world.combinations()  # torch; campfire also takes logs
   # Storage recipes that TextCraft drops are back: 9 iron nuggets make an ingot.
-  assert any(r.count == 1 and [(i.item, i.count) for i in r.ingredients] == [("iron_nugget", 9)]
+  assert any(r.count == 1 and [(i.item, i.count)
+                               for i in r.ingredients] == [("iron_nugget", 9)]
              for r in world.recipes["iron_ingot"])
 
 
@@ -288,8 +302,8 @@ def test_generation_is_deterministic_across_hash_seeds():
   digests = []
   for seed in ("0", "4242"):
     environ = dict(os.environ, PYTHONHASHSEED=seed)
-    output = subprocess.run([sys.executable, "-c", _DETERMINISM_SCRIPT], cwd=REPO_ROOT,
-                            env=environ, capture_output=True, text=True, check=True)
+    output = subprocess.run([sys.executable, "-c", _DETERMINISM_SCRIPT], cwd=REPO_ROOT, env=environ,
+                            capture_output=True, text=True, check=True)
     digests.append(output.stdout.strip())
   assert digests[0] == digests[1] and len(digests[0]) == 64
 
@@ -334,8 +348,9 @@ def _find_combination(env, names):
   for title, text in _search(env, " ".join(names)).items():
     if _made_from_just(text, title, set(names)):
       return title, text
-  uses = [set(_INGREDIENT_OF.search(_search(env, name)[name]).group(1).split(", "))
-          for name in names]
+  uses = [
+      set(_INGREDIENT_OF.search(_search(env, name)[name]).group(1).split(", ")) for name in names
+  ]
   for candidate in sorted(uses[0] & uses[1]):
     text = _search(env, candidate)[candidate]
     if _made_from_just(text, candidate, set(names)):
@@ -364,8 +379,8 @@ def _solve(env, task_id):
       assert title == hop["title"]
     assert hop["evidence"] in text, (hop, text)
     known += _words(hop["evidence"])
-  assert any(_words(answer) in _words(info["hops"][-1]["evidence"])
-             for answer in info["golden_answers"])
+  assert any(
+      _words(answer) in _words(info["hops"][-1]["evidence"]) for answer in info["golden_answers"])
   return env.step(f"<think>Found it.</think>\n<answer> {info['golden_answers'][0]} </answer>")
 
 
@@ -399,11 +414,11 @@ def test_episode_searches_are_not_capped_and_answers_end_it(env):
     result = env.step("<search>stick</search>")
     assert not result.done and result.info["searches"] == count
   result = env.step("no tags at all")
-  assert (result.observation, result.done, result.info["action"]) == (
-      INVALID_OBSERVATION, False, "invalid")
+  assert (result.observation, result.done, result.info["action"]) == (INVALID_OBSERVATION, False,
+                                                                      "invalid")
   result = env.step("<answer>certainly not this</answer>")
-  assert (result.observation, result.reward, result.done, result.info["success"]) == (
-      WRONG_OBSERVATION, 0.0, True, False)
+  assert (result.observation, result.reward, result.done,
+          result.info["success"]) == (WRONG_OBSERVATION, 0.0, True, False)
   with pytest.raises(RuntimeError, match="reset"):
     env.step("<answer>again</answer>")
 
@@ -432,34 +447,59 @@ def _write_jsonl(path, records):
 @pytest.fixture
 def flashrag_dir(tmp_path):
   _write_jsonl(tmp_path / "nq" / "test.jsonl", [
-      {"id": "test_0", "question": "what is the capital of france", "golden_answers": ["Paris"],
-       "metadata": {"source": "wiki"}},
-      {"id": "test_1", "question": "Who wrote Hamlet?", "golden_answers": "William Shakespeare"},
+      {
+          "id": "test_0",
+          "question": "what is the capital of france",
+          "golden_answers": ["Paris"],
+          "metadata": {
+              "source": "wiki"
+          }
+      },
+      {
+          "id": "test_1",
+          "question": "Who wrote Hamlet?",
+          "golden_answers": "William Shakespeare"
+      },
   ])
-  _write_jsonl(tmp_path / "nq" / "train.jsonl", [
-      {"id": "train_0", "question": "Where is the Eiffel Tower?", "golden_answers": ["Paris"]}])
+  _write_jsonl(tmp_path / "nq" / "train.jsonl", [{
+      "id": "train_0",
+      "question": "Where is the Eiffel Tower?",
+      "golden_answers": ["Paris"]
+  }])
   # Bamboogle ships a test file in FlashRAG; a dev file is read when there is no test file.
-  _write_jsonl(tmp_path / "bamboogle" / "dev.jsonl", [
-      {"id": "dev_0", "question": "Which river flows through Paris?",
-       "golden_answers": ["Seine", "the Seine", "River Seine"]}])
+  _write_jsonl(tmp_path / "bamboogle" / "dev.jsonl", [{
+      "id": "dev_0",
+      "question": "Which river flows through Paris?",
+      "golden_answers": ["Seine", "the Seine", "River Seine"]
+  }])
   _write_jsonl(tmp_path / "corpus.jsonl", [
-      {"id": "0", "contents": '"Paris"\nParis is the capital and largest city of France.'},
-      {"id": "1", "contents": '"Hamlet"\nHamlet is a tragedy written by William Shakespeare.'},
-      {"id": "2", "title": "Seine", "text": "The Seine is a river that flows through Paris."},
+      {
+          "id": "0",
+          "contents": '"Paris"\nParis is the capital and largest city of France.'
+      },
+      {
+          "id": "1",
+          "contents": '"Hamlet"\nHamlet is a tragedy written by William Shakespeare.'
+      },
+      {
+          "id": "2",
+          "title": "Seine",
+          "text": "The Seine is a river that flows through Paris."
+      },
   ])
   return tmp_path
 
 
 def test_flashrag_questions_load_with_agentgym_ids_and_paper_categories(flashrag_dir):
-  env = SearchQAEnv(data_dir=str(flashrag_dir), test_sources=("nq", "bamboogle"),
-                    train_sources=("nq",))
+  env = SearchQAEnv(
+      data_dir=str(flashrag_dir), test_sources=("nq", "bamboogle"), train_sources=("nq",))
   assert list(env.task_ids("test")) == [0, 1, 2] and list(env.task_ids("train")) == [3]
   infos = [env.task_info(i) for i in range(4)]
   assert [i["category"] for i in infos] == ["NQ", "NQ", "Bamboogle", "NQ"]
   assert [i["id"] for i in infos] == ["test_0", "test_1", "dev_0", "train_0"]
   assert infos[0]["question"] == "what is the capital of france?"  # a "?" is added
   assert infos[0]["metadata"] == {"source": "wiki"}
-  assert infos[1]["golden_answers"] == ["William Shakespeare"]     # a string is a list of one
+  assert infos[1]["golden_answers"] == ["William Shakespeare"]  # a string is a list of one
 
   assert env.reset(0) == "Question: what is the capital of france?"
   result = env.step("<search>Paris</search>")
@@ -492,8 +532,8 @@ def test_flashrag_parquet_reads_like_jsonl(flashrag_dir):
   parquet.write_table(pyarrow.Table.from_pylist(records), flashrag_dir / "pq" / "train.parquet")
   from_jsonl = load_flashrag(flashrag_dir, (), ("nq",))["train"]
   from_parquet = load_flashrag(flashrag_dir, (), ("pq",))["train"]
-  assert [(q.id, q.question, q.golden_answers) for q in from_parquet] == [
-      (q.id, q.question, q.golden_answers) for q in from_jsonl]
+  assert [(q.id, q.question, q.golden_answers) for q in from_parquet
+         ] == [(q.id, q.question, q.golden_answers) for q in from_jsonl]
 
 
 def test_dense_retrieval_through_the_env(flashrag_dir):
@@ -505,9 +545,9 @@ def test_dense_retrieval_through_the_env(flashrag_dir):
     return np.array([[t.lower().count(w) for w in vocabulary] for t in texts], np.float32)
 
   np.save(flashrag_dir / "embeddings.npy", embed([f"{d.title} {d.text}" for d in docs]))
-  env = SearchQAEnv(data_dir=str(flashrag_dir), retriever="dense", top_k=1, embed_fn=embed,
-                    embeddings_path=str(flashrag_dir / "embeddings.npy"), test_sources=("nq",),
-                    train_sources=())
+  env = SearchQAEnv(
+      data_dir=str(flashrag_dir), retriever="dense", top_k=1, embed_fn=embed,
+      embeddings_path=str(flashrag_dir / "embeddings.npy"), test_sources=("nq",), train_sources=())
   env.reset(0)
   assert env.step("<search>which river</search>").observation == (
       "<information>Doc 1(Title: Seine) The Seine is a river that flows through Paris."

@@ -49,19 +49,21 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def unsharded(checkpoint):
-  return weights.load_params(weights.abstract_model(CONFIG),
-                             weights.SafetensorsReader(checkpoint))
+  return weights.load_params(weights.abstract_model(CONFIG), weights.SafetensorsReader(checkpoint))
 
 
 @pytest.fixture(scope="module")
 def sharded(checkpoint, mesh):
-  return weights.load_params(weights.abstract_model(CONFIG),
-                             weights.SafetensorsReader(checkpoint), mesh)
+  return weights.load_params(
+      weights.abstract_model(CONFIG), weights.SafetensorsReader(checkpoint), mesh)
 
 
 def _params(model: Decoder) -> dict[str, jax.Array]:
-  return {".".join(str(k) for k in path): v[...]
-          for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  return {
+      ".".join(str(k)
+               for k in path): v[...]
+      for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+  }
 
 
 def test_load_params_places_each_parameter_with_its_logical_sharding(sharded, unsharded, mesh):
@@ -91,8 +93,9 @@ def test_load_params_places_each_parameter_with_its_logical_sharding(sharded, un
     assert len(array.addressable_shards) == 8
     for shard in array.addressable_shards:
       assert shard.data.shape == shard_shape, name
-      np.testing.assert_array_equal(np.asarray(shard.data),
-                                    np.asarray(reference[name])[shard.index])
+      np.testing.assert_array_equal(
+          np.asarray(shard.data),
+          np.asarray(reference[name])[shard.index])
   # q_proj [2, 256, 8, 32] is split 2-way on embed (fsdp) and heads (tensor), replicated on data.
   assert params["layers.q_proj"].addressable_shards[0].data.shape == (2, 128, 4, 32)
 
@@ -126,34 +129,35 @@ def test_sharded_forward_and_backward_equal_unsharded(sharded, unsharded, mesh):
   # gradients' sums over the batch's 4 x 16 tokens are shorter.
   layers, widest = CONFIG.num_layers, CONFIG.intermediate_size
   logits_scale = float(jnp.abs(logits).max())
-  np.testing.assert_allclose(np.asarray(sharded_logits), np.asarray(logits), rtol=0,
-                             atol=tolerances.reordered_logits(layers, widest, logits_scale))
-  np.testing.assert_allclose(float(sharded_loss), float(loss), rtol=0,
-                             atol=tolerances.reordered_logprobs(layers, widest, logits_scale))
-  for (path, grad), (_, sharded_grad) in zip(nnx.to_flat_state(grads),
-                                             nnx.to_flat_state(sharded_grads)):
+  np.testing.assert_allclose(
+      np.asarray(sharded_logits), np.asarray(logits), rtol=0,
+      atol=tolerances.reordered_logits(layers, widest, logits_scale))
+  np.testing.assert_allclose(
+      float(sharded_loss), float(loss), rtol=0,
+      atol=tolerances.reordered_logprobs(layers, widest, logits_scale))
+  for (path,
+       grad), (_, sharded_grad) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(sharded_grads)):
     scale = float(jnp.abs(grad[...]).max())
-    np.testing.assert_allclose(np.asarray(sharded_grad[...]), np.asarray(grad[...]), rtol=0,
-                               atol=tolerances.reordered_logits(layers, widest, scale),
-                               err_msg=str(path))
+    np.testing.assert_allclose(
+        np.asarray(sharded_grad[...]), np.asarray(grad[...]), rtol=0,
+        atol=tolerances.reordered_logits(layers, widest, scale), err_msg=str(path))
 
 
 def test_heads_the_tensor_axis_does_not_divide_stay_whole_and_the_forward_matches(mesh):
   # SmolLM2-135M's head layout (9 query heads over 3 kv heads, tied embeddings) at a tiny width.
-  config = ModelConfig(model_type="llama", vocab_size=256, hidden_size=96,
-                       intermediate_size=128, num_layers=2, num_heads=9, num_kv_heads=3,
-                       head_dim=16, tie_word_embeddings=True)
+  config = ModelConfig(model_type="llama", vocab_size=256, hidden_size=96, intermediate_size=128,
+                       num_layers=2, num_heads=9, num_kv_heads=3, head_dim=16,
+                       tie_word_embeddings=True)
   model = nnx.jit(lambda: Decoder(config, rngs=nnx.Rngs(0)))()
-  sharded = weights.load_params(weights.abstract_model(config),
-                                weights.to_hf_state_dict(model), mesh)
+  sharded = weights.load_params(
+      weights.abstract_model(config), weights.to_hf_state_dict(model), mesh)
   assert sharded.layers.q_proj[...].sharding.spec == P(None, "fsdp", None, None)
   assert sharded.layers.k_proj[...].sharding.spec == P(None, "fsdp", None, None)
   assert sharded.layers.gate_proj[...].sharding.spec == P(None, "fsdp", "tensor")
   input_ids = np.random.RandomState(0).randint(0, config.vocab_size, (4, 8))
   forward = nnx.jit(lambda model, ids: model(ids))
   with jax.set_mesh(mesh):
-    sharded_logits = forward(sharded, jax.device_put(input_ids,
-                                                     sharding.batch_sharding(mesh, 2)))
+    sharded_logits = forward(sharded, jax.device_put(input_ids, sharding.batch_sharding(mesh, 2)))
   logits = np.asarray(forward(model, jnp.asarray(input_ids)))
   atol = tolerances.reordered_logits(config.num_layers, config.intermediate_size,
                                      float(np.abs(logits).max()))
@@ -161,10 +165,10 @@ def test_heads_the_tensor_axis_does_not_divide_stay_whole_and_the_forward_matche
 
 
 def test_logical_rules_map_names_to_mesh_axes():
-  assert sharding.logical_to_spec(("batch", "seq", "activation_embed")) == P(
-      ("data", "fsdp"), None, None)
-  assert sharding.logical_to_spec(("layers", "embed", "heads", "head_dim")) == P(
-      None, "fsdp", "tensor", None)
+  assert sharding.logical_to_spec(("batch", "seq", "activation_embed")) == P(("data", "fsdp"), None,
+                                                                             None)
+  assert sharding.logical_to_spec(
+      ("layers", "embed", "heads", "head_dim")) == P(None, "fsdp", "tensor", None)
   # A mesh axis is used at most once per array: "mlp" would also want tensor.
   assert sharding.logical_to_spec(("heads", "mlp")) == P("tensor", None)
 
@@ -172,8 +176,8 @@ def test_logical_rules_map_names_to_mesh_axes():
 def test_logical_rules_fall_back_to_replication_where_the_mesh_does_not_divide(mesh):
   # SmolLM2-135M's k_proj [layers=30, embed=576, kv_heads=3, head_dim=64]: 3 kv heads do not
   # split over tensor=2, so they stay whole; embed 576 = 2 * 288 still splits over fsdp.
-  assert sharding.logical_to_spec(("layers", "embed", "kv_heads", "head_dim"),
-                                  (30, 576, 3, 64), mesh) == P(None, "fsdp", None, None)
+  assert sharding.logical_to_spec(("layers", "embed", "kv_heads", "head_dim"), (30, 576, 3, 64),
+                                  mesh) == P(None, "fsdp", None, None)
   # A batch of 6 does not split over data * fsdp = 4.
   assert sharding.logical_to_spec(("batch", "seq"), (6, 16), mesh) == P(None, None)
   assert sharding.logical_to_spec(("batch", "seq"), (8, 16), mesh) == P(("data", "fsdp"), None)
@@ -208,8 +212,7 @@ def test_constrain_is_a_no_op_without_a_mesh_and_a_constraint_with_one(mesh):
   x = jnp.ones((8, 4, 16))
   axes = ("batch", "seq", "activation_mlp")
   assert sharding.constrain(x, axes) is x
-  assert "sharding_constraint" not in str(jax.make_jaxpr(
-      lambda x: sharding.constrain(x, axes))(x))
+  assert "sharding_constraint" not in str(jax.make_jaxpr(lambda x: sharding.constrain(x, axes))(x))
   with jax.set_mesh(mesh):
     constrained = jax.jit(lambda x: sharding.constrain(x * 2, axes))(x)
   assert constrained.sharding.spec == P(("data", "fsdp"), None, "tensor")
@@ -227,6 +230,7 @@ def test_each_device_shard_copies_only_its_own_slice(checkpoint, mesh, monkeypat
   accessed: list[str] = []
 
   class CountingSource(dict):
+
     def __contains__(self, name):
       return name in reader
 
@@ -246,9 +250,11 @@ def test_each_device_shard_copies_only_its_own_slice(checkpoint, mesh, monkeypat
       start = tracemalloc.get_traced_memory()[0]
       block = data_callback(index)
       peak = tracemalloc.get_traced_memory()[1] - start
-      records.append(dict(parameter=parameter, shape=shape, index=index, block=block,
-                          peak=peak, accessed=list(accessed)))
+      records.append(
+          dict(parameter=parameter, shape=shape, index=index, block=block, peak=peak,
+               accessed=list(accessed)))
       return block
+
     return make_array(shape, target, callback)
 
   monkeypatch.setattr(jax, "make_array_from_callback", recording_make_array)
@@ -264,8 +270,8 @@ def test_each_device_shard_copies_only_its_own_slice(checkpoint, mesh, monkeypat
   copied_bytes = dict.fromkeys(range(len(params)), 0)
   for record in records:
     block, names = record["block"], record["accessed"]
-    assert block.shape == tuple(len(range(*s.indices(n)))
-                                for s, n in zip(record["index"], record["shape"]))
+    assert block.shape == tuple(
+        len(range(*s.indices(n))) for s, n in zip(record["index"], record["shape"]))
     if names:
       # One parameter's tensors: a global one, or each layer's once, in layer order.
       assert len({re.sub(r"layers\.\d+\.", "", name) for name in names}) == 1, names

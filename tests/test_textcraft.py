@@ -50,37 +50,40 @@ def book() -> RecipeBook:
 
 def test_tag_variants_are_merged_into_agentgym_style_generic_ingredients(book):
   # minecraft-data stores the crafting table as 8 recipes, one per kind of planks.
-  assert [r.command for r in book.recipes["crafting_table"]] == [
-      "craft 1 crafting table using 4 planks"]
+  assert [r.command for r in book.recipes["crafting_table"]
+         ] == ["craft 1 crafting table using 4 planks"]
   assert book.generics["planks"] == {
-      f"{wood}_planks" for wood in
-      ("oak", "spruce", "birch", "jungle", "acacia", "dark_oak", "crimson", "warped")}
+      f"{wood}_planks" for wood in ("oak", "spruce", "birch", "jungle", "acacia", "dark_oak",
+                                    "crimson", "warped")
+  }
   assert sorted(book.generics) == sorted(
-      ["planks", "wool", "wooden_slabs", "logs", "crimson_stems", "warped_stems"]
-      + [f"{wood}_logs" for wood in ("oak", "spruce", "birch", "jungle", "acacia", "dark_oak")])
+      ["planks", "wool", "wooden_slabs", "logs", "crimson_stems", "warped_stems"] +
+      [f"{wood}_logs" for wood in ("oak", "spruce", "birch", "jungle", "acacia", "dark_oak")])
   assert len(book.generics["logs"]) == 32 and len(book.generics["wool"]) == 16
   assert book.generics["oak_logs"] == {
-      "oak_log", "oak_wood", "stripped_oak_log", "stripped_oak_wood"}
-  assert [r.command for r in book.recipes["oak_planks"]] == [
-      "craft 4 oak planks using 1 oak logs"]
+      "oak_log", "oak_wood", "stripped_oak_log", "stripped_oak_wood"
+  }
+  assert [r.command for r in book.recipes["oak_planks"]] == ["craft 4 oak planks using 1 oak logs"]
   # 64 variants (32 logs x {coal, charcoal}): logs is a tag, coal-or-charcoal a short list that
   # stays two recipes.
   assert [r.command for r in book.recipes["campfire"]] == [
       "craft 1 campfire using 3 stick, 1 coal, 3 logs",
-      "craft 1 campfire using 3 stick, 1 charcoal, 3 logs"]
+      "craft 1 campfire using 3 stick, 1 charcoal, 3 logs"
+  ]
   # Distinct recipes that share a layout are not merged into an invented ingredient.
   assert sorted(r.command for r in book.recipes["red_dye"]) == [
       "craft 1 red dye using 1 beetroot", "craft 1 red dye using 1 poppy",
-      "craft 1 red dye using 1 red tulip", "craft 2 red dye using 1 rose bush"]
+      "craft 1 red dye using 1 red tulip", "craft 2 red dye using 1 rose bush"
+  ]
 
 
 def test_storage_cycles_make_the_most_used_item_base(book):
   # ingot <-> block <-> nugget has no base item; the ingot is used by the most recipes.
   assert book.is_gettable("iron_ingot") and "iron_ingot" not in book.recipes
-  assert [r.command for r in book.recipes["iron_block"]] == [
-      "craft 1 iron block using 9 iron ingot"]
-  assert [r.command for r in book.recipes["iron_nugget"]] == [
-      "craft 9 iron nugget using 1 iron ingot"]
+  assert [r.command for r in book.recipes["iron_block"]
+         ] == ["craft 1 iron block using 9 iron ingot"]
+  assert [r.command for r in book.recipes["iron_nugget"]
+         ] == ["craft 9 iron nugget using 1 iron ingot"]
   assert book.is_gettable("honey_bottle") and not book.is_gettable("honey_block")
   assert all(book.depth[item] < float("inf") for item in book.recipes)
 
@@ -89,9 +92,19 @@ def test_crafting_depth_worked_examples(book):
   # stick: 2 bamboo (base) -> 1. crafting table: planks (1, from gettable oak logs) -> 2.
   # lodestone: stone (0) -> stone bricks 1 -> stone brick slab 2 -> chiseled stone bricks 3
   # -> lodestone 4 (its netherite ingot, from scrap and gold, is only 1).
-  expected = {"stick": 1, "iron_block": 1, "planks": 1, "crafting_table": 2, "painting": 2,
-              "wooden_slabs": 2, "composter": 3, "chiseled_stone_bricks": 3, "lodestone": 4,
-              "logs": 0, "oak_log": 0}
+  expected = {
+      "stick": 1,
+      "iron_block": 1,
+      "planks": 1,
+      "crafting_table": 2,
+      "painting": 2,
+      "wooden_slabs": 2,
+      "composter": 3,
+      "chiseled_stone_bricks": 3,
+      "lodestone": 4,
+      "logs": 0,
+      "oak_log": 0
+  }
   assert {item: book.depth[item] for item in expected} == expected
 
 
@@ -112,8 +125,7 @@ def test_splits_are_stratified_disjoint_and_cover_every_goal():
   assert not set(train) & set(test)
   assert sorted(train + test) == list(range(len(env_lib.goals())))
   assert list(test) == sorted(test) and list(train) == sorted(train)
-  assert collections.Counter(env.task_info(i)["depth"] for i in test) == {1: 31, 2: 41, 3: 25,
-                                                                        4: 3}
+  assert collections.Counter(env.task_info(i)["depth"] for i in test) == {1: 31, 2: 41, 3: 25, 4: 3}
   depths = {env.task_info(i)["depth"] for i in train}
   assert depths == {1, 2, 3, 4}
   info = env.task_info(_task_id("crafting_table"))
@@ -158,8 +170,9 @@ def test_first_observation_lists_the_tree_and_at_most_10_distractors(book):
         r"(Crafting commands:)\n(.*)\n\n(Goal: craft [a-z ]+\.)", observation, re.S).groups()
     assert goal_line == f"Goal: craft {goal.replace('_', ' ')}."
     lines = listing.split("\n")
-    assert all(re.fullmatch(r"craft \d+ [a-z ]+ using \d+ [a-z ]+(, \d+ [a-z ]+)*", line)
-               for line in lines)
+    assert all(
+        re.fullmatch(r"craft \d+ [a-z ]+ using \d+ [a-z ]+(, \d+ [a-z ]+)*", line)
+        for line in lines)
     assert len(set(lines)) == len(lines)
     tree = {recipe.command for recipe in book.tree(goal)}
     assert tree <= set(lines) and len(set(lines) - tree) <= env_lib.MAX_DISTRACTORS
@@ -187,8 +200,9 @@ def test_tasks_are_identical_across_processes_and_hash_seeds():
   for seed in ("0", "4242"):
     result = subprocess.run(
         [sys.executable, "-c", _FINGERPRINT + "import json; print(json.dumps(fingerprint()))"],
-        cwd=_REPO, env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True,
-        check=True, timeout=120)
+        cwd=_REPO, env={
+            **os.environ, "PYTHONHASHSEED": seed
+        }, capture_output=True, text=True, check=True, timeout=120)
     outputs.append(json.loads(result.stdout))
   namespace = {}
   exec(_FINGERPRINT, namespace)
@@ -203,8 +217,10 @@ def test_get_base_items_and_gettable_generics_only():
   env = _episode("crafting_table")
   assert _observations(env, "get 2 oak log", "get 1 oak logs", "get 3 logs", "get 1 planks",
                        "get 1 stick", "get 1 crafting table", "get 1 unobtainium") == [
-      "Got 2 oak log", "Got 1 oak logs", "Got 3 logs", "Could not find planks",
-      "Could not find stick", "Could not find crafting table", "Could not find unobtainium"]
+                           "Got 2 oak log", "Got 1 oak logs", "Got 3 logs", "Could not find planks",
+                           "Could not find stick", "Could not find crafting table",
+                           "Could not find unobtainium"
+                       ]
   assert _observations(env, "inventory") == ["Inventory: [oak log] (2) [oak logs] (1) [logs] (3)"]
 
 
@@ -216,8 +232,11 @@ def test_every_error_text():
       "craft 1 crafting table using 4 oak planks",  # nothing in the inventory yet
       "craft 1 crafting table using 4 planks",  # a generic is never in the inventory
       "craft 1 crafting table using oak planks",  # an ingredient without a count
-      "dance", "", "Get 1 oak log",  # not an action (the grammar is case-sensitive)
-      "get 1 oak log", "craft 4 oak planks using 1 oak log",
+      "dance",
+      "",
+      "Get 1 oak log",  # not an action (the grammar is case-sensitive)
+      "get 1 oak log",
+      "craft 4 oak planks using 1 oak log",
       "craft 1 crafting table using 3 oak planks",  # wrong count
       "craft 1 furnace using 4 oak planks",  # not a recipe of the target
       "craft 1 unobtainium using 1 oak planks",
@@ -225,8 +244,11 @@ def test_every_error_text():
       "Could not find enough items to craft minecraft:crafting_table",
       "Could not find enough items to craft minecraft:crafting_table",
       "Wrong item format: oak planks",
-      "Could not execute dance", "Could not execute ", "Could not execute Get 1 oak log",
-      "Got 1 oak log", "Crafted 4 minecraft:oak_planks",
+      "Could not execute dance",
+      "Could not execute ",
+      "Could not execute Get 1 oak log",
+      "Got 1 oak log",
+      "Crafted 4 minecraft:oak_planks",
       "Could not find a valid recipe for minecraft:crafting_table",
       "Could not find a valid recipe for minecraft:furnace",
       "Could not find a valid recipe for minecraft:unobtainium",
@@ -242,40 +264,41 @@ def test_generic_ingredients_take_any_one_member():
   # As in AgentGym, one slot is filled by one item: 2 oak + 2 birch planks is not a recipe.
   assert _observations(env, "get 1 oak log", "craft 4 oak planks using 1 oak log",
                        "craft 1 crafting table using 2 oak planks, 2 birch planks") == [
-      "Got 1 oak log", "Crafted 4 minecraft:oak_planks",
-      "Could not find a valid recipe for minecraft:crafting_table"]
+                           "Got 1 oak log", "Crafted 4 minecraft:oak_planks",
+                           "Could not find a valid recipe for minecraft:crafting_table"
+                       ]
   result = env.step(_reply("craft 1 crafting table using 4 birch planks"))
-  assert (result.observation, result.reward, result.done) == (
-      "Crafted 1 minecraft:crafting_table", 1.0, True)
+  assert (result.observation, result.reward, result.done) == ("Crafted 1 minecraft:crafting_table",
+                                                              1.0, True)
 
 
 @pytest.mark.parametrize("logs", ["oak log", "stripped birch log", "logs", "oak logs"])
 def test_logs_are_filled_by_a_member_a_gotten_logs_or_a_gotten_species_logs(logs):
   env = _episode("campfire")
-  observations = _observations(
-      env, "get 2 bamboo", "craft 1 stick using 2 bamboo", "get 4 bamboo",
-      "craft 1 stick using 2 bamboo", "craft 1 stick using 2 bamboo", "get 1 charcoal",
-      f"get 3 {logs}")
+  observations = _observations(env, "get 2 bamboo", "craft 1 stick using 2 bamboo", "get 4 bamboo",
+                               "craft 1 stick using 2 bamboo", "craft 1 stick using 2 bamboo",
+                               "get 1 charcoal", f"get 3 {logs}")
   assert observations[-1] == f"Got 3 {logs}"
   result = env.step(_reply(f"craft 1 campfire using 3 stick, 1 charcoal, 3 {logs}"))
-  assert (result.observation, result.reward, result.done) == (
-      "Crafted 1 minecraft:campfire", 1.0, True)
+  assert (result.observation, result.reward, result.done) == ("Crafted 1 minecraft:campfire", 1.0,
+                                                              True)
 
 
 def test_each_craft_makes_one_yield_whatever_count_is_asked():
   # Ladder: 7 sticks. Sticks come 4 per craft from 2 planks, so two crafts of 2 planks each;
   # asking for 8 sticks from 4 planks at once is not a recipe (AgentGym crafts once per action).
   env = _episode("ladder")
-  assert _observations(
-      env, "get 1 oak log", "craft 4 oak planks using 1 oak log",
-      "craft 8 stick using 4 oak planks", "craft 8 stick using 2 oak planks",
-      "craft 4 stick using 2 oak planks", "inventory") == [
-      "Got 1 oak log", "Crafted 4 minecraft:oak_planks",
-      "Could not find a valid recipe for minecraft:stick", "Crafted 4 minecraft:stick",
-      "Crafted 4 minecraft:stick", "Inventory: [stick] (8)"]
+  assert _observations(env, "get 1 oak log", "craft 4 oak planks using 1 oak log",
+                       "craft 8 stick using 4 oak planks", "craft 8 stick using 2 oak planks",
+                       "craft 4 stick using 2 oak planks", "inventory") == [
+                           "Got 1 oak log", "Crafted 4 minecraft:oak_planks",
+                           "Could not find a valid recipe for minecraft:stick",
+                           "Crafted 4 minecraft:stick", "Crafted 4 minecraft:stick",
+                           "Inventory: [stick] (8)"
+                       ]
   result = env.step(_reply("craft 3 ladder using 7 stick"))
-  assert (result.observation, result.reward, result.done, result.info["success"]) == (
-      "Crafted 3 minecraft:ladder", 1.0, True, True)
+  assert (result.observation, result.reward, result.done,
+          result.info["success"]) == ("Crafted 3 minecraft:ladder", 1.0, True, True)
   with pytest.raises(RuntimeError, match="call reset"):
     env.step(_reply("inventory"))
 
@@ -289,20 +312,22 @@ def test_only_crafting_the_goal_is_rewarded():
 # Replies.
 
 
-@pytest.mark.parametrize("reply, action", [
-    ("Thought: I need planks.\n\nAction: get 1 oak log", "get 1 oak log"),
-    ("Thought: x\n\nAction:\n  craft 4 oak planks using 1 oak log.\n",
-     "craft 4 oak planks using 1 oak log"),
-    ("Action: inventory\nAction: get 2 stick", "get 2 stick"),  # the last Action: counts
-    ("get 1 oak log", "get 1 oak log"),  # no Action: at all, the whole reply
-    ("Action: get 1 oak log\nInstruction: ignore", "get 1 oak log"),
-    ("Action: craft 1 minecraft:crafting_table using 4 oak_planks",
-     "craft 1 minecraftcraftingtable using 4 oakplanks"),
-    ("Action: get 1 oak log ✓ — ok", "get 1 oak log ok"),
-    # A line break separates words (AgentGym's client would give "ChallengesYour turn").
-    ("Action: Challenges\nYour turn in crafting", "Challenges Your turn in crafting"),
-    ("", ""),
-])
+@pytest.mark.parametrize(
+    "reply, action",
+    [
+        ("Thought: I need planks.\n\nAction: get 1 oak log", "get 1 oak log"),
+        ("Thought: x\n\nAction:\n  craft 4 oak planks using 1 oak log.\n",
+         "craft 4 oak planks using 1 oak log"),
+        ("Action: inventory\nAction: get 2 stick", "get 2 stick"),  # the last Action: counts
+        ("get 1 oak log", "get 1 oak log"),  # no Action: at all, the whole reply
+        ("Action: get 1 oak log\nInstruction: ignore", "get 1 oak log"),
+        ("Action: craft 1 minecraft:crafting_table using 4 oak_planks",
+         "craft 1 minecraftcraftingtable using 4 oakplanks"),
+        ("Action: get 1 oak log ✓ — ok", "get 1 oak log ok"),
+        # A line break separates words (AgentGym's client would give "ChallengesYour turn").
+        ("Action: Challenges\nYour turn in crafting", "Challenges Your turn in crafting"),
+        ("", ""),
+    ])
 def test_parse_action_follows_agentgym(reply, action):
   assert parse_action(reply) == action
 
@@ -322,13 +347,15 @@ _ACTIONISH = st.builds(
     st.sampled_from(["get", "craft", "inventory", "Action: craft", "craft 1 stick using"]),
     st.one_of(st.integers(min_value=0, max_value=10**30), st.text(max_size=5)),
     st.sampled_from(["oak log", "oak planks", "planks", "logs", "stick", "bamboo", ""]),
-    st.one_of(st.just(""), st.text(max_size=40), st.just(" using 2 oak planks, 1"),
-              st.just(" using ,,, 3 , x")))
+    st.one_of(
+        st.just(""), st.text(max_size=40), st.just(" using 2 oak planks, 1"),
+        st.just(" using ,,, 3 , x")))
 
 
 @hypothesis.settings(max_examples=200, deadline=None)
-@hypothesis.given(st.one_of(st.text(), _ACTIONISH, _ACTIONISH.map(_reply),
-                            st.lists(_ACTIONISH).map("\nAction: ".join)))
+@hypothesis.given(
+    st.one_of(st.text(), _ACTIONISH, _ACTIONISH.map(_reply),
+              st.lists(_ACTIONISH).map("\nAction: ".join)))
 def test_any_reply_gets_an_observation_and_never_raises(reply):
   env = _episode("crafting_table")
   env.step(_reply("get 1 oak log"))
@@ -354,7 +381,8 @@ def test_oracle_solves_every_goal_of_both_splits_from_the_text_alone():
   for task_id in env.task_ids("train") + env.task_ids("test"):
     actions = solve(env.reset(task_id))
     results = [env.step(_reply(action)) for action in actions]
-    failures = [(a, r.observation) for a, r in zip(actions, results)
+    failures = [(a, r.observation)
+                for a, r in zip(actions, results)
                 if not r.observation.startswith(("Got ", "Crafted "))]
     assert not failures, (env.task_info(task_id), failures)
     assert results[-1].done and results[-1].reward == 1.0, env.task_info(task_id)

@@ -23,16 +23,35 @@ def _call(name, arguments, thought="Thinking."):
 
 
 def test_a_tool_is_an_openai_style_function_schema():
-  assert CRAFT.schema() == {"type": "function", "function": {
-      "name": "craft",
-      "description": CRAFT.description,
-      "parameters": {"type": "object", "properties": {
-          "count": {"type": "integer", "description": "How many targets the command makes."},
-          "target": {"type": "string", "description": 'The item to craft, e.g. "stick".'},
-          "ingredients": {"type": "array", "items": {"type": "string"},
-                          "description": 'Each ingredient with its count, as the command lists '
-                                         'it, e.g. ["2 oak planks"].'}},
-                     "required": ["count", "target", "ingredients"]}}}
+  assert CRAFT.schema() == {
+      "type": "function",
+      "function": {
+          "name": "craft",
+          "description": CRAFT.description,
+          "parameters": {
+              "type": "object",
+              "properties": {
+                  "count": {
+                      "type": "integer",
+                      "description": "How many targets the command makes."
+                  },
+                  "target": {
+                      "type": "string",
+                      "description": 'The item to craft, e.g. "stick".'
+                  },
+                  "ingredients": {
+                      "type": "array",
+                      "items": {
+                          "type": "string"
+                      },
+                      "description": 'Each ingredient with its count, as the command lists '
+                                     'it, e.g. ["2 oak planks"].'
+                  }
+              },
+              "required": ["count", "target", "ingredients"]
+          }
+      }
+  }
   type_tool = webarena_env.TOOLS[1]
   enter = type_tool.schema()["function"]["parameters"]
   assert enter["required"] == ["element_id", "text"]
@@ -40,19 +59,27 @@ def test_a_tool_is_an_openai_style_function_schema():
 
 
 def test_a_call_spells_the_environment_action():
-  assert CRAFT.action_text({"count": 4, "target": "stick", "ingredients": ["2 oak planks"]}) == (
-      "craft 4 stick using 2 oak planks")
-  assert CRAFT.action_text({"target": "bed", "count": 1,
-                            "ingredients": ["3 white wool", "3 planks"]}) == (
-      "craft 1 bed using 3 white wool, 3 planks")
+  assert CRAFT.action_text({
+      "count": 4,
+      "target": "stick",
+      "ingredients": ["2 oak planks"]
+  }) == ("craft 4 stick using 2 oak planks")
+  assert CRAFT.action_text({
+      "target": "bed",
+      "count": 1,
+      "ingredients": ["3 white wool", "3 planks"]
+  }) == ("craft 1 bed using 3 white wool, 3 planks")
   # An optional argument left out takes its attached text with it.
   type_tool = webarena_env.TOOLS[1]
   assert type_tool.action_text({"element_id": 3, "text": "kettle"}) == "type [3] [kettle]"
-  assert type_tool.action_text({"element_id": 3, "text": "k", "press_enter_after": 0}) == (
-      "type [3] [k] [0]")
+  assert type_tool.action_text({
+      "element_id": 3,
+      "text": "k",
+      "press_enter_after": 0
+  }) == ("type [3] [k] [0]")
   pick_up = babyai_env.TOOLS[4]
-  assert (pick_up.action_text({}), pick_up.action_text({"object": "red ball 1"})) == (
-      "pick up", "pick up red ball 1")
+  assert (pick_up.action_text({}), pick_up.action_text({"object": "red ball 1"
+                                                       })) == ("pick up", "pick up red ball 1")
   # Argument values are never read as placeholders.
   assert textcraft_env.TOOLS[0].action_text({"count": 1, "item": "{count}"}) == "get 1 {count}"
 
@@ -90,8 +117,8 @@ def test_aliases_are_read_and_written_in_the_main_spelling():
   look_at, put_down = sciworld_env.TOOLS[1], sciworld_env.TOOLS[8]
   assert look_at.arguments_of("examine lead") == {"object": "lead"}
   assert look_at.action_text({"object": "lead"}) == "look at lead"
-  assert put_down.action_text(put_down.arguments_of("drop sodium chloride")) == (
-      "put down sodium chloride")
+  assert put_down.action_text(
+      put_down.arguments_of("drop sodium chloride")) == ("put down sodium chloride")
 
 
 def test_react_format_leaves_replies_as_they_are():
@@ -106,14 +133,19 @@ def test_react_format_leaves_replies_as_they_are():
     TEXTCRAFT.reply("Fly.", "fly to the moon")
 
 
-@pytest.mark.parametrize("reply,react", [
-    (_call("get", {"count": 2, "item": "oak logs"}), "Thought: \n\nAction: get 2 oak logs"),
-    ('<think>hmm</think><tool_call>{"name": "inventory"}</tool_call>',
-     "Thought: \n\nAction: inventory"),
-    # Llama 3.1's template asks for a bare object with "parameters".
-    ('{"name": "get", "parameters": {"count": 1, "item": "sand"}}',
-     "Thought: \n\nAction: get 1 sand"),
-])
+@pytest.mark.parametrize(
+    "reply,react",
+    [
+        (_call("get", {
+            "count": 2,
+            "item": "oak logs"
+        }), "Thought: \n\nAction: get 2 oak logs"),
+        ('<think>hmm</think><tool_call>{"name": "inventory"}</tool_call>',
+         "Thought: \n\nAction: inventory"),
+        # Llama 3.1's template asks for a bare object with "parameters".
+        ('{"name": "get", "parameters": {"count": 1, "item": "sand"}}',
+         "Thought: \n\nAction: get 1 sand"),
+    ])
 def test_a_tool_call_becomes_the_react_reply_with_its_action(reply, react):
   assert TEXTCRAFT.react_reply(reply) == react
 
@@ -126,12 +158,24 @@ def test_a_tool_call_becomes_the_react_reply_with_its_action(reply, react):
     ('<tool_call>{"name": "get", "arguments": [2]}</tool_call>', '"arguments" must be a JSON'),
     (_call("fly", {}), "there is no tool 'fly'"),
     (_call("get", {"count": 2}), "get needs the argument 'item'"),
-    (_call("get", {"count": "2", "item": "sand"}), "'count' must be an integer, got '\"2\"'"),
-    (_call("get", {"count": True, "item": "sand"}), "'count' must be an integer, got 'true'"),
-    (_call("get", {"count": 2, "item": "sand", "quality": "fine"}),
-     "get has no argument 'quality'"),
-    (_call("craft", {"count": 1, "target": "bed", "ingredients": [3, "wool"]}),
-     "'ingredients' must be an array of strings"),
+    (_call("get", {
+        "count": "2",
+        "item": "sand"
+    }), "'count' must be an integer, got '\"2\"'"),
+    (_call("get", {
+        "count": True,
+        "item": "sand"
+    }), "'count' must be an integer, got 'true'"),
+    (_call("get", {
+        "count": 2,
+        "item": "sand",
+        "quality": "fine"
+    }), "get has no argument 'quality'"),
+    (_call("craft", {
+        "count": 1,
+        "target": "bed",
+        "ingredients": [3, "wool"]
+    }), "'ingredients' must be an array of strings"),
     (_call("inventory", {}) + _call("inventory", {}), "a reply calls one tool, this one calls 2"),
     ("<tool_call>" + "9" * 5000 + "</tool_call>", "not usable JSON"),
 ])
@@ -150,12 +194,14 @@ def test_enums_are_checked():
     scroll.react_reply(_call("scroll", {"direction": "left"}))
 
 
-@hypothesis.given(st.text(max_size=200) | st.builds(
-    lambda name, arguments: _call(name, arguments),
-    st.sampled_from(["get", "craft", "inventory", "x"]),
-    st.dictionaries(st.sampled_from(["count", "item", "target", "ingredients", "y"]),
-                    st.none() | st.integers() | st.text(max_size=5)
-                    | st.lists(st.text(max_size=5), max_size=2) | st.booleans(), max_size=3)))
+@hypothesis.given(
+    st.text(max_size=200) | st.builds(
+        lambda name, arguments: _call(name, arguments),
+        st.sampled_from(["get", "craft", "inventory", "x"]),
+        st.dictionaries(
+            st.sampled_from(["count", "item", "target", "ingredients", "y"]),
+            st.none() | st.integers() | st.text(max_size=5)
+            | st.lists(st.text(max_size=5), max_size=2) | st.booleans(), max_size=3)))
 @hypothesis.settings(max_examples=300, deadline=None)
 def test_any_reply_is_a_react_reply_or_a_tool_call_error(reply):
   try:
@@ -169,8 +215,7 @@ def test_any_reply_is_a_react_reply_or_a_tool_call_error(reply):
 
 # (env, task id, actions); the calls' observations must equal the ReAct replies'.
 _EPISODES = [
-    ("textcraft", 0, ["inventory", "get 1 oak logs", "craft 9 stick using 1 planks",
-                      "inventory"]),
+    ("textcraft", 0, ["inventory", "get 1 oak logs", "craft 9 stick using 1 planks", "inventory"]),
     ("searchqa", 0, ["<search> Orange Wool </search>", "<answer> nothing </answer>"]),
     ("babyai", 92, ["turn left", "move forward", "pick up", "check available actions"]),
 ]
@@ -204,8 +249,8 @@ def test_a_bad_call_is_an_error_observation_and_the_episode_goes_on(name, task_i
       assert result.observation.startswith("Invalid tool call: ")
       assert (result.reward, result.done, result.info["success"]) == (0.0, False, False)
     first = next(iter(env.action_format.tools.values()))
-    assert env.step(_call(first.name, {"nonsense": 1})).observation.startswith(
-        f"Invalid tool call: {first.name} has no argument 'nonsense'")
+    assert env.step(_call(first.name, {"nonsense":
+        1})).observation.startswith(f"Invalid tool call: {first.name} has no argument 'nonsense'")
   finally:
     env.close()
 
@@ -217,12 +262,14 @@ def test_the_textcraft_instruction_shows_its_example_as_tool_calls():
   assert "Action:" not in instruction and "Thought:" not in instruction
 
 
-@hypothesis.given(st.text(max_size=200) | st.builds(
-    lambda name, arguments: _call(name, arguments),
-    st.sampled_from(["get", "craft", "inventory"]),
-    st.dictionaries(st.sampled_from(["count", "item", "target", "ingredients"]),
-                    st.integers(-3, 10**6) | st.text(max_size=20)
-                    | st.lists(st.text(max_size=12), max_size=3), max_size=3)))
+@hypothesis.given(
+    st.text(max_size=200) | st.builds(
+        lambda name, arguments: _call(name, arguments),
+        st.sampled_from(["get", "craft", "inventory"]),
+        st.dictionaries(
+            st.sampled_from(["count", "item", "target", "ingredients"]),
+            st.integers(-3, 10**6) | st.text(max_size=20)
+            | st.lists(st.text(max_size=12), max_size=3), max_size=3)))
 @hypothesis.settings(max_examples=200, deadline=None)
 def test_any_reply_in_the_tool_call_format_gets_an_observation(reply):
   env = textcraft_env.TextCraftEnv(action_format="tool_call")

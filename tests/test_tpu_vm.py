@@ -10,14 +10,16 @@ import pytest
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "launch" / "tpu_vm.sh"
 SSH = ["gcloud", "compute", "tpus", "tpu-vm", "ssh"]
-TRAIN = ["--config=configs/grpo_textcraft.py", "--workdir=gs://my-bucket/runs/grpo",
-         "--config.rollout.curriculum=(('depth1',), ('depth1', 'depth2'))"]
+TRAIN = [
+    "--config=configs/grpo_textcraft.py", "--workdir=gs://my-bucket/runs/grpo",
+    "--config.rollout.curriculum=(('depth1',), ('depth1', 'depth2'))"
+]
 
 
 def _dry_run(*args: str) -> list[list[str]]:
   """The printed commands, each split into the words a shell would pass."""
-  done = subprocess.run(["bash", str(SCRIPT), "--dry_run", *args], capture_output=True,
-                        text=True, timeout=30, check=True)
+  done = subprocess.run(["bash", str(SCRIPT), "--dry_run", *args], capture_output=True, text=True,
+                        timeout=30, check=True)
   return [shlex.split(line) for line in done.stdout.splitlines()]
 
 
@@ -40,20 +42,25 @@ def test_dry_run_prints_every_step_for_the_slice(slice_type, accelerator, image,
   where = [f"--zone={zone}", "--project=my-project"]
 
   [create] = _dry_run(*common, "create")
-  assert create == ["gcloud", "compute", "tpus", "tpu-vm", "create", "tpu-one", *where,
-                    f"--accelerator-type={accelerator}", f"--version={image}"]
+  assert create == [
+      "gcloud", "compute", "tpus", "tpu-vm", "create", "tpu-one", *where,
+      f"--accelerator-type={accelerator}", f"--version={image}"
+  ]
 
   archive, copy, unpack = _dry_run(*common, "sync")
   assert archive[:2] == ["git", "archive"] and archive[-1] == "HEAD"
   tarball = archive[archive.index("-o") + 1]
-  assert copy == ["gcloud", "compute", "tpus", "tpu-vm", "scp", tarball,
-                  "tpu-one:agentgym-jax.tar.gz", *where, "--worker=all"]
+  assert copy == [
+      "gcloud", "compute", "tpus", "tpu-vm", "scp", tarball, "tpu-one:agentgym-jax.tar.gz", *where,
+      "--worker=all"
+  ]
   assert "tar -xzf agentgym-jax.tar.gz" in " ".join(_remote(unpack, "all", where))
 
   [clone] = _dry_run(*common, "--repo=https://github.com/me/agentgym-jax.git", "sync")
   assert _remote(clone, "all", where) == [
       "rm", "-rf", "agentgym-jax", "&&", "git", "clone", "--depth=1",
-      "https://github.com/me/agentgym-jax.git", "agentgym-jax"]
+      "https://github.com/me/agentgym-jax.git", "agentgym-jax"
+  ]
 
   [install] = _dry_run(*common, "install")
   words = _remote(install, "all", where)
@@ -73,11 +80,11 @@ def test_dry_run_prints_every_step_for_the_slice(slice_type, accelerator, image,
 
   [results] = _dry_run(*common, "copy", "runs/grpo", "gs://my-bucket/runs/grpo")
   assert _remote(results, "0", where)[3:] == [
-      "gcloud", "storage", "rsync", "--recursive", "runs/grpo", "gs://my-bucket/runs/grpo"]
+      "gcloud", "storage", "rsync", "--recursive", "runs/grpo", "gs://my-bucket/runs/grpo"
+  ]
 
   [delete] = _dry_run(*common, "delete")
-  assert delete == ["gcloud", "compute", "tpus", "tpu-vm", "delete", "tpu-one", *where,
-                    "--quiet"]
+  assert delete == ["gcloud", "compute", "tpus", "tpu-vm", "delete", "tpu-one", *where, "--quiet"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -87,8 +94,8 @@ def test_dry_run_prints_every_step_for_the_slice(slice_type, accelerator, image,
     (["--zones=x", "create"], "unknown option --zones=x"),
 ])
 def test_bad_input_is_one_line(args, message):
-  done = subprocess.run(["bash", str(SCRIPT), "--dry_run", *args], capture_output=True,
-                        text=True, timeout=30)
+  done = subprocess.run(["bash", str(SCRIPT), "--dry_run", *args], capture_output=True, text=True,
+                        timeout=30)
   assert done.returncode == 1 and done.stdout == ""
   assert done.stderr.startswith("error: ") and message in done.stderr
   assert len(done.stderr.splitlines()) == 1

@@ -41,8 +41,9 @@ def _single_device(monkeypatch):
   import jax
   from agentgym_jax import sharding
 
-  monkeypatch.setattr(sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
-      np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
+  monkeypatch.setattr(
+      sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
+          np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
 
 
 @pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_plus_plus", "gae"])
@@ -121,8 +122,8 @@ def test_resumed_run_matches_uninterrupted_run(checkpoint_dir, tmp_path, monkeyp
 
 
 def test_rows_pad_to_few_lengths_with_under_a_third_of_a_row_of_padding():
-  assert [batch.bucket(n) for n in (1, 128, 129, 193, 740, 769, 1025, 1300, 1537)] == [
-      128, 128, 192, 256, 768, 1024, 1536, 1536, 2048]
+  assert [batch.bucket(n) for n in (1, 128, 129, 193, 740, 769, 1025, 1300, 1537)
+         ] == [128, 128, 192, 256, 768, 1024, 1536, 1536, 2048]
   lengths = np.arange(129, 20000)
   widths = np.array([batch.bucket(int(n)) for n in lengths])
   assert (widths >= lengths).all() and (widths < 1.5 * lengths).all()
@@ -143,25 +144,28 @@ def test_a_minibatch_that_does_not_split_over_the_mesh_fails_at_start(checkpoint
   c.mesh.fsdp = -1  # The 8 test devices.
   c.rollout.tasks_per_step = 2
   c.rollout.samples_per_task = 2
-  with pytest.raises(ValueError, match=r"a minibatch of 2 trajectories .* does not split over "
-                                       r"the 8 devices"):
+  with pytest.raises(
+      ValueError, match=r"a minibatch of 2 trajectories .* does not split over "
+      r"the 8 devices"):
     trainer.train(c, tmp_path)
 
 
 def test_launch_train_smoke_writes_checkpoint_metrics_trajectories(checkpoint_dir, tmp_path):
   workdir = tmp_path / "run"
   command = [
-      sys.executable, str(REPO / "launch" / "train.py"),
-      f"--config={REPO / 'configs' / 'ablation_echo.py'}:long", f"--workdir={workdir}",
-      f"--config.model.name={checkpoint_dir}", "--config.log.progress_bar=True",
-      "--config.log.trajectories=True", "--config.checkpoint.export_hf=True",
-      "--config.steps=2", "--config.rollout.tasks_per_step=2",
+      sys.executable,
+      str(REPO / "launch" / "train.py"), f"--config={REPO / 'configs' / 'ablation_echo.py'}:long",
+      f"--workdir={workdir}", f"--config.model.name={checkpoint_dir}",
+      "--config.log.progress_bar=True", "--config.log.trajectories=True",
+      "--config.checkpoint.export_hf=True", "--config.steps=2", "--config.rollout.tasks_per_step=2",
       "--config.rollout.samples_per_task=2", "--config.rollout.max_new_tokens=4",
-      "--config.rollout.max_context=128", "--config.checkpoint.every=1",
-      "--config.mesh.fsdp=1", "--config.mesh.data=-1"]
-  result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ,
-                               "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+      "--config.rollout.max_context=128", "--config.checkpoint.every=1", "--config.mesh.fsdp=1",
+      "--config.mesh.data=-1"
+  ]
+  result = subprocess.run(
+      command, capture_output=True, text=True, timeout=600, env={
+          **os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"
+      })
   assert result.returncode == 0, result.stderr[-3000:]
   # Off a terminal: one plain line a step on stdout; no library INFO logs (Orbax's checkpoint
   # manager, JAX's search for a TPU backend) on stderr.
@@ -170,7 +174,8 @@ def test_launch_train_smoke_writes_checkpoint_metrics_trajectories(checkpoint_di
   assert "Unable to initialize backend" not in result.stderr
   rows = metrics.read_metrics(workdir)
   assert [r["step"] for r in rows] == [1, 2]
-  assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
+  assert sorted(
+      p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
   assert len(metrics.read_trajectories(workdir, 2)) == 4
   assert (workdir / "export" / "config.json").exists()
   assert (workdir / "export" / "tokenizer.json").exists()
@@ -180,14 +185,21 @@ def test_launch_train_smoke_writes_checkpoint_metrics_trajectories(checkpoint_di
 def test_launch_train_local_config_on_embedded_model(tmp_path):
   workdir = tmp_path / "run"
   command = [
-      sys.executable, str(REPO / "launch" / "train.py"),
-      f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:local", f"--workdir={workdir}",
-      "--config.steps=2", "--config.rollout.tasks_per_step=2",
-      "--config.rollout.samples_per_task=2", "--config.rollout.max_new_tokens=16",
-      "--config.horizon.caps=(2,)", "--config.checkpoint.every=1",
+      sys.executable,
+      str(REPO / "launch" / "train.py"),
+      f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:local",
+      f"--workdir={workdir}",
+      "--config.steps=2",
+      "--config.rollout.tasks_per_step=2",
+      "--config.rollout.samples_per_task=2",
+      "--config.rollout.max_new_tokens=16",
+      "--config.horizon.caps=(2,)",
+      "--config.checkpoint.every=1",
       # The recipe's warm start and stage evaluations are tested on the tiny model
       # (tests/test_pipeline.py); here the RL run alone.
-      "--config.warm_start.steps=0", "--config.eval.stages=False"]
+      "--config.warm_start.steps=0",
+      "--config.eval.stages=False"
+  ]
   # One CPU device, as on a workstation (the test session's 8 virtual devices would not split
   # this small batch).
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
@@ -209,10 +221,10 @@ def test_rollout_with_bf16_rematerialised_policy(checkpoint_dir):
   model, tokenizer = load_model(checkpoint_dir, dtype=jnp.bfloat16, remat="full")
   sampler = Sampler(model, cache_slots=64, max_batch=4)
   with EnvPool("echo", 4, options={"turns": 2}) as pool:
-    trajectories, _ = rollout.collect(
-        sampler, sampler.params, pool, tokenizer.chat, [(0, 0), (0, 0), (1, 1), (1, 1)],
-        horizon=2, sampling=rollout.TurnSampling(max_new_tokens=2), max_context=64,
-        key=jax.random.key(0))
+    trajectories, _ = rollout.collect(sampler, sampler.params, pool, tokenizer.chat,
+                                      [(0, 0), (0, 0), (1, 1), (1, 1)], horizon=2,
+                                      sampling=rollout.TurnSampling(max_new_tokens=2),
+                                      max_context=64, key=jax.random.key(0))
   for t in trajectories:
     assert t.num_turns >= 1 and sum(t.loss_mask) >= 1
     assert len(t.tokens) == len(t.loss_mask) == len(t.sampler_logprobs)
@@ -248,9 +260,10 @@ def test_a_curriculum_draws_each_stage_from_its_categories():
 
 def test_a_curriculum_stage_without_tasks_fails_with_the_categories_there_are():
   pool = _CategorisedTasks({0: "depth1", 1: "depth2"})
-  with pytest.raises(config_lib.ConfigError,
-                     match=r"rollout.curriculum\[1\]=\('depth9',\) matches none of the 2 train "
-                           r"tasks \(their categories: \['depth1', 'depth2'\]\)"):
+  with pytest.raises(
+      config_lib.ConfigError,
+      match=r"rollout.curriculum\[1\]=\('depth9',\) matches none of the 2 train "
+      r"tasks \(their categories: \['depth1', 'depth2'\]\)"):
     trainer.stage_task_orders(pool, (("depth1",), ("depth9",)), seed=0)
 
 
@@ -258,6 +271,7 @@ def test_a_curriculum_stage_without_tasks_fails_with_the_categories_there_are():
 def test_a_malformed_curriculum_fails_at_start_up(curriculum):
   c = config_lib.base_config()
   c.rollout.curriculum = curriculum
-  with pytest.raises(config_lib.ConfigError, match="rollout.curriculum=.* must be a tuple of "
-                                                   "non-empty tuples of category names"):
+  with pytest.raises(
+      config_lib.ConfigError, match="rollout.curriculum=.* must be a tuple of "
+      "non-empty tuples of category names"):
     config_lib.validate(c)

@@ -17,9 +17,10 @@ from fake_run import NEEDLE, NEEDLE_AT, SPECIAL_TEXT, read_fake_trajectories, wr
 
 CHROMIUM = "/usr/bin/chromium"
 # Headless, and nothing that reaches the network on its own.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync"
+]
 NUM_TRAJECTORIES = 6 * 4 * 4  # write_fake_run's default steps x tasks x samples.
 
 
@@ -47,8 +48,8 @@ def test_page_is_self_contained_and_run_text_stays_inside_its_json(run_dir):
   data = re.search(r'<script type="application/json" id="run-data">(.*?)</script>', page,
                    re.DOTALL).group(1)
   assert "<" not in data
-  assert any(SPECIAL_TEXT in m["content"] for t in json.loads(data)["trajectories"]
-             for m in t["messages"])
+  assert any(
+      SPECIAL_TEXT in m["content"] for t in json.loads(data)["trajectories"] for m in t["messages"])
   # Nothing fetched: no external scripts, styles, images or fonts.
   for pattern in (r"\bsrc=", r"<link\b", r"@import", r"url\(", r"https://"):
     assert not re.search(pattern, page), pattern
@@ -62,8 +63,9 @@ def test_load_run_fills_in_missing_fields_and_skips_the_cut_metrics_line(run_dir
   views = run["trajectories"]
   assert len(views) == len(records) == NUM_TRAJECTORIES
   for view, record in zip(views, records):
-    assert (view["step"], view["task_id"], view["group"], view["sample"]) == (
-        record["step"], record["task_id"], record["group"], record["sample"])
+    assert (view["step"], view["task_id"], view["group"],
+            view["sample"]) == (record["step"], record["task_id"], record["group"],
+                                record["sample"])
     assert view["env"] == record.get("env", "")
     assert view["advantage"] == record.get("advantage")
     assert view["messages"] == record["messages"]
@@ -72,9 +74,11 @@ def test_load_run_fills_in_missing_fields_and_skips_the_cut_metrics_line(run_dir
 
 def test_sparse_records_from_other_writers_still_render(tmp_path):
   os.makedirs(tmp_path / "trajectories")
-  lines = ['{"task_id": 7}',  # Nothing but an id.
-           '{"task_id": 8, "reward": NaN, "turn_rewards": [0.5, null], "num_turns": null, '
-           '"messages": [{"role": "user"}], "info": {"score": Infinity}}']
+  lines = [
+      '{"task_id": 7}',  # Nothing but an id.
+      '{"task_id": 8, "reward": NaN, "turn_rewards": [0.5, null], "num_turns": null, '
+      '"messages": [{"role": "user"}], "info": {"score": Infinity}}'
+  ]
   (tmp_path / "trajectories" / "step_000003.jsonl").write_text("\n".join(lines) + "\n")
   run = viewer.load_run(tmp_path)
   bare, odd = run["trajectories"]
@@ -86,15 +90,18 @@ def test_sparse_records_from_other_writers_still_render(tmp_path):
 
 
 def test_charts_follow_metrics_and_evaluations_per_category(run_dir):
-  rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))
-          if line.endswith("\n")]
+  rows = [
+      json.loads(line)
+      for line in open(os.path.join(run_dir, "metrics.jsonl"))
+      if line.endswith("\n")
+  ]
   charts = {chart["title"]: chart for chart in viewer.load_run(run_dir)["charts"]}
   assert list(charts) == ["Success rate", "Reward", "Turns", "Horizon cap", "Evaluation success"]
   assert charts["Success rate"]["series"][0]["points"] == [[r["step"], r["success"]] for r in rows]
   assert charts["Horizon cap"]["step_function"]
   evaluation = charts["Evaluation success"]["series"]
-  assert [s["name"] for s in evaluation] == [
-      "eval/success", "eval/success/depth1", "eval/success/depth2"]
+  assert [s["name"] for s in evaluation
+         ] == ["eval/success", "eval/success/depth1", "eval/success/depth2"]
   assert [p[0] for p in evaluation[0]["points"]] == [1, 3, 5]  # Logged every other step.
 
 
@@ -129,15 +136,15 @@ def test_load_run_explains_what_is_wrong(tmp_path):
 def test_view_command_line(tmp_path, run_dir):
   out = tmp_path / "page" / "run.html"
   result = subprocess.run(
-      [sys.executable, "launch/view.py", f"--workdir={run_dir}", f"--out={out}",
-       "--max_steps=1"], cwd=os.path.join(os.path.dirname(__file__), ".."),
-      capture_output=True, text=True, check=True)
+      [sys.executable, "launch/view.py", f"--workdir={run_dir}", f"--out={out}", "--max_steps=1"],
+      cwd=os.path.join(os.path.dirname(__file__), ".."), capture_output=True, text=True, check=True)
   assert result.stdout.strip() == str(out)
   data = re.search(r'id="run-data">(.*?)</script>', out.read_text(encoding="utf-8"), re.DOTALL)
   assert {t["step"] for t in json.loads(data.group(1))["trajectories"]} == {5}
 
 
 # ---- In a browser ----
+
 
 @pytest.fixture(scope="module")
 def browser():
@@ -174,8 +181,8 @@ def _count(page) -> int:
 
 
 def _wait_for_count(page, expected: int) -> None:
-  page.wait_for_function(
-      f"document.getElementById('count').dataset.count === '{expected}'", timeout=5000)
+  page.wait_for_function(f"document.getElementById('count').dataset.count === '{expected}'",
+                         timeout=5000)
 
 
 def test_page_loads_offline_without_errors(page):
@@ -189,6 +196,7 @@ def test_page_loads_offline_without_errors(page):
 
 
 def test_filters_change_the_visible_count(page, records):
+
   def expect(**conditions) -> int:
     count = sum(all(check(r) for check in conditions.values()) for r in records)
     assert 0 < count < len(records)  # Otherwise the filter would prove nothing.
@@ -212,8 +220,7 @@ def test_filters_change_the_visible_count(page, records):
   assert _count(page) == expect(task=lambda r: r["task_id"] in (1003, 1005))
   page.click("#f-reset")
   page.fill("#f-search", "CAFÉ")  # Case-blind over every message.
-  _wait_for_count(page, expect(text=lambda r: any(
-      "café" in m["content"] for m in r["messages"])))
+  _wait_for_count(page, expect(text=lambda r: any("café" in m["content"] for m in r["messages"])))
   assert page.problems == []
 
 
@@ -256,8 +263,8 @@ def test_search_finds_a_message_and_its_conversation_opens(page, tmp_path):
 
 def test_conversation_shows_special_characters_literally(page, records, tmp_path):
   # The first trajectory whose first agent turn carries the special text, with an error.
-  wanted = next(r for r in records if r["sample"] == 0 and r["num_turns"] >= 2
-                and r["termination"] == "env_error")
+  wanted = next(r for r in records
+                if r["sample"] == 0 and r["num_turns"] >= 2 and r["termination"] == "env_error")
   page.select_option("#f-step", str(wanted["step"]))
   page.fill("#f-task", str(wanted["task_id"]))
   page.click("#rows tr:has(td:nth-child(3):text-is('0'))")

@@ -22,46 +22,49 @@ from environments.webarena import AgentGymWebArenaClient, WebArenaEnv
 from environments.webarena.actions import Action, ActionParseError
 import webarena_site
 
-HAS_BROWSER = (os.access(browser.DEFAULT_EXECUTABLE, os.X_OK)
-               and importlib.util.find_spec("playwright") is not None)
+HAS_BROWSER = (
+    os.access(browser.DEFAULT_EXECUTABLE, os.X_OK)
+    and importlib.util.find_spec("playwright") is not None)
 needs_browser = pytest.mark.skipif(
     not HAS_BROWSER, reason=f"needs Chromium at {browser.DEFAULT_EXECUTABLE} (apt-get install "
     "-y chromium) and the playwright package (pip install playwright)")
 PROFILE_PREFIX = "agentgym-webarena-chromium-"
 
-
 # The action grammar.
 
-@pytest.mark.parametrize("text, expected", [
-    ("click [12]", Action("click", element_id="12")),
-    ("CLICK[7]", Action("click", element_id="7")),
-    ("hover [3]", Action("hover", element_id="3")),
-    ("type [5] [hello world] [0]", Action("type", element_id="5", text="hello world")),
-    # Enter is pressed unless the flag says 0, as in WebArena.
-    ("type [5] [hello world]", Action("type", element_id="5", text="hello world",
-                                      press_enter=True)),
-    ("type [5] [x] [press_enter_after=0]", Action("type", element_id="5", text="x")),
-    # The content runs to the last bracket pair before the flag, as WebArena's greedy regex.
-    ("type [5] [a] [b] [1]", Action("type", element_id="5", text="a] [b", press_enter=True)),
-    ("type [5] [line one\nline two] [0]", Action("type", element_id="5",
-                                                 text="line one\nline two")),
-    ("press [ctrl+A]", Action("press", key_comb="Control+A")),
-    ("press [Meta+v]", Action("press", key_comb="Control+v")),
-    ("press [enter]", Action("press", key_comb="Enter")),
-    ("scroll [down]", Action("scroll", direction="down")),
-    ("scroll [direction=up]", Action("scroll", direction="up")),
-    ("scroll down", Action("scroll", direction="down")),
-    ("new_tab", Action("new_tab")),
-    ("tab_focus [2]", Action("tab_focus", tab_index=2)),
-    ("close_tab", Action("close_tab")),
-    ("go_back", Action("go_back")),
-    ("go_forward", Action("go_forward")),
-    ("goto [http://x.test/a?b=[1]]", Action("goto", url="http://x.test/a?b=[1]")),
-    ("stop [$279.49]", Action("stop", answer="$279.49")),
-    ("stop [N/A]", Action("stop", answer="N/A")),
-    ("stop []", Action("stop")),
-    ("stop", Action("stop")),
-])
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("click [12]", Action("click", element_id="12")),
+        ("CLICK[7]", Action("click", element_id="7")),
+        ("hover [3]", Action("hover", element_id="3")),
+        ("type [5] [hello world] [0]", Action("type", element_id="5", text="hello world")),
+        # Enter is pressed unless the flag says 0, as in WebArena.
+        ("type [5] [hello world]",
+         Action("type", element_id="5", text="hello world", press_enter=True)),
+        ("type [5] [x] [press_enter_after=0]", Action("type", element_id="5", text="x")),
+        # The content runs to the last bracket pair before the flag, as WebArena's greedy regex.
+        ("type [5] [a] [b] [1]", Action("type", element_id="5", text="a] [b", press_enter=True)),
+        ("type [5] [line one\nline two] [0]",
+         Action("type", element_id="5", text="line one\nline two")),
+        ("press [ctrl+A]", Action("press", key_comb="Control+A")),
+        ("press [Meta+v]", Action("press", key_comb="Control+v")),
+        ("press [enter]", Action("press", key_comb="Enter")),
+        ("scroll [down]", Action("scroll", direction="down")),
+        ("scroll [direction=up]", Action("scroll", direction="up")),
+        ("scroll down", Action("scroll", direction="down")),
+        ("new_tab", Action("new_tab")),
+        ("tab_focus [2]", Action("tab_focus", tab_index=2)),
+        ("close_tab", Action("close_tab")),
+        ("go_back", Action("go_back")),
+        ("go_forward", Action("go_forward")),
+        ("goto [http://x.test/a?b=[1]]", Action("goto", url="http://x.test/a?b=[1]")),
+        ("stop [$279.49]", Action("stop", answer="$279.49")),
+        ("stop [N/A]", Action("stop", answer="N/A")),
+        ("stop []", Action("stop")),
+        ("stop", Action("stop")),
+    ])
 def test_actions_parse_as_in_webarena(text, expected):
   assert actions.parse_action(text) == expected
 
@@ -88,13 +91,16 @@ def test_malformed_replies_say_what_is_wrong(reply, reason):
     actions.parse_reply(reply)
 
 
-_fragments = st.sampled_from(list(actions.KINDS) + ["", "[", "]", "```", " ", "\n", "[1]",
-                                                    "[press_enter_after=1]", "direction="])
+_fragments = st.sampled_from(
+    list(actions.KINDS) +
+    ["", "[", "]", "```", " ", "\n", "[1]", "[press_enter_after=1]", "direction="])
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.one_of(st.text(max_size=80),
-                 st.lists(st.one_of(_fragments, st.text(max_size=8)), max_size=8).map("".join)))
+@given(
+    st.one_of(
+        st.text(max_size=80),
+        st.lists(st.one_of(_fragments, st.text(max_size=8)), max_size=8).map("".join)))
 def test_any_reply_parses_or_raises_action_parse_error(reply):
   try:
     action = actions.parse_reply(reply)
@@ -106,8 +112,8 @@ def test_any_reply_parses_or_raises_action_parse_error(reply):
 
 _stripped = st.text(min_size=1, max_size=30).filter(lambda s: s.strip() == s)
 _actions = st.one_of(
-    st.builds(Action, st.sampled_from(["click", "hover"]),
-              element_id=st.integers(0, 10**9).map(str)),
+    st.builds(Action, st.sampled_from(["click", "hover"]), element_id=st.integers(0,
+                                                                                  10**9).map(str)),
     st.builds(Action, st.just("type"), element_id=st.integers(0, 10**9).map(str),
               text=st.text(min_size=1, max_size=30), press_enter=st.booleans()),
     st.builds(Action, st.just("scroll"), direction=st.sampled_from(["up", "down"])),
@@ -126,10 +132,24 @@ def test_actions_written_back_parse_to_themselves(action):
 
 # The accessibility tree.
 
+
 def _node(node_id, role, name, backend=None, children=(), properties=(), ignored=False):
-  node = {"nodeId": node_id, "ignored": ignored, "role": {"type": "role", "value": role},
-          "childIds": list(children),
-          "properties": [{"name": k, "value": {"type": "x", "value": v}} for k, v in properties]}
+  node = {
+      "nodeId": node_id,
+      "ignored": ignored,
+      "role": {
+          "type": "role",
+          "value": role
+      },
+      "childIds": list(children),
+      "properties": [{
+          "name": k,
+          "value": {
+              "type": "x",
+              "value": v
+          }
+      } for k, v in properties]
+  }
   if name is not None:
     node["name"] = {"type": "computedString", "value": name}
   if backend is not None:
@@ -159,20 +179,28 @@ _NODES = [
 
 def test_tree_renders_as_webarena_does():
   text, elements = accessibility.render(_NODES)
-  assert text == ("[1] RootWebArea 'Shop' focused: True\n"
-                  "\t[2] link 'Forums'\n"
-                  "\t[7] StaticText '$24.99'\n"
-                  "\t[4] textbox 'Search' required: False\n"
-                  "\t[8] button 'Go'\n"
-                  "\t[9] link \"Don't panic\"\n"  # names are Python reprs
-                  "\t[10] textbox 'Quantity per item'")
+  assert text == (
+      "[1] RootWebArea 'Shop' focused: True\n"
+      "\t[2] link 'Forums'\n"
+      "\t[7] StaticText '$24.99'\n"
+      "\t[4] textbox 'Search' required: False\n"
+      "\t[8] button 'Go'\n"
+      "\t[9] link \"Don't panic\"\n"  # names are Python reprs
+      "\t[10] textbox 'Quantity per item'")
   assert set(elements) == {"1", "2", "7", "4", "8", "9", "10"}
   assert elements["4"] == accessibility.Element(4, "textbox 'Search' required: False")
 
 
 def test_viewport_keeps_elements_mostly_inside_the_window():
-  bounds = {1: (0, 0, 1280, 720), 2: (8, 8, 50, 17), 3: (0, 30, 1280, 20), 7: (8, 30, 40, 17),
-            4: (8, 60, 100, 20), 8: (110, 700, 30, 40), 9: (8, 2000, 50, 17)}
+  bounds = {
+      1: (0, 0, 1280, 720),
+      2: (8, 8, 50, 17),
+      3: (0, 30, 1280, 20),
+      7: (8, 30, 40, 17),
+      4: (8, 60, 100, 20),
+      8: (110, 700, 30, 40),
+      9: (8, 2000, 50, 17)
+  }
   # Button 8 shows 20 of its 40 pixel rows: a fraction of 0.5 < 0.6. (WebArena's formula,
   # overlap * height / width = 600 * 40 / 30 = 800, would keep it.)
   assert accessibility.visible_fraction(bounds[8], (1280, 720)) == 0.5
@@ -185,16 +213,25 @@ def test_viewport_keeps_elements_mostly_inside_the_window():
 
 
 def test_layout_bounds_are_viewport_rectangles():
-  snapshot = {"documents": [{
-      "nodes": {"backendNodeId": [10, 11, 12]},
-      "layout": {"nodeIndex": [0, 2], "bounds": [[0, 0, 1280, 2000], [8, 900, 50, 17]]},
-      "scrollOffsetX": 0, "scrollOffsetY": 720}]}
+  snapshot = {
+      "documents": [{
+          "nodes": {
+              "backendNodeId": [10, 11, 12]
+          },
+          "layout": {
+              "nodeIndex": [0, 2],
+              "bounds": [[0, 0, 1280, 2000], [8, 900, 50, 17]]
+          },
+          "scrollOffsetX": 0,
+          "scrollOffsetY": 720
+      }]
+  }
   # Document y 900 less the 720 scrolled = viewport y 180; node 11 has no layout.
-  assert accessibility.layout_bounds(snapshot) == {10: (0, -720, 1280, 2000),
-                                                   12: (8, 180, 50, 17)}
+  assert accessibility.layout_bounds(snapshot) == {10: (0, -720, 1280, 2000), 12: (8, 180, 50, 17)}
 
 
 # The evaluators.
+
 
 def test_string_match_follows_webarena():
   match = evaluators.string_match
@@ -248,18 +285,37 @@ class _FakePage:
 
 def test_program_html_checks_the_located_contents():
   targets = [
-      {"url": "last", "locator": "document.title", "prep_actions": ["document.x = 1"],
-       "required_contents": {"exact_match": "Cart"}},
-      {"url": "http://h/post/2", "locator": "document.body.outerText",
-       "required_contents": {"must_include": ["count me in |OR| count me out", "A & B"]}},
+      {
+          "url": "last",
+          "locator": "document.title",
+          "prep_actions": ["document.x = 1"],
+          "required_contents": {
+              "exact_match": "Cart"
+          }
+      },
+      {
+          "url": "http://h/post/2",
+          "locator": "document.body.outerText",
+          "required_contents": {
+              "must_include": ["count me in |OR| count me out", "A & B"]
+          }
+      },
   ]
-  page = _FakePage("http://h/cart", {"document.x = 1": None, "document.title": "Cart",
-                                     "document.body.outerText": "Count me in! A &amp; B"})
+  page = _FakePage(
+      "http://h/cart", {
+          "document.x = 1": None,
+          "document.title": "Cart",
+          "document.body.outerText": "Count me in! A &amp; B"
+      })
   assert evaluators.program_html(targets, page) == (1.0, [])
   assert page.calls == [("evaluate", "document.x = 1"), ("evaluate", "document.title"),
                         ("goto", "http://h/post/2"), ("evaluate", "document.body.outerText")]
-  page = _FakePage("http://h/cart", {"document.x = 1": None, "document.title": TypeError("null"),
-                                     "document.body.outerText": "Count me in! A &amp; B"})
+  page = _FakePage(
+      "http://h/cart", {
+          "document.x = 1": None,
+          "document.title": TypeError("null"),
+          "document.body.outerText": "Count me in! A &amp; B"
+      })
   assert evaluators.program_html(targets, page)[0] == 0.0  # a throwing locator selects ""
   whole_page = [{"url": "last", "locator": "", "required_contents": {"must_include": ["<b>"]}}]
   assert evaluators.program_html(whole_page, _FakePage("http://h", {}, "<b>hi</b>"))[0] == 1.0
@@ -269,22 +325,38 @@ def test_program_html_helpers_of_webarena():
   assert evaluators.reddit_post_url("http://r/f/books/12/some-title/comment/3") == (
       "http://r/f/books/12/")
   assert evaluators.reddit_post_url("http://r/forums") == "http://r/forums"
-  target = {"url": "func:reddit_get_post_url('__last_url__')", "locator": "",
-            "required_contents": {"must_include": ["x"]}}
+  target = {
+      "url": "func:reddit_get_post_url('__last_url__')",
+      "locator": "",
+      "required_contents": {
+          "must_include": ["x"]
+      }
+  }
   page = _FakePage("http://r/f/books/12/title", {}, "x")
   assert evaluators.program_html([target], page) == (1.0, [])
   assert page.calls == [("goto", "http://r/f/books/12/")]
-  member = {"url": "last", "locator": "func:gitlab_get_project_memeber_role(__page__, 'koush')",
-            "required_contents": {"must_include": ["Developer"]}}
+  member = {
+      "url": "last",
+      "locator": "func:gitlab_get_project_memeber_role(__page__, 'koush')",
+      "required_contents": {
+          "must_include": ["Developer"]
+      }
+  }
   page = _FakePage("http://g/members", {})
   page.evaluate = lambda expression: "Developer" if '"@koush"' in expression else ""
   assert evaluators.program_html([member], page)[0] == 1.0
 
 
 def test_evaluation_multiplies_the_evaluators():
-  config = {"eval": {"eval_types": ["string_match", "url_match"],
-                     "reference_answers": {"must_include": ["2"]},
-                     "reference_url": "http://h/cart"}}
+  config = {
+      "eval": {
+          "eval_types": ["string_match", "url_match"],
+          "reference_answers": {
+              "must_include": ["2"]
+          },
+          "reference_url": "http://h/cart"
+      }
+  }
   passed = evaluators.evaluate(config, "2 kettles", _FakePage("http://h/cart", {}))
   assert (passed.score, passed.scores) == (1.0, {"string_match": 1.0, "url_match": 1.0})
   failed = evaluators.evaluate(config, "2 kettles", _FakePage("http://h/", {}))
@@ -292,6 +364,7 @@ def test_evaluation_multiplies_the_evaluators():
 
 
 # Task configs.
+
 
 def test_bundled_tasks_load_sorted_with_site_placeholders():
   loaded = tasks.load_tasks(webarena_site.CONFIG_DIR)
@@ -325,26 +398,42 @@ def test_configs_load_from_list_files_or_per_task_files(tmp_path):
 
 
 def test_tasks_needing_webarenas_site_credentials_are_skipped(tmp_path):
-  order = _config(1, eval_types=["program_html"], program_html=[
-      {"url": "func:shopping_get_latest_order_url()", "locator": "",
-       "required_contents": {"must_include": ["x"]}}])
+  order = _config(
+      1, eval_types=["program_html"], program_html=[{
+          "url": "func:shopping_get_latest_order_url()",
+          "locator": "",
+          "required_contents": {
+              "must_include": ["x"]
+          }
+      }])
   (tmp_path / "t.json").write_text(json.dumps([order, _config(2)]))
   assert list(tasks.load_tasks(tmp_path)) == [2]
 
 
 @pytest.mark.parametrize("config, message", [
     (_config(-1), "task_id must be a non-negative integer"),
-    ({**_config(1), "intent": ""}, "'intent' must be a non-empty string"),
+    ({
+        **_config(1), "intent": ""
+    }, "'intent' must be a non-empty string"),
     (_config(1, eval_types=["llm_judge"]), "unknown eval type"),
     (_config(1, reference_answers=None), "string_match needs"),
     (_config(1, reference_answers={"exact_match": ["x"]}), "malformed reference_answers"),
     (_config(1, eval_types=["url_match"]), "needs a non-empty eval.reference_url"),
-    (_config(1, eval_types=["program_html"], program_html=[
-        {"url": "last", "locator": "window.x", "required_contents": {"must_include": ["x"]}}]),
-     "unknown program_html locator"),
-    (_config(1, eval_types=["program_html"], program_html=[
-        {"url": "last", "locator": "", "required_contents": {"exact_match": 2}}]),
-     "required_contents must be"),
+    (_config(
+        1, eval_types=["program_html"], program_html=[{
+            "url": "last",
+            "locator": "window.x",
+            "required_contents": {
+                "must_include": ["x"]
+            }
+        }]), "unknown program_html locator"),
+    (_config(1, eval_types=["program_html"], program_html=[{
+        "url": "last",
+        "locator": "",
+        "required_contents": {
+            "exact_match": 2
+        }
+    }]), "required_contents must be"),
 ])
 def test_malformed_configs_are_rejected_with_the_reason(config, message):
   with pytest.raises(tasks.TaskConfigError, match=re.escape(message)):
@@ -375,8 +464,9 @@ def test_registry_builds_the_env_without_starting_a_browser():
 
 @pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="needs playwright")
 def test_a_missing_chromium_is_reported_at_reset():
-  env = WebArenaEnv(str(webarena_site.CONFIG_DIR), site_urls={"SHOPPING": "http://s"},
-                    executable="/nonexistent/chromium")
+  env = WebArenaEnv(
+      str(webarena_site.CONFIG_DIR), site_urls={"SHOPPING": "http://s"},
+      executable="/nonexistent/chromium")
   try:
     with pytest.raises(EnvError, match="Chromium is not installed at /nonexistent/chromium"):
       env.reset(0)
@@ -385,6 +475,7 @@ def test_a_missing_chromium_is_reported_at_reset():
 
 
 # The remote AgentGym WebArena client.
+
 
 class _AgentGymWebArenaServer(http.server.ThreadingHTTPServer):
   """AgentGym's WebArena server routes (env_idx), scripted; `faults` maps a route to the HTTP
@@ -401,6 +492,7 @@ class _AgentGymWebArenaServer(http.server.ThreadingHTTPServer):
 
 
 class _AgentGymHandler(http.server.BaseHTTPRequestHandler):
+
   def log_message(self, *args):
     pass
 
@@ -413,8 +505,9 @@ class _AgentGymHandler(http.server.BaseHTTPRequestHandler):
 
   def do_GET(self):
     self.server.requests.append(("GET", self.path, None))
-    self._answer(200, "OBSERVATION:\n[1] RootWebArea 'Forums'\nURL: http://r/\nOBJECTIVE: "
-                      "find it\nPREVIOUS ACTION: None")
+    self._answer(
+        200, "OBSERVATION:\n[1] RootWebArea 'Forums'\nURL: http://r/\nOBJECTIVE: "
+        "find it\nPREVIOUS ACTION: None")
 
   def do_POST(self):
     body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -432,8 +525,14 @@ class _AgentGymHandler(http.server.BaseHTTPRequestHandler):
       final = "stop" in body["action"]
       # As the real server: reward 1.0 whenever the browser ran the action, the evaluator's
       # score when the episode ends.
-      self._answer(200, {"observation": f"step {self.server.steps}", "reward": 1.0,
-                         "terminated": final, "truncated": False, "info": None})
+      self._answer(
+          200, {
+              "observation": f"step {self.server.steps}",
+              "reward": 1.0,
+              "terminated": final,
+              "truncated": False,
+              "info": None
+          })
     elif self.path == "/close":
       self._answer(200, "closed", text=True)
 
@@ -456,24 +555,38 @@ def test_remote_client_speaks_agentgyms_webarena_protocol(agentgym_server):
   middle = env.step("In summary, the next action I will perform is ```click [1]```")
   assert (middle.reward, middle.done, middle.info["success"]) == (0.0, False, False)
   last = env.step("```stop [done]```")
-  assert (last.observation, last.reward, last.done, last.info["success"]) == (
-      "step 2", 1.0, True, True)
+  assert (last.observation, last.reward, last.done, last.info["success"]) == ("step 2", 1.0, True,
+                                                                              True)
   env.close()
   env.close()
   assert agentgym_server.requests == [
       ("POST", "/create", {}),
-      ("POST", "/reset", {"env_idx": 3, "seed": 0, "idx": 3}),
+      ("POST", "/reset", {
+          "env_idx": 3,
+          "seed": 0,
+          "idx": 3
+      }),
       ("GET", "/observation?env_idx=3", None),
-      ("POST", "/step", {"env_idx": 3, "action": "In summary, the next action I will perform "
-                                                 "is ```click [1]```"}),
-      ("POST", "/step", {"env_idx": 3, "action": "```stop [done]```"}),
-      ("POST", "/close", {"env_idx": 3}),
+      ("POST", "/step", {
+          "env_idx": 3,
+          "action": "In summary, the next action I will perform "
+                    "is ```click [1]```"
+      }),
+      ("POST", "/step", {
+          "env_idx": 3,
+          "action": "```stop [done]```"
+      }),
+      ("POST", "/close", {
+          "env_idx": 3
+      }),
   ]
 
 
 def test_remote_client_retries_what_is_safe_to_retry(agentgym_server):
-  env = AgentGymWebArenaClient(agentgym_server.url, task_ids={"train": [1], "test": [2]},
-                               backoff_s=0.01)
+  env = AgentGymWebArenaClient(agentgym_server.url, task_ids={
+      "train": [1],
+      "test": [2]
+  }, backoff_s=0.01)
   agentgym_server.faults = {"/reset": [500, 503], "/step": [500]}
   assert env.reset(2).startswith("OBSERVATION:")  # /reset is repeated past both faults
   assert sum(path == "/reset" for _, path, _ in agentgym_server.requests) == 3
@@ -488,8 +601,10 @@ def test_remote_client_reports_an_unreachable_server():
   with socket.socket() as probe:  # a port nobody listens on
     probe.bind(("127.0.0.1", 0))
     port = probe.getsockname()[1]
-  env = AgentGymWebArenaClient(f"http://127.0.0.1:{port}", task_ids={"train": [], "test": []},
-                               retries=2, backoff_s=0.01)
+  env = AgentGymWebArenaClient(f"http://127.0.0.1:{port}", task_ids={
+      "train": [],
+      "test": []
+  }, retries=2, backoff_s=0.01)
   with pytest.raises(EnvError, match=r"POST /create failed after 3 attempt"):
     env.reset(0)
   with pytest.raises(ValueError, match="exactly one of config_dir"):
@@ -497,6 +612,7 @@ def test_remote_client_reports_an_unreachable_server():
 
 
 # Episodes in Chromium on the local sites.
+
 
 @pytest.fixture(scope="module")
 def sites():
@@ -514,10 +630,12 @@ def env(sites):
 def _act(env, observation, template):
   """Steps with `template`, its {role 'name'} parts replaced by the ids of the observation, in
   the env's action format."""
+
   def element_id(match):
     found = re.search(r"\[(\d+)\] " + re.escape(match.group(1)) + r"( |$)", observation, re.M)
     assert found, f"no {match.group(1)} in:\n{observation}"
     return found.group(1)
+
   action = re.sub(r"\{([^}]*)\}", element_id, template)
   return env.step(environments.base.reply_for(env, "Let's think step-by-step.", action))
 
@@ -536,10 +654,14 @@ ORACLES = {
     0: [f"click [{KETTLE}]", "stop [$24.99]"],
     1: [f"type [{SEARCH}] [mug] [1]", "stop [Ceramic Mug, Travel Mug]"],
     2: [f"click [{MEETUP}]", "stop []"],
-    3: [f"click [{MEETUP}]", f"type [{REPLY}] [Count me in!] [0]",
-        "click [{button 'Post reply'}]", "stop []"],
-    4: [f"click [{KETTLE}]", "type [{textbox 'Quantity'}] [2] [0]",
-        "click [{button 'Add to Cart'}]", "stop []"],
+    3: [
+        f"click [{MEETUP}]", f"type [{REPLY}] [Count me in!] [0]", "click [{button 'Post reply'}]",
+        "stop []"
+    ],
+    4: [
+        f"click [{KETTLE}]", "type [{textbox 'Quantity'}] [2] [0]",
+        "click [{button 'Add to Cart'}]", "stop []"
+    ],
     5: [f"type [{SEARCH}] [golden teapot] [1]", "stop [N/A]"],
 }
 WRONG = {
@@ -548,8 +670,10 @@ WRONG = {
     2: ["click [{link 'Best hiking trails near town'}]", "stop []"],
     # Runs after the oracle replied "Count me in!": each episode is a new visitor, so that
     # reply must not count here.
-    3: [f"click [{MEETUP}]", f"type [{REPLY}] [Maybe later] [0]",
-        "click [{button 'Post reply'}]", "stop []"],
+    3: [
+        f"click [{MEETUP}]", f"type [{REPLY}] [Maybe later] [0]", "click [{button 'Post reply'}]",
+        "stop []"
+    ],
     4: [f"click [{KETTLE}]", "click [{button 'Add to Cart'}]", "stop []"],  # adds one
     5: ["stop [$30.00]"],
 }
@@ -570,8 +694,8 @@ def test_oracle_solves_the_task(env, task_id):
 
 @needs_browser
 def test_oracle_solves_a_task_with_tool_calls(sites):
-  web = WebArenaEnv(str(webarena_site.CONFIG_DIR), site_urls=sites, num_test=2,
-                    action_format="tool_call")
+  web = WebArenaEnv(
+      str(webarena_site.CONFIG_DIR), site_urls=sites, num_test=2, action_format="tool_call")
   try:
     assert environments.base.TOOL_CALL_INSTRUCTION in web.instruction
     results = _run(web, 3, ORACLES[3])  # click, type [..] [Count me in!] [0], click, stop []
@@ -648,7 +772,8 @@ def test_hover_history_and_keys(env, sites):
   assert "(failed: goto opens only http and https URLs" in refused
   assert f"URL: {sites['REDDIT']}/post/2\n" in refused
   # Typing without Enter stays on the page; pressing Enter then submits the form.
-  typed = _act(env, _act(env, env.reset(0), f"click [{KETTLE}]").observation,
+  typed = _act(env,
+               _act(env, env.reset(0), f"click [{KETTLE}]").observation,
                "type [{textbox 'Quantity'}] [3] [0]").observation
   assert "/product/blue-kettle\n" in typed
   assert f"URL: {sites['SHOPPING']}/cart\n" in env.step("```press [Enter]```").observation
@@ -659,8 +784,10 @@ def test_invalid_replies_get_an_error_observation(env):
   observation = env.reset(2)
   assert env.step("I would click the meetup post.") == environments.StepResult(
       "Invalid action: no action found between triple backticks. "
-      f"{actions.FORMAT_HINT}", 0.0, False,
-      {"success": False, "invalid_action": "no action found between triple backticks"})
+      f"{actions.FORMAT_HINT}", 0.0, False, {
+          "success": False,
+          "invalid_action": "no action found between triple backticks"
+      })
   assert env.step("```click [999999]```").observation.endswith(
       "PREVIOUS ACTION: click [999999] (failed: there is no element [999999] in the current "
       "observation)")
@@ -670,12 +797,12 @@ def test_invalid_replies_get_an_error_observation(env):
 _replies = st.one_of(
     st.text(max_size=40),
     st.builds("```{}```".format, st.text(max_size=30)),
-    st.builds("```{} [{}]```".format, st.sampled_from(
-        ["click", "hover", "type", "press", "scroll", "tab_focus", "goto", "stop"]),
-              st.text(max_size=12)),
+    st.builds(
+        "```{} [{}]```".format,
+        st.sampled_from(["click", "hover", "type", "press", "scroll", "tab_focus", "goto", "stop"]),
+        st.text(max_size=12)),
     st.builds("```click [{}]```".format, st.integers(0, 10**6)),
 )
-
 
 _fuzzing = {"in_episode": False}
 
@@ -720,8 +847,11 @@ def _chromium_profiles():
 @needs_browser
 def test_pool_episode_in_full_page_mode_and_close_leaves_no_chromium(sites):
   before = _chromium_profiles()
-  options = {"config_dir": str(webarena_site.CONFIG_DIR), "site_urls": sites,
-             "viewport_only": False}
+  options = {
+      "config_dir": str(webarena_site.CONFIG_DIR),
+      "site_urls": sites,
+      "viewport_only": False
+  }
   environments.register("webarena", "environments.webarena:WebArenaEnv")
   with EnvPool("webarena", num_slots=1, options=options) as pool:
     [first] = pool.reset([(0, 0)])

@@ -93,29 +93,33 @@ LLAMA31_TEMPLATE = r"""
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}
 """
-LLAMA31_LIKE_TEMPLATE = LLAMA31_TEMPLATE.replace(
-    "DATE", "{%- set date_string = '26 Jul 2024' %}")
+LLAMA31_LIKE_TEMPLATE = LLAMA31_TEMPLATE.replace("DATE", "{%- set date_string = '26 Jul 2024' %}")
 LLAMA32_LIKE_TEMPLATE = LLAMA31_TEMPLATE.replace(
     "DATE", "{%- set date_string = strftime_now('%d %b %Y') %}")
-LLAMA31_LIKE_TEMPLATE = LLAMA31_TEMPLATE.replace(
-    "DATE", "{%- set date_string = '26 Jul 2024' %}")
+LLAMA31_LIKE_TEMPLATE = LLAMA31_TEMPLATE.replace("DATE", "{%- set date_string = '26 Jul 2024' %}")
 LLAMA32_LIKE_TEMPLATE = LLAMA31_TEMPLATE.replace(
     "DATE", "{%- set date_string = strftime_now('%d %b %Y') %}")
 
-LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-                  "[UNK]"]
+LLAMA3_SPECIAL = [
+    "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "[UNK]"
+]
 # Per chat family: (the vocabulary's leading tokens, how many of them are special, added
 # tokens that are not special, tokenizer_config.json's special tokens, the template, the
 # model_type).
 CHATS = {
-    "chatml": (SPECIAL, 2, [], {"eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}, CHATML,
-               "llama"),
-    "qwen3": (SPECIAL, 2, ["<think>", "</think>"],
-              {"eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}, QWEN3_LIKE_TEMPLATE,
-              "qwen3"),
-    "llama3": (LLAMA3_SPECIAL, 4, [],
-               {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
-                "pad_token": "<|eot_id|>"}, LLAMA32_LIKE_TEMPLATE, "llama"),
+    "chatml": (SPECIAL, 2, [], {
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|im_end|>"
+    }, CHATML, "llama"),
+    "qwen3": (SPECIAL, 2, ["<think>", "</think>"], {
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|im_end|>"
+    }, QWEN3_LIKE_TEMPLATE, "qwen3"),
+    "llama3": (LLAMA3_SPECIAL, 4, [], {
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "pad_token": "<|eot_id|>"
+    }, LLAMA32_LIKE_TEMPLATE, "llama"),
 }
 
 
@@ -125,15 +129,17 @@ def write_tokenizer(directory: pathlib.Path, chat: str = "chatml") -> int:
   leading, num_special, added, config, template, _ = CHATS[chat]
   vocab = {token: i for i, token in enumerate(leading + WORDS + added)}
   backend = tokenizers.Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-  backend.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r"\s|\w+|[^\w\s]"),
-                                               behavior="isolated")
+  backend.pre_tokenizer = pre_tokenizers.Split(
+      tokenizers.Regex(r"\s|\w+|[^\w\s]"), behavior="isolated")
   backend.decoder = decoders.Fuse()
   backend.add_special_tokens(leading[:num_special])
-  backend.add_tokens([tokenizers.AddedToken(token, special=False, normalized=False)
-                      for token in added])
+  backend.add_tokens(
+      [tokenizers.AddedToken(token, special=False, normalized=False) for token in added])
   backend.save(str(directory / "tokenizer.json"))
-  (directory / "tokenizer_config.json").write_text(json.dumps({**config,
-                                                               "chat_template": template}))
+  (directory / "tokenizer_config.json").write_text(
+      json.dumps({
+          **config, "chat_template": template
+      }))
   return len(vocab)
 
 
@@ -144,10 +150,9 @@ def make_checkpoint(directory: str | pathlib.Path, *, seed: int = 0, hidden_size
   directory.mkdir(parents=True, exist_ok=True)
   vocab_size = write_tokenizer(directory, chat)
   eos = CHATS[chat][3]["eos_token"]
-  config = ModelConfig(model_type=CHATS[chat][5], vocab_size=vocab_size,
-                       hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                       num_layers=num_layers, num_heads=4, num_kv_heads=2,
-                       head_dim=hidden_size // 4, tie_word_embeddings=True,
+  config = ModelConfig(model_type=CHATS[chat][5], vocab_size=vocab_size, hidden_size=hidden_size,
+                       intermediate_size=2 * hidden_size, num_layers=num_layers, num_heads=4,
+                       num_kv_heads=2, head_dim=hidden_size // 4, tie_word_embeddings=True,
                        qk_norm=chat == "qwen3", max_position_embeddings=4096,
                        eos_token_id=CHATS[chat][0].index(eos))
   model = Decoder(config, rngs=nnx.Rngs(seed))

@@ -88,8 +88,7 @@ class ToyEnv:
     guess, target = int(number), secret(self._task_id)
     if guess == target:
       self._done = True
-      return StepResult(f"Guess {self._guesses}: {guess} is correct.", 1.0, True,
-                        {"success": True})
+      return StepResult(f"Guess {self._guesses}: {guess} is correct.", 1.0, True, {"success": True})
     hint = "too low" if guess < target else "too high"
     observation = f"Guess {self._guesses}: {guess} is {hint}."
     if self._guesses == self.max_guesses:

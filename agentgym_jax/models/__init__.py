@@ -108,8 +108,8 @@ def hub_snapshot(repo_id: str) -> pathlib.Path:
   try:
     return pathlib.Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=_HUB_FILES))
   except (errors.LocalEntryNotFoundError, errors.HfHubHTTPError) as error:
-    reason = ("offline (HF_HUB_OFFLINE=1)" if huggingface_hub.is_offline_mode()
-              else str(error).strip().splitlines()[0])
+    reason = ("offline (HF_HUB_OFFLINE=1)"
+              if huggingface_hub.is_offline_mode() else str(error).strip().splitlines()[0])
     raise weights.WeightsNotFoundError(
         f"{repo_id!r} is no directory with a config.json, and as a Hugging Face Hub id it is "
         f"not in the Hub cache {constants.HF_HUB_CACHE} and was not downloaded ({reason}); "
@@ -139,5 +139,7 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: Any = jnp.float32,
   return weights.load_params(model, source, mesh), tokenizer
 
 
-__all__ = ["MODELS", "Decoder", "KVCache", "ModelConfig", "hub_snapshot", "load_model",
-           "models_dir", "resolve"]
+__all__ = [
+    "MODELS", "Decoder", "KVCache", "ModelConfig", "hub_snapshot", "load_model", "models_dir",
+    "resolve"
+]

@@ -68,13 +68,13 @@ def causal_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, *,
   if implementation == "dense":
     length = q.shape[1]
     causal = jnp.tril(jnp.ones((length, length), bool))[None]
-    mask = causal if segment_ids is None else (
-        causal & (segment_ids[:, :, None] == segment_ids[:, None, :]))
+    mask = causal if segment_ids is None else (causal &
+                                               (segment_ids[:, :, None] == segment_ids[:, None, :]))
     mask = jnp.broadcast_to(mask, (q.shape[0], length, length))
     return dense_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask, dtype)
   if implementation == "flash":
-    return flash_attention(q, k, v, segment_ids, dtype=dtype,
-                           block=block or flash_block(q.shape[1]))
+    return flash_attention(q, k, v, segment_ids, dtype=dtype, block=block
+                           or flash_block(q.shape[1]))
   return splash_attention(q, k, v, segment_ids, dtype=dtype)
 
 
@@ -99,8 +99,7 @@ def dense_attention(q: Array, k: Array, v: Array, mask: Array, dtype: Any) -> Ar
 
 def dot(spec: str, x: Array, w: Array, dtype: Any) -> Array:
   """einsum with inputs cast to `dtype` and f32 accumulation."""
-  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
-                    preferred_element_type=jnp.float32)
+  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -169,8 +168,7 @@ def _unblock_kv(x: Array, length: int) -> Array:
   return x.transpose(1, 0, 3, 2, 4).reshape(batch, n * block, kv_heads, head_dim)[:, :length]
 
 
-def _diagonal_scores(q: Array, k: Array, segment_ids: Array | None, d: int, dtype: Any
-                     ) -> Array:
+def _diagonal_scores(q: Array, k: Array, segment_ids: Array | None, d: int, dtype: Any) -> Array:
   """Masked scores [n - d, B, K, G, block, block] of query blocks d.. against key blocks ..n-d
   (block diagonal d)."""
   n, block, head_dim = q.shape[0], q.shape[4], q.shape[5]
@@ -179,8 +177,7 @@ def _diagonal_scores(q: Array, k: Array, segment_ids: Array | None, d: int, dtyp
   if d == 0:  # Only the diagonal tiles cut through the causal boundary.
     visible = jnp.tril(jnp.ones((block, block), bool))
   if segment_ids is not None:
-    same = (segment_ids[d:, :, None, None, :, None]
-            == segment_ids[:n - d, :, None, None, None, :])
+    same = (segment_ids[d:, :, None, None, :, None] == segment_ids[:n - d, :, None, None, None, :])
     visible = same if visible is None else same & visible
   return scores if visible is None else jnp.where(visible, scores, MASK_VALUE)
 
@@ -190,8 +187,7 @@ def _pv(p: Array, v: Array, dtype: Any) -> Array:
   return dot("nbkgqs,nbksd->nbkgqd", p, v, dtype)
 
 
-def _flash_forward(q: Array, k: Array, v: Array, segment_ids: Array | None, dtype: Any,
-                   block: int):
+def _flash_forward(q: Array, k: Array, v: Array, segment_ids: Array | None, dtype: Any, block: int):
   """(out [B, T, H, D], residuals) of `flash_attention`."""
   length, kv_heads = q.shape[1], k.shape[2]
   qb, kb, vb = _block_q(q, kv_heads, block), _block_kv(k, block), _block_kv(v, block)
@@ -253,7 +249,6 @@ def _flash(q: Array, k: Array, v: Array, segment_ids: Array | None, dtype: Any,
 
 _flash.defvjp(_flash_forward, _flash_backward)
 
-
 # --- splash: the Pallas TPU kernel
 
 
@@ -273,16 +268,15 @@ def splash_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, *,
   run = functools.partial(_splash_rows, dtype=jnp.dtype(dtype), interpret=interpret)
   if mesh.empty:
     return run(q, k, v, segment_ids)
-  q_spec = sharding.logical_to_spec(("batch", "seq", "activation_heads", "head_dim"), q.shape,
-                                    mesh)
-  kv_spec = sharding.logical_to_spec(("batch", "seq", "activation_kv_heads", "head_dim"),
-                                     k.shape, mesh)
+  q_spec = sharding.logical_to_spec(("batch", "seq", "activation_heads", "head_dim"), q.shape, mesh)
+  kv_spec = sharding.logical_to_spec(("batch", "seq", "activation_kv_heads", "head_dim"), k.shape,
+                                     mesh)
   if q_spec[2] != kv_spec[2]:  # Heads and kv heads must split alike, or not at all.
     q_spec = jax.sharding.PartitionSpec(*q_spec[:2], None, None)
     kv_spec = jax.sharding.PartitionSpec(*kv_spec[:2], None, None)
   rows = jax.sharding.PartitionSpec(q_spec[0], None)
-  mapped = jax.shard_map(run, in_specs=(q_spec, kv_spec, kv_spec,
-                                        None if segment_ids is None else rows),
+  mapped = jax.shard_map(run,
+                         in_specs=(q_spec, kv_spec, kv_spec, None if segment_ids is None else rows),
                          out_specs=q_spec, check_vma=False)
   return mapped(q, k, v, segment_ids)
 
@@ -299,16 +293,16 @@ def _splash_rows(q: Array, k: Array, v: Array, segment_ids: Array | None, *, dty
   pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
   heads_first = lambda x: pad(x).astype(dtype).transpose(0, 2, 1, 3)
   q, k, v = heads_first(q / math.sqrt(head_dim)), heads_first(k), heads_first(v)
-  sizes = kernel_lib.BlockSizes(
-      block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-      block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+  sizes = kernel_lib.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                                block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                                block_q_dq=block, block_kv_dq=block)
   kernel = kernel_lib.make_splash_mha(
-      mask_lib.MultiHeadMask([mask_lib.CausalMask((padded, padded))] * heads),
-      block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+      mask_lib.MultiHeadMask([mask_lib.CausalMask((padded, padded))] * heads), block_sizes=sizes,
+      head_shards=1, q_seq_shards=1, interpret=interpret)
   if segment_ids is None:
     out = jax.vmap(kernel)(q, k, v)
   else:
     ids = pad(segment_ids)
-    out = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, kernel_lib.SegmentIds(ids, ids)))(
-        q, k, v, ids)
+    out = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, kernel_lib.SegmentIds(ids, ids)))(q, k, v,
+                                                                                          ids)
   return out.transpose(0, 2, 1, 3)[:, :length].astype(jnp.float32)

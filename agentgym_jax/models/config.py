@@ -41,9 +41,8 @@ class ModelConfig:
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED_MODEL_TYPES:
-      raise ValueError(
-          f"model_type {self.model_type!r} is not supported; expected one of "
-          f"{SUPPORTED_MODEL_TYPES}")
+      raise ValueError(f"model_type {self.model_type!r} is not supported; expected one of "
+                       f"{SUPPORTED_MODEL_TYPES}")
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                  "num_kv_heads", "head_dim"):
       if getattr(self, name) <= 0:
@@ -102,10 +101,9 @@ class ModelConfig:
         intermediate_size=hf["intermediate_size"],
         num_layers=hf["num_hidden_layers"],
         num_heads=num_heads,
-        num_kv_heads=(num_heads if hf.get("num_key_value_heads") is None
-                      else hf["num_key_value_heads"]),
-        head_dim=(hf["hidden_size"] // num_heads if hf.get("head_dim") is None
-                  else hf["head_dim"]),
+        num_kv_heads=(num_heads
+                      if hf.get("num_key_value_heads") is None else hf["num_key_value_heads"]),
+        head_dim=(hf["hidden_size"] // num_heads if hf.get("head_dim") is None else hf["head_dim"]),
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -124,8 +122,11 @@ class ModelConfig:
 
   def to_hf(self) -> dict[str, Any]:
     """The config.json dict that transformers loads back into the same architecture."""
-    architecture = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "llama": "LlamaForCausalLM"}[self.model_type]
+    architecture = {
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "llama": "LlamaForCausalLM"
+    }[self.model_type]
     hf: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": self.model_type,
@@ -143,8 +144,9 @@ class ModelConfig:
         "tie_word_embeddings": self.tie_word_embeddings,
         "max_position_embeddings": self.max_position_embeddings,
         "bos_token_id": self.bos_token_id,
-        "eos_token_id": (list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
-                         else self.eos_token_id),
+        "eos_token_id":
+            (list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+            ),
         "torch_dtype": "float32",
     }
     if self.model_type == "llama":

@@ -69,8 +69,9 @@ class KVCache:
     dtype = jnp.dtype(dtype)
     shape = (config.num_layers, batch, config.num_kv_heads, slots, config.head_dim)
     bits = _bits_dtype(dtype)
-    return cls(k=jnp.zeros(shape, bits), v=jnp.zeros(shape, bits),
-               lengths=jnp.zeros((batch,), jnp.int32), dtype=dtype)
+    return cls(
+        k=jnp.zeros(shape, bits), v=jnp.zeros(shape, bits), lengths=jnp.zeros((batch,), jnp.int32),
+        dtype=dtype)
 
   @property
   def slots(self) -> int:
@@ -119,7 +120,7 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
 def rope_frequencies(config: ModelConfig) -> Array:
   """Inverse frequencies [head_dim // 2] of rotary embeddings, with the configured scaling."""
   d = config.head_dim
-  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  inv_freq = 1.0 / (config.rope_theta**(jnp.arange(0, d, 2, dtype=jnp.float32) / d))
   scaling = dict(config.rope_scaling or ())
   if config.rope_type == "linear":
     inv_freq = inv_freq / scaling["factor"]
@@ -210,8 +211,8 @@ class Decoder(nnx.Module):
     return self.logits(hidden)
 
   def hidden_states(self, input_ids: Array, positions: Array | None = None,
-                    attention_mask: Array | None = None, cache: KVCache | None = None,
-                    *, cache_window: int | None = None) -> tuple[Array, KVCache | None]:
+                    attention_mask: Array | None = None, cache: KVCache | None = None, *,
+                    cache_window: int | None = None) -> tuple[Array, KVCache | None]:
     """Final-normed hidden states [B, T, E] (f32) and the updated cache.
 
     Without a cache a token attends to the earlier tokens of its row that attention_mask keeps
@@ -253,9 +254,11 @@ class Decoder(nnx.Module):
       block = jax.checkpoint(block, policy=policy)
 
     if cache is None:
+
       def body(x, params):
         x, _ = block(x, params, None)
         return x, None
+
       x, _ = jax.lax.scan(body, x, layer_params)
       new_cache = None
     else:
@@ -275,6 +278,7 @@ class Decoder(nnx.Module):
         params = jax.tree.map(jax.lax.bitcast_convert_type, param_bits, dtypes)
         x, (k_bits, v_bits) = block(x, params, (index, window, k_bits, v_bits, cache.dtype))
         return (x, k_bits, v_bits), None
+
       xs = (jax.tree.map(as_bits, layer_params), jnp.arange(config.num_layers))
       (x, k_bits, v_bits), _ = jax.lax.scan(body, (x, cache.k, cache.v), xs)
       added = length if attention_mask is None else attention_mask.sum(-1).astype(jnp.int32)
@@ -327,8 +331,7 @@ class Decoder(nnx.Module):
       write = lambda bits, new: bits.at[layer, rows, :, slots].set(
           jax.lax.bitcast_convert_type(new.astype(cache_dtype), bits.dtype), mode="drop")
       read = lambda bits: jax.lax.bitcast_convert_type(
-          jax.lax.dynamic_index_in_dim(bits, layer, 0, keepdims=False)[:, :, :window],
-          cache_dtype)
+          jax.lax.dynamic_index_in_dim(bits, layer, 0, keepdims=False)[:, :, :window], cache_dtype)
       k_bits, v_bits = write(k_bits, k), write(v_bits, v)
       caches = (k_bits, v_bits)
       attended = attention_lib.dense_attention(q, read(k_bits), read(v_bits), mask, dtype)
@@ -344,4 +347,3 @@ class Decoder(nnx.Module):
     x = x + dot("btf,fe->bte", hidden, p.down_proj.value, dtype)
     x = sharding.constrain(x, ("batch", "seq", "activation_embed"))
     return x, caches
-

@@ -78,9 +78,7 @@ def read_gguf_metadata(path: str | pathlib.Path) -> dict[str, Any]:
   return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def read_gguf(
-    path: str | pathlib.Path,
-) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def read_gguf(path: str | pathlib.Path,) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   """Reads a Llama-architecture GGUF file as a Hugging Face checkpoint.
 
   Args:
@@ -142,9 +140,8 @@ def _unpermute_rope_rows(
   adjacent); Hugging Face orders them `(j, i)` (halves). Swapping those two axes undoes it.
   """
   out_features, in_features = weight.shape
-  return (weight.reshape(n_heads, out_features // n_heads // 2, 2, in_features)
-          .swapaxes(1, 2)
-          .reshape(out_features, in_features))
+  return (weight.reshape(n_heads, out_features // n_heads // 2, 2,
+                         in_features).swapaxes(1, 2).reshape(out_features, in_features))
 
 
 def _hf_tensor_name(gguf_name: str, path: str | pathlib.Path) -> str:
@@ -160,7 +157,9 @@ def _hf_tensor_name(gguf_name: str, path: str | pathlib.Path) -> str:
 
 
 def _hf_config(
-    metadata: dict[str, Any], tensor_names: list[str], path: str | pathlib.Path,
+    metadata: dict[str, Any],
+    tensor_names: list[str],
+    path: str | pathlib.Path,
 ) -> dict[str, Any]:
   """The Hugging Face Llama `config.json` fields that the `llama.*` metadata states."""
   architecture = metadata.get("general.architecture")

@@ -81,11 +81,13 @@ _GGUF_USER_DEFINED = 4
 # Pre-tokenizers for the `tokenizer.ggml.pre` names whose split llama.cpp defines as GPT-2's
 # byte-level regex. "smollm" first isolates every digit (llama.cpp: `\p{N}`, then the GPT-2 regex).
 _GGUF_PRE_TOKENIZERS = {
-    "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    "smollm": lambda: pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ]),
+    "gpt2":
+        lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    "smollm":
+        lambda: pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]),
 }
 
 
@@ -146,23 +148,27 @@ class Tokenizer:
 
     tokens = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
-    backend = tokenizers.Tokenizer(models.BPE(
-        vocab={token: index for index, token in enumerate(tokens)}, merges=merges))
+    backend = tokenizers.Tokenizer(
+        models.BPE(vocab={
+            token: index for index, token in enumerate(tokens)
+        }, merges=merges))
     backend.pre_tokenizer = _GGUF_PRE_TOKENIZERS[pre_name]()
     backend.decoder = decoders.ByteLevel()
     token_types = metadata.get("tokenizer.ggml.token_type", [])
     backend.add_special_tokens([
         tokenizers.AddedToken(token, special=True, normalized=False)
-        for token, token_type in zip(tokens, token_types) if token_type == _GGUF_CONTROL])
+        for token, token_type in zip(tokens, token_types)
+        if token_type == _GGUF_CONTROL
+    ])
     backend.add_tokens([
         tokenizers.AddedToken(token, special=False, normalized=False)
-        for token, token_type in zip(tokens, token_types) if token_type == _GGUF_USER_DEFINED])
-    return cls(
-        backend,
-        bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
-        eos_id=metadata.get("tokenizer.ggml.eos_token_id"),
-        pad_id=metadata.get("tokenizer.ggml.padding_token_id"),
-        chat_template_source=metadata.get("tokenizer.chat_template"))
+        for token, token_type in zip(tokens, token_types)
+        if token_type == _GGUF_USER_DEFINED
+    ])
+    return cls(backend, bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
+               eos_id=metadata.get("tokenizer.ggml.eos_token_id"),
+               pad_id=metadata.get("tokenizer.ggml.padding_token_id"),
+               chat_template_source=metadata.get("tokenizer.chat_template"))
 
   @classmethod
   def from_pretrained(cls, directory: str | pathlib.Path) -> Tokenizer:
@@ -195,12 +201,8 @@ class Tokenizer:
       chat_template_source = template_file.read_text()
     else:
       chat_template_source = _default_template(config.get("chat_template"), config_file)
-    return cls(
-        backend,
-        bos_id=special_id("bos_token"),
-        eos_id=special_id("eos_token"),
-        pad_id=special_id("pad_token"),
-        chat_template_source=chat_template_source)
+    return cls(backend, bos_id=special_id("bos_token"), eos_id=special_id("eos_token"),
+               pad_id=special_id("pad_token"), chat_template_source=chat_template_source)
 
   @property
   def vocab_size(self) -> int:
@@ -251,8 +253,8 @@ class Tokenizer:
     directory.mkdir(parents=True, exist_ok=True)
     self._backend.save(str(directory / "tokenizer.json"))
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
-    for name, token_id in (("bos_token", self.bos_id), ("eos_token", self.eos_id),
-                           ("pad_token", self.pad_id)):
+    for name, token_id in (("bos_token", self.bos_id), ("eos_token", self.eos_id), ("pad_token",
+                                                                                    self.pad_id)):
       if token_id is not None:
         config[name] = self.id_to_token(token_id)
     if self.chat_template_source is not None:
@@ -273,8 +275,8 @@ class Tokenizer:
     if self.chat_template_source is None:
       raise ValueError("This tokenizer has no chat template (a base model?).")
     if thinking not in self._chat_templates:
-      self._chat_templates[thinking] = ChatTemplate.from_jinja(
-          self, self.chat_template_source, thinking=thinking)
+      self._chat_templates[thinking] = ChatTemplate.from_jinja(self, self.chat_template_source,
+                                                               thinking=thinking)
     return self._chat_templates[thinking]
 
 
@@ -362,8 +364,8 @@ class ChatTemplate:
     """
     try:
       self.header_open_id = tokenizer.token_to_id(layout.header_open)
-      self.header_close_id = (None if layout.header_close is None
-                              else tokenizer.token_to_id(layout.header_close))
+      self.header_close_id = (None if layout.header_close is None else tokenizer.token_to_id(
+          layout.header_close))
       self.reply_end_id = tokenizer.token_to_id(layout.turn_end)
     except KeyError as error:
       raise ValueError(f"Not a {layout.name} vocabulary: {error}") from error
@@ -378,14 +380,15 @@ class ChatTemplate:
     self.source = source
     # The model may also end a turn with its EOS token or the layout's other ends; the sampler
     # stops on any of them.
-    ends = [self.reply_end_id, tokenizer.eos_id, *(
-        tokenizer.token_to_id(token) for token in layout.also_ends if tokenizer.has_token(token))]
+    ends = [
+        self.reply_end_id, tokenizer.eos_id,
+        *(tokenizer.token_to_id(token) for token in layout.also_ends if tokenizer.has_token(token))
+    ]
     self.turn_end_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in ends if i is not None))
     self.generation_prompt_ids: list[int] = self._ids(self._generation_prompt())
 
   @classmethod
-  def from_jinja(cls, tokenizer: Tokenizer, source: str, *, thinking: bool = True
-                 ) -> ChatTemplate:
+  def from_jinja(cls, tokenizer: Tokenizer, source: str, *, thinking: bool = True) -> ChatTemplate:
     """The layout of a model's Jinja chat template.
 
     The layout is the one whose turn header the template writes first (after the BOS token, if
@@ -426,8 +429,10 @@ class ChatTemplate:
       return parsed
 
     lone = turns([_user("Probe question?")], "a lone user message")
-    given = turns([{"role": "system", "content": "Probe system."}, _user("Probe question?")],
-                  "a system and a user message")
+    given = turns([{
+        "role": "system",
+        "content": "Probe system."
+    }, _user("Probe question?")], "a system and a user message")
     system = given[0][1] if len(given) == 2 else ""
     if not system.endswith("Probe system."):
       raise ValueError(f"The model's chat template drops or rewrites the system message: it "
@@ -441,8 +446,13 @@ class ChatTemplate:
                    default_system=None if default is None else default[len(preamble):])
     template = cls(tokenizer, layout, **options)
 
-    exchange = [_user("First question?"), {"role": "assistant", "content": "First answer."},
-                _user("Second question?")]
+    exchange = [
+        _user("First question?"), {
+            "role": "assistant",
+            "content": "First answer."
+        },
+        _user("Second question?")
+    ]
     for messages in (exchange, [{"role": "system", "content": "Probe system."}, *exchange]):
       for add_generation_prompt in (True, False):
         expected = template.render_text(messages, add_generation_prompt)
@@ -497,8 +507,8 @@ class ChatTemplate:
     environment's observation as "user"), and the prompt for the next assistant turn. A turn
     that stopped any other way (EOS, length limit) is closed first (`closing_ids`).
     """
-    return self._ids([self.layout.after_turn, *self._message(role, content),
-                      *self._generation_prompt()])
+    return self._ids(
+        [self.layout.after_turn, *self._message(role, content), *self._generation_prompt()])
 
   def parse_text(self, text: str) -> list[tuple[str, str]] | None:
     """The (role, content) turns of text written in this layout (without the BOS), or None
@@ -538,9 +548,8 @@ class ChatTemplate:
       raise ValueError(f"A conversation is a non-empty list of messages, got {messages!r}.")
     for index, message in enumerate(messages):
       if not isinstance(message, Mapping) or set(message) != {"role", "content"}:
-        raise ValueError(
-            f"Message {index} must be a mapping with exactly 'role' and 'content', "
-            f"got {message!r}.")
+        raise ValueError(f"Message {index} must be a mapping with exactly 'role' and 'content', "
+                         f"got {message!r}.")
     pieces, rest = list(self.begin_ids), list(messages)
     if tools:
       opening, rest = _split_opening(rest)
@@ -555,8 +564,8 @@ class ChatTemplate:
       pieces += self._generation_prompt()
     return pieces
 
-  def _opening_with_tools(self, opening: list[Message], tools: Sequence[Mapping[str, Any]]
-                          ) -> list[Piece]:
+  def _opening_with_tools(self, opening: list[Message],
+                          tools: Sequence[Mapping[str, Any]]) -> list[Piece]:
     """The system message (if any) and first user message with `tools`, as the template
     writes them: the template is rendered with placeholder contents to find the turns and
     where each message's content goes, then checked with the real contents."""
@@ -564,8 +573,10 @@ class ChatTemplate:
     if self.source is None:
       raise ValueError("This chat template was not read from a Jinja template; it cannot "
                        "render tools.")
-    probe = [{"role": message["role"], "content": f"{_PLACEHOLDER}{index}"}
-             for index, message in enumerate(opening)]
+    probe = [{
+        "role": message["role"],
+        "content": f"{_PLACEHOLDER}{index}"
+    } for index, message in enumerate(opening)]
     text = _render_jinja(self.source, self.tokenizer, probe, False, tools=tools)
     if text == _render_jinja(self.source, self.tokenizer, probe, False):
       return self._opening_with_tools_text(opening, tools)
@@ -574,8 +585,10 @@ class ChatTemplate:
     if turns is None:
       raise ValueError(f"The model's chat template does not render tools in the "
                        f"{self.layout.name} layout: {text!r}.")
-    contents = {f"{_PLACEHOLDER}{index}": self._content(message["content"])
-                for index, message in enumerate(opening)}
+    contents = {
+        f"{_PLACEHOLDER}{index}": self._content(message["content"])
+        for index, message in enumerate(opening)
+    }
     pieces = []
     for role, content in turns:
       parts = re.split(f"({re.escape(_PLACEHOLDER)}[0-9]+)", content)
@@ -602,8 +615,10 @@ class ChatTemplate:
     if not isinstance(role, str) or not role or "\n" in role or self.layout.header_open in role:
       raise ValueError(f"A role is a one-line name such as 'user', got {role!r}.")
     if role == "assistant":  # Encoded apart from its header, as the sampler generates it.
-      return [*self._generation_prompt(), _CUT, self._content(content), self.reply_end_id,
-              self.layout.after_turn]
+      return [
+          *self._generation_prompt(), _CUT,
+          self._content(content), self.reply_end_id, self.layout.after_turn
+      ]
     return self._turn(role, self._content(content))
 
   def _turn(self, role: str, content: str) -> list[Piece]:
@@ -638,7 +653,8 @@ class ChatTemplate:
   def _text(self, pieces: list[Piece]) -> str:
     return "".join(
         self.tokenizer.id_to_token(piece) if isinstance(piece, int) else piece
-        for piece in pieces if piece is not _CUT)
+        for piece in pieces
+        if piece is not _CUT)
 
 
 def _user(content: str) -> dict[str, str]:
@@ -673,14 +689,15 @@ def _render_jinja(source: str, tokenizer: Tokenizer, messages: list[Message],
   special_tokens = {
       f"{name}_token": tokenizer.id_to_token(token_id)
       for name, token_id in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id),
-                             ("pad", tokenizer.pad_id)) if token_id is not None}
+                             ("pad", tokenizer.pad_id))
+      if token_id is not None
+  }
   try:
-    return _compile_jinja(source).render(
-        messages=[dict(message) for message in messages], tools=tools,
-        add_generation_prompt=add_generation_prompt, **special_tokens, **options)
+    return _compile_jinja(source).render(messages=[dict(message) for message in messages],
+                                         tools=tools, add_generation_prompt=add_generation_prompt,
+                                         **special_tokens, **options)
   except jinja2.exceptions.TemplateError as error:
-    raise ValueError(
-        f"The model's chat template failed to render: {error}") from error
+    raise ValueError(f"The model's chat template failed to render: {error}") from error
 
 
 @functools.lru_cache(maxsize=8)
@@ -695,8 +712,8 @@ def _compile_jinja(source: str) -> jinja2.Template:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
 
-  environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-      trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+  environment = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                             extensions=[jinja2.ext.loopcontrols])
   environment.filters["tojson"] = tojson
   environment.globals["raise_exception"] = raise_exception
   environment.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)

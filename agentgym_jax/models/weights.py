@@ -28,8 +28,15 @@ from agentgym_jax.models.decoder import Decoder
 TensorSource = Mapping[str, np.ndarray]
 
 _SAFETENSORS_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
     "BOOL": np.bool_,
 }
 _SAFETENSORS_NAMES = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
@@ -128,8 +135,11 @@ def write_safetensors(path: str | pathlib.Path, tensors: Mapping[str, np.ndarray
   arrays = {}
   for name in sorted(tensors):
     array = np.ascontiguousarray(tensors[name])
-    header[name] = {"dtype": _SAFETENSORS_NAMES[array.dtype], "shape": list(array.shape),
-                    "data_offsets": [offset, offset + array.nbytes]}
+    header[name] = {
+        "dtype": _SAFETENSORS_NAMES[array.dtype],
+        "shape": list(array.shape),
+        "data_offsets": [offset, offset + array.nbytes]
+    }
     arrays[name] = array
     offset += array.nbytes
   encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -158,8 +168,9 @@ def load_params(model: Decoder, source: TensorSource, mesh: Mesh | None = None) 
   """
   config = model.config
   graphdef, state = nnx.split(model)
-  missing = [name for path in _param_paths(state) for name in _hf_names(path, config)
-             if name not in source]
+  missing = [
+      name for path in _param_paths(state) for name in _hf_names(path, config) if name not in source
+  ]
   if missing:
     raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
@@ -214,7 +225,8 @@ def _param_paths(state: nnx.State) -> list[tuple[str, ...]]:
 
 
 def _map_params(fn: Callable[[tuple[str, ...], nnx.Variable], Any], state: nnx.State):
-  flat = [(path, fn(tuple(str(k) for k in path), variable))
+  flat = [(path, fn(tuple(str(k)
+                          for k in path), variable))
           for path, variable in nnx.to_flat_state(state)]
   return nnx.from_flat_state(flat)
 
@@ -264,15 +276,17 @@ def save_hf(model: Decoder, directory: str | pathlib.Path, dtype: Any = jnp.floa
     filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
     write_safetensors(directory / filename, shard)
     weight_map.update(dict.fromkeys(shard, filename))
-  index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-           "weight_map": weight_map}
+  index = {
+      "metadata": {
+          "total_size": sum(t.nbytes for t in tensors.values())
+      },
+      "weight_map": weight_map
+  }
   (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def abstract_model(config: ModelConfig, dtype: Any = jnp.float32,
-                   param_dtype: Any = jnp.float32, remat: str = "none",
-                   attention: str = "auto") -> Decoder:
+def abstract_model(config: ModelConfig, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+                   remat: str = "none", attention: str = "auto") -> Decoder:
   """A Decoder whose parameters are shape/dtype placeholders (no memory, no compute)."""
-  return nnx.eval_shape(lambda: Decoder(config, dtype=dtype, param_dtype=param_dtype,
-                                        remat=remat, attention=attention, rngs=nnx.Rngs(0)))
-
+  return nnx.eval_shape(lambda: Decoder(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                                        attention=attention, rngs=nnx.Rngs(0)))

@@ -60,9 +60,8 @@ def place_on_last_trained_token(rewards: jax.Array, loss_mask: jax.Array) -> jax
   return jax.nn.one_hot(last_trained, num_tokens, dtype=jnp.float32) * rewards[:, None]
 
 
-def group_mean_and_std(
-    rewards: jax.Array, group_ids: jax.Array, num_groups: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+def group_mean_and_std(rewards: jax.Array, group_ids: jax.Array,
+                       num_groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per-trajectory statistics of the trajectory's group, by segment sums over `group_ids`.
 
   Groups may appear in any order and have any sizes; `num_groups` is static so shapes are.
@@ -82,9 +81,8 @@ def group_mean_and_std(
   # Two passes (sum of squared deviations) rather than E[r^2] - E[r]^2, which cancels badly
   # for large scores such as SciWorld's 0-100.
   deviation = rewards - mean[group_ids]
-  variance = jax.ops.segment_sum(
-      jnp.square(deviation), group_ids, num_segments=num_groups
-  ) / jnp.maximum(size, 1)
+  variance = jax.ops.segment_sum(jnp.square(deviation), group_ids,
+                                 num_segments=num_groups) / jnp.maximum(size, 1)
   return mean[group_ids], jnp.sqrt(variance[group_ids]), size[group_ids]
 
 
@@ -123,9 +121,8 @@ def grpo_advantages(
   return scores[:, None] * loss_mask.astype(jnp.float32)
 
 
-def rloo_advantages(
-    rewards: jax.Array, loss_mask: jax.Array, group_ids: jax.Array, *, num_groups: int
-) -> jax.Array:
+def rloo_advantages(rewards: jax.Array, loss_mask: jax.Array, group_ids: jax.Array, *,
+                    num_groups: int) -> jax.Array:
   """REINFORCE leave-one-out: each sample's baseline is the mean of the others in its group.
 
     A_i = r_i - (1 / (n_g - 1)) sum_{j in g, j != i} r_j  =  n_g / (n_g - 1) (r_i - mean_g(r))
@@ -144,9 +141,7 @@ def rloo_advantages(
   return scores[:, None] * loss_mask.astype(jnp.float32)
 
 
-def _discounted_returns(
-    token_rewards: jax.Array, loss_mask: jax.Array, gamma: float
-) -> jax.Array:
+def _discounted_returns(token_rewards: jax.Array, loss_mask: jax.Array, gamma: float) -> jax.Array:
   """G_t = r_t + gamma * G_next(t) over each row's trained-token subsequence (0 elsewhere)."""
   trained = loss_mask.astype(bool)
 
@@ -267,8 +262,8 @@ def _with_outcome_returns(advantages_fn: Callable[..., jax.Array]) -> Callable[.
   """A group estimator whose critic target is the outcome itself."""
 
   def estimate(rewards: jax.Array, loss_mask: jax.Array, **inputs) -> Advantages:
-    return Advantages(advantages_fn(rewards, loss_mask, **inputs),
-                      _outcome_returns(rewards, loss_mask))
+    return Advantages(
+        advantages_fn(rewards, loss_mask, **inputs), _outcome_returns(rewards, loss_mask))
 
   return estimate
 
@@ -309,22 +304,24 @@ class AdvantageEstimator:
     for key in _BATCH_INPUTS:
       if inputs.get(key) is not None and key not in self.needs + self.accepts:
         raise ValueError(f"Advantage estimator {self.name!r} does not use `{key}`; drop it.")
-    return self.fn(rewards, loss_mask,
-                   **{key: value for key, value in inputs.items() if value is not None})
+    return self.fn(rewards, loss_mask, **{
+        key: value for key, value in inputs.items() if value is not None
+    })
 
 
 _GROUPS = ("group_ids", "num_groups")
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     estimator.name: estimator for estimator in (
-        AdvantageEstimator("grpo", _with_outcome_returns(grpo_advantages), needs=_GROUPS,
-                           hyperparameters=(("normalize_by_std", "grpo_normalize_by_std"),
-                                            ("std", "grpo_std"), ("eps", "grpo_eps"))),
+        AdvantageEstimator(
+            "grpo", _with_outcome_returns(grpo_advantages), needs=_GROUPS, hyperparameters=((
+                "normalize_by_std", "grpo_normalize_by_std"), ("std", "grpo_std"), ("eps",
+                                                                                    "grpo_eps"))),
         AdvantageEstimator("rloo", _with_outcome_returns(rloo_advantages), needs=_GROUPS),
-        AdvantageEstimator("reinforce_plus_plus", reinforce_plus_plus_advantages,
-                           accepts=("token_rewards",), hyperparameters=(("gamma", "gamma"),)),
-        AdvantageEstimator("gae", gae_advantages, needs=("values",), accepts=("token_rewards",),
-                           hyperparameters=(("gamma", "gamma"), ("lam", "lam"))),
+        AdvantageEstimator("reinforce_plus_plus", reinforce_plus_plus_advantages, accepts=(
+            "token_rewards",), hyperparameters=(("gamma", "gamma"),)),
+        AdvantageEstimator("gae", gae_advantages, needs=("values",), accepts=(
+            "token_rewards",), hyperparameters=(("gamma", "gamma"), ("lam", "lam"))),
     )
 }
 

@@ -139,8 +139,10 @@ def mismatch_metrics(
   """
   log_ratio = _log_ratio(old_logprobs, sampler_logprobs)
   kl = _k3(log_ratio)
-  metrics = {"mismatch/log_ratio": masked.masked_mean(log_ratio, loss_mask),
-             "mismatch/kl": masked.masked_mean(kl, loss_mask)}
+  metrics = {
+      "mismatch/log_ratio": masked.masked_mean(log_ratio, loss_mask),
+      "mismatch/kl": masked.masked_mean(kl, loss_mask)
+  }
   if num_turns <= 0:
     return metrics
   turns = turn_indices(loss_mask)

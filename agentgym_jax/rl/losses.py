@@ -78,7 +78,6 @@ AGGREGATIONS: dict[str, Callable[..., jax.Array]] = {
 # The aggregations that divide by a constant number of tokens, `scale_tokens`.
 SCALED_AGGREGATIONS = ("seq-mean-token-sum-norm",)
 
-
 # What each aggregation averages over. A batch's aggregate is the mean of its parts' aggregates
 # weighted by each part's share of these units, which is how micro-batches add up to a batch.
 AGGREGATION_UNITS = {
@@ -116,14 +115,12 @@ def aggregate(per_token: jax.Array, loss_mask: jax.Array, aggregation: str, *,
   return reduce(per_token, loss_mask)
 
 
-def _ratio_metrics(ratio: jax.Array, token_log_ratio: jax.Array, loss_mask: jax.Array
-                   ) -> Metrics:
+def _ratio_metrics(ratio: jax.Array, token_log_ratio: jax.Array, loss_mask: jax.Array) -> Metrics:
   """Diagnostics over trained tokens: the KL from the per-token log-ratios log(pi / pi_old),
   the mean and max of the loss's ratio (per token, or per sequence for GSPO)."""
   return {
       # k3: E_old[rho - 1 - log rho] >= 0, unbiased for KL(old || new) and low-variance.
-      "approx_kl": masked.masked_mean(jnp.exp(token_log_ratio) - 1.0 - token_log_ratio,
-                                      loss_mask),
+      "approx_kl": masked.masked_mean(jnp.exp(token_log_ratio) - 1.0 - token_log_ratio, loss_mask),
       "ratio_mean": masked.masked_mean(ratio, loss_mask),
       # ratio > 0, so 0 is a neutral fill for untrained tokens.
       "ratio_max": jnp.max(jnp.where(loss_mask.astype(bool), ratio, 0.0)),
@@ -135,8 +132,7 @@ def _check_clip(clip_eps_low: float, clip_eps_high: float | None) -> float:
   clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
   if clip_eps_low <= 0 or clip_eps_high <= 0:
     raise ValueError(
-        f"Clip epsilons must be > 0, got eps_low={clip_eps_low}, eps_high={clip_eps_high}."
-    )
+        f"Clip epsilons must be > 0, got eps_low={clip_eps_low}, eps_high={clip_eps_high}.")
   return clip_eps_high
 
 
@@ -253,8 +249,8 @@ def gspo_loss(
   # (log pi - sg[log pi]) + sg[log s_i]: the value of log s_i, the gradient of log pi. The
   # difference first, which is exactly 0: adding log s_i (~1e-4) to log pi (~-5) first would
   # round it at a relative 1e-3, the scale of GSPO's clip range.
-  log_ratio = ((logprobs - jax.lax.stop_gradient(logprobs))
-               + jax.lax.stop_gradient(sequence_log_ratio))
+  log_ratio = ((logprobs - jax.lax.stop_gradient(logprobs)) +
+               jax.lax.stop_gradient(sequence_log_ratio))
   ratio = jnp.exp(log_ratio)
   unclipped = -advantages * ratio
   clipped = -advantages * jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
@@ -321,8 +317,7 @@ class PolicyLoss:
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {
     entry.name: entry for entry in (
-        PolicyLoss("ppo", policy_gradient_loss, ("clip_eps_low", "clip_eps_high"),
-                   dual_clip=True),
+        PolicyLoss("ppo", policy_gradient_loss, ("clip_eps_low", "clip_eps_high"), dual_clip=True),
         PolicyLoss("gspo", gspo_loss, ("gspo_clip_eps_low", "gspo_clip_eps_high")),
         PolicyLoss("cispo", cispo_loss, ("cispo_clip_eps_low", "cispo_clip_eps_high")),
     )
@@ -366,9 +361,8 @@ KL_ESTIMATORS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
-def kl_divergence(
-    logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "low_var_kl"
-) -> jax.Array:
+def kl_divergence(logprobs: jax.Array, ref_logprobs: jax.Array,
+                  estimator: str = "low_var_kl") -> jax.Array:
   """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' log-probs.
 
   With d = logp - logp_ref:
@@ -397,8 +391,9 @@ def kl_loss(
     scale_tokens: float | None = None,
 ) -> tuple[jax.Array, Metrics]:
   """KL to the frozen reference policy as a loss term: aggregate(kl_divergence(...))."""
-  loss = aggregate(kl_divergence(logprobs, ref_logprobs, estimator), loss_mask, aggregation,
-                   scale_tokens=scale_tokens)
+  loss = aggregate(
+      kl_divergence(logprobs, ref_logprobs, estimator), loss_mask, aggregation,
+      scale_tokens=scale_tokens)
   return loss, {"kl": loss}
 
 
@@ -422,7 +417,10 @@ def kl_penalty_rewards(
 
 
 def entropy_bonus(
-    entropies: jax.Array, loss_mask: jax.Array, *, aggregation: str = "token-mean",
+    entropies: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    aggregation: str = "token-mean",
     scale_tokens: float | None = None,
 ) -> tuple[jax.Array, Metrics]:
   """Aggregated policy entropy H, to be maximised: subtract coef * H from the loss (coef > 0).
@@ -471,17 +469,16 @@ def value_loss(
   clipped_error = jnp.square(clipped_values - returns)
   per_token = 0.5 * jnp.maximum(unclipped_error, clipped_error)
   metrics = {
-      "value_clip_fraction": masked.masked_mean(
-          (clipped_error > unclipped_error).astype(jnp.float32), loss_mask
-      ),
-      "value_mse": masked.masked_mean(unclipped_error, loss_mask),
+      "value_clip_fraction":
+          masked.masked_mean((clipped_error > unclipped_error).astype(jnp.float32), loss_mask),
+      "value_mse":
+          masked.masked_mean(unclipped_error, loss_mask),
   }
   return aggregate(per_token, loss_mask, aggregation, scale_tokens=scale_tokens), metrics
 
 
-def sft_loss(
-    logprobs: jax.Array, loss_mask: jax.Array, *, aggregation: str = "token-mean"
-) -> tuple[jax.Array, Metrics]:
+def sft_loss(logprobs: jax.Array, loss_mask: jax.Array, *,
+             aggregation: str = "token-mean") -> tuple[jax.Array, Metrics]:
   """Supervised fine-tuning: negative log-likelihood of the target tokens, aggregated.
 
     loss = aggregate(-log p(y_t | y_<t))   (token-mean by default)
@@ -528,9 +525,8 @@ def dpo_loss(
   return loss, metrics
 
 
-def token_logprobs_and_entropy(
-    logits: jax.Array, targets: jax.Array, *, temperature: float = 1.0
-) -> tuple[jax.Array, jax.Array]:
+def token_logprobs_and_entropy(logits: jax.Array, targets: jax.Array, *,
+                               temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """Log-prob of each target token and the entropy of each next-token distribution.
 
   Computed in f32 whatever the logits' dtype (bf16 log-softmax over a 150k vocabulary loses
@@ -601,8 +597,7 @@ def chunked_token_logprobs_and_entropy(
   def chunk(inputs):
     hidden_chunk, target_chunk = inputs
     return token_logprobs_and_entropy(
-        logits_fn(hidden_chunk), target_chunk, temperature=temperature
-    )
+        logits_fn(hidden_chunk), target_chunk, temperature=temperature)
 
   logprobs, entropies = jax.lax.map(chunk, (hidden_chunks, target_chunks))
 

@@ -139,8 +139,9 @@ def abstract_params(config: ModelConfig, mesh: Mesh, *, dtype: Any = jnp.bfloat1
 
   def place(variable: nnx.Variable) -> nnx.Variable:
     shape, dtype = variable.get_value().shape, variable.get_value().dtype
-    return variable.replace(jax.ShapeDtypeStruct(
-        shape, dtype, sharding=sharding.named_sharding(mesh, variable.axes, shape)))
+    return variable.replace(
+        jax.ShapeDtypeStruct(shape, dtype,
+                             sharding=sharding.named_sharding(mesh, variable.axes, shape)))
 
   return graphdef, jax.tree.map(place, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -151,8 +152,8 @@ def abstract_optimizer_state(optimizer: optax.GradientTransformation, trainable:
   (run.state_shardings: moments like their arrays, counters replicated)."""
   state = jax.eval_shape(optimizer.init, trainable)
   _, shardings = run.state_shardings(trainable, state, mesh)
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      state, shardings)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                      shardings)
 
 
 def abstract_batch(mesh: Mesh, batch: int, seq: int) -> jax.ShapeDtypeStruct:
@@ -163,11 +164,12 @@ def abstract_batch(mesh: Mesh, batch: int, seq: int) -> jax.ShapeDtypeStruct:
 def abstract_minibatch(mesh: Mesh, batch: int, seq: int) -> tuple[Batch, learner.Experience]:
   """One update's inputs: a rollout Batch of [batch, seq] rows and its Experience."""
   rows = functools.partial(_rows, mesh)
-  return (Batch(tokens=rows((batch, seq), jnp.int32), loss_mask=rows((batch, seq), jnp.float32),
-                sampler_logprobs=rows((batch, seq), jnp.float32),
-                rewards=rows((batch,), jnp.float32), group_ids=rows((batch,), jnp.int32)),
-          learner.Experience(*(rows((batch, seq - 1), jnp.float32) for _ in range(6)),
-                             kept=rows((batch,), jnp.float32)))
+  return (Batch(
+      tokens=rows((batch, seq), jnp.int32), loss_mask=rows((batch, seq), jnp.float32),
+      sampler_logprobs=rows((batch, seq), jnp.float32), rewards=rows(
+          (batch,), jnp.float32), group_ids=rows((batch,), jnp.int32)),
+          learner.Experience(*(rows((batch, seq - 1), jnp.float32) for _ in range(6)), kept=rows(
+              (batch,), jnp.float32)))
 
 
 def _rows(mesh: Mesh, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
@@ -189,8 +191,8 @@ def lower_forward(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
 
 
 def lower_train_step(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
-                     dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
-                     remat: str = "full", attention: str = "auto", logits_chunk: int = 1024,
+                     dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, remat: str = "full",
+                     attention: str = "auto", logits_chunk: int = 1024,
                      micro_batch_rows: int = 0) -> jax.stages.Lowered:
   """The learner's `update_step` on one minibatch, lowered on abstract sharded inputs, jitted
   as the RL trainer jits it (learner.jit_update_step): parameters and optimizer state donated,
@@ -202,8 +204,8 @@ def lower_train_step(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
   optimizer = learner.make_optimizer(1e-6)
   trainable = (params, None)
   opt_state = abstract_optimizer_state(optimizer, trainable, mesh)
-  loss = learner.LossConfig(logprob_chunk=min(logits_chunk, seq - 1),
-                            micro_batch_rows=micro_batch_rows)
+  loss = learner.LossConfig(
+      logprob_chunk=min(logits_chunk, seq - 1), micro_batch_rows=micro_batch_rows)
   shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
   step = learner.jit_update_step(shardings(trainable), shardings(opt_state))
   with jax.set_mesh(mesh):
@@ -213,8 +215,7 @@ def lower_train_step(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
 
 def plan(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *, dtype: Any = jnp.bfloat16,
          param_dtype: Any = jnp.float32, remat: str = "full", attention: str = "auto",
-         logits_chunk: int = 1024, micro_batch_rows: int = 0,
-         compile: bool = True) -> MemoryPlan:
+         logits_chunk: int = 1024, micro_batch_rows: int = 0, compile: bool = True) -> MemoryPlan:
   """Per-device memory of one update step; compiles the step unless `compile` is False."""
   _, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype, remat=remat)
   opt_state = abstract_optimizer_state(learner.make_optimizer(1e-6), (params, None), mesh)
@@ -233,8 +234,7 @@ def plan(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *, dtype: Any = 
     if stats is not None:
       figures.update(temp_bytes=stats.temp_size_in_bytes,
                      argument_bytes=stats.argument_size_in_bytes,
-                     output_bytes=stats.output_size_in_bytes,
-                     alias_bytes=stats.alias_size_in_bytes)
+                     output_bytes=stats.output_size_in_bytes, alias_bytes=stats.alias_size_in_bytes)
   return MemoryPlan(**figures)
 
 
@@ -292,21 +292,22 @@ def abstract_sampler_state(config: ModelConfig, mesh: Mesh, rows: int, cache_slo
                            cache_dtype: Any) -> sampling.SamplerState:
   """A sampler's state (KV cache and last hidden states) as sharded ShapeDtypeStructs."""
   state = jax.eval_shape(lambda: sampling.SamplerState(
-      cache=KVCache.zeros(config, rows, cache_slots, cache_dtype),
-      hidden=jnp.zeros((rows, config.hidden_size), jnp.float32)))
+      cache=KVCache.zeros(config, rows, cache_slots, cache_dtype), hidden=jnp.zeros(
+          (rows, config.hidden_size), jnp.float32)))
   place = lambda x, axes: jax.ShapeDtypeStruct(
       x.shape, x.dtype, sharding=sharding.named_sharding(mesh, axes, x.shape))
   cache = state.cache
   return sampling.SamplerState(
-      cache=cache.replace(k=place(cache.k, KVCache.AXES), v=place(cache.v, KVCache.AXES),
-                          lengths=place(cache.lengths, ("batch",))),
-      hidden=place(state.hidden, ("batch", "activation_embed")))
+      cache=cache.replace(
+          k=place(cache.k, KVCache.AXES), v=place(cache.v, KVCache.AXES),
+          lengths=place(cache.lengths, ("batch",))), hidden=place(state.hidden,
+                                                                  ("batch", "activation_embed")))
 
 
 def lower_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, *,
                   prefill_tokens: int, max_new_tokens: int, prefill_window: int | None = None,
-                  dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32
-                  ) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
+                  dtype: Any = jnp.bfloat16,
+                  param_dtype: Any = jnp.float32) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
   """The sampler's prefill and decode programs, as `Sampler` jits them, on abstract inputs.
 
   Decode reads the whole cache (window = cache_slots), the most a call of a rollout reads;
@@ -316,20 +317,23 @@ def lower_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, 
                                      remat="none")
   state = abstract_sampler_state(config, mesh, rows, cache_slots, dtype)
   per_row = lambda *shape: jax.ShapeDtypeStruct(
-      (rows,) + shape, jnp.int32,
-      sharding=sharding.named_sharding(mesh, ("batch",) + (None,) * len(shape), (rows,) + shape))
+      (rows,) + shape, jnp.int32, sharding=sharding.named_sharding(mesh, ("batch",) +
+                                                                   (None,) * len(shape),
+                                                                   (rows,) + shape))
   replicated = NamedSharding(mesh, PartitionSpec())
   keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), rows))
   keys = jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=replicated)
   stop_ids = jax.ShapeDtypeStruct((sampling.MAX_STOP_IDS,), jnp.int32, sharding=replicated)
   # The functions Sampler compiles, with its static arguments and donated state.
-  prefill = jax.jit(functools.partial(sampling._prefill, graphdef), static_argnames=("window",),
-                    donate_argnums=(1,))
-  decode = jax.jit(functools.partial(sampling._decode, graphdef),
-                   static_argnames=("window", "width", "sampling"), donate_argnums=(1,))
+  prefill = jax.jit(
+      functools.partial(sampling._prefill, graphdef), static_argnames=("window",),
+      donate_argnums=(1,))
+  decode = jax.jit(
+      functools.partial(sampling._decode, graphdef),
+      static_argnames=("window", "width", "sampling"), donate_argnums=(1,))
   with jax.set_mesh(mesh):
-    return (prefill.lower(params, state, per_row(prefill_tokens), per_row(),
-                          window=prefill_window or cache_slots),
+    return (prefill.lower(params, state, per_row(prefill_tokens), per_row(), window=prefill_window
+                          or cache_slots),
             decode.lower(params, state, keys, per_row(), stop_ids, window=cache_slots,
                          width=max_new_tokens, sampling=sampling.SamplingParams()))
 
@@ -341,20 +345,23 @@ def plan_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, *
   """Per-device memory of the sampler; compiles prefill and decode unless `compile` is False."""
   _, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype)
   state = abstract_sampler_state(config, mesh, rows, cache_slots, dtype)
-  figures = dict(mesh_shape=tuple(mesh.shape[a] for a in sharding.MESH_AXES), rows=rows,
-                 cache_slots=cache_slots, param_bytes=device_bytes(params),
-                 cache_bytes=device_bytes((state.cache.k, state.cache.v)))
+  figures = dict(
+      mesh_shape=tuple(mesh.shape[a] for a in sharding.MESH_AXES), rows=rows,
+      cache_slots=cache_slots, param_bytes=device_bytes(params), cache_bytes=device_bytes(
+          (state.cache.k, state.cache.v)))
   if compile:
     start = time.perf_counter()
-    programs = [lowered.compile() for lowered in lower_sampler(
-        config, mesh, rows, cache_slots, prefill_tokens=prefill_tokens,
-        max_new_tokens=max_new_tokens, prefill_window=prefill_window, dtype=dtype,
-        param_dtype=param_dtype)]
+    programs = [
+        lowered.compile()
+        for lowered in lower_sampler(config, mesh, rows, cache_slots, prefill_tokens=prefill_tokens,
+                                     max_new_tokens=max_new_tokens, prefill_window=prefill_window,
+                                     dtype=dtype, param_dtype=param_dtype)
+    ]
     figures["compile_seconds"] = time.perf_counter() - start
     stats = [program.memory_analysis() for program in programs]
     if None not in stats:
-      prefill, decode = (s.temp_size_in_bytes + s.output_size_in_bytes - s.alias_size_in_bytes
-                         for s in stats)
+      prefill, decode = (
+          s.temp_size_in_bytes + s.output_size_in_bytes - s.alias_size_in_bytes for s in stats)
       figures.update(prefill_bytes=prefill, decode_bytes=decode)
   return SamplerPlan(**figures)
 
@@ -364,8 +371,10 @@ def format_table(model: str, plans: Sequence[MemoryPlan]) -> str:
   gib = lambda n: "-" if n is None else f"{n / 2**30:.2f}"
   header = (f"{'mesh (d,f,t)':>13} {'batch x seq':>12} {'params':>8} {'optimizer':>9} "
             f"{'temp':>8} {'peak':>8} {'compile s':>9}")
-  lines = [f"{model}: {plans[0].num_params / 1e9:.2f}B parameters; GiB per device", header,
-           "-" * len(header)]
+  lines = [
+      f"{model}: {plans[0].num_params / 1e9:.2f}B parameters; GiB per device", header,
+      "-" * len(header)
+  ]
   for p in plans:
     compile_seconds = "-" if p.compile_seconds is None else f"{p.compile_seconds:.0f}"
     lines.append(f"{','.join(map(str, p.mesh_shape)):>13} {f'{p.batch} x {p.seq}':>12} "
@@ -405,9 +414,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--model", default="qwen2.5-7b-instruct",
                       help=f"one of {sorted(HF_CONFIGS)}, or a checkpoint dir / config.json")
-  parser.add_argument("--mesh", type=_mesh_shape, action="append",
-                      help="data,fsdp,tensor of an update step (repeatable; default 1,8,1 and "
-                           "1,4,2 unless only samplers are planned)")
+  parser.add_argument(
+      "--mesh", type=_mesh_shape, action="append",
+      help="data,fsdp,tensor of an update step (repeatable; default 1,8,1 and "
+      "1,4,2 unless only samplers are planned)")
   parser.add_argument("--batch", type=int, default=8, help="sequences per step (global)")
   parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
   parser.add_argument("--dtype", default="bfloat16", help="matmul input dtype")
@@ -436,8 +446,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   meshes = args.mesh or ([] if sampler_meshes else [(1, 8, 1), (1, 4, 2)])
   try:
     # The mesh is made of virtual CPU devices.
-    jax.config.update("jax_num_cpu_devices", args.devices or max(
-        math.prod(shape) for shape in meshes + sampler_meshes))
+    jax.config.update("jax_num_cpu_devices", args.devices
+                      or max(math.prod(shape) for shape in meshes + sampler_meshes))
   except RuntimeError:
     pass  # A backend already runs (e.g. under pytest): plan with the devices it has.
   devices = jax.devices("cpu")
@@ -452,17 +462,21 @@ def main(argv: Sequence[str] | None = None) -> None:
 
   tables = []
   if meshes:
-    tables.append(format_table(args.model, [
-        plan(config, make_mesh(shape), args.batch, args.seq, remat=args.remat,
-             attention=args.attention, logits_chunk=args.logits_chunk,
-             micro_batch_rows=args.micro_batch_rows, compile=not args.no_compile, **dtypes)
-        for shape in meshes]))
+    tables.append(
+        format_table(args.model, [
+            plan(config, make_mesh(shape), args.batch, args.seq, remat=args.remat,
+                 attention=args.attention, logits_chunk=args.logits_chunk,
+                 micro_batch_rows=args.micro_batch_rows, compile=not args.no_compile, **dtypes)
+            for shape in meshes
+        ]))
   if sampler_meshes:
-    tables.append(format_sampler_table(args.model, [
-        plan_sampler(config, make_mesh(shape), args.rows, args.cache_slots,
-                     prefill_tokens=args.prefill, max_new_tokens=args.max_new_tokens,
-                     prefill_window=args.prefill_window, compile=not args.no_compile, **dtypes)
-        for shape in sampler_meshes]))
+    tables.append(
+        format_sampler_table(args.model, [
+            plan_sampler(config, make_mesh(shape), args.rows, args.cache_slots,
+                         prefill_tokens=args.prefill, max_new_tokens=args.max_new_tokens,
+                         prefill_window=args.prefill_window, compile=not args.no_compile, **dtypes)
+            for shape in sampler_meshes
+        ]))
   print("\n\n".join(tables))
 
 

@@ -44,8 +44,7 @@ class Panel:
 PANELS: tuple[Panel, ...] = (
     Panel("reward", "Reward", ("reward", "eval/reward")),
     Panel("success", "Success rate", ("success", "eval/success", "eval/success/")),
-    Panel("horizon_cap", "Horizon cap (turns)", ("horizon_cap",), step_function=True,
-          smooth=False),
+    Panel("horizon_cap", "Horizon cap (turns)", ("horizon_cap",), step_function=True, smooth=False),
     Panel("turns", "Turns per episode", ("turns",)),
     Panel("kl_to_ref", "KL to the reference policy", ("kl_to_ref",)),
     Panel("entropy", "Entropy (nats / token)", ("entropy",)),
@@ -115,8 +114,7 @@ def _draw(axes: Any, rows: Sequence[Mapping[str, Any]], panel: Panel, names: Seq
       axes.plot(steps, values, color=color, alpha=0.3, linewidth=1)
       axes.plot(steps, smooth(values, smoothing), color=color, linewidth=1.8, label=name)
     else:
-      axes.plot(steps, values, color=color, marker=marker, markersize=3, linewidth=1.5,
-                label=name)
+      axes.plot(steps, values, color=color, marker=marker, markersize=3, linewidth=1.5, label=name)
   axes.set_title(panel.title, fontsize=10)
   axes.set_xlabel("step", fontsize=8)
   axes.tick_params(labelsize=8)
@@ -145,9 +143,8 @@ def write_plots(workdir: str | os.PathLike[str], out_dir: str | os.PathLike[str]
   if not rows:
     raise ValueError(f"No metrics to plot: {os.path.join(workdir, metrics.METRICS_FILE)} is "
                      "missing or empty.")
-  drawn = [(panel, names) for panel in PANELS
-           if (names := [name for name in matching_keys(rows, panel.keys)
-                         if metric_series(rows, name)[0]])]
+  drawn = [(panel, names) for panel in PANELS if (
+      names := [name for name in matching_keys(rows, panel.keys) if metric_series(rows, name)[0]])]
   if not drawn:
     raise ValueError(f"{workdir}/{metrics.METRICS_FILE} has none of the plotted metrics "
                      f"{[key for panel in PANELS for key in panel.keys]}.")
@@ -155,8 +152,8 @@ def write_plots(workdir: str | os.PathLike[str], out_dir: str | os.PathLike[str]
   os.makedirs(out_dir, exist_ok=True)
 
   num_rows = math.ceil(len(drawn) / _COLUMNS)
-  overview = Figure(figsize=(PANEL_SIZE[0] * _COLUMNS, PANEL_SIZE[1] * num_rows), dpi=DPI,
-                    layout="constrained")
+  overview = Figure(
+      figsize=(PANEL_SIZE[0] * _COLUMNS, PANEL_SIZE[1] * num_rows), dpi=DPI, layout="constrained")
   overview.suptitle(os.path.basename(os.path.abspath(workdir)))
   grid = overview.subplots(num_rows, _COLUMNS, squeeze=False).flatten()
   for axes in grid[len(drawn):]:

@@ -25,9 +25,8 @@ from environments.babyai import scene as scene_lib
 CHECK = "check available actions"
 _SIMPLE = ("turn left", "turn right", "move forward", "toggle", "drop", "pick up", CHECK)
 _TARGETED = ("go to", "pick up", "go through", "toggle and go through")
-_TARGET_RE = re.compile(
-    r"(toggle and go through|go through|go to|pick up)\s+(?:(?:the|a|an)\s+)?"
-    r"([a-z]+)\s+([a-z]+)(?:\s+(\d{1,6}))?")
+_TARGET_RE = re.compile(r"(toggle and go through|go through|go to|pick up)\s+(?:(?:the|a|an)\s+)?"
+                        r"([a-z]+)\s+([a-z]+)(?:\s+(\d{1,6}))?")
 _ACTION_MARK = re.compile(r"action\s*:", re.IGNORECASE)
 
 
@@ -110,8 +109,7 @@ def expand(command: Command, scene: scene_lib.Scene) -> tuple[int, ...]:
     if front is None or front.type not in ("door", "box"):
       raise ActionError("There is nothing in front of you to toggle.")
     if front.type == "door":
-      _check_unlockable(front.color, scene_lib.door_state(front), "the door in front of you",
-                        scene)
+      _check_unlockable(front.color, scene_lib.door_state(front), "the door in front of you", scene)
     return (Actions.toggle,)
   if verb == "pick up" and command.kind is None:
     _check_hands_free(scene)
@@ -143,14 +141,15 @@ def expand(command: Command, scene: scene_lib.Scene) -> tuple[int, ...]:
     raise ActionError(f"The {obj.name} is already open: use \"go through {obj.name}\".")
   _check_unlockable(obj.color, obj.state, f"the {obj.name}", scene)
   route = _require(routes.facing(obj.pos), obj)
-  return (route.actions + (Actions.toggle, Actions.forward)
-          + _step_beyond(obj.pos, route.heading, scene))
+  return (route.actions + (Actions.toggle, Actions.forward) +
+          _step_beyond(obj.pos, route.heading, scene))
 
 
 def available(scene: scene_lib.Scene) -> list[str]:
   """Every action that `expand` accepts in `scene`, in a fixed order."""
-  candidates = [Command(verb) for verb in ("turn left", "turn right", "move forward", "toggle",
-                                           "drop")]
+  candidates = [
+      Command(verb) for verb in ("turn left", "turn right", "move forward", "toggle", "drop")
+  ]
   for verb in _TARGETED:
     for obj in scene.objects:
       if verb in ("go through", "toggle and go through") and obj.kind != "door":

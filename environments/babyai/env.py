@@ -69,14 +69,16 @@ TOOLS = (
     base.Tool("move_forward", "Step one cell forward.", "move forward"),
     base.Tool("go_to", "Walk next to an object or door and face it.", "go to {object}",
               (base.Parameter("object", "string", f"The object or door: {_OBJECT}."),)),
-    base.Tool("pick_up", "Walk to an object and pick it up (one at a time); without an "
-              "object, pick up the object right in front of you.", "pick up {object}",
-              (base.Parameter("object", "string", f"The object: {_OBJECT}.", required=False),)),
+    base.Tool(
+        "pick_up", "Walk to an object and pick it up (one at a time); without an "
+        "object, pick up the object right in front of you.", "pick up {object}",
+        (base.Parameter("object", "string", f"The object: {_OBJECT}.", required=False),)),
     base.Tool("drop", "Put what you carry on the empty cell in front of you.", "drop"),
-    base.Tool("toggle", "Open or close the door in front of you, or open the box in front of "
-              "you. A locked door opens only while you carry a key of its color.", "toggle"),
-    base.Tool("go_through", "Walk through an open door into the next room.",
-              "go through {door}", (base.Parameter("door", "string", f"The door: {_DOOR}."),)),
+    base.Tool(
+        "toggle", "Open or close the door in front of you, or open the box in front of "
+        "you. A locked door opens only while you carry a key of its color.", "toggle"),
+    base.Tool("go_through", "Walk through an open door into the next room.", "go through {door}",
+              (base.Parameter("door", "string", f"The door: {_DOOR}."),)),
     base.Tool("toggle_and_go_through", "Open a closed or locked door and walk through it.",
               "toggle and go through {door}",
               (base.Parameter("door", "string", f"The door: {_DOOR}."),)),
@@ -185,8 +187,11 @@ class BabyAIEnv:
     self._env, self._scene, self._done = None, None, True
 
   def _info(self, success: bool, valid_action: bool) -> dict[str, Any]:
-    return {"success": success, "valid_action": valid_action,
-            "primitive_steps": self.minigrid_env.step_count}
+    return {
+        "success": success,
+        "valid_action": valid_action,
+        "primitive_steps": self.minigrid_env.step_count
+    }
 
 
 def _parse(reply: str) -> actions_lib.Command:

@@ -15,15 +15,21 @@ from environments import base
 
 # minigrid's primitive actions (minigrid.core.actions.Actions) and our text actions for them.
 _LEFT, _RIGHT, _FORWARD, _PICKUP, _DROP, _TOGGLE = range(6)
-_PRIMITIVE_TEXT = {_LEFT: "turn left", _RIGHT: "turn right", _FORWARD: "move forward",
-                   _PICKUP: "pick up", _DROP: "drop", _TOGGLE: "toggle"}
+_PRIMITIVE_TEXT = {
+    _LEFT: "turn left",
+    _RIGHT: "turn right",
+    _FORWARD: "move forward",
+    _PICKUP: "pick up",
+    _DROP: "drop",
+    _TOGGLE: "toggle"
+}
 _HIGH_LEVEL_VERBS = ("go to", "pick up", "go through", "toggle and go through")
 # Headings as minigrid's agent_dir: 0 = +x, 1 = +y, 2 = -x, 3 = -y.
 _DIRECTION = ((1, 0), (0, 1), (-1, 0), (0, -1))
 
 
 def replies(env: base.Env, task_id: int, *, max_primitives: int = 1000,
-               high_level: bool = True) -> list[str]:
+            high_level: bool = True) -> list[str]:
   """BabyAIBot's solution of a BabyAI task as replies (see the module docstring).
 
   Args:
@@ -56,7 +62,7 @@ def replies(env: base.Env, task_id: int, *, max_primitives: int = 1000,
     result = env.step(base.reply_for(env, thoughts[-1], _PRIMITIVE_TEXT[int(primitive)]))
     if not result.info.get("valid_action", True):
       raise base.ExpertError(f"the env refused the bot's {_PRIMITIVE_TEXT[int(primitive)]!r}: "
-                        f"{result.observation.splitlines()[0]}")
+                             f"{result.observation.splitlines()[0]}")
     primitives.append(int(primitive))
     states.append(_babyai_state(level))
   turns = [(t, _PRIMITIVE_TEXT[p]) for t, p in zip(thoughts, primitives)]
@@ -97,8 +103,8 @@ def _shorten(env: base.Env, task_id: int, primitives: Sequence[int], thoughts: S
       if _final_place(level, steps) not in places:
         continue  # cheap filter: it ends somewhere the bot never stood
       reached = _reached(level, steps, later, i, success_index=end + 1)
-      if reached is not None and reached > i + 1 and (
-          best is None or (reached, -len(steps)) > best[:2]):
+      if reached is not None and reached > i + 1 and (best is None or
+                                                      (reached, -len(steps)) > best[:2]):
         best = (reached, -len(steps), action)
     if best is None:
       j, action = i + 1, _PRIMITIVE_TEXT[primitives[i]]
@@ -150,8 +156,8 @@ def _babyai_state(level) -> tuple:
   """What the rest of an episode depends on: the agent, the grid, the carried object and the
   mission's progress (minigrid's step count only changes the reward)."""
   carrying = level.carrying
-  return ((int(level.agent_pos[0]), int(level.agent_pos[1])), int(level.agent_dir),
-          None if carrying is None else (carrying.type, carrying.color),
+  return ((int(level.agent_pos[0]), int(level.agent_pos[1])),
+          int(level.agent_dir), None if carrying is None else (carrying.type, carrying.color),
           level.grid.encode().tobytes(), _mission_progress(level.instrs))
 
 

@@ -102,8 +102,7 @@ class Routes:
       state = queue.popleft()
       pos, heading = state
       moves = ((Actions.forward, (step(pos, heading), heading)),
-               (Actions.left, (pos, (heading - 1) % 4)),
-               (Actions.right, (pos, (heading + 1) % 4)))
+               (Actions.left, (pos, (heading - 1) % 4)), (Actions.right, (pos, (heading + 1) % 4)))
       for action, nxt in moves:
         if nxt in self._parent or nxt[0] not in free:
           continue
@@ -178,8 +177,8 @@ class Scene:
       lines = ["You see no objects."]
     lines.append(self.ahead)
     carrying = self.carrying
-    lines.append(f"You are carrying a {carrying.color} {carrying.type}." if carrying
-                 else "You are carrying nothing.")
+    lines.append(f"You are carrying a {carrying.color} {carrying.type}."
+                 if carrying else "You are carrying nothing.")
     return "\n".join(lines)
 
 
@@ -220,9 +219,10 @@ def observe(env: MiniGridEnv) -> Scene:
   objects = []
   for _, forward, right, pos, cell in seen:
     counts[cell.color, cell.type] += 1
-    objects.append(SeenObject(
-        kind=cell.type, color=cell.color, index=counts[cell.color, cell.type], pos=pos,
-        forward=forward, right=right, state=door_state(cell) if cell.type == "door" else None))
+    objects.append(
+        SeenObject(kind=cell.type, color=cell.color, index=counts[cell.color, cell.type], pos=pos,
+                   forward=forward, right=right,
+                   state=door_state(cell) if cell.type == "door" else None))
   objects = tuple(objects)
   return Scene(env=env, objects=objects, free=frozenset(free),
                ahead=_ahead(env, objects, placement))

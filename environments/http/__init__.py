@@ -8,5 +8,6 @@ from environments.http.client import AgentGymClient
 from environments.http.protocol import STYLES, PayloadStyle, extract_action, style_for
 from environments.http.server import AgentGymServer
 
-__all__ = ["AgentGymClient", "AgentGymServer", "PayloadStyle", "STYLES", "extract_action",
-           "style_for"]
+__all__ = [
+    "AgentGymClient", "AgentGymServer", "PayloadStyle", "STYLES", "extract_action", "style_for"
+]

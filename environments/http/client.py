@@ -44,9 +44,8 @@ class AgentGymClient:
 
   def __init__(self, base_url: str, env: str, *, style: str | None = None,
                extract_action: bool = False, instruction: str | None = None,
-               task_ids: Mapping[str, Sequence[int]] | None = None,
-               timeout_s: float = 120.0, retries: int = 5, backoff_s: float = 0.1,
-               max_backoff_s: float = 5.0):
+               task_ids: Mapping[str, Sequence[int]] | None = None, timeout_s: float = 120.0,
+               retries: int = 5, backoff_s: float = 0.1, max_backoff_s: float = 5.0):
     """Configures the client; the remote env is created by the first reset.
 
     Args:
@@ -125,8 +124,10 @@ class AgentGymClient:
       raise EnvError("step() without an episode in progress; reset() first")
     action = protocol.extract_action(action_text) if self._extract_action else action_text
     try:
-      payload = self._env_call("/step", {"id": self._env_id, "action": action},
-                               retry_statuses=NOT_DELIVERED)
+      payload = self._env_call("/step", {
+          "id": self._env_id,
+          "action": action
+      }, retry_statuses=NOT_DELIVERED)
     except _EnvLost:
       self._env_id, self._running = None, False
       raise EnvError(f"{self.base_url} lost env mid-episode (did the server restart or close "
@@ -176,8 +177,8 @@ class AgentGymClient:
     """POSTs to an env route; raises _EnvLost if the server no longer knows our id."""
     status, payload = self._request("POST", route, body, retry_statuses=retry_statuses)
     error = payload.get("error") if isinstance(payload, dict) else None
-    lost_here = status == 404 and isinstance(payload, dict) and payload.get("code") == (
-        "unknown_env")
+    lost_here = status == 404 and isinstance(payload,
+                                             dict) and payload.get("code") == ("unknown_env")
     lost_there = status == 200 and isinstance(error, str) and any(
         phrase in error for phrase in _LOST_ENV_PHRASES)
     if lost_here or lost_there:
@@ -202,8 +203,8 @@ class AgentGymClient:
       raise EnvError(f"{self.base_url} {what} failed ({status}): {detail or payload!r}")
 
   def _request(self, method: str, route: str, body: dict[str, Any] | None = None, *,
-               retries: int | None = None, retry_statuses: frozenset[int] | None = None
-               ) -> tuple[int, Any]:
+               retries: int | None = None,
+               retry_statuses: frozenset[int] | None = None) -> tuple[int, Any]:
     """Sends one request with retries; returns (status, decoded JSON) of the last answer.
 
     Connection failures are retried, and so are the answers in `retry_statuses` (by default
@@ -236,8 +237,8 @@ class AgentGymClient:
         payload = json.loads(raw) if raw else None
       except ValueError:
         payload = raw.decode(errors="replace")
-      is_retried = (response.status >= 500 if retry_statuses is None
-                    else response.status in retry_statuses)
+      is_retried = (
+          response.status >= 500 if retry_statuses is None else response.status in retry_statuses)
       if is_retried and attempt < retries:
         failure = f"HTTP {response.status}: {payload!r}"
         continue
@@ -265,4 +266,3 @@ class AgentGymClient:
     if self._connection is not None:
       self._connection.close()
       self._connection = None
-

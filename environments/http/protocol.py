@@ -57,16 +57,13 @@ class PayloadStyle:
   success: Callable[[float], bool]
 
 
-TEXTCRAFT = PayloadStyle(
-    "textcraft", create_returns_observation=True, score_scale=None,
-    reset_has_task_description=False, success=lambda total: total >= 1.0)
+TEXTCRAFT = PayloadStyle("textcraft", create_returns_observation=True, score_scale=None,
+                         reset_has_task_description=False, success=lambda total: total >= 1.0)
 # minigrid pays 1 - 0.9 * steps / max_steps >= 0.1 on success and 0 otherwise.
-BABYAI = PayloadStyle(
-    "babyai", create_returns_observation=False, score_scale=1.0,
-    reset_has_task_description=False, success=lambda score: score > 0.0)
-SCIWORLD = PayloadStyle(
-    "sciworld", create_returns_observation=False, score_scale=100.0,
-    reset_has_task_description=True, success=lambda score: score >= 100.0)
+BABYAI = PayloadStyle("babyai", create_returns_observation=False, score_scale=1.0,
+                      reset_has_task_description=False, success=lambda score: score > 0.0)
+SCIWORLD = PayloadStyle("sciworld", create_returns_observation=False, score_scale=100.0,
+                        reset_has_task_description=True, success=lambda score: score >= 100.0)
 
 STYLES: dict[str, PayloadStyle] = {style.name: style for style in (TEXTCRAFT, BABYAI, SCIWORLD)}
 

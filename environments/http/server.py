@@ -72,8 +72,8 @@ class AgentGymServer:
 
   def __init__(self, env: str, *, options: Mapping[str, Any] | None = None,
                style: str | None = None, host: str = "127.0.0.1", port: int = 0,
-               max_envs: int = 256, idle_timeout_s: float = 1800.0,
-               max_body_bytes: int = 1 << 20, busy_timeout_s: float = 30.0):
+               max_envs: int = 256, idle_timeout_s: float = 1800.0, max_body_bytes: int = 1 << 20,
+               busy_timeout_s: float = 30.0):
     """Binds the socket; `start()` or `serve_forever()` serves.
 
     Args:
@@ -146,8 +146,8 @@ class AgentGymServer:
     self._threads = [
         threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.1},
                          name=f"agentgym-{self.env_name}-http", daemon=True),
-        threading.Thread(target=self._close_idle_forever,
-                         name=f"agentgym-{self.env_name}-janitor", daemon=True),
+        threading.Thread(target=self._close_idle_forever, name=f"agentgym-{self.env_name}-janitor",
+                         daemon=True),
     ]
     for thread in self._threads:
       thread.start()
@@ -198,8 +198,9 @@ class AgentGymServer:
         if allowed:
           raise HTTPError(405, f"{url.path} takes {' or '.join(allowed)}, not {method}",
                           "method_not_allowed")
-        raise HTTPError(404, f"unknown route {method} {url.path}; routes: "
-                        + ", ".join(f"{m} {p}" for m, p in self._routes), "unknown_route")
+        raise HTTPError(
+            404, f"unknown route {method} {url.path}; routes: " +
+            ", ".join(f"{m} {p}" for m, p in self._routes), "unknown_route")
       query = dict(urllib.parse.parse_qsl(url.query, keep_blank_values=True))
       return 200, route(query, body)
     except HTTPError as e:
@@ -211,22 +212,29 @@ class AgentGymServer:
   # Routes.
 
   def _health(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
-    return {"env": self.env_name, "protocol": "agentgym", "style": self.style.name,
-            "envs": self.num_envs(), "max_envs": self._max_envs,
-            "idle_timeout_s": None if math.isinf(self._idle_timeout_s) else self._idle_timeout_s}
+    return {
+        "env": self.env_name,
+        "protocol": "agentgym",
+        "style": self.style.name,
+        "envs": self.num_envs(),
+        "max_envs": self._max_envs,
+        "idle_timeout_s": None if math.isinf(self._idle_timeout_s) else self._idle_timeout_s
+    }
 
   def _create(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
     request = _json_object(body, allow_empty=True)
     # The original TextCraft server builds custom tasks from these; ours serves fixed tasks.
     for field in ("commands", "goal"):
       if request.get(field) is not None:
-        raise HTTPError(400, f"{field!r} is not supported: this server serves the fixed tasks "
-                        "of its adapter; choose one with /reset data_idx")
+        raise HTTPError(
+            400, f"{field!r} is not supported: this server serves the fixed tasks "
+            "of its adapter; choose one with /reset data_idx")
     self._close_idle()
     with self._lock:
       if len(self._envs) + self._creating >= self._max_envs:
-        raise HTTPError(503, f"the server already hosts its maximum of {self._max_envs} envs; "
-                        "close some (POST /close) or retry later", "max_envs")
+        raise HTTPError(
+            503, f"the server already hosts its maximum of {self._max_envs} envs; "
+            "close some (POST /close) or retry later", "max_envs")
       self._creating += 1
     try:
       adapter = self._make_adapter("create")
@@ -260,12 +268,13 @@ class AgentGymServer:
     action = _str_field(request, "action")
     with self._use(env_id) as hosted:
       if not hosted.running:
-        raise HTTPError(409, f"env {env_id} has no episode in progress (it finished, failed, "
-                        "or was never reset); POST /reset first", "no_episode")
+        raise HTTPError(
+            409, f"env {env_id} has no episode in progress (it finished, failed, "
+            "or was never reset); POST /reset first", "no_episode")
       result = self._call_adapter(hosted, env_id, "step", lambda env: env.step(action))
       if not isinstance(result, StepResult):
-        self._fail(hosted, env_id, "step", TypeError(
-            f"step returned {type(result).__name__}, not StepResult"))
+        self._fail(hosted, env_id, "step",
+                   TypeError(f"step returned {type(result).__name__}, not StepResult"))
       hosted.running = not result.done
       hosted.observation = result.observation
       hosted.episode_return += result.reward
@@ -310,8 +319,8 @@ class AgentGymServer:
     observation = self._call_adapter(hosted, env_id, f"reset({task_id})",
                                      lambda env: env.reset(task_id))
     if not isinstance(observation, str):
-      self._fail(hosted, env_id, "reset", TypeError(
-          f"reset returned {type(observation).__name__}, not str"))
+      self._fail(hosted, env_id, "reset",
+                 TypeError(f"reset returned {type(observation).__name__}, not str"))
     hosted.running = True
     hosted.observation = observation
     hosted.episode_return = 0.0
@@ -322,16 +331,16 @@ class AgentGymServer:
       payload["task_description"] = ""
     return payload
 
-  def _reward_fields(self, reward: float, episode_return: float, info: Mapping[str, Any]
-                     ) -> dict[str, float]:
+  def _reward_fields(self, reward: float, episode_return: float,
+                     info: Mapping[str, Any]) -> dict[str, float]:
     """"reward" (and "score") in the style's units; see protocol.py."""
     scale = self.style.score_scale
     if scale is None:
       return {"reward": reward}
     return {"reward": scale * reward, "score": float(info.get("score", scale * episode_return))}
 
-  def _call_adapter(self, hosted: _HostedEnv, env_id: int, what: str,
-                    call: Callable[[Env], Any]) -> Any:
+  def _call_adapter(self, hosted: _HostedEnv, env_id: int, what: str, call: Callable[[Env],
+                                                                                     Any]) -> Any:
     try:
       return call(hosted.adapter)
     except Exception as e:
@@ -352,10 +361,10 @@ class AgentGymServer:
     try:
       return base.make(self.env_name, **self._options)
     except Exception as e:
-      logging.warning("AgentGymServer: building a %s adapter failed", self.env_name,
-                      exc_info=True)
-      raise HTTPError(500, f"could not build a {self.env_name} adapter ({what}): "
-                      f"{type(e).__name__}: {e}", ENV_ERROR) from e
+      logging.warning("AgentGymServer: building a %s adapter failed", self.env_name, exc_info=True)
+      raise HTTPError(
+          500, f"could not build a {self.env_name} adapter ({what}): "
+          f"{type(e).__name__}: {e}", ENV_ERROR) from e
 
   @contextlib.contextmanager
   def _use(self, env_id: int) -> Iterator[_HostedEnv]:
@@ -365,8 +374,9 @@ class AgentGymServer:
     if hosted is None:
       raise _unknown_env(env_id)
     if not hosted.lock.acquire(timeout=self._busy_timeout_s):
-      raise HTTPError(409, f"env {env_id} is still busy with an earlier request after "
-                      f"{self._busy_timeout_s} s", "busy")
+      raise HTTPError(
+          409, f"env {env_id} is still busy with an earlier request after "
+          f"{self._busy_timeout_s} s", "busy")
     try:
       if hosted.closed:  # Closed while this request waited for it.
         raise _unknown_env(env_id)
@@ -421,16 +431,20 @@ class AgentGymServer:
       except Exception as e:
         adapter, self._meta_adapter = self._meta_adapter, None
         _close_quietly(adapter)
-        raise HTTPError(500, f"the {self.env_name} adapter failed in {what}: "
-                        f"{type(e).__name__}: {e}", ENV_ERROR) from e
+        raise HTTPError(
+            500, f"the {self.env_name} adapter failed in {what}: "
+            f"{type(e).__name__}: {e}", ENV_ERROR) from e
 
   def _task_ids(self) -> dict[str, tuple[int, ...]]:
     """The task ids of each split, asked once of the spare adapter."""
     if self._split_task_ids is None:
       split_task_ids = {
-          split: tuple(self._ask_meta(f"task_ids({split!r})",
-                                      lambda env, split=split: env.task_ids(split)))
-          for split in base.SPLITS}
+          split:
+              tuple(
+                  self._ask_meta(f"task_ids({split!r})",
+                                 lambda env, split=split: env.task_ids(split)))
+          for split in base.SPLITS
+      }
       self._all_task_ids = frozenset(itertools.chain.from_iterable(split_task_ids.values()))
       self._split_task_ids = split_task_ids
     return self._split_task_ids
@@ -438,9 +452,9 @@ class AgentGymServer:
   def _check_task(self, task_id: int) -> None:
     self._task_ids()
     if task_id not in self._all_task_ids:
-      raise HTTPError(400, f"data_idx {task_id} is not a task id of {self.env_name} "
-                      f"({len(self._all_task_ids)} task ids; GET /task_ids?split= lists them)",
-                      "unknown_task")
+      raise HTTPError(
+          400, f"data_idx {task_id} is not a task id of {self.env_name} "
+          f"({len(self._all_task_ids)} task ids; GET /task_ids?split= lists them)", "unknown_task")
 
 
 class _HTTPServer(http.server.ThreadingHTTPServer):
@@ -569,12 +583,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     if self.command != "HEAD":
       self.wfile.write(data)
 
-  def send_error(self, code: int, message: str | None = None, explain: str | None = None
-                 ) -> None:
+  def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
     """Errors the base class detects (bad request lines, unknown methods) as JSON too."""
     self.close_connection = True
-    self._send_json(code, {"error": message or self.responses.get(code, ("error",))[0],
-                           "code": "bad_request"})
+    self._send_json(code, {
+        "error": message or self.responses.get(code, ("error",))[0],
+        "code": "bad_request"
+    })
 
   def log_message(self, format: str, *args: Any) -> None:
     logging.debug("AgentGymServer: %s %s", self.address_string(), format % args)
@@ -625,8 +640,9 @@ def _int_query(query: Mapping[str, str], name: str) -> int:
 
 
 def _unknown_env(env_id: int) -> HTTPError:
-  return HTTPError(404, f"unknown env id {env_id} (never created, closed, or closed after "
-                   "being idle); POST /create makes a new one", "unknown_env")
+  return HTTPError(
+      404, f"unknown env id {env_id} (never created, closed, or closed after "
+      "being idle); POST /create makes a new one", "unknown_env")
 
 
 def _close_quietly(adapter: Env) -> None:

@@ -73,8 +73,8 @@ DEFAULT_STEP_LIMIT = 100
 DEFAULT_JVM_HEAP_MB = 512
 # The serial collector (one thread; several JVMs share few cores) on a heap that starts small and
 # is given back after collections, keeping 20-40 % of it free; see "JVM memory" above.
-JVM_OPTIONS = ("-XX:+UseSerialGC", "-Xms64m", "-XX:MinHeapFreeRatio=20",
-               "-XX:MaxHeapFreeRatio=40", "-XX:+ExitOnOutOfMemoryError")
+JVM_OPTIONS = ("-XX:+UseSerialGC", "-Xms64m", "-XX:MinHeapFreeRatio=20", "-XX:MaxHeapFreeRatio=40",
+               "-XX:+ExitOnOutOfMemoryError")
 # How long close() lets the JVM exit after the gateway shuts down before killing it.
 _JVM_EXIT_GRACE_S = 10.0
 
@@ -98,7 +98,7 @@ ACTIONS = (
     ("eat OBJ", "eat a food"),
     ("flush OBJ", "flush a toilet"),
     ("focus on OBJ", "declare the object the task is about; only when the task asks for it, "
-                     "since focusing on the wrong object fails the task"),
+     "since focusing on the wrong object fails the task"),
     ("wait / wait1", "let 10 time steps / 1 time step pass"),
     ("inventory", "list what you are carrying"),
     ("task", "repeat the task description"),
@@ -128,11 +128,15 @@ def _tool(name: str, action: str, description: str, *parameters: str,
           aliases: tuple[str, ...] = ()) -> base.Tool:
   """A tool for one action template; a parameter named "location" is a location, any other an
   object. `aliases`: the simulator's other spellings of the action, which gold paths use."""
-  kinds = {"object": "An object, named as the observations name it.",
-           "location": "A location, named as the observations name it."}
-  return base.Tool(name, description, action, tuple(
-      base.Parameter(parameter, "string", kinds.get(parameter, kinds["object"]))
-      for parameter in parameters), aliases)
+  kinds = {
+      "object": "An object, named as the observations name it.",
+      "location": "A location, named as the observations name it."
+  }
+  return base.Tool(
+      name, description, action,
+      tuple(
+          base.Parameter(parameter, "string", kinds.get(parameter, kinds["object"]))
+          for parameter in parameters), aliases)
 
 
 # The tools of the tool_call format, one per action of ACTIONS.
@@ -149,10 +153,10 @@ TOOLS = (
     _tool("pick_up", "pick up {object}", "Take an object into your inventory.", "object"),
     _tool("put_down", "put down {object}", "Drop an object from your inventory.", "object",
           aliases=("drop {object}",)),
-    _tool("move", "move {object} to {destination}",
-          "Put an object in a container or on a surface.", "object", "destination"),
-    _tool("pour", "pour {object} into {destination}", "Pour a liquid into a container.",
-          "object", "destination", aliases=("pour {object} in {destination}",)),
+    _tool("move", "move {object} to {destination}", "Put an object in a container or on a surface.",
+          "object", "destination"),
+    _tool("pour", "pour {object} into {destination}", "Pour a liquid into a container.", "object",
+          "destination", aliases=("pour {object} in {destination}",)),
     _tool("dunk", "dunk {object} into {liquid}", "Dip a container into a liquid.", "object",
           "liquid", aliases=("dunk {object} in {liquid}",)),
     _tool("mix", "mix {object}", "Chemically mix the contents of a container.", "object"),
@@ -161,20 +165,22 @@ TOOLS = (
     _tool("use_on", "use {object} on {target}", "Use a tool or device on something.", "object",
           "target"),
     _tool("use", "use {object}", "Use a device by itself.", "object"),
-    _tool("connect", "connect {object} to {target}", "Wire two electrical components.",
-          "object", "target"),
+    _tool("connect", "connect {object} to {target}", "Wire two electrical components.", "object",
+          "target"),
     _tool("disconnect", "disconnect {object}", "Unwire an electrical component.", "object"),
     _tool("eat", "eat {object}", "Eat a food.", "object"),
     _tool("flush", "flush {object}", "Flush a toilet.", "object"),
-    _tool("focus_on", "focus on {object}", "Declare the object the task is about; only when the "
-          "task asks for it, since focusing on the wrong object fails the task.", "object"),
+    _tool(
+        "focus_on", "focus on {object}", "Declare the object the task is about; only when the "
+        "task asks for it, since focusing on the wrong object fails the task.", "object"),
     _tool("wait", "wait", "Let 10 time steps pass."),
     _tool("wait1", "wait1", "Let 1 time step pass."),
     _tool("inventory", "inventory", "List what you are carrying."),
     _tool("task", "task", "Repeat the task description."),
-    base.Tool("choose", "Answer numbered choices (shown when an action could mean several "
-              "objects) with the number of one.", "{number}",
-              (base.Parameter("number", "integer", "The number of the choice."),)),
+    base.Tool(
+        "choose", "Answer numbered choices (shown when an action could mean several "
+        "objects) with the number of one.", "{number}",
+        (base.Parameter("number", "integer", "The number of the choice."),)),
 )
 
 _ACTION_MARKER = re.compile(r"action\s*:", re.IGNORECASE)
@@ -205,12 +211,12 @@ class _Simulator:
 
   def __init__(self, heap_mb: int):
     # die_on_exit: the JVM exits when its stdin closes, so it cannot outlive this process.
-    port, self._java_process = launch_gateway(
-        classpath=JAR_PATH, javaopts=[*JVM_OPTIONS, f"-Xmx{heap_mb}m"], die_on_exit=True,
-        cwd=BASEPATH, return_proc=True)
+    port, self._java_process = launch_gateway(classpath=JAR_PATH,
+                                              javaopts=[*JVM_OPTIONS, f"-Xmx{heap_mb}m"],
+                                              die_on_exit=True, cwd=BASEPATH, return_proc=True)
     try:
-      self._gateway = JavaGateway(gateway_parameters=GatewayParameters(port=port),
-                                  java_process=self._java_process)
+      self._gateway = JavaGateway(
+          gateway_parameters=GatewayParameters(port=port), java_process=self._java_process)
       self._server = self._gateway.jvm.scienceworld.runtime.pythonapi.PythonInterface()
     except Exception:
       self._stop_java()
@@ -261,8 +267,8 @@ class SciWorldEnv:
 
   name = "sciworld"
 
-  def __init__(self, step_limit: int = DEFAULT_STEP_LIMIT,
-               jvm_heap_mb: int = DEFAULT_JVM_HEAP_MB, action_format: str = "react"):
+  def __init__(self, step_limit: int = DEFAULT_STEP_LIMIT, jvm_heap_mb: int = DEFAULT_JVM_HEAP_MB,
+               action_format: str = "react"):
     """Args: step_limit, the moves an episode may take; jvm_heap_mb, the simulator's heap cap
     (see "JVM memory" in the module docstring; at least 64); action_format, react or tool_call
     (environments/base.py; the tools are TOOLS)."""

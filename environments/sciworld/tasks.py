@@ -49,15 +49,18 @@ class Task:
 
   def variations(self, split: str) -> range:
     """The variations of `split` ("train", "dev" or "test")."""
-    bounds = {"train": (0, self.dev_start), "dev": (self.dev_start, self.test_start),
-              "test": (self.test_start, self.num_variations)}
+    bounds = {
+        "train": (0, self.dev_start),
+        "dev": (self.dev_start, self.test_start),
+        "test": (self.test_start, self.num_variations)
+    }
     if split not in bounds:
       raise ValueError(f"unknown variation split {split!r}; expected one of {tuple(bounds)}")
     return range(*bounds[split])
 
   def split_of(self, variation: int) -> str:
-    return ("train" if variation < self.dev_start else
-            "dev" if variation < self.test_start else "test")
+    return ("train"
+            if variation < self.dev_start else "dev" if variation < self.test_start else "test")
 
 
 # In the package's order (scienceworld/tasks.json). Appending keeps every existing id.
@@ -113,8 +116,12 @@ def lookup(task_id_: int) -> tuple[Task, int]:
 
 def task_info(task_id_: int) -> dict[str, Any]:
   task, variation = lookup(task_id_)
-  return {"category": task.name, "task": task.number, "variation": variation,
-          "split": task.split_of(variation)}
+  return {
+      "category": task.name,
+      "task": task.number,
+      "variation": variation,
+      "split": task.split_of(variation)
+  }
 
 
 def quotas_for_test_split() -> tuple[int, ...]:
@@ -122,8 +129,7 @@ def quotas_for_test_split() -> tuple[int, ...]:
   quotas = [0] * len(TASKS)
   dealt = 0
   while dealt < TEST_SIZE:
-    open_tasks = [i for i, task in enumerate(TASKS)
-                  if quotas[i] < len(task.variations("test"))]
+    open_tasks = [i for i, task in enumerate(TASKS) if quotas[i] < len(task.variations("test"))]
     if not open_tasks:
       raise ValueError(f"only {dealt} test variations exist, the test split needs {TEST_SIZE}")
     for i in open_tasks[:TEST_SIZE - dealt]:

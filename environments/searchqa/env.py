@@ -110,9 +110,8 @@ class SearchQAEnv:
   name = "searchqa"
 
   def __init__(self, data_dir: str | None = None, retriever: str | Retriever = "bm25",
-               top_k: int = 3, corpus_path: str | None = None,
-               bm25_index_dir: str | None = None, embeddings_path: str | None = None,
-               embed_fn: str | Callable | None = None,
+               top_k: int = 3, corpus_path: str | None = None, bm25_index_dir: str | None = None,
+               embeddings_path: str | None = None, embed_fn: str | Callable | None = None,
                test_sources: Sequence[str] | None = None,
                train_sources: Sequence[str] | None = None, action_format: str = "react"):
     if not isinstance(top_k, int) or top_k < 1:
@@ -120,8 +119,12 @@ class SearchQAEnv:
     self.top_k = top_k
     self.action_format = base.ActionFormat(action_format, TOOLS, react_reply)
     if data_dir is None:
-      given = {"corpus_path": corpus_path, "bm25_index_dir": bm25_index_dir,
-               "test_sources": test_sources, "train_sources": train_sources}
+      given = {
+          "corpus_path": corpus_path,
+          "bm25_index_dir": bm25_index_dir,
+          "test_sources": test_sources,
+          "train_sources": train_sources
+      }
       misplaced = sorted(key for key, value in given.items() if value is not None)
       if misplaced:
         raise ValueError(f"{', '.join(misplaced)} need data_dir (the FlashRAG data); without "
@@ -161,13 +164,20 @@ class SearchQAEnv:
 
   def task_info(self, task_id: int) -> dict[str, Any]:
     question = self._lookup(task_id)
-    info = {"category": question.category, "id": question.id, "question": question.question,
-            "golden_answers": list(question.golden_answers),
-            "split": "test" if task_id in self._splits["test"] else "train"}
+    info = {
+        "category": question.category,
+        "id": question.id,
+        "question": question.question,
+        "golden_answers": list(question.golden_answers),
+        "split": "test" if task_id in self._splits["test"] else "train"
+    }
     metadata = dict(question.metadata)
     if "hops" in metadata:  # generated questions: the pages that hold the facts, in order
-      info["hops"] = [{"title": hop.title, "evidence": hop.evidence, "names": list(hop.names)}
-                      for hop in metadata.pop("hops")]
+      info["hops"] = [{
+          "title": hop.title,
+          "evidence": hop.evidence,
+          "names": list(hop.names)
+      } for hop in metadata.pop("hops")]
     if metadata:
       info["metadata"] = metadata
     return info
@@ -193,12 +203,18 @@ class SearchQAEnv:
       except Exception as error:  # a user's retriever or encoder: an env fault, not the agent's
         raise EnvError(f"retriever failed on query {action.text!r}: {error!r}") from error
       self._searches += 1
-      return StepResult(format_information(docs), 0.0, False,
-                        {**info, "action": "search", "searches": self._searches})
+      return StepResult(
+          format_information(docs), 0.0, False, {
+              **info, "action": "search",
+              "searches": self._searches
+          })
     correct = exact_match(action.text, self._question.golden_answers)
     self._question = None
-    return StepResult(CORRECT_OBSERVATION if correct else WRONG_OBSERVATION, float(correct), True,
-                      {**info, "action": "answer", "success": correct, "answer": action.text})
+    return StepResult(CORRECT_OBSERVATION if correct else WRONG_OBSERVATION, float(correct), True, {
+        **info, "action": "answer",
+        "success": correct,
+        "answer": action.text
+    })
 
   def close(self) -> None:
     self._question = None
@@ -252,9 +268,8 @@ def _dense(corpus_key: str | None, embeddings_path: str, embed_fn: Callable) -> 
   return TitleFirst(dense, docs) if corpus_key is None else dense
 
 
-def _make_retriever(retriever: str | Retriever, corpus_key: str | None,
-                    bm25_index_dir: str | None, embeddings_path: str | None,
-                    embed_fn: str | Callable | None) -> Retriever:
+def _make_retriever(retriever: str | Retriever, corpus_key: str | None, bm25_index_dir: str | None,
+                    embeddings_path: str | None, embed_fn: str | Callable | None) -> Retriever:
   if not isinstance(retriever, str):
     if not callable(getattr(retriever, "search", None)):
       raise TypeError(f"retriever must be one of {RETRIEVERS} or have a search(query, k) "

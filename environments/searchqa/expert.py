@@ -16,10 +16,12 @@ def replies(env: base.Env, task_id: int) -> list[str]:
   hops = info.get("hops")
   if not hops:
     raise base.ExpertError(f"task {task_id} has no hops (a FlashRAG question): nothing to follow")
-  titles = [hop["title"] for i, hop in enumerate(hops)
-            if i == 0 or hop["title"] != hops[i - 1]["title"]]
-  searches = [base.reply_for(env, f"I look up {title}.", f"<search> {title} </search>")
-              for title in titles]
+  titles = [
+      hop["title"] for i, hop in enumerate(hops) if i == 0 or hop["title"] != hops[i - 1]["title"]
+  ]
+  searches = [
+      base.reply_for(env, f"I look up {title}.", f"<search> {title} </search>") for title in titles
+  ]
   answer = info["golden_answers"][0]
   thought = f"{hops[-1]['evidence']} So the answer is {answer}."
   return [*searches, base.reply_for(env, thought, f"<answer> {answer} </answer>")]

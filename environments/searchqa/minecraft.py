@@ -134,18 +134,26 @@ class World:
     self.items = {item["name"]: item for item in data.items_list}
     self.groups = dict(book.generics)
     self.recipes: dict[str, tuple[Recipe, ...]] = dict(
-        sorted({**book.recipes, **_storage_recipes(data, book)}.items()))
+        sorted({
+            **book.recipes,
+            **_storage_recipes(data, book)
+        }.items()))
     self.blocks = frozenset(block["name"] for block in data.blocks_list)
     self.food = {food["name"]: food for food in data.foods_list}
-    self.block_loot = {name: entries for name, entries in data.blockLoot.items()
-                       if name in self.items}
+    self.block_loot = {
+        name: entries for name, entries in data.blockLoot.items() if name in self.items
+    }
     entity_titles = {entity["name"]: entity["displayName"] for entity in data.entities_list}
-    self.mob_drops = {entry["entity"]: entry["drops"] for entry in data.entityLoot_list
-                      if entry["drops"]}
+    self.mob_drops = {
+        entry["entity"]: entry["drops"] for entry in data.entityLoot_list if entry["drops"]
+    }
 
     display_counts = collections.Counter(item["displayName"] for item in data.items_list)
-    self.titles = {name: (item["displayName"] if display_counts[item["displayName"]] == 1
-                          else _title_case(name)) for name, item in self.items.items()}
+    self.titles = {
+        name:
+            (item["displayName"] if display_counts[item["displayName"]] == 1 else _title_case(name))
+        for name, item in self.items.items()
+    }
     self.titles.update({group: _title_case(group) for group in self.groups})
     taken = {title.lower() for title in self.titles.values()}
     self.mob_titles = {}
@@ -207,8 +215,10 @@ class World:
 
   def count(self, name: str, ingredient: str) -> int | None:
     """How many `ingredient` every recipe of `name` takes, when they all take the same."""
-    counts = {next((i.count for i in recipe.ingredients if i.item == ingredient), None)
-              for recipe in self.recipes.get(name, ())}
+    counts = {
+        next((i.count for i in recipe.ingredients if i.item == ingredient),
+             None) for recipe in self.recipes.get(name, ())
+    }
     return counts.pop() if len(counts) == 1 and None not in counts else None
 
   def fills(self, item: str, slot: str) -> bool:
@@ -233,15 +243,20 @@ class World:
     Only pairs written in some recipe count; the pair is kept when no other recipe of any
     item can be filled by the two (in either order, members filling their groups).
     """
-    two_slot = [recipe for recipes in self.recipes.values() for recipe in recipes
-                if len(recipe.ingredients) == 2]
+    two_slot = [
+        recipe for recipes in self.recipes.values() for recipe in recipes
+        if len(recipe.ingredients) == 2
+    ]
     found = {}
     for recipe in two_slot:
       pair = tuple(sorted(i.item for i in recipe.ingredients))
       if not all(item in self.items for item in pair) or pair in found:
         continue
-      outputs = {other.output for other in two_slot
-                 if self._fill_both(pair, [i.item for i in other.ingredients])}
+      outputs = {
+          other.output
+          for other in two_slot
+          if self._fill_both(pair, [i.item for i in other.ingredients])
+      }
       if outputs == {recipe.output}:
         found[pair] = (recipe.output, recipe)
     return dict(sorted(found.items()))
@@ -265,10 +280,10 @@ class World:
 
   def mob_drop_sentences(self, mob: str) -> list[str]:
     drops = self.mob_drops[mob]
-    always = sorted(self.titles[d["item"]] for d in drops
-                    if d["dropChance"] == 1 and not d.get("playerKill"))
-    always_by_player = sorted(self.titles[d["item"]] for d in drops
-                              if d["dropChance"] == 1 and d.get("playerKill"))
+    always = sorted(
+        self.titles[d["item"]] for d in drops if d["dropChance"] == 1 and not d.get("playerKill"))
+    always_by_player = sorted(
+        self.titles[d["item"]] for d in drops if d["dropChance"] == 1 and d.get("playerKill"))
     sometimes = sorted(self.titles[d["item"]] for d in drops if d["dropChance"] < 1)
     sentences = []
     if always:
@@ -283,8 +298,7 @@ class World:
     entries = self.block_loot.get(block, ())
 
     def drops(selected) -> str:
-      names = sorted({"itself" if e["item"] == block else self.titles[e["item"]]
-                      for e in selected})
+      names = sorted({"itself" if e["item"] == block else self.titles[e["item"]] for e in selected})
       return _join(names, "or") if names else "nothing"
 
     with_silk = [e for e in entries if e.get("silkTouch")]
@@ -299,8 +313,10 @@ class World:
 
   def item_page(self, name: str) -> Doc:
     item, title = self.items[name], self.titles[name]
-    sentences = [f"{title} is an item in Minecraft Java Edition {MINECRAFT_VERSION} (id "
-                 f"minecraft:{name})."]
+    sentences = [
+        f"{title} is an item in Minecraft Java Edition {MINECRAFT_VERSION} (id "
+        f"minecraft:{name})."
+    ]
     recipes = self.recipes.get(name, ())
     sentences.extend(self.recipe_sentence(recipe) for recipe in recipes)
     if not recipes:
@@ -314,7 +330,8 @@ class World:
       mined = self.mined_sentence(name)
       if mined:
         sentences.append(mined)
-    droppers = sorted(self.mob_titles[mob] for mob, drops in self.mob_drops.items()
+    droppers = sorted(self.mob_titles[mob]
+                      for mob, drops in self.mob_drops.items()
                       if any(drop["item"] == name for drop in drops))
     if droppers:
       sentences.append(f"It is dropped by these mobs: {', '.join(droppers)}.")
@@ -329,21 +346,24 @@ class World:
   def group_page(self, group: str) -> Doc:
     title = self.titles[group]
     members = _join(sorted(self.titles[member] for member in self.groups[group]), "or")
-    return Doc(title, f"{title} is a group of interchangeable crafting ingredients in Minecraft "
-                      f"Java Edition {MINECRAFT_VERSION}: a recipe that asks for {title} accepts "
-                      f"any of {members}. {self.uses_sentence(group)}")
+    return Doc(
+        title, f"{title} is a group of interchangeable crafting ingredients in Minecraft "
+        f"Java Edition {MINECRAFT_VERSION}: a recipe that asks for {title} accepts "
+        f"any of {members}. {self.uses_sentence(group)}")
 
   def mob_page(self, mob: str) -> Doc:
     title = self.mob_titles[mob]
-    sentences = [f"{title} is a mob in Minecraft Java Edition {MINECRAFT_VERSION}.",
-                 *self.mob_drop_sentences(mob)]
+    sentences = [
+        f"{title} is a mob in Minecraft Java Edition {MINECRAFT_VERSION}.",
+        *self.mob_drop_sentences(mob)
+    ]
     return Doc(title, " ".join(sentences))
 
   def pages(self) -> list[Doc]:
     """The corpus: items, then groups, then mobs, each sorted by id."""
-    return ([self.item_page(name) for name in sorted(self.items)]
-            + [self.group_page(group) for group in sorted(self.groups)]
-            + [self.mob_page(mob) for mob in sorted(self.mob_drops)])
+    return ([self.item_page(name) for name in sorted(self.items)] +
+            [self.group_page(group) for group in sorted(self.groups)] +
+            [self.mob_page(mob) for mob in sorted(self.mob_drops)])
 
 
 def _storage_recipes(data, book: RecipeBook) -> dict[str, tuple[Recipe, ...]]:
@@ -359,13 +379,16 @@ def _storage_recipes(data, book: RecipeBook) -> dict[str, tuple[Recipe, ...]]:
       output = names[entry["result"]["id"]]
       if output in book.recipes:
         continue
-      cells = ([c for row in entry["inShape"] for c in row] if "inShape" in entry
-               else entry["ingredients"])
+      cells = ([c for row in entry["inShape"] for c in row]
+               if "inShape" in entry else entry["ingredients"])
       counts = collections.Counter(names[c] for c in cells if c is not None)
-      restored[output].add(Recipe(output, entry["result"]["count"],
-                                  tuple(Ingredient(item, n) for item, n in sorted(counts.items()))))
-  return {output: tuple(sorted(recipes, key=lambda r: [(i.item, i.count) for i in r.ingredients]))
-          for output, recipes in restored.items()}
+      restored[output].add(
+          Recipe(output, entry["result"]["count"],
+                 tuple(Ingredient(item, n) for item, n in sorted(counts.items()))))
+  return {
+      output: tuple(sorted(recipes, key=lambda r: [(i.item, i.count) for i in r.ingredients]))
+      for output, recipes in restored.items()
+  }
 
 
 class _QuestionWriter:
@@ -394,8 +417,7 @@ class _QuestionWriter:
       if drop:
         yield _Clue(drop, f"the item that {titles[block]} drops when mined without Silk Touch",
                     (Hop(titles[block], f"mined without Silk Touch, it drops {titles[drop]}.",
-                         (titles[block],)),),
-                    frozenset({block, drop}))
+                         (titles[block],)),), frozenset({block, drop}))
     for name in sorted(world.items):
       yield from self.extend(_Clue(name, titles[name], (), frozenset({name})))
 
@@ -423,23 +445,25 @@ class _QuestionWriter:
       for known in world.ingredient_set(item) or ():
         other = world.other_ingredient(item, known)
         if other:
-          yield from deeper(other, f"the ingredient besides {titles[known]} in the recipe for "
-                                   f"{clue.phrase}", recipe_hop, (known,))
+          yield from deeper(
+              other, f"the ingredient besides {titles[known]} in the recipe for "
+              f"{clue.phrase}", recipe_hop, (known,))
     for partner, (made, recipe) in self.combinations_with.get(item, ()):
       if not clue.hops and partner < item:
         continue  # a pair of named items is one clue, not two
       # The named partner comes first: "crafted from Sand and the item that ..." parses one way.
       yield from deeper(made, f"the item crafted from just {titles[partner]} and {clue.phrase}",
-                        Hop(titles[made], world.recipe_sentence(recipe),
-                            (titles[partner], page)), (partner,))
+                        Hop(titles[made], world.recipe_sentence(recipe), (titles[partner], page)),
+                        (partner,))
 
   def questions(self) -> Iterator[tuple[str, str, tuple[str, ...], tuple[Hop, ...]]]:
     """(kind, question, golden answers, hops) of every question of 2 to MAX_HOPS hops."""
     clues = list(self.first_clues())
     frontier = clues
     while frontier:
-      frontier = [deeper for clue in frontier if len(clue.hops) < MAX_HOPS
-                  for deeper in self.extend(clue)]
+      frontier = [
+          deeper for clue in frontier if len(clue.hops) < MAX_HOPS for deeper in self.extend(clue)
+      ]
       clues.extend(frontier)
     for clue in clues:
       candidates = [("name", f"What is {clue.phrase}?", (self.titles[clue.target],), clue.hops),
@@ -457,11 +481,11 @@ class _QuestionWriter:
       count = world.count(item, ingredient)
       if count is None or count < MIN_COUNT:
         continue
-      recipe = next(r for r in world.recipes[item]
-                    if any(i.item == ingredient for i in r.ingredients))
+      recipe = next(
+          r for r in world.recipes[item] if any(i.item == ingredient for i in r.ingredients))
       yield ("count", f"How many {self.titles[ingredient]} does the recipe for {clue.phrase} use?",
-             _number_answers(count),
-             clue.hops + (Hop(page, world.recipe_sentence(recipe), (page,)),))
+             _number_answers(count), clue.hops + (Hop(page, world.recipe_sentence(recipe),
+                                                      (page,)),))
     if item in world.food:
       points = world.food[item]["foodPoints"]
       yield ("food", f"How many hunger points does {clue.phrase} restore when eaten?",
@@ -532,9 +556,13 @@ def dataset() -> Dataset:
       continue
     category = f"{_pages_read(hops)}-hop {kind}"
     key = _sha256(text)
-    by_category[category].setdefault(key, Question(
-        id=f"minecraft-{key[:16]}", question=text, golden_answers=answers, category=category,
-        metadata={"kind": kind, "hops": tuple(hops)}))
+    by_category[category].setdefault(
+        key,
+        Question(id=f"minecraft-{key[:16]}", question=text, golden_answers=answers,
+                 category=category, metadata={
+                     "kind": kind,
+                     "hops": tuple(hops)
+                 }))
   test, train = [], []
   for category in sorted(by_category):
     if len(by_category[category]) < MIN_CATEGORY_SIZE:

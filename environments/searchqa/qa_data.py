@@ -92,14 +92,18 @@ def question_from_record(record: Mapping[str, Any], source: str, where: str) -> 
   metadata = record.get("metadata")
   if not isinstance(metadata, Mapping):
     metadata = {} if metadata is None else {"metadata": metadata}
-  return Question(id=str(record.get("id", where)), question=text, golden_answers=tuple(answers),
-                  category=PAPER_CATEGORIES.get(source, source), metadata=dict(metadata))
+  return Question(
+      id=str(record.get("id", where)), question=text, golden_answers=tuple(answers),
+      category=PAPER_CATEGORIES.get(source, source), metadata=dict(metadata))
 
 
 def source_file(data_dir: str | os.PathLike, source: str, split: str) -> str:
   """The file a split reads for `source` (see SPLIT_FILES), or a clear error."""
-  candidates = [os.path.join(data_dir, source, f"{name}.{ext}")
-                for name in SPLIT_FILES[split] for ext in FILE_FORMATS]
+  candidates = [
+      os.path.join(data_dir, source, f"{name}.{ext}")
+      for name in SPLIT_FILES[split]
+      for ext in FILE_FORMATS
+  ]
   for path in candidates:
     if os.path.exists(path):
       return path
@@ -108,15 +112,15 @@ def source_file(data_dir: str | os.PathLike, source: str, split: str) -> str:
 
 
 def load_flashrag(data_dir: str | os.PathLike, test_sources: Sequence[str] = TEST_SOURCES,
-                  train_sources: Sequence[str] = TRAIN_SOURCES
-                  ) -> dict[str, list[Question]]:
+                  train_sources: Sequence[str] = TRAIN_SOURCES) -> dict[str, list[Question]]:
   """The test and train questions under `data_dir`, in task id order (module docstring)."""
   splits = {}
   for split, sources in (("test", test_sources), ("train", train_sources)):
     questions = []
     for source in sources:
       path = source_file(data_dir, source, split)
-      questions.extend(question_from_record(record, source, f"{path}: record {index}")
-                       for index, record in enumerate(read_records(path)))
+      questions.extend(
+          question_from_record(record, source, f"{path}: record {index}")
+          for index, record in enumerate(read_records(path)))
     splits[split] = questions
   return splits

@@ -145,8 +145,8 @@ class BM25Retriever:
                        f"corpus {len(docs)}; delete the stale index in {index_dir}")
 
   def search(self, query: str, k: int) -> list[Doc]:
-    query_tokens = self._tokenizer.tokenize(
-        [query], update_vocab=False, return_as="ids", show_progress=False)
+    query_tokens = self._tokenizer.tokenize([query], update_vocab=False, return_as="ids",
+                                            show_progress=False)
     k = min(k, len(self.docs))
     indices, scores = self._bm25.retrieve(query_tokens, k=k, show_progress=False, n_threads=1)
     return [self.docs[int(i)] for i, score in zip(indices[0], scores[0]) if score > 0]
@@ -189,8 +189,8 @@ def load_embeddings(path: str | os.PathLike):
     try:
       import faiss  # pylint: disable=g-import-not-at-top
     except ImportError:
-      raise ImportError(f"reading the FAISS index {path} needs faiss (pip install faiss-cpu)"
-                        ) from None
+      raise ImportError(
+          f"reading the FAISS index {path} needs faiss (pip install faiss-cpu)") from None
     return faiss.read_index(path)
   raise ValueError(f"{path}: embeddings must be a .npy array or a FAISS .index/.faiss file")
 

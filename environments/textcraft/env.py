@@ -85,27 +85,29 @@ Thought: <your reasoning>
 Action: <one action>"""
 # The instruction's example episode: (thought, action, observation) a turn.
 _EXAMPLE = (
-    ("Sticks need 2 planks. Oak planks count as planks and come from oak logs.",
-     "get 1 oak logs", "Got 1 oak logs"),
-    ("Now I turn the oak logs into oak planks.",
-     "craft 4 oak planks using 1 oak logs", "Crafted 4 minecraft:oak_planks"),
-    ("I have 4 oak planks; 2 of them make the sticks.",
-     "craft 4 stick using 2 oak planks", "Crafted 4 minecraft:stick"),
+    ("Sticks need 2 planks. Oak planks count as planks and come from oak logs.", "get 1 oak logs",
+     "Got 1 oak logs"),
+    ("Now I turn the oak logs into oak planks.", "craft 4 oak planks using 1 oak logs",
+     "Crafted 4 minecraft:oak_planks"),
+    ("I have 4 oak planks; 2 of them make the sticks.", "craft 4 stick using 2 oak planks",
+     "Crafted 4 minecraft:stick"),
 )
 
 TOOLS = (
-    base.Tool("get", "Take N of a base ingredient, one that cannot be crafted. The supply is "
-              "unlimited.", "get {count} {item}", (
-                  base.Parameter("count", "integer", "How many to take."),
-                  base.Parameter("item", "string", 'The ingredient, e.g. "oak logs".'))),
-    base.Tool("craft", "Craft once with one of the given crafting commands: the target, the "
-              "number of targets the command makes, and exactly the command's ingredients "
-              "and counts. Craft again to make more.", "craft {count} {target} using "
-              "{ingredients}", (
-                  base.Parameter("count", "integer", "How many targets the command makes."),
-                  base.Parameter("target", "string", 'The item to craft, e.g. "stick".'),
-                  base.Parameter("ingredients", "array", 'Each ingredient with its count, as '
-                                 'the command lists it, e.g. ["2 oak planks"].'))),
+    base.Tool(
+        "get", "Take N of a base ingredient, one that cannot be crafted. The supply is "
+        "unlimited.", "get {count} {item}",
+        (base.Parameter("count", "integer", "How many to take."),
+         base.Parameter("item", "string", 'The ingredient, e.g. "oak logs".'))),
+    base.Tool(
+        "craft", "Craft once with one of the given crafting commands: the target, the "
+        "number of targets the command makes, and exactly the command's ingredients "
+        "and counts. Craft again to make more.", "craft {count} {target} using "
+        "{ingredients}", (base.Parameter("count", "integer", "How many targets the command makes."),
+                          base.Parameter("target", "string", 'The item to craft, e.g. "stick".'),
+                          base.Parameter(
+                              "ingredients", "array", 'Each ingredient with its count, as '
+                              'the command lists it, e.g. ["2 oak planks"].'))),
     base.Tool("inventory", "List what you are carrying.", "inventory"),
 )
 
@@ -132,7 +134,8 @@ def _sha256(text: str) -> str:
 def goals() -> tuple[tuple[str, int], ...]:
   """(goal item, crafting depth) of every task; the task id is the index."""
   book = RecipeBook.load()
-  return tuple((item, int(book.depth[item])) for item in book.craftable_items()
+  return tuple((item, int(book.depth[item]))
+               for item in book.craftable_items()
                if 1 <= book.depth[item] <= MAX_DEPTH)
 
 
@@ -146,8 +149,10 @@ def splits() -> dict[str, tuple[int, ...]]:
       raise ValueError(f"only {len(ids)} goals of depth {depth}, the test split needs {quota}")
     test.extend(sorted(ids, key=lambda i: _sha256(f"textcraft test {goals()[i][0]}"))[:quota])
   test_ids = set(test)
-  return {"test": tuple(sorted(test_ids)),
-          "train": tuple(i for i in range(len(goals())) if i not in test_ids)}
+  return {
+      "test": tuple(sorted(test_ids)),
+      "train": tuple(i for i in range(len(goals())) if i not in test_ids)
+  }
 
 
 def commands_for(goal: str) -> list[Recipe]:
@@ -166,7 +171,8 @@ def commands_for(goal: str) -> list[Recipe]:
   kinds = {kind_word(item) for item in ingredients if item in book.crafted_generics}
   candidates = {
       recipe for item in needed for recipe in book.uses.get(item, ())
-      if recipe.output not in needed and not (kinds and kind_word(recipe.output) in kinds)}
+      if recipe.output not in needed and not (kinds and kind_word(recipe.output) in kinds)
+  }
   distractors = sorted(candidates, key=lambda r: _sha256(f"{goal} distractor {r.command}"))
   listed = tree + distractors[:MAX_DISTRACTORS]
   return sorted(listed, key=lambda r: _sha256(f"{goal} order {r.command}"))
@@ -237,15 +243,14 @@ class TextCraftEnv:
     except _ActionFailed as e:
       observation, success = str(e), False
     self._done = success
-    return StepResult(observation, float(success), success,
-                      {"success": success, "action": action})
+    return StepResult(observation, float(success), success, {"success": success, "action": action})
 
   def close(self) -> None:
     self._done = True
 
   def _check_task(self, task_id: int) -> int:
-    if isinstance(task_id, bool) or not isinstance(task_id, int) or not (
-        0 <= task_id < len(goals())):
+    if isinstance(task_id,
+                  bool) or not isinstance(task_id, int) or not (0 <= task_id < len(goals())):
       raise ValueError(f"unknown TextCraft task id {task_id!r}; ids are 0..{len(goals()) - 1}")
     return task_id
 
@@ -282,8 +287,7 @@ class TextCraftEnv:
       needed[item] = needed.get(item, 0) + count
     if any(self._inventory.get(item, 0) < count for item, count in needed.items()):
       raise _ActionFailed(f"Could not find enough items to craft minecraft:{_echo(target)}")
-    recipe = next((r for r in self._book.recipes.get(target, ()) if self._matches(r, inputs)),
-                  None)
+    recipe = next((r for r in self._book.recipes.get(target, ()) if self._matches(r, inputs)), None)
     if recipe is None:
       raise _ActionFailed(f"Could not find a valid recipe for minecraft:{_echo(target)}")
     for item, count in inputs:
@@ -303,9 +307,8 @@ class TextCraftEnv:
       if k == len(inputs):
         return True
       item, count = inputs[k]
-      return any(
-          slots[s].count == count and self._book.satisfies(item, slots[s].item)
-          and assign(k + 1, free[:j] + free[j + 1:]) for j, s in enumerate(free))
+      return any(slots[s].count == count and self._book.satisfies(item, slots[s].item)
+                 and assign(k + 1, free[:j] + free[j + 1:]) for j, s in enumerate(free))
 
     return assign(0, tuple(range(len(slots))))
 

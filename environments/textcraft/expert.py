@@ -28,8 +28,10 @@ def replies(env: base.Env, task_id: int) -> list[str]:
   if goal is None:
     raise base.ExpertError(f"task {task_id}: no goal line in {first[-200:]!r}")
   actions = oracle.solve(first)
-  return [base.reply_for(env, thought(actions, i, goal.group(1)), action)
-          for i, action in enumerate(actions)]
+  return [
+      base.reply_for(env, thought(actions, i, goal.group(1)), action)
+      for i, action in enumerate(actions)
+  ]
 
 
 def thought(actions: Sequence[str], index: int, goal: str) -> str:

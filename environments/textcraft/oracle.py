@@ -45,14 +45,19 @@ def solve(first_observation: str) -> list[str]:
     producers[command.output].append(command)
   crafted_generics = {display_name(name) for name in RecipeBook.load().crafted_generics}
   names = {item for c in commands for item, _ in c.ingredients}
-  members = {item: [output for output in producers if kind_word(output) == kind_word(item)]
-             if item in crafted_generics else [] for item in names - set(producers)}
+  members = {
+      item: [output for output in producers if kind_word(output) == kind_word(item)]
+            if item in crafted_generics else [] for item in names - set(producers)
+  }
   depth = _depths(producers, members)
-  recipe = {item: min(options, key=lambda c: max(depth[i] for i, _ in c.ingredients))
-            for item, options in producers.items()}
+  recipe = {
+      item: min(options, key=lambda c: max(depth[i] for i, _ in c.ingredients))
+      for item, options in producers.items()
+  }
   # A crafted generic is filled by its shallowest member; min() keeps the first listed on ties.
-  stand_in = {item: min(options, key=lambda m: depth[m])
-              for item, options in members.items() if options}
+  stand_in = {
+      item: min(options, key=lambda m: depth[m]) for item, options in members.items() if options
+  }
 
   actions: list[str] = []
   inventory: collections.Counter[str] = collections.Counter()
@@ -101,8 +106,8 @@ def _parse(observation: str) -> tuple[list[_Command], str]:
   return commands, goal.group(1)
 
 
-def _depths(producers: dict[str, list[_Command]], members: dict[str, list[str]]
-            ) -> dict[str, float]:
+def _depths(producers: dict[str, list[_Command]], members: dict[str,
+                                                                list[str]]) -> dict[str, float]:
   """Crafting depth of every listed name (fixed point, as `recipes._depths`)."""
   depth: dict[str, float] = collections.defaultdict(lambda: math.inf)
   for name, options in members.items():

@@ -229,8 +229,8 @@ def _load_variants() -> dict[str, list[_Variant]]:
   return variants
 
 
-def _factor(output: str, variants: Sequence[_Variant], generics: dict[str, frozenset[str]]
-            ) -> list[Recipe]:
+def _factor(output: str, variants: Sequence[_Variant],
+            generics: dict[str, frozenset[str]]) -> list[Recipe]:
   """Rebuilds the recipes of `output` from its tag-expanded variants (steps 1 and 2).
 
   Adds the generic ingredients it names to `generics`.
@@ -294,8 +294,8 @@ def _generic_name(members: Sequence[str]) -> str:
   raise ValueError(f"cannot name the generic ingredient with members {sorted(members)}")
 
 
-def _break_storage_cycles(by_output: dict[str, list[Recipe]], generics: dict[str, frozenset[str]]
-                          ) -> dict[str, tuple[Recipe, ...]]:
+def _break_storage_cycles(by_output: dict[str, list[Recipe]],
+                          generics: dict[str, frozenset[str]]) -> dict[str, tuple[Recipe, ...]]:
   """Drops the recipes of the most used item of each ungrounded cycle (step 3)."""
   recipes = {output: list(rs) for output, rs in by_output.items()}
   uses = collections.Counter(
@@ -314,8 +314,8 @@ def _break_storage_cycles(by_output: dict[str, list[Recipe]], generics: dict[str
     del recipes[min(on_cycle, key=lambda item: (-uses[item], item))]
 
 
-def _reachable(start: str, recipes: dict[str, list[Recipe]], generics: dict[str, frozenset[str]]
-               ) -> set[str]:
+def _reachable(start: str, recipes: dict[str, list[Recipe]],
+               generics: dict[str, frozenset[str]]) -> set[str]:
   """Items that `start` is (transitively) crafted from; `start` among them iff on a cycle."""
   seen: set[str] = set()
   stack = [start]

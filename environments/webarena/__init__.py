@@ -6,6 +6,7 @@ from environments.webarena.evaluators import Evaluation, evaluate
 from environments.webarena.remote import AgentGymWebArenaClient
 from environments.webarena.tasks import Task, TaskConfigError, load_tasks
 
-__all__ = ["Action", "ActionParseError", "AgentGymWebArenaClient", "Evaluation", "Task",
-           "TaskConfigError", "WebArenaEnv", "evaluate", "load_tasks", "parse_action",
-           "parse_reply"]
+__all__ = [
+    "Action", "ActionParseError", "AgentGymWebArenaClient", "Evaluation", "Task", "TaskConfigError",
+    "WebArenaEnv", "evaluate", "load_tasks", "parse_action", "parse_reply"
+]

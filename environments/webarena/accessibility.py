@@ -39,11 +39,12 @@ from typing import Any, Mapping, Sequence
 
 # WebArena's list, plus "url": newer Chromium reports every link's address, which WebArena's
 # Chromium did not, and which would double the length of link-heavy pages.
-IGNORED_PROPERTIES = frozenset({
-    "focusable", "editable", "readonly", "level", "settable", "multiline", "invalid", "url"})
+IGNORED_PROPERTIES = frozenset(
+    {"focusable", "editable", "readonly", "level", "settable", "multiline", "invalid", "url"})
 UNNAMED_HIDDEN_ROLES = frozenset({
-    "generic", "img", "list", "strong", "paragraph", "banner", "navigation", "Section",
-    "LabelText", "Legend", "listitem"})
+    "generic", "img", "list", "strong", "paragraph", "banner", "navigation", "Section", "LabelText",
+    "Legend", "listitem"
+})
 VIEWPORT_FRACTION = 0.6
 # A StaticText line is dropped if its text is in one of this many lines kept before it.
 _STATIC_TEXT_LOOKBACK = 3
@@ -77,8 +78,10 @@ def layout_bounds(snapshot: Mapping[str, Any]) -> dict[int, Box]:
   layout = document["layout"]
   scroll_x = document.get("scrollOffsetX", 0.0)
   scroll_y = document.get("scrollOffsetY", 0.0)
-  return {backend_ids[index]: (x - scroll_x, y - scroll_y, width, height)
-          for index, (x, y, width, height) in zip(layout["nodeIndex"], layout["bounds"])}
+  return {
+      backend_ids[index]: (x - scroll_x, y - scroll_y, width, height)
+      for index, (x, y, width, height) in zip(layout["nodeIndex"], layout["bounds"])
+  }
 
 
 def visible_fraction(box: Box, viewport: tuple[int, int]) -> float:
@@ -118,14 +121,14 @@ def render(nodes: Sequence[Mapping[str, Any]], bounds: Mapping[int, Box] | None 
     node_id, depth = stack.pop()
     node = by_id[node_id]
     description = _describe(node)
-    shown = description is not None and (
-        viewport is None or node_id == root_id or _in_viewport(node, bounds or {}, viewport))
+    shown = description is not None and (viewport is None or node_id == root_id
+                                         or _in_viewport(node, bounds or {}, viewport))
     if shown:
       lines.append((node_id, "\t" * depth + f"[{node_id}] {description}"))
       elements[node_id] = Element(int(node["backendDOMNodeId"]), description)
     child_depth = depth + 1 if shown else depth
-    stack.extend((child, child_depth) for child in reversed(node.get("childIds", ()))
-                 if child in by_id)
+    stack.extend(
+        (child, child_depth) for child in reversed(node.get("childIds", ())) if child in by_id)
   kept = _drop_repeated_static_text(lines)
   return "\n".join(line for _, line in kept), {node_id: elements[node_id] for node_id, _ in kept}
 
@@ -152,8 +155,8 @@ def _describe(node: Mapping[str, Any]) -> str | None:
   return description + " " + " ".join(properties) if properties else description
 
 
-def _in_viewport(node: Mapping[str, Any], bounds: Mapping[int, Box],
-                 viewport: tuple[int, int]) -> bool:
+def _in_viewport(node: Mapping[str, Any], bounds: Mapping[int, Box], viewport: tuple[int,
+                                                                                     int]) -> bool:
   box = bounds.get(node["backendDOMNodeId"])
   return box is not None and visible_fraction(box, viewport) >= VIEWPORT_FRACTION
 

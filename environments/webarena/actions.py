@@ -35,8 +35,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-KINDS = ("click", "type", "hover", "press", "scroll", "new_tab", "tab_focus", "close_tab",
-         "goto", "go_back", "go_forward", "stop")
+KINDS = ("click", "type", "hover", "press", "scroll", "new_tab", "tab_focus", "close_tab", "goto",
+         "go_back", "go_forward", "stop")
 ELEMENT_KINDS = frozenset({"click", "type", "hover"})
 
 _FENCED = re.compile(r"```(.*?)```", re.DOTALL)
@@ -53,13 +53,24 @@ _STOP = re.compile(r"stop ?\[(.*)\]", _FLAGS)
 
 # Playwright's names of the keys a model may spell in lower case.
 _KEY_NAMES = {
-    **{name.lower(): name for name in (
-        "Backquote", "Minus", "Equal", "Backslash", "Backspace", "Tab", "Delete", "Escape",
-        "ArrowDown", "ArrowUp", "ArrowLeft", "ArrowRight", "End", "Enter", "Home", "Insert",
-        "PageDown", "PageUp", "Space", "Control", "Alt", "Shift")},
-    **{f"f{i}": f"F{i}" for i in range(1, 13)},
-    "ctrl": "Control", "esc": "Escape", "return": "Enter", "meta": "Control", "cmd": "Control",
-    "command": "Control", "up": "ArrowUp", "down": "ArrowDown", "left": "ArrowLeft",
+    **{
+        name.lower(): name
+        for name in ("Backquote", "Minus", "Equal", "Backslash", "Backspace", "Tab", "Delete",
+                     "Escape", "ArrowDown", "ArrowUp", "ArrowLeft", "ArrowRight", "End", "Enter",
+                     "Home", "Insert", "PageDown", "PageUp", "Space", "Control", "Alt", "Shift")
+    },
+    **{
+        f"f{i}": f"F{i}" for i in range(1, 13)
+    },
+    "ctrl": "Control",
+    "esc": "Escape",
+    "return": "Enter",
+    "meta": "Control",
+    "cmd": "Control",
+    "command": "Control",
+    "up": "ArrowUp",
+    "down": "ArrowDown",
+    "left": "ArrowLeft",
     "right": "ArrowRight",
 }
 
@@ -147,8 +158,8 @@ def parse_action(text: str) -> Action:
     case "press":
       return Action("press", key_comb=_key_comb(_group(_PRESS, text, "press [key_comb]")))
     case "scroll":
-      return Action("scroll", direction=_group(_SCROLL, text, "scroll [down] or scroll [up]")
-                    .lower())
+      return Action("scroll", direction=_group(_SCROLL, text,
+                                               "scroll [down] or scroll [up]").lower())
     case "tab_focus":
       return Action("tab_focus", tab_index=int(_group(_TAB_FOCUS, text, "tab_focus [index]")))
     case "goto":

@@ -44,9 +44,17 @@ from environments.webarena.actions import Action
 
 DEFAULT_EXECUTABLE = "/usr/bin/chromium"
 CHROMIUM_FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--no-default-browser-check", "--disable-extensions", "--password-store=basic",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-default-browser-check",
+    "--disable-extensions",
+    "--password-store=basic",
     # Containers often have a tiny /dev/shm.
     "--disable-dev-shm-usage",
     # Some of the switches Playwright's own launcher adds. Without the back-forward cache, going
@@ -55,8 +63,10 @@ CHROMIUM_FLAGS = (
     # Keep http:// sites (WebArena's) on http, whatever HTTPS-First mode would do.
     "--disable-features=HttpsUpgrades,HttpsFirstBalancedModeAutoEnable",
     # Links may open tabs, and tabs in the background keep running.
-    "--disable-popup-blocking", "--disable-renderer-backgrounding",
-    "--disable-background-timer-throttling", "--disable-backgrounding-occluded-windows")
+    "--disable-popup-blocking",
+    "--disable-renderer-backgrounding",
+    "--disable-background-timer-throttling",
+    "--disable-backgrounding-occluded-windows")
 # goto may open only these; file: and chrome: URLs would let the agent read the machine.
 GOTO_SCHEMES = ("http", "https")
 _SCROLL = "down => { const s = document.scrollingElement || document.body; " \
@@ -119,8 +129,8 @@ class Browser:
     self._settle_ms = settle_s * 1000
     self._timeout_s = timeout_s
     self._start_timeout_s = start_timeout_s
-    self._executor = concurrent.futures.ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix="webarena-browser")
+    self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                           thread_name_prefix="webarena-browser")
     self._thread = self._executor.submit(threading.current_thread).result()
     self._closed = False
     self._process: subprocess.Popen | None = None
@@ -151,8 +161,10 @@ class Browser:
     from playwright.sync_api import Error as PlaywrightError
     try:
       self._context = self._browser.new_context(
-          viewport={"width": self.viewport[0], "height": self.viewport[1]},
-          device_scale_factor=1, storage_state=storage_state, geolocation=geolocation)
+          viewport={
+              "width": self.viewport[0],
+              "height": self.viewport[1]
+          }, device_scale_factor=1, storage_state=storage_state, geolocation=geolocation)
       self._context.set_default_timeout(self._timeout_s * 1000)
       self._context.on("page", self._track)
       for url in start_urls:
@@ -171,8 +183,8 @@ class Browser:
     tabs = " | ".join(f"Tab {i} (current): {title}" if tab is page else f"Tab {i}: {title}"
                       for i, (tab, title) in enumerate(zip(context.pages, titles)))
     nodes, bounds = self._fetch_tree(page)
-    tree, self._elements = accessibility.render(
-        nodes, bounds, self.viewport if self.viewport_only else None)
+    tree, self._elements = accessibility.render(nodes, bounds,
+                                                self.viewport if self.viewport_only else None)
     return View(tabs, tree, page.url)
 
   @_on_browser_thread
@@ -222,16 +234,17 @@ class Browser:
       raise EnvError(f"Chromium is not installed at {self.executable}; install Debian's "
                      "package (apt-get install -y chromium) or pass executable=...")
     self._profile = tempfile.mkdtemp(prefix="agentgym-webarena-chromium-")
-    command = [self.executable, *CHROMIUM_FLAGS, f"--user-data-dir={self._profile}",
-               "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
-               "about:blank"]
+    command = [
+        self.executable, *CHROMIUM_FLAGS, f"--user-data-dir={self._profile}",
+        "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", "about:blank"
+    ]
     setpriv = shutil.which("setpriv")
     if setpriv:
       command = [setpriv, "--pdeathsig", "KILL", "--", *command]
     log_path = os.path.join(self._profile, "chromium.log")
     with open(log_path, "wb") as log:
-      self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
-                                       stderr=log, start_new_session=True)
+      self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                       start_new_session=True)
     self._finalizer = weakref.finalize(self, _terminate, self._process, self._profile)
     try:
       port = self._wait_for_port(log_path)
@@ -327,8 +340,10 @@ class Browser:
     nodes = session.send("Accessibility.getFullAXTree")["nodes"]
     if not self.viewport_only:
       return nodes, None
-    snapshot = session.send("DOMSnapshot.captureSnapshot",
-                            {"computedStyles": [], "includeDOMRects": True})
+    snapshot = session.send("DOMSnapshot.captureSnapshot", {
+        "computedStyles": [],
+        "includeDOMRects": True
+    })
     return nodes, accessibility.layout_bounds(snapshot)
 
   def _execute(self, action: Action) -> None:

@@ -48,8 +48,7 @@ from environments.webarena.actions import Action, ActionParseError
 
 CONFIG_DIR_VARIABLE = "WEBARENA_CONFIG_DIR"
 DEFAULT_CONFIG_DIR = "~/webarena/config_files"
-SITE_VARIABLES = ("SHOPPING", "SHOPPING_ADMIN", "REDDIT", "GITLAB", "WIKIPEDIA", "MAP",
-                  "HOMEPAGE")
+SITE_VARIABLES = ("SHOPPING", "SHOPPING_ADMIN", "REDDIT", "GITLAB", "WIKIPEDIA", "MAP", "HOMEPAGE")
 _TRUNCATED = "\n... (the rest of the page is cut)"
 
 _INSTRUCTION = """\
@@ -90,17 +89,18 @@ _TOOL_CALL_FORMAT = ("The commands are also tools, named as above with the argum
 _ID = base.Parameter("element_id", "integer", "The element's id in the current observation.")
 TOOLS = (
     base.Tool("click", "Click the element.", "click [{element_id}]", (_ID,)),
-    base.Tool("type", "Click the element and type the text; Enter is pressed afterwards "
-              "unless press_enter_after is 0.", "type [{element_id}] [{text}] "
-              "[{press_enter_after}]", (
-                  _ID, base.Parameter("text", "string", "What to type."),
-                  base.Parameter("press_enter_after", "integer", "1 (the default) to press "
-                                 "Enter after typing, 0 not to.", required=False, enum=(0, 1)))),
+    base.Tool(
+        "type", "Click the element and type the text; Enter is pressed afterwards "
+        "unless press_enter_after is 0.", "type [{element_id}] [{text}] "
+        "[{press_enter_after}]",
+        (_ID, base.Parameter("text", "string", "What to type."),
+         base.Parameter("press_enter_after", "integer", "1 (the default) to press "
+                        "Enter after typing, 0 not to.", required=False, enum=(0, 1)))),
     base.Tool("hover", "Move the mouse over the element.", "hover [{element_id}]", (_ID,)),
-    base.Tool("press", "Press a key or a key combination.", "press [{key_comb}]", (
-        base.Parameter("key_comb", "string", 'E.g. "Enter" or "Control+a".'),)),
-    base.Tool("scroll", "Scroll the page one window down or up.", "scroll [{direction}]", (
-        base.Parameter("direction", "string", "down or up.", enum=("down", "up")),)),
+    base.Tool("press", "Press a key or a key combination.", "press [{key_comb}]",
+              (base.Parameter("key_comb", "string", 'E.g. "Enter" or "Control+a".'),)),
+    base.Tool("scroll", "Scroll the page one window down or up.", "scroll [{direction}]",
+              (base.Parameter("direction", "string", "down or up.", enum=("down", "up")),)),
     base.Tool("new_tab", "Open a new empty tab and switch to it.", "new_tab"),
     base.Tool("tab_focus", "Switch to the tab with that number (tabs are numbered from 0).",
               "tab_focus [{tab_index}]",
@@ -110,9 +110,10 @@ TOOLS = (
               (base.Parameter("url", "string", "The address."),)),
     base.Tool("go_back", "Go to the previous page of the tab's history.", "go_back"),
     base.Tool("go_forward", "Go to the next page of the tab's history.", "go_forward"),
-    base.Tool("stop", "Finish the task with the answer (empty if the task asks for none; N/A "
-              "if it cannot be done).", "stop [{answer}]",
-              (base.Parameter("answer", "string", "The answer."),)),
+    base.Tool(
+        "stop", "Finish the task with the answer (empty if the task asks for none; N/A "
+        "if it cannot be done).", "stop [{answer}]",
+        (base.Parameter("answer", "string", "The answer."),)),
 )
 
 
@@ -142,13 +143,11 @@ class WebArenaEnv:
 
   name = "webarena"
 
-  def __init__(self, config_dir: str | None = None, *,
-               site_urls: Mapping[str, str] | None = None, max_steps: int = 30,
-               num_test: int = 50, test_task_ids: Sequence[int] | None = None,
+  def __init__(self, config_dir: str | None = None, *, site_urls: Mapping[str, str] | None = None,
+               max_steps: int = 30, num_test: int = 50, test_task_ids: Sequence[int] | None = None,
                viewport_only: bool = True, viewport: Sequence[int] = (1280, 720),
-               max_tree_chars: int | None = None, settle_s: float = 0.2,
-               timeout_s: float = 30.0, executable: str = browser.DEFAULT_EXECUTABLE,
-               action_format: str = "react"):
+               max_tree_chars: int | None = None, settle_s: float = 0.2, timeout_s: float = 30.0,
+               executable: str = browser.DEFAULT_EXECUTABLE, action_format: str = "react"):
     """Loads the tasks; Chromium starts with the first episode.
 
     Args:
@@ -181,16 +180,15 @@ class WebArenaEnv:
     self.max_steps = max_steps
     self.action_format = base.ActionFormat(action_format, TOOLS, react_reply)
     self._max_tree_chars = max_tree_chars
-    self._browser = browser.Browser(
-        executable, viewport=(int(viewport[0]), int(viewport[1])),
-        viewport_only=viewport_only, settle_s=settle_s, timeout_s=timeout_s)
+    self._browser = browser.Browser(executable, viewport=(int(viewport[0]), int(viewport[1])),
+                                    viewport_only=viewport_only, settle_s=settle_s,
+                                    timeout_s=timeout_s)
     self._config: dict[str, Any] | None = None  # the episode's task, placeholders resolved
     self._steps = 0
 
   @property
   def instruction(self) -> str:
-    return instruction_text(self._browser.viewport_only, self.max_steps,
-                            self.action_format.kind)
+    return instruction_text(self._browser.viewport_only, self.max_steps, self.action_format.kind)
 
   @property
   def browser(self) -> browser.Browser:
@@ -208,8 +206,7 @@ class WebArenaEnv:
     self._config = None
     storage_state = config.get("storage_state") if config.get("require_login") else None
     self._browser.start_episode(config["start_url"].split(" |AND| "),
-                                _storage_state_path(task, storage_state),
-                                config.get("geolocation"))
+                                _storage_state_path(task, storage_state), config.get("geolocation"))
     self._config, self._steps = config, 0
     return self._observation("None")
 
@@ -224,8 +221,9 @@ class WebArenaEnv:
       if at_limit:
         return self._finish("", f"the limit of {self.max_steps} actions was reached",
                             {"invalid_action": str(e)})
-      observation = (str(e) if isinstance(e, base.ToolCallError)
-                     else f"Invalid action: {e}. {actions.FORMAT_HINT}")
+      observation = (
+          str(e)
+          if isinstance(e, base.ToolCallError) else f"Invalid action: {e}. {actions.FORMAT_HINT}")
       return StepResult(observation, 0.0, False, {"success": False, "invalid_action": str(e)})
     if action.kind == "stop":
       return self._finish(action.answer, f"you stopped with the answer [{action.answer}]",

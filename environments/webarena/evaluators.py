@@ -127,8 +127,11 @@ def url_match(reference_url: str, page_url: str) -> float:
   page_path, page_query = _split_url(_clean_url(page_url))
   if not any(path in page_path for path in reference_paths):
     return 0.0
-  return float(all(any(value in page_query.get(key, ()) for value in values)
-                   for key, values in reference_queries.items()))
+  return float(
+      all(
+          any(value in page_query.get(key, ())
+              for value in values)
+          for key, values in reference_queries.items()))
 
 
 def program_html(targets: list[Mapping[str, Any]], page: Page) -> tuple[float, list[str]]:

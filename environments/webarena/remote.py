@@ -120,8 +120,10 @@ class AgentGymWebArenaClient:
     if not self._running:
       raise EnvError("step() without an episode in progress; reset() first")
     try:
-      payload = self._post("/step", {"env_idx": self._env_idx, "action": action_text},
-                           idempotent=False)
+      payload = self._post("/step", {
+          "env_idx": self._env_idx,
+          "action": action_text
+      }, idempotent=False)
     except EnvError:
       self._running = False
       raise
@@ -170,8 +172,7 @@ class AgentGymWebArenaClient:
         failure = f"HTTP {e.code}: {_decode(e.read())!r}"
         if not (e.code in NOT_DELIVERED or (idempotent and e.code >= 500)):
           break
-      except (urllib.error.URLError, ConnectionError, http.client.HTTPException,
-              TimeoutError) as e:
+      except (urllib.error.URLError, ConnectionError, http.client.HTTPException, TimeoutError) as e:
         reason = e.reason if isinstance(e, urllib.error.URLError) else e
         if isinstance(reason, TimeoutError):  # The server may still be working on it.
           raise EnvError(f"{self.base_url} {method} {route} timed out after "
@@ -188,4 +189,3 @@ def _decode(raw: bytes) -> Any:
     return json.loads(raw)
   except ValueError:
     return raw.decode(errors="replace")
-

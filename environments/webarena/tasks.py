@@ -51,8 +51,7 @@ STRING_MATCH_KINDS = ("exact_match", "must_include", "fuzzy_match")
 _PLACEHOLDER = re.compile(r"__([A-Z][A-Z0-9]*(?:_[A-Z0-9]+)*)__")
 # The "func:" helpers we can evaluate without WebArena's site credentials (evaluators.py).
 SUPPORTED_URL_FUNCS = re.compile(r"func:reddit_get_post_url\('__last_url__'\)")
-SUPPORTED_LOCATOR_FUNCS = re.compile(
-    r"func:gitlab_get_project_memeber_role\(__page__, '([^']*)'\)")
+SUPPORTED_LOCATOR_FUNCS = re.compile(r"func:gitlab_get_project_memeber_role\(__page__, '([^']*)'\)")
 
 
 class TaskConfigError(ValueError):
@@ -105,9 +104,13 @@ class Task:
 
   def info(self) -> dict[str, Any]:
     """Metadata for `Env.task_info`; the category is the sites joined by "+"."""
-    return {"category": "+".join(self.sites) or "webarena", "sites": list(self.sites),
-            "intent": self.intent, "eval_types": list(self.eval_types),
-            "start_url": self.config.get("start_url", "")}
+    return {
+        "category": "+".join(self.sites) or "webarena",
+        "sites": list(self.sites),
+        "intent": self.intent,
+        "eval_types": list(self.eval_types),
+        "start_url": self.config.get("start_url", "")
+    }
 
 
 def load_tasks(config_dir: str | pathlib.Path) -> dict[int, Task]:
@@ -192,8 +195,10 @@ def split(task_ids: Iterable[int], num_test: int,
       raise ValueError(f"num_test must be >= 0, got {num_test}")
     ranked = sorted(ids, key=lambda i: hashlib.sha256(f"webarena test {i}".encode()).hexdigest())
     test = set(ranked[:num_test])
-  return {"test": tuple(i for i in ids if i in test),
-          "train": tuple(i for i in ids if i not in test)}
+  return {
+      "test": tuple(i for i in ids if i in test),
+      "train": tuple(i for i in ids if i not in test)
+  }
 
 
 def _check_reference_answers(answers: Any, where: str) -> None:
@@ -203,9 +208,9 @@ def _check_reference_answers(answers: Any, where: str) -> None:
   for kind, value in answers.items():
     if kind not in STRING_MATCH_KINDS:
       raise TaskConfigError(f"{where}: unknown reference answer kind {kind!r}")
-    valid = (isinstance(value, str) if kind == "exact_match" else
-             _is_str_list(value) if kind == "must_include" else
-             value == "N/A" or _is_str_list(value))
+    valid = (
+        isinstance(value, str) if kind == "exact_match" else
+        _is_str_list(value) if kind == "must_include" else value == "N/A" or _is_str_list(value))
     if not valid:
       raise TaskConfigError(f"{where}: malformed reference_answers.{kind}: {value!r}")
 
@@ -228,9 +233,8 @@ def _check_program_html(targets: Any, where: str) -> None:
     elif locator.strip() and not locator.startswith(("document.", "[...document.")):
       raise TaskConfigError(f"{where}: unknown program_html locator {locator!r}")
     required = target.get("required_contents")
-    valid = isinstance(required, dict) and len(required) == 1 and (
-        isinstance(required.get("exact_match"), str) or _is_str_list(required.get(
-            "must_include")))
+    valid = isinstance(required, dict) and len(required) == 1 and (isinstance(
+        required.get("exact_match"), str) or _is_str_list(required.get("must_include")))
     if not valid:
       raise TaskConfigError(f"{where}: required_contents must be {{'exact_match': str}} or "
                             f"{{'must_include': [str, ...]}}, got {required!r}")

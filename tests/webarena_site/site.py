@@ -25,18 +25,30 @@ CONFIG_DIR = pathlib.Path(__file__).parent / "config_files"
 
 # slug, name, price. Long enough that the last products are below a 720-pixel window.
 PRODUCTS = (
-    ("blue-kettle", "Blue Kettle", "24.99"), ("ceramic-mug", "Ceramic Mug", "8.50"),
-    ("travel-mug", "Travel Mug", "15.00"), ("cast-iron-pan", "Cast Iron Pan", "39.95"),
-    ("bread-knife", "Bread Knife", "18.20"), ("salad-bowl", "Salad Bowl", "21.00"),
-    ("pepper-mill", "Pepper Mill", "12.75"), ("oven-mitts", "Oven Mitts", "9.99"),
-    ("cutting-board", "Cutting Board", "27.40"), ("measuring-cups", "Measuring Cups", "11.10"),
-    ("whisk", "Whisk", "6.25"), ("colander", "Colander", "14.60"),
-    ("rolling-pin", "Rolling Pin", "13.30"), ("spice-rack", "Spice Rack", "32.00"),
-    ("tea-infuser", "Tea Infuser", "7.80"), ("egg-timer", "Egg Timer", "5.50"),
-    ("butter-dish", "Butter Dish", "16.45"), ("soup-ladle", "Soup Ladle", "8.05"),
-    ("grater", "Grater", "10.90"), ("apron", "Apron", "19.00"),
-    ("napkin-rings", "Napkin Rings", "12.00"), ("water-jug", "Water Jug", "22.15"),
-    ("cake-tin", "Cake Tin", "17.35"), ("tea-towel-set", "Tea Towel Set", "12.00"),
+    ("blue-kettle", "Blue Kettle", "24.99"),
+    ("ceramic-mug", "Ceramic Mug", "8.50"),
+    ("travel-mug", "Travel Mug", "15.00"),
+    ("cast-iron-pan", "Cast Iron Pan", "39.95"),
+    ("bread-knife", "Bread Knife", "18.20"),
+    ("salad-bowl", "Salad Bowl", "21.00"),
+    ("pepper-mill", "Pepper Mill", "12.75"),
+    ("oven-mitts", "Oven Mitts", "9.99"),
+    ("cutting-board", "Cutting Board", "27.40"),
+    ("measuring-cups", "Measuring Cups", "11.10"),
+    ("whisk", "Whisk", "6.25"),
+    ("colander", "Colander", "14.60"),
+    ("rolling-pin", "Rolling Pin", "13.30"),
+    ("spice-rack", "Spice Rack", "32.00"),
+    ("tea-infuser", "Tea Infuser", "7.80"),
+    ("egg-timer", "Egg Timer", "5.50"),
+    ("butter-dish", "Butter Dish", "16.45"),
+    ("soup-ladle", "Soup Ladle", "8.05"),
+    ("grater", "Grater", "10.90"),
+    ("apron", "Apron", "19.00"),
+    ("napkin-rings", "Napkin Rings", "12.00"),
+    ("water-jug", "Water Jug", "22.15"),
+    ("cake-tin", "Cake Tin", "17.35"),
+    ("tea-towel-set", "Tea Towel Set", "12.00"),
 )
 PRICES = {slug: (name, price) for slug, name, price in PRODUCTS}
 
@@ -90,8 +102,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     raise NotImplementedError
 
   def _session(self) -> dict:
-    cookies = dict(part.strip().split("=", 1) for part in
-                   self.headers.get("Cookie", "").split(";") if "=" in part)
+    cookies = dict(part.strip().split("=", 1)
+                   for part in self.headers.get("Cookie", "").split(";")
+                   if "=" in part)
     self._new_sid = None
     sid = cookies.get(self.cookie_name)
     if sid not in self.sessions:
@@ -128,8 +141,9 @@ class _Shop(_Handler):
   def _home(self, params) -> None:
     search = ("<form role='search' action='/search' method='get'><input type='search' name='q' "
               "aria-label='Search products'><button type='submit'>Search</button></form>")
-    self._send(200, _page("One Stop Shop", self._NAV,
-                          f"<h1>One Stop Shop</h1>{search}{self._list(PRODUCTS)}"))
+    self._send(
+        200,
+        _page("One Stop Shop", self._NAV, f"<h1>One Stop Shop</h1>{search}{self._list(PRODUCTS)}"))
 
   def _search(self, params) -> None:
     query = params.get("q", [""])[0].strip()
@@ -146,8 +160,10 @@ class _Shop(_Handler):
     form = (f"<form method='post' action='/cart/add'><input type='hidden' name='item' "
             f"value='{slug}'><label>Quantity <input type='text' name='qty' placeholder='1' "
             "size='3'></label> <button type='submit'>Add to Cart</button></form>")
-    self._send(200, _page(name, self._NAV, f"<h1>{name}</h1><p>Price: <span id='price'>"
-                          f"${price}</span></p>{form}"))
+    self._send(
+        200,
+        _page(name, self._NAV, f"<h1>{name}</h1><p>Price: <span id='price'>"
+              f"${price}</span></p>{form}"))
 
   def _add(self, params) -> None:
     slug = params.get("item", [""])[0]
@@ -198,8 +214,11 @@ class _Forum(_Handler):
                       for who, text in self._replies(post_id))
     form = (f"<form method='post' action='/post/{post_id}/reply'><label>Reply <textarea "
             "name='body'></textarea></label> <button type='submit'>Post reply</button></form>")
-    self._send(200, _page(title, self._NAV, f"<h1>{title}</h1>{byline}<p>{body}</p>"
-                          f"<section id='replies'><h2>Replies</h2>{replies}</section>{form}"))
+    self._send(
+        200,
+        _page(
+            title, self._NAV, f"<h1>{title}</h1>{byline}<p>{body}</p>"
+            f"<section id='replies'><h2>Replies</h2>{replies}</section>{form}"))
 
   def _reply(self, post_id, params) -> None:
     post_id = int(post_id)
