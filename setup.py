@@ -12,6 +12,7 @@ TEST = [
     "psutil",
     "pytest",
     "hypothesis",
+    "wandb",
 ]
 
 setup(
@@ -27,6 +28,7 @@ setup(
         "flax>=0.12",
         "optax",
         "orbax-checkpoint",
+        "etils[epath]",
         "transformers",
         "tokenizers",
         "sentencepiece",
@@ -51,5 +53,8 @@ setup(
         "webarena": ["playwright"],
         "tpu": ["jax[tpu]"],
         "gpu": ["jax[cuda12]"],
+        "gcs": ["gcsfs", "google-cloud-storage"],
+        "wandb": ["wandb"],
+        "tensorboard": ["tensorboard"],
     },
 )

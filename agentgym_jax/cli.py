@@ -1,7 +1,7 @@
 """What the launch scripts share: absl's app.run with bad input reported in one line, quiet logs.
 
 A user's mistake (an unknown config key, an invalid value, a config file or variant that does not
-exist, a workdir that is a file, a model whose weights are not on disk) ends the script with
+exist, a workdir that is a file or a bucket that cannot be reached, a model whose weights are not on disk) ends the script with
 `error: ...` on stderr and exit status 1, never a traceback; a traceback means a defect. Library
 INFO logs (Orbax's checkpoint manager, JAX's search for a TPU backend) are hidden unless
 --verbosity=0 or higher asks for them.
@@ -9,13 +9,13 @@ INFO logs (Orbax's checkpoint manager, JAX's search for a TPU backend) are hidde
 
 from __future__ import annotations
 
-import pathlib
 import sys
 from typing import Callable
 
 from absl import app, flags, logging
 
 from agentgym_jax import config as config_lib
+from agentgym_jax import paths
 from agentgym_jax.models import weights
 
 
@@ -48,12 +48,13 @@ def parse_flags(argv: list[str]) -> list[str]:
   return argv
 
 
-def check_workdir(workdir: str) -> pathlib.Path:
-  """The run's directory: it may exist (a resumed run) but must be a directory."""
-  path = pathlib.Path(workdir)
-  if path.exists() and not path.is_dir():
-    sys.exit(f"error: --workdir={workdir} is a file, not a directory")
-  return path
+def check_workdir(workdir: str) -> paths.Path:
+  """The run's directory, local or gs://: it may exist (a resumed run) but must be a directory,
+  and a bucket must be reachable and writable."""
+  try:
+    return paths.check_directory(workdir, f"--workdir={workdir}")
+  except paths.UnreachablePathError as error:
+    sys.exit(f"error: {error}")
 
 
 def run(main: Callable[[list[str]], None]) -> None:

@@ -151,6 +151,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.log.tensorboard = True
   c.log.trajectories = True
   c.log.progress_bar = True
+  # Weights & Biases (the `wandb` extra): config and metrics, the viewer page at the end.
+  c.log.wandb = False
+  c.log.wandb_project = "agentgym-jax"
+  c.log.wandb_run_name = ""  # "" names the run after its workdir.
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 0  # Steps between evaluations on eval.split; 0: off.
@@ -245,6 +249,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0")
   _check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
   _check(r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0")
+  if c.log.wandb:
+    import importlib.util
+    _check(
+        importlib.util.find_spec("wandb") is not None,
+        "log.wandb=True needs wandb: pip install -e \".[wandb]\"")
   _check(r.max_logprob_gap > 0, f"rollout.max_logprob_gap={r.max_logprob_gap} must be > 0")
   _check(r.pipeline_groups >= 1, f"rollout.pipeline_groups={r.pipeline_groups} must be >= 1")
   trajectories = r.tasks_per_step * r.samples_per_task

@@ -37,6 +37,7 @@ import numbers
 import os
 import re
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
@@ -46,6 +47,7 @@ import numpy as np
 import tqdm
 from absl import logging
 
+from agentgym_jax import paths
 from environments import jsonl
 
 METRICS_FILE = "metrics.jsonl"
@@ -84,19 +86,45 @@ def _check_step(step: Any) -> int:
 
 
 def _replace_file(path: str, lines: Sequence[str]) -> None:
-  """Writes `lines` to `path` through a temporary file and an atomic rename."""
-  temporary = path + ".tmp"
-  with open(temporary, "w", encoding="utf-8") as f:
-    f.writelines(lines)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(temporary, path)
+  """Writes `lines` to `path` whole (paths.replace_file: atomic, local or in a bucket)."""
+  paths.replace_file(path, "".join(lines))
 
 
 def _parse_jsonl(path: str) -> list[dict[str, Any]]:
   """The JSON objects of a JSONL file ([] if there is none yet). A process killed mid-append
   can leave the last line cut short, which is skipped; any other bad line raises."""
-  return jsonl.read(path, allow_truncated_tail=True) if os.path.exists(path) else []
+  if not paths.is_remote(path):
+    return jsonl.read(path, allow_truncated_tail=True) if os.path.exists(path) else []
+  remote = paths.path(path)
+  if not remote.exists():
+    return []
+  with tempfile.NamedTemporaryFile("w", suffix=".jsonl", encoding="utf-8") as local:
+    local.write(remote.read_text(encoding="utf-8"))
+    local.flush()
+    return jsonl.read(local.name, allow_truncated_tail=True)
+
+
+class _ObjectAppender:
+  """A text file in a bucket opened for appending: objects cannot be appended to, so each flush
+  writes the whole object again (a run's metrics.jsonl is small)."""
+
+  def __init__(self, path: str):
+    self._path = path
+    self._text = paths.path(path).read_text(encoding="utf-8") if paths.path(path).exists() else ""
+
+  def write(self, text: str) -> None:
+    self._text += text
+
+  def flush(self) -> None:
+    paths.replace_file(self._path, self._text)
+
+  def close(self) -> None:
+    self.flush()
+
+
+def _open_append(path: str) -> TextIO | _ObjectAppender:
+  """`path` opened for appending text, local or in a bucket."""
+  return _ObjectAppender(path) if paths.is_remote(path) else open(path, "a", encoding="utf-8")
 
 
 def read_metrics(workdir: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -127,30 +155,37 @@ class MetricsWriter:
   """Appends scalar metrics per step to metrics.jsonl and TensorBoard.
 
   Args:
-    workdir: the run directory (local filesystem).
+    workdir: the run directory, local or in a bucket (gs://).
     tensorboard: also write TensorBoard events to workdir/tensorboard.
     resume_step: the restored checkpoint step of a resumed run; logged rows after it are
       dropped (see module docstring).
+    wandb: also log to Weights & Biases: `wandb.init`'s project, name and config. Each row
+      is logged at its step; closing attaches the run's viewer page (tools/viewer.py) as
+      `viewer` and finishes the wandb run.
   """
 
   def __init__(self, workdir: str | os.PathLike[str], tensorboard: bool = True,
-               resume_step: int | None = None):
+               resume_step: int | None = None, wandb: Mapping[str, Any] | None = None):
     self.workdir = os.fspath(workdir)
     self.path = os.path.join(self.workdir, METRICS_FILE)
     # The last row written, as host values, for health checks and displays.
     self.latest: dict[str, Any] = {}
-    self._file: TextIO | None = None
+    self._file: TextIO | _ObjectAppender | None = None
     self._tensorboard = None
+    self._wandb = None
     self._writes = _is_writer_process()
     if not self._writes:
       return
-    os.makedirs(self.workdir, exist_ok=True)
+    paths.path(self.workdir).mkdir(parents=True, exist_ok=True)
     if resume_step is not None:
       last_kept = _check_step(resume_step)
       self._rewrite(lambda row: row["step"] <= last_kept)
     else:
       self._repair_last_line()
-    self._file = open(self.path, "a", encoding="utf-8")
+    self._file = _open_append(self.path)
+    if wandb is not None:
+      import wandb as wandb_lib
+      self._wandb = wandb_lib.init(**wandb)
     if tensorboard:
       self._tensorboard = _summary_writer_class()(
           os.path.join(self.workdir, TENSORBOARD_DIR),
@@ -190,7 +225,7 @@ class MetricsWriter:
     self.flush()
     self._file.close()
     self._rewrite(lambda row: row["step"] <= step)
-    self._file = open(self.path, "a", encoding="utf-8")
+    self._file = _open_append(self.path)
 
   def close(self) -> None:
     if self._file is None:
@@ -201,6 +236,18 @@ class MetricsWriter:
     if self._tensorboard is not None:
       self._tensorboard.close()
       self._tensorboard = None
+    if self._wandb is not None:
+      self._finish_wandb()
+
+  def _finish_wandb(self) -> None:
+    """Attaches the run's viewer page and ends the wandb run."""
+    import wandb as wandb_lib
+    from agentgym_jax.tools import viewer
+    with tempfile.TemporaryDirectory() as local:
+      page = viewer.write_viewer(self.workdir, os.path.join(local, "viewer.html"))
+      self._wandb.log({"viewer": wandb_lib.Html(page)})
+    self._wandb.finish()
+    self._wandb = None
 
   def __enter__(self) -> MetricsWriter:
     return self
@@ -218,6 +265,8 @@ class MetricsWriter:
       for key, value in values.items():
         if value is not None:
           self._tensorboard.add_scalar(key, float(value), global_step=step, walltime=wall_time)
+    if self._wandb is not None:
+      self._wandb.log({k: v for k, v in values.items() if v is not None}, step=step)
     self.latest = row
 
   def _rewrite(self, keep: Callable[[dict[str, Any]], bool]) -> None:
@@ -226,6 +275,10 @@ class MetricsWriter:
 
   def _repair_last_line(self) -> None:
     """Ends the file at its last newline so appends after a crash start on a fresh line."""
+    if paths.is_remote(self.path):  # An object is written whole; reading drops a cut line.
+      if paths.path(self.path).exists():
+        self._rewrite(lambda row: True)
+      return
     if not os.path.exists(self.path):
       return
     with open(self.path, "rb+") as f:
@@ -254,13 +307,13 @@ def _trajectory_path(directory: str, step: int) -> str:
 
 def trajectory_steps(workdir: str | os.PathLike[str]) -> list[int]:
   """The steps that have a trajectory file, ascending."""
-  directory = os.path.join(os.fspath(workdir), TRAJECTORY_DIR)
-  if not os.path.isdir(directory):
+  directory = paths.path(workdir) / TRAJECTORY_DIR
+  if not directory.is_dir():
     return []
   return sorted(
       int(match.group(1))
-      for name in os.listdir(directory)
-      if (match := _TRAJECTORY_FILE.fullmatch(name)))
+      for file in directory.iterdir()
+      if (match := _TRAJECTORY_FILE.fullmatch(file.name)))
 
 
 def read_trajectories(workdir: str | os.PathLike[str],
@@ -287,7 +340,7 @@ class TrajectoryWriter:
   Values may be NumPy or JAX arrays (written as lists); NaN and infinities become null.
 
   Args:
-    workdir: the run directory (local filesystem).
+    workdir: the run directory, local or in a bucket (gs://).
     resume_step: the restored checkpoint step of a resumed run; files of later steps are
       deleted.
   """
@@ -297,10 +350,11 @@ class TrajectoryWriter:
     self.directory = os.path.join(self.workdir, TRAJECTORY_DIR)
     if not _is_writer_process():
       return
-    os.makedirs(self.directory, exist_ok=True)
-    for name in os.listdir(self.directory):
-      if name.endswith(".tmp"):  # Left by a crash mid-write; never a complete file.
-        os.remove(os.path.join(self.directory, name))
+    directory = paths.path(self.directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for file in directory.iterdir():
+      if file.name.endswith(".tmp"):  # Left by a crash mid-write; never a complete file.
+        file.unlink()
     if resume_step is not None:
       self.truncate_after(resume_step)
 
@@ -326,7 +380,7 @@ class TrajectoryWriter:
       return
     for logged in trajectory_steps(self.workdir):
       if logged > step:
-        os.remove(_trajectory_path(self.directory, logged))
+        paths.path(_trajectory_path(self.directory, logged)).unlink()
 
 
 def _duration(seconds: float) -> str:

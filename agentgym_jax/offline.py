@@ -48,7 +48,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
-from agentgym_jax import evaluation, learner, metrics
+from agentgym_jax import evaluation, learner, metrics, paths
 from agentgym_jax import offline_data, rl, run, sharding
 from agentgym_jax.batch import Batch
 from agentgym_jax.models import Decoder
@@ -261,7 +261,7 @@ def train_offline(c: ml_collections.ConfigDict,
   loss, mode = settings.loss, settings.mode
   if mode not in MODES:
     raise ValueError(f"invalid config: mode={mode!r} is not an offline mode {MODES}")
-  workdir = pathlib.Path(workdir)
+  workdir = paths.path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   records = load_records(settings.data.path)  # Before the model: a bad path fails at once.
 

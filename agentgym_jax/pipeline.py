@@ -26,6 +26,7 @@ import ml_collections
 from absl import logging
 
 from agentgym_jax import config as config_lib
+from agentgym_jax import paths
 from agentgym_jax import demonstrations, evaluation, offline, rollout, run, trainer
 from environments import base, jsonl
 
@@ -37,7 +38,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   """Runs (or resumes) the warm start, if warm_start.steps > 0, then RL, each stage's policy
   evaluated if eval.stages; returns RL's metrics."""
   c = config_lib.validate(c)
-  workdir = pathlib.Path(workdir)
+  workdir = paths.path(workdir)
   summaries = {}
 
   def evaluate(stage: str, policy: str) -> None:

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import pathlib
+import tempfile
 import time
 from typing import Any
 
@@ -24,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentgym_jax import checkpoint, config as config_lib, horizon, learner, metrics, rl, rollout
-from agentgym_jax import hardware, multihost, sharding
+from agentgym_jax import hardware, multihost, paths, sharding
 from agentgym_jax.batch import bucket
 from agentgym_jax.models import Decoder, attention, load_model, weights
 from agentgym_jax.models.tokenizer import ChatTemplate, Tokenizer
@@ -260,8 +261,12 @@ class Settings:
                                    save_every=self.checkpoint_every or self.steps)
 
   def metrics_writer(self, workdir: pathlib.Path, start_step: int) -> metrics.MetricsWriter:
-    return metrics.MetricsWriter(workdir, tensorboard=self.config.log.tensorboard,
-                                 resume_step=start_step)
+    log = self.config.log
+    wandb = (
+        dict(project=log.wandb_project, name=log.wandb_run_name or workdir.name,
+             config=self.config.to_dict()) if log.wandb else None)
+    return metrics.MetricsWriter(workdir, tensorboard=log.tensorboard, resume_step=start_step,
+                                 wandb=wandb)
 
   def progress(self, keys: tuple[str, ...], initial: int,
                shown: bool = True) -> metrics.ProgressBar:
@@ -292,8 +297,13 @@ class Settings:
   def export_policy(self, model: Decoder, tokenizer: Tokenizer, workdir: pathlib.Path) -> None:
     """The trained policy as a Hugging Face directory, workdir/export, in
     checkpoint.export_dtype."""
-    weights.save_hf(model, workdir / "export", dtype=self.config.checkpoint.export_dtype)
-    tokenizer.save_pretrained(workdir / "export")
+    if not paths.is_remote(workdir):
+      weights.save_hf(model, workdir / "export", dtype=self.config.checkpoint.export_dtype)
+      tokenizer.save_pretrained(workdir / "export")
+      return
+    with tempfile.TemporaryDirectory() as local:  # Written locally, then copied file by file.
+      self.export_policy(model, tokenizer, pathlib.Path(local))
+      paths.copy_tree(local, workdir / "export")
 
 
 def _loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:

@@ -48,25 +48,34 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 _RULES = dict(LOGICAL_AXIS_RULES)
 
 
+def on_cloud_tpu_vm() -> bool:
+  """Whether this is a Cloud TPU VM: JAX's own finding when it was imported (libtpu installed
+  and TPU chips on the PCI bus), with no environment variable involved."""
+  from jax._src import cloud_tpu_init
+  return cloud_tpu_init.running_in_cloud_tpu_vm
+
+
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None) -> None:
   """Joins the JAX distributed runtime on multi-host set-ups; a no-op on a single host.
 
   The arguments (launch/train.py's --coordinator, --num_processes, --process_id) come first,
-  then JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID; Cloud TPU VM pods (and
-  SLURM / Open MPI clusters) are detected by JAX itself. On CPU the processes' collectives run
-  over Gloo (JAX's default `jax_cpu_collectives_implementation`).
+  then JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID. On a Cloud TPU VM,
+  `jax.distributed.initialize()` runs with no arguments: JAX asks the VM's metadata server for
+  the slice's workers and this worker's index (GKE's TPU_WORKER_* variables when set), so a
+  plain ssh shell on every worker of a pod needs nothing set; a one-host slice joins as one
+  process. On CPU the processes' collectives run over Gloo (JAX's default
+  `jax_cpu_collectives_implementation`).
   """
   if jax.distributed.is_initialized():
     return
   coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-  on_tpu_pod = "TPU_WORKER_HOSTNAMES" in os.environ or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ
   if coordinator_address:
     jax.distributed.initialize(
         coordinator_address=coordinator_address, num_processes=num_processes
         or int(os.environ["JAX_NUM_PROCESSES"]),
         process_id=int(os.environ["JAX_PROCESS_ID"]) if process_id is None else process_id)
-  elif on_tpu_pod:
+  elif on_cloud_tpu_vm():
     jax.distributed.initialize()
 
 

@@ -30,7 +30,7 @@ from flax import nnx
 from absl import logging
 from jax.experimental import multihost_utils
 
-from agentgym_jax import config as config_lib, evaluation, learner, metrics
+from agentgym_jax import config as config_lib, evaluation, learner, metrics, paths
 from agentgym_jax import multihost, rollout, run, sharding
 from environments.pool import EnvPool
 
@@ -180,7 +180,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   """Runs (or resumes) training in `workdir`; returns the per-step metrics of this call."""
   settings = run.Settings.from_config(c)
   loss, optimizer, num_rows = settings.loss, settings.optimizer, settings.rows
-  workdir = pathlib.Path(workdir)
+  workdir = paths.path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   mesh, model, tokenizer = settings.load_policy(training=True)
   chat = settings.chat(tokenizer)

@@ -169,3 +169,26 @@ def test_two_processes_resume_from_their_checkpoint_and_export(checkpoint_dir, t
   _assert_same_parameters(tmp_path / "two", tmp_path / "one")
   assert sorted(p.name for p in (tmp_path / "two" / "export").iterdir()) == sorted(
       p.name for p in (tmp_path / "one" / "export").iterdir())
+
+
+def test_cloud_tpu_vm_joins_through_jax_detection_with_nothing_set(monkeypatch):
+  """On a Cloud TPU VM (as JAX found at import) jax.distributed.initialize() runs with no
+  arguments, so JAX's metadata-server detection finds the pod; elsewhere nothing runs unless
+  a coordinator is given, and a given one wins."""
+  from jax._src import cloud_tpu_init
+
+  from agentgym_jax import sharding
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+  for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+               "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False)
+  sharding.initialize_distributed()
+  assert calls == []
+  monkeypatch.setattr(cloud_tpu_init, "running_in_cloud_tpu_vm", True)
+  sharding.initialize_distributed()
+  assert calls == [{}]
+  sharding.initialize_distributed("host0:8476", 4, 3)
+  assert calls[-1] == {"coordinator_address": "host0:8476", "num_processes": 4, "process_id": 3}

@@ -3,7 +3,9 @@
     model, tokenizer = agentgym_jax.load_model("smollm2-135m-instruct")
     logits = model(input_ids)
 
-A spec is a registry name (MODELS below) or a Hugging Face checkpoint directory.
+A spec is a registry name (MODELS below), a Hugging Face checkpoint directory, or a Hugging
+Face Hub id (`Qwen/Qwen2.5-7B-Instruct`) read through the huggingface_hub cache; a directory may
+be in a bucket (gs://...), copied to the local disk once.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import re
 from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from agentgym_jax import paths
 from agentgym_jax.models import weights
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import Decoder, KVCache
@@ -24,6 +28,10 @@ if TYPE_CHECKING:
   from agentgym_jax.models.tokenizer import Tokenizer
 
 MODELS_DIR_ENV = "AGENTGYM_MODELS"
+# A Hub repository id: owner/name, as the Hub allows them.
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+# What loading reads from a Hub repository: config, weights, tokenizer and chat template.
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +78,43 @@ def resolve(spec: str) -> pathlib.Path | None:
           f"${MODELS_DIR_ENV}); on a machine with a network: "
           f"huggingface-cli download {entry.hub_id} --local-dir {directory}")
     return directory
+  if paths.is_remote(spec):
+    try:
+      directory = paths.local_directory(spec)
+    except paths.UnreachablePathError as error:
+      raise weights.WeightsNotFoundError(f"model directory {error}") from error
+    if not (directory / "config.json").exists():
+      raise weights.WeightsNotFoundError(f"model directory {spec} has no config.json")
+    return directory
   directory = pathlib.Path(spec).expanduser()
-  if not (directory / "config.json").exists():
+  if (directory / "config.json").exists():
+    return directory
+  if _HUB_ID.fullmatch(spec):
+    return hub_snapshot(spec)
+  raise weights.WeightsNotFoundError(
+      f"{spec!r} is neither a registered model ({', '.join(sorted(MODELS))}; their weights go "
+      f"under {models_dir()}/<name>), a directory with a config.json, nor a Hugging Face Hub "
+      f"id (owner/name)")
+
+
+def hub_snapshot(repo_id: str) -> pathlib.Path:
+  """The directory of Hub model `repo_id` in the huggingface_hub cache ($HF_HUB_CACHE, by
+  default ~/.cache/huggingface/hub): its config, safetensors, tokenizer and chat template are
+  downloaded there when missing and the Hub is reachable; offline (HF_HUB_OFFLINE=1) or with
+  the Hub out of reach, the cached snapshot is read as it is."""
+  import huggingface_hub
+  from huggingface_hub import constants, errors
+
+  try:
+    return pathlib.Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+  except (errors.LocalEntryNotFoundError, errors.HfHubHTTPError) as error:
+    reason = ("offline (HF_HUB_OFFLINE=1)"
+              if huggingface_hub.is_offline_mode() else str(error).strip().splitlines()[0])
     raise weights.WeightsNotFoundError(
-        f"{spec!r} is neither a registered model ({', '.join(sorted(MODELS))}; their weights go "
-        f"under {models_dir()}/<name>) nor a directory with a config.json")
-  return directory
+        f"{repo_id!r} is no directory with a config.json, and as a Hugging Face Hub id it is "
+        f"not in the Hub cache {constants.HF_HUB_CACHE} and was not downloaded ({reason}); "
+        f"fetch it on a machine with a network: `hf download {repo_id}` (HF_HUB_CACHE chooses "
+        f"the cache; a gated model needs `hf auth login` first)") from error
 
 
 def load_model(spec: str = "smollm2-135m-instruct", *, dtype: Any = jnp.float32,
@@ -100,4 +139,7 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: Any = jnp.float32,
   return weights.load_params(model, source, mesh), tokenizer
 
 
-__all__ = ["MODELS", "Decoder", "KVCache", "ModelConfig", "load_model", "models_dir", "resolve"]
+__all__ = [
+    "MODELS", "Decoder", "KVCache", "ModelConfig", "hub_snapshot", "load_model", "models_dir",
+    "resolve"
+]

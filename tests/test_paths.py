@@ -1,0 +1,141 @@
+"""Runs in a bucket: gs:// workdirs, metrics, trajectories and model directories go through
+agentgym_jax.paths (etils.epath) to an in-process fake of Cloud Storage (an fsspec in-memory
+filesystem registered for the gs:// scheme), never to a local folder named "gs:"; a bucket that
+cannot be reached stops the launch scripts at start-up with one line."""
+
+import pathlib
+import subprocess
+import sys
+import types
+
+import fsspec
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from etils.epath import backend as epath_backend
+from fsspec.implementations.memory import MemoryFileSystem
+
+import tiny
+from agentgym_jax import metrics, models, paths
+from agentgym_jax.models import weights
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+class FakeBucket(MemoryFileSystem):
+  """Cloud Storage as the gcsfs backend presents it, held in this process's memory."""
+
+  protocol = ("gs", "gcs")
+  store: dict = {}
+  pseudo_dirs = [""]
+
+
+class ForbiddenBucket(MemoryFileSystem):
+  """A bucket this machine may not use: every request is refused, as GCS answers 403."""
+
+  protocol = ("gs", "gcs")
+
+  def exists(self, path, **kwargs):
+    raise PermissionError("403 caller does not have storage.objects.list access")
+
+
+def _register(filesystem, monkeypatch):
+  epath_backend.fsspec_backend._get_filesystem.cache_clear()
+  registry = sys.modules["fsspec.registry"]  # Restored after the test: gs:// is ours only here.
+  classes = dict(registry._registry)
+  monkeypatch.setattr(registry, "_registry", classes)
+  monkeypatch.setattr(registry, "registry", types.MappingProxyType(classes))
+  for scheme in ("gs", "gcs"):
+    fsspec.register_implementation(scheme, filesystem, clobber=True)
+  monkeypatch.setattr(FakeBucket, "store", {})
+  monkeypatch.setattr(FakeBucket, "pseudo_dirs", [""])
+
+
+@pytest.fixture
+def bucket(monkeypatch, tmp_path):
+  _register(FakeBucket, monkeypatch)
+  monkeypatch.chdir(tmp_path)  # Anything written as a local "gs:" folder would land here.
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  yield FakeBucket.store
+  epath_backend.fsspec_backend._get_filesystem.cache_clear()
+  assert not (tmp_path / "gs:").exists()
+
+
+def test_workdir_in_the_bucket_is_checked_by_writing_there(bucket):
+  directory = paths.check_directory("gs://runs/grpo", "--workdir=gs://runs/grpo")
+  assert str(directory) == "gs://runs/grpo" and directory.is_dir()
+  assert not any(key.endswith(".agentgym_write_probe") for key in bucket)  # Probe removed.
+
+
+def test_metrics_and_trajectories_resume_in_the_bucket(bucket):
+  workdir = "gs://runs/grpo"
+  with metrics.MetricsWriter(workdir, tensorboard=False) as writer:
+    for step in range(3):
+      writer.write(step, {"reward": step / 2})
+  assert "gs://runs/grpo/metrics.jsonl" in bucket
+  assert [(row["step"], row["reward"]) for row in metrics.read_metrics(workdir)] == [(0, 0.0),
+                                                                                     (1, 0.5),
+                                                                                     (2, 1.0)]
+  # Resumed from the step-1 checkpoint: step 2 is dropped, then logged again.
+  with metrics.MetricsWriter(workdir, tensorboard=False, resume_step=1) as writer:
+    writer.write(2, {"reward": 0.25})
+  assert [(row["step"], row["reward"]) for row in metrics.read_metrics(workdir)] == [(0, 0.0),
+                                                                                     (1, 0.5),
+                                                                                     (2, 0.25)]
+
+  trajectories = metrics.TrajectoryWriter(workdir)
+  for step in range(3):
+    trajectories.write(step, [{"reward": step}, {"reward": -step}])
+  assert metrics.trajectory_steps(workdir) == [0, 1, 2]
+  metrics.TrajectoryWriter(workdir, resume_step=1)
+  assert metrics.trajectory_steps(workdir) == [0, 1]
+  assert [(r["step"], r["reward"]) for r in metrics.read_trajectories(workdir)] == [(0, 0), (0, 0),
+                                                                                    (1, 1), (1, -1)]
+
+
+def test_model_directory_in_the_bucket_loads_as_the_local_one(bucket, tmp_path):
+  checkpoint = tiny.make_checkpoint(tmp_path / "tiny", seed=5)
+  paths.copy_tree(checkpoint, "gs://models/tiny")
+  assert "gs://models/tiny/model.safetensors" in bucket
+  from_bucket, _ = models.load_model("gs://models/tiny")
+  from_disk, _ = models.load_model(str(checkpoint))
+  ids = jnp.array([[0, 4, 2, 5, 1]])
+  np.testing.assert_array_equal(np.asarray(from_bucket(ids)), np.asarray(from_disk(ids)))
+  with pytest.raises(weights.WeightsNotFoundError,
+                     match="^model directory gs://models/absent cannot be read"):
+    models.resolve("gs://models/absent")
+
+
+def test_forbidden_bucket_is_one_line(monkeypatch, tmp_path):
+  _register(ForbiddenBucket, monkeypatch)
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(paths.UnreachablePathError) as error:
+    paths.check_directory("gs://theirs/run", "--workdir=gs://theirs/run")
+  message = str(error.value)
+  assert message.startswith("--workdir=gs://theirs/run cannot be reached (PermissionError: 403")
+  assert len(message.splitlines()) == 1
+  epath_backend.fsspec_backend._get_filesystem.cache_clear()
+  assert not (tmp_path / "gs:").exists()
+
+
+def test_train_with_an_unreachable_bucket_stops_at_start_up(tmp_path):
+  """No fake here: this machine has no route to Cloud Storage (and no gcsfs, or no
+  credentials), which is what an unreachable bucket looks like to the launch script."""
+  done = subprocess.run(
+      [
+          sys.executable,
+          str(REPO / "launch" / "train.py"), f"--config={REPO / 'configs' / 'ablation_echo.py'}",
+          "--workdir=gs://no-such-bucket-agentgym/run"
+      ], cwd=tmp_path, capture_output=True, text=True, timeout=120, env={
+          "PATH": "/usr/bin:/bin",
+          "HOME": str(tmp_path),
+          "PYTHONPATH": str(REPO),
+          "NO_GCE_CHECK": "true",
+          "GCE_METADATA_HOST": "127.0.0.1:9",
+          "GCE_METADATA_IP": "127.0.0.1:9"
+      })
+  assert done.returncode == 1, done.stderr[-2000:]
+  assert done.stderr.startswith("error: --workdir=gs://no-such-bucket-agentgym/run cannot be "
+                                "reached"), done.stderr[-2000:]
+  assert len(done.stderr.strip().splitlines()) == 1
+  assert not (tmp_path / "gs:").exists()
