@@ -31,7 +31,8 @@ from environments.base import EnvError, StepResult
 from environments.http import protocol
 from environments.http.endpoint import NOT_DELIVERED, Endpoint, answer_field
 
-# How the original servers say that an id is unknown (they answer 200 {"error": ...}).
+# How the original servers say that an id is unknown (they answer 200 {"error": ...}); ours
+# also says code "unknown_env".
 _LOST_ENV_PHRASES = ("is not valid", "has been deleted")
 
 
@@ -104,7 +105,10 @@ class AgentGymClient:
       if self._env_id is None:
         self._create()
       try:
-        payload = self._env_call("/reset", {"id": self._env_id, "data_idx": task_id})
+        payload = self._env_call("/reset", {
+            self.style.id_field: self._env_id,
+            self.style.task_field: task_id
+        })
         break
       except _EnvLost:
         if attempt:
@@ -112,6 +116,8 @@ class AgentGymClient:
         logging.warning("AgentGymClient: %s lost env %s; creating a new one", self.base_url,
                         self._env_id)
         self._env_id = None
+    if self.style.bare_reset and isinstance(payload, str):
+      payload = {"observation": payload}
     observation = answer_field(payload, "observation", str, "POST /reset")
     if self.style.reset_has_task_description and payload.get("task_description"):
       observation = f"{payload['task_description']}\n{observation}"
@@ -125,7 +131,7 @@ class AgentGymClient:
     action = protocol.extract_action(action_text) if self._extract_action else action_text
     try:
       payload = self._env_call("/step", {
-          "id": self._env_id,
+          self.style.id_field: self._env_id,
           "action": action
       }, retry_statuses=NOT_DELIVERED)
     except _EnvLost:
@@ -136,7 +142,8 @@ class AgentGymClient:
       self._running = False
       raise
     observation = answer_field(payload, "observation", str, "POST /step")
-    done = answer_field(payload, "done", bool, "POST /step")
+    done = answer_field(payload, "terminated" if self.style.gym_step else "done", bool,
+                        "POST /step")
     info = dict(payload.get("info") or {})
     scale = self.style.score_scale
     if scale is None:
@@ -158,7 +165,7 @@ class AgentGymClient:
     if self._env_id is not None:
       env_id, self._env_id, self._running = self._env_id, None, False
       try:
-        self._request("POST", "/close", {"id": env_id}, retries=0)
+        self._request("POST", "/close", {self.style.id_field: env_id}, retries=0)
       except EnvError as e:  # Some original servers have no /close; the env then idles out.
         logging.info("AgentGymClient: closing env %s at %s: %s", env_id, self.base_url, e)
     if self._connection is not None:
@@ -170,18 +177,18 @@ class AgentGymClient:
   def _create(self) -> None:
     status, payload = self._request("POST", "/create", {})
     self._raise_for_error("POST /create", status, payload)
-    self._env_id = answer_field(payload, "id", int, "POST /create")
+    if self.style.bare_create and isinstance(payload, int):
+      payload = {self.style.id_field: payload}
+    self._env_id = answer_field(payload, self.style.id_field, int, "POST /create")
 
   def _env_call(self, route: str, body: dict[str, Any],
-                retry_statuses: frozenset[int] | None = None) -> dict[str, Any]:
+                retry_statuses: frozenset[int] | None = None) -> Any:
     """POSTs to an env route; raises _EnvLost if the server no longer knows our id."""
     status, payload = self._request("POST", route, body, retry_statuses=retry_statuses)
     error = payload.get("error") if isinstance(payload, dict) else None
-    lost_here = status == 404 and isinstance(payload,
-                                             dict) and payload.get("code") == ("unknown_env")
-    lost_there = status == 200 and isinstance(error, str) and any(
-        phrase in error for phrase in _LOST_ENV_PHRASES)
-    if lost_here or lost_there:
+    lost = isinstance(error, str) and (payload.get("code") == "unknown_env" or any(
+        phrase in error for phrase in _LOST_ENV_PHRASES))
+    if status == 200 and lost:
       raise _EnvLost(error)
     self._raise_for_error(f"POST {route}", status, payload)
     return payload
