@@ -30,6 +30,7 @@ import http.server
 import itertools
 import json
 import math
+import re
 import secrets
 import socket
 import socketserver
@@ -518,7 +519,11 @@ class AgentGymServer:
           f"({len(self._all_task_ids)} task ids; GET /task_ids?split= lists them)", "unknown_task")
 
 
-_MAX_QUERY_DIGITS = 18
+# Ids and task numbers are below 10^18 (ids count from below 2^30): a longer number in a query
+# or body is refused before int() (which refuses over 4,300 digits) sees it.
+_MAX_DIGITS = _MAX_QUERY_DIGITS = 18
+_MAX_JSON_DEPTH = 64
+_JSON_STRUCTURE = re.compile(r'[\[\]{}"\\]')
 
 
 class _HTTPServer(http.server.ThreadingHTTPServer):
@@ -670,17 +675,49 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     logging.debug("AgentGymServer: %s %s", self.address_string(), format % args)
 
 
+def _json_depth(text: str) -> int:
+  """The deepest nesting of arrays and objects in `text` (brackets inside strings skipped)."""
+  depth = deepest = 0
+  in_string = escaped = False
+  for match in _JSON_STRUCTURE.finditer(text):
+    char = match.group()
+    if in_string:
+      if escaped:
+        escaped = False
+      elif char == "\\":
+        escaped = True
+      elif char == '"':
+        in_string = False
+    elif char == '"':
+      in_string = True
+    elif char in "[{":
+      depth += 1
+      deepest = max(deepest, depth)
+    elif char in "]}":
+      depth -= 1
+  return deepest
+
+
+def _bounded_int(text: str) -> int:
+  if len(text.lstrip("-")) > _MAX_DIGITS:
+    raise ValueError(f"a number of more than {_MAX_DIGITS} digits")
+  return int(text)
+
+
 def _json_object(body: bytes, allow_empty: bool = False) -> dict[str, Any]:
+  """The request's JSON object; nesting past _MAX_JSON_DEPTH and integers of more than
+  _MAX_DIGITS digits are malformed (no field of the protocol needs either)."""
   if not body.strip():
     if allow_empty:
       return {}
     raise HTTPError(400, "missing JSON body")
   try:
-    value = json.loads(body)
-  except (ValueError, UnicodeDecodeError) as e:
-    raise HTTPError(400, f"malformed JSON body: {e}") from None
-  except RecursionError:
-    raise HTTPError(400, "malformed JSON body: nested too deeply") from None
+    text = body.decode()
+    if _json_depth(text) > _MAX_JSON_DEPTH:
+      raise ValueError(f"nested too deeply (over {_MAX_JSON_DEPTH} levels)")
+    value = json.loads(text, parse_int=_bounded_int)
+  except (ValueError, UnicodeDecodeError, RecursionError) as e:
+    raise HTTPError(400, f"malformed JSON body: {e}"[:300]) from None
   if not isinstance(value, dict):
     raise HTTPError(400, f"the JSON body must be an object, got {type(value).__name__}")
   return value
