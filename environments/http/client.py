@@ -14,13 +14,19 @@ would corrupt the episode. If the server lost the env (it restarted, or closed t
 /reset creates a new one and carries on; a /step cannot recover the lost episode and raises
 EnvError, which ends that episode in `EnvPool`. Every failure raises EnvError naming the server,
 the route and the reason.
+
+Several servers. With `base_urls=[...]` each client starts on the next server in turn, so the
+slots of a pool spread evenly. A server that cannot be reached (after the retries) ends the
+episodes on it; the next reset of each of its clients moves to the following live server.
 """
 
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import socket
+import threading
 import urllib.parse
 from typing import Any, Mapping, Sequence
 
@@ -36,14 +42,24 @@ from environments.http.endpoint import NOT_DELIVERED, Endpoint, answer_field
 _LOST_ENV_PHRASES = ("is not valid", "has been deleted")
 
 
+# Which server of `base_urls` the next client starts on.
+_SPREAD = itertools.count()
+_SPREAD_LOCK = threading.Lock()
+
+
 class _EnvLost(Exception):
   """The server does not know our env id any more."""
+
+
+class _Unreachable(EnvError):
+  """The server did not answer, or answered 5xx, through every retry."""
 
 
 class AgentGymClient:
   """One remote env (one id on the server), used one episode at a time."""
 
-  def __init__(self, base_url: str, env: str, *, style: str | None = None,
+  def __init__(self, base_url: str | None = None, env: str = "", *,
+               base_urls: Sequence[str] | None = None, style: str | None = None,
                extract_action: bool = False, instruction: str | None = None,
                task_ids: Mapping[str, Sequence[int]] | None = None, timeout_s: float = 120.0,
                retries: int = 5, backoff_s: float = 0.1, max_backoff_s: float = 5.0):
@@ -51,6 +67,7 @@ class AgentGymClient:
 
     Args:
       base_url: the server, e.g. "http://127.0.0.1:36001" (a path prefix is kept).
+      base_urls: several servers instead (see the module docstring); give one of the two.
       env: the environment's name; it picks the payload style and is this adapter's `name`.
       style: a payload style name (protocol.STYLES) overriding the one of `env`.
       extract_action: send only the action of each reply (`protocol.extract_action`), as the
@@ -60,7 +77,17 @@ class AgentGymClient:
       timeout_s: the socket timeout of one request; a timed-out request is not retried.
       retries, backoff_s, max_backoff_s: the retry schedule for connection errors and 5xx.
     """
-    self._endpoint = Endpoint(base_url, timeout_s, retries, backoff_s, max_backoff_s)
+    if (base_url is None) == (base_urls is None) or base_urls == []:
+      raise ValueError("give base_url or a non-empty base_urls, not both")
+    if not env:
+      raise ValueError("env (the environment's name) is required")
+    self._endpoints = [
+        Endpoint(url, timeout_s, retries, backoff_s, max_backoff_s)
+        for url in ([base_url] if base_urls is None else base_urls)
+    ]
+    with _SPREAD_LOCK:
+      self._server = next(_SPREAD) % len(self._endpoints)
+    self._endpoint = self._endpoints[self._server]
     if task_ids is not None:
       missing = set(base.SPLITS) - set(task_ids)
       if missing:
@@ -101,6 +128,24 @@ class AgentGymClient:
 
   def reset(self, task_id: int) -> str:
     self._running = False
+    for server in range(len(self._endpoints)):
+      try:
+        return self._reset_here(task_id)
+      except _Unreachable as e:
+        if server + 1 == len(self._endpoints):
+          raise
+        logging.warning("AgentGymClient: %s; moving to the next server", e)
+        self._move_to_next_server()
+    raise AssertionError("unreachable")
+
+  def _move_to_next_server(self) -> None:
+    self._disconnect()
+    self._env_id = None
+    self._server = (self._server + 1) % len(self._endpoints)
+    self._endpoint = self._endpoints[self._server]
+    self.base_url, self._prefix = self._endpoint.base_url, self._endpoint.url.path
+
+  def _reset_here(self, task_id: int) -> str:
     for attempt in range(2):
       if self._env_id is None:
         self._create()
@@ -250,8 +295,8 @@ class AgentGymClient:
         failure = f"HTTP {response.status}: {payload!r}"
         continue
       return response.status, payload
-    raise EnvError(f"{self.base_url} {method} {route} failed after {retries + 1} attempts; "
-                   f"last error: {failure}")
+    raise _Unreachable(f"{self.base_url} {method} {route} failed after {retries + 1} attempts; "
+                       f"last error: {failure}")
 
   def _connect(self) -> http.client.HTTPConnection:
     """The open keep-alive connection, or a newly connected one."""
