@@ -299,6 +299,9 @@ def test_each_craft_makes_one_yield_whatever_count_is_asked():
   result = env.step(_reply("craft 3 ladder using 7 stick"))
   assert (result.observation, result.reward, result.done,
           result.info["success"]) == ("Crafted 3 minecraft:ladder", 1.0, True, True)
+  # As in AgentGym, the game goes on after the goal: 8 - 7 sticks and the 3 ladders remain.
+  assert env.step(_reply("inventory")).observation == "Inventory: [stick] (1) [ladder] (3)"
+  env.close()
   with pytest.raises(RuntimeError, match="call reset"):
     env.step(_reply("inventory"))
 

@@ -14,13 +14,19 @@ would corrupt the episode. If the server lost the env (it restarted, or closed t
 /reset creates a new one and carries on; a /step cannot recover the lost episode and raises
 EnvError, which ends that episode in `EnvPool`. Every failure raises EnvError naming the server,
 the route and the reason.
+
+Several servers. With `base_urls=[...]` each client starts on the next server in turn, so the
+slots of a pool spread evenly. A server that cannot be reached (after the retries) ends the
+episodes on it; the next reset of each of its clients moves to the following live server.
 """
 
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import socket
+import threading
 import urllib.parse
 from typing import Any, Mapping, Sequence
 
@@ -31,18 +37,29 @@ from environments.base import EnvError, StepResult
 from environments.http import protocol
 from environments.http.endpoint import NOT_DELIVERED, Endpoint, answer_field
 
-# How the original servers say that an id is unknown (they answer 200 {"error": ...}).
+# How the original servers say that an id is unknown (they answer 200 {"error": ...}); ours
+# also says code "unknown_env".
 _LOST_ENV_PHRASES = ("is not valid", "has been deleted")
+
+
+# Which server of `base_urls` the next client starts on.
+_SPREAD = itertools.count()
+_SPREAD_LOCK = threading.Lock()
 
 
 class _EnvLost(Exception):
   """The server does not know our env id any more."""
 
 
+class _Unreachable(EnvError):
+  """The server did not answer, or answered 5xx, through every retry."""
+
+
 class AgentGymClient:
   """One remote env (one id on the server), used one episode at a time."""
 
-  def __init__(self, base_url: str, env: str, *, style: str | None = None,
+  def __init__(self, base_url: str | None = None, env: str = "", *,
+               base_urls: Sequence[str] | None = None, style: str | None = None,
                extract_action: bool = False, instruction: str | None = None,
                task_ids: Mapping[str, Sequence[int]] | None = None, timeout_s: float = 120.0,
                retries: int = 5, backoff_s: float = 0.1, max_backoff_s: float = 5.0):
@@ -50,6 +67,7 @@ class AgentGymClient:
 
     Args:
       base_url: the server, e.g. "http://127.0.0.1:36001" (a path prefix is kept).
+      base_urls: several servers instead (see the module docstring); give one of the two.
       env: the environment's name; it picks the payload style and is this adapter's `name`.
       style: a payload style name (protocol.STYLES) overriding the one of `env`.
       extract_action: send only the action of each reply (`protocol.extract_action`), as the
@@ -59,7 +77,17 @@ class AgentGymClient:
       timeout_s: the socket timeout of one request; a timed-out request is not retried.
       retries, backoff_s, max_backoff_s: the retry schedule for connection errors and 5xx.
     """
-    self._endpoint = Endpoint(base_url, timeout_s, retries, backoff_s, max_backoff_s)
+    if (base_url is None) == (base_urls is None) or base_urls == []:
+      raise ValueError("give base_url or a non-empty base_urls, not both")
+    if not env:
+      raise ValueError("env (the environment's name) is required")
+    self._endpoints = [
+        Endpoint(url, timeout_s, retries, backoff_s, max_backoff_s)
+        for url in ([base_url] if base_urls is None else base_urls)
+    ]
+    with _SPREAD_LOCK:
+      self._server = next(_SPREAD) % len(self._endpoints)
+    self._endpoint = self._endpoints[self._server]
     if task_ids is not None:
       missing = set(base.SPLITS) - set(task_ids)
       if missing:
@@ -100,11 +128,32 @@ class AgentGymClient:
 
   def reset(self, task_id: int) -> str:
     self._running = False
+    for server in range(len(self._endpoints)):
+      try:
+        return self._reset_here(task_id)
+      except _Unreachable as e:
+        if server + 1 == len(self._endpoints):
+          raise
+        logging.warning("AgentGymClient: %s; moving to the next server", e)
+        self._move_to_next_server()
+    raise AssertionError("unreachable")
+
+  def _move_to_next_server(self) -> None:
+    self._disconnect()
+    self._env_id = None
+    self._server = (self._server + 1) % len(self._endpoints)
+    self._endpoint = self._endpoints[self._server]
+    self.base_url, self._prefix = self._endpoint.base_url, self._endpoint.url.path
+
+  def _reset_here(self, task_id: int) -> str:
     for attempt in range(2):
       if self._env_id is None:
         self._create()
       try:
-        payload = self._env_call("/reset", {"id": self._env_id, "data_idx": task_id})
+        payload = self._env_call("/reset", {
+            self.style.id_field: self._env_id,
+            self.style.task_field: task_id
+        })
         break
       except _EnvLost:
         if attempt:
@@ -112,6 +161,8 @@ class AgentGymClient:
         logging.warning("AgentGymClient: %s lost env %s; creating a new one", self.base_url,
                         self._env_id)
         self._env_id = None
+    if self.style.bare_reset and isinstance(payload, str):
+      payload = {"observation": payload}
     observation = answer_field(payload, "observation", str, "POST /reset")
     if self.style.reset_has_task_description and payload.get("task_description"):
       observation = f"{payload['task_description']}\n{observation}"
@@ -125,7 +176,7 @@ class AgentGymClient:
     action = protocol.extract_action(action_text) if self._extract_action else action_text
     try:
       payload = self._env_call("/step", {
-          "id": self._env_id,
+          self.style.id_field: self._env_id,
           "action": action
       }, retry_statuses=NOT_DELIVERED)
     except _EnvLost:
@@ -136,7 +187,8 @@ class AgentGymClient:
       self._running = False
       raise
     observation = answer_field(payload, "observation", str, "POST /step")
-    done = answer_field(payload, "done", bool, "POST /step")
+    done = answer_field(payload, "terminated" if self.style.gym_step else "done", bool,
+                        "POST /step")
     info = dict(payload.get("info") or {})
     scale = self.style.score_scale
     if scale is None:
@@ -158,7 +210,7 @@ class AgentGymClient:
     if self._env_id is not None:
       env_id, self._env_id, self._running = self._env_id, None, False
       try:
-        self._request("POST", "/close", {"id": env_id}, retries=0)
+        self._request("POST", "/close", {self.style.id_field: env_id}, retries=0)
       except EnvError as e:  # Some original servers have no /close; the env then idles out.
         logging.info("AgentGymClient: closing env %s at %s: %s", env_id, self.base_url, e)
     if self._connection is not None:
@@ -170,18 +222,18 @@ class AgentGymClient:
   def _create(self) -> None:
     status, payload = self._request("POST", "/create", {})
     self._raise_for_error("POST /create", status, payload)
-    self._env_id = answer_field(payload, "id", int, "POST /create")
+    if self.style.bare_create and isinstance(payload, int):
+      payload = {self.style.id_field: payload}
+    self._env_id = answer_field(payload, self.style.id_field, int, "POST /create")
 
   def _env_call(self, route: str, body: dict[str, Any],
-                retry_statuses: frozenset[int] | None = None) -> dict[str, Any]:
+                retry_statuses: frozenset[int] | None = None) -> Any:
     """POSTs to an env route; raises _EnvLost if the server no longer knows our id."""
     status, payload = self._request("POST", route, body, retry_statuses=retry_statuses)
     error = payload.get("error") if isinstance(payload, dict) else None
-    lost_here = status == 404 and isinstance(payload,
-                                             dict) and payload.get("code") == ("unknown_env")
-    lost_there = status == 200 and isinstance(error, str) and any(
-        phrase in error for phrase in _LOST_ENV_PHRASES)
-    if lost_here or lost_there:
+    lost = isinstance(error, str) and (payload.get("code") == "unknown_env" or any(
+        phrase in error for phrase in _LOST_ENV_PHRASES))
+    if status == 200 and lost:
       raise _EnvLost(error)
     self._raise_for_error(f"POST {route}", status, payload)
     return payload
@@ -243,8 +295,8 @@ class AgentGymClient:
         failure = f"HTTP {response.status}: {payload!r}"
         continue
       return response.status, payload
-    raise EnvError(f"{self.base_url} {method} {route} failed after {retries + 1} attempts; "
-                   f"last error: {failure}")
+    raise _Unreachable(f"{self.base_url} {method} {route} failed after {retries + 1} attempts; "
+                       f"last error: {failure}")
 
   def _connect(self) -> http.client.HTTPConnection:
     """The open keep-alive connection, or a newly connected one."""

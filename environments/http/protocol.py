@@ -1,16 +1,24 @@
 """The AgentGym HTTP protocol: routes, and the payload style of each environment.
 
-AgentGym's environment servers share five routes but differ in their payloads:
+AgentGym's environment servers share five routes but differ in their payloads; PROTOCOL.md
+beside this file gives the contract route by route. In short (ID is "id", or "env_idx" in the
+SearchQA and WebArena styles; TASK is "data_idx", "id" in SearchQA, "idx" in WebArena):
 
-  POST /create  {}                   -> TextCraft style: {id, observation, done, reward}
-                                        BabyAI/SciWorld style: {id}
-  POST /reset   {id, data_idx}       -> {observation, reward, done, ...}
-  POST /step    {id, action}         -> {observation, reward, done} (+ "score" in the score styles)
-  GET  /observation?id=              -> the current observation, a JSON string
-  POST /close   {id}                 -> {id, closed}
+  POST /create  {}                   -> TextCraft: {id, observation, done, reward} (an episode
+                                        starts); BabyAI/SciWorld: {id}; SearchQA: the bare id;
+                                        WebArena: {env_idx}
+  POST /reset   {ID, TASK}           -> {observation, reward, done, ...}; SearchQA: the bare
+                                        observation; WebArena: {observation, sites, object}
+  POST /step    {ID, action}         -> {observation, reward, done} (+ "score" in the score
+                                        styles; WebArena: "terminated", "truncated")
+  GET  /observation?ID=              -> the current observation (BabyAI: an object)
+  POST /close   {ID}                 -> true, or false for an unknown id (WebArena: {closed})
 
-Our server adds what an adapter knows without an episode, so that a remote environment is a
-complete `Env` (original AgentGym servers answer these with 404):
+As in the original servers, a request that is well formed but names an unknown env, an unknown
+task, or an env whose episode has finished is answered 200 with {"error": "...", "code": "..."}
+(the original clients assert status 200 and read on). Our server adds what an adapter knows
+without an episode, so that a remote environment is a complete `Env` (original AgentGym servers
+answer these with 404):
 
   GET /instruction                   -> {instruction}
   GET /task_ids?split=               -> {split, task_ids}
@@ -48,6 +56,16 @@ class PayloadStyle:
       the first observation is `task_description + "\n" + observation`.
     success: whether an episode succeeded, from its final total (the summed rewards, or the
       score); used only for servers whose /step does not say "success".
+    id_field: the field (and /observation query parameter) carrying the env id.
+    task_field: the /reset field carrying the task id.
+    plays_after_done: /step after the episode's end goes on playing (TextCraft) instead of
+      answering {"error": "... has finished."}.
+    bare_create: /create answers the bare id (SearchQA).
+    bare_reset: /reset answers the bare observation (SearchQA).
+    gym_step: /step says "terminated" and "truncated" (WebArena), besides our "done".
+    observation_object: GET /observation answers {observation, reward, score, done, deleted}
+      (BabyAI) instead of the bare observation.
+    close_object: /close answers {"closed": "closed"} (WebArena) instead of true.
   """
 
   name: str
@@ -55,17 +73,35 @@ class PayloadStyle:
   score_scale: float | None
   reset_has_task_description: bool
   success: Callable[[float], bool]
+  id_field: str = "id"
+  task_field: str = "data_idx"
+  plays_after_done: bool = False
+  bare_create: bool = False
+  bare_reset: bool = False
+  gym_step: bool = False
+  observation_object: bool = False
+  close_object: bool = False
 
 
 TEXTCRAFT = PayloadStyle("textcraft", create_returns_observation=True, score_scale=None,
-                         reset_has_task_description=False, success=lambda total: total >= 1.0)
+                         reset_has_task_description=False, success=lambda total: total >= 1.0,
+                         plays_after_done=True)
 # minigrid pays 1 - 0.9 * steps / max_steps >= 0.1 on success and 0 otherwise.
 BABYAI = PayloadStyle("babyai", create_returns_observation=False, score_scale=1.0,
-                      reset_has_task_description=False, success=lambda score: score > 0.0)
+                      reset_has_task_description=False, success=lambda score: score > 0.0,
+                      observation_object=True)
 SCIWORLD = PayloadStyle("sciworld", create_returns_observation=False, score_scale=100.0,
                         reset_has_task_description=True, success=lambda score: score >= 100.0)
+SEARCHQA = PayloadStyle("searchqa", create_returns_observation=False, score_scale=None,
+                        reset_has_task_description=False, success=lambda total: total >= 1.0,
+                        id_field="env_idx", task_field="id", bare_create=True, bare_reset=True)
+WEBARENA = PayloadStyle("webarena", create_returns_observation=False, score_scale=None,
+                        reset_has_task_description=False, success=lambda total: total >= 1.0,
+                        id_field="env_idx", task_field="idx", gym_step=True, close_object=True)
 
-STYLES: dict[str, PayloadStyle] = {style.name: style for style in (TEXTCRAFT, BABYAI, SCIWORLD)}
+STYLES: dict[str, PayloadStyle] = {
+    style.name: style for style in (TEXTCRAFT, BABYAI, SCIWORLD, SEARCHQA, WEBARENA)
+}
 
 
 def style_for(env_name: str, style: str | None = None) -> PayloadStyle:

@@ -3,14 +3,17 @@
   with AgentGymServer("textcraft", port=36001) as server:   # serves in background threads
     ...                                                      # clients talk to server.url
 
-Routes and payloads are AgentGym's (see protocol.py); the payload style follows the environment
-name. Each hosted env has an id and its own adapter; requests run concurrently, one thread per
-connection, and a per-env lock keeps one env's calls in order, so states never mix.
+Routes and payloads are AgentGym's (protocol.py, and PROTOCOL.md route by route); the payload
+style follows the environment name. Each hosted env has an id and its own adapter; requests run
+concurrently, one thread per connection, and a per-env lock keeps one env's calls in order, so
+states never mix.
 
-Unlike the original servers, errors are HTTP errors with a JSON body {"error": "...", "code":
-"..."}: 400 malformed JSON, wrong types, missing fields or unknown tasks; 404 unknown routes and
-unknown (or closed) env ids; 405 a known route with the wrong method; 409 an env with no episode
-in progress, or busy past `busy_timeout_s`; 411/413 a body without a length or over
+Every error carries a JSON body {"error": "...", "code": "..."}. As in the original servers, a
+well-formed request naming an unknown (or closed) env id, an unknown task, or an env whose episode
+has finished is answered 200 with that body (the original clients assert 200), and /close of an
+unknown id answers false. The rest are HTTP errors: 400 malformed JSON, wrong types or missing
+fields (the original's FastAPI answers 422); 404 unknown routes; 405 a known route with the wrong
+method; 409 an env busy past `busy_timeout_s`; 411/413 a body without a length or over
 `max_body_bytes`; 503 `max_envs` envs already hosted; 500 a failing adapter. A failing adapter
 affects only its env: it is discarded and the env's next /reset builds a fresh one. Envs untouched
 for `idle_timeout_s` are closed. Nothing a client sends can stop the server or get a 5xx: JSON
@@ -27,6 +30,7 @@ import http.server
 import itertools
 import json
 import math
+import re
 import secrets
 import socket
 import socketserver
@@ -67,7 +71,9 @@ class _HostedEnv:
   lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
   closed: bool = False
   running: bool = False  # an episode is in progress
+  started: bool = False  # an episode was started and its adapter has not failed since
   observation: str = ""
+  reward: float = 0.0  # the last step's reward, in the style's units
   episode_return: float = 0.0  # the sum of the episode's (normalised) rewards
 
 
@@ -125,6 +131,12 @@ class AgentGymServer:
         ("GET", "/task_ids"): self._task_ids_route,
         ("GET", "/task_info"): self._task_info,
     }
+    if self.style is protocol.TEXTCRAFT:  # The original TextCraft server's inspection routes.
+      self._routes.update({
+          ("GET", "/commands"): self._commands,
+          ("GET", "/goal"): self._goal,
+          ("GET", "/detail"): self._detail,
+      })
     self._http = _HTTPServer((host, port), self)
     self._stop = threading.Event()
     self._threads: list[threading.Thread] = []
@@ -225,14 +237,10 @@ class AgentGymServer:
         "idle_timeout_s": None if math.isinf(self._idle_timeout_s) else self._idle_timeout_s
     }
 
-  def _create(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
-    request = _json_object(body, allow_empty=True)
-    # The original TextCraft server builds custom tasks from these; ours serves fixed tasks.
-    for field in ("commands", "goal"):
-      if request.get(field) is not None:
-        raise HTTPError(
-            400, f"{field!r} is not supported: this server serves the fixed tasks "
-            "of its adapter; choose one with /reset data_idx")
+  def _create(self, query: dict[str, str], body: bytes) -> Any:
+    # Fields are accepted and not used: the original TextCraft client sends minecraft_dir,
+    # commands and goal, and the original server starts the env id's task all the same.
+    _json_object(body, allow_empty=True)
     self._close_idle()
     with self._lock:
       if len(self._envs) + self._creating >= self._max_envs:
@@ -244,37 +252,44 @@ class AgentGymServer:
       adapter = self._make_adapter("create")
       hosted = _HostedEnv(adapter, last_used=time.monotonic())
       env_id = next(self._ids)
-      payload: dict[str, Any] = {"id": env_id}
+      payload: dict[str, Any] = {self.style.id_field: env_id}
       if self.style.create_returns_observation:
-        # Like the original TextCraft server, /create also starts an episode.
-        task_id = self._task_ids()["train"][0]
-        payload.update(self._start_episode(hosted, env_id, task_id))
+        # Like the original TextCraft server, /create also starts an episode: task number
+        # (env id mod the number of tasks), so that envs start different goals.
+        task_ids = sorted(self._all_task_ids_now())
+        payload.update(self._start_episode(hosted, env_id, task_ids[env_id % len(task_ids)]))
       with self._lock:
         self._envs[env_id] = hosted
     finally:
       with self._lock:
         self._creating -= 1
-    return payload
+    return env_id if self.style.bare_create else payload
 
-  def _reset(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
+  def _reset(self, query: dict[str, str], body: bytes) -> Any:
     request = _json_object(body)
-    env_id = _int_field(request, "id")
-    task_id = _int_field(request, "data_idx")
+    env_id = _int_field(request, self.style.id_field)
+    task_id = _int_field(request, self.style.task_field)
     self._check_task(task_id)
     with self._use(env_id) as hosted:
       if hosted.adapter is None:  # Its last adapter failed.
         hosted.adapter = self._make_adapter(f"reset env {env_id}")
-      return self._start_episode(hosted, env_id, task_id)
+      payload = self._start_episode(hosted, env_id, task_id)
+    if self.style.bare_reset:
+      return payload["observation"]
+    if self.style.gym_step:
+      info = self._ask_meta(f"task_info({task_id})", lambda env: env.task_info(task_id))
+      return {**payload, "sites": info.get("sites", ""), "object": info.get("intent", "")}
+    return payload
 
   def _step(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
     request = _json_object(body)
-    env_id = _int_field(request, "id")
+    env_id = _int_field(request, self.style.id_field)
     action = _str_field(request, "action")
     with self._use(env_id) as hosted:
-      if not hosted.running:
-        raise HTTPError(
-            409, f"env {env_id} has no episode in progress (it finished, failed, "
-            "or was never reset); POST /reset first", "no_episode")
+      if not (hosted.running or (self.style.plays_after_done and hosted.started)):
+        raise _env_error(
+            f"The task with environment {env_id} has finished (or failed, or was never "
+            "reset); POST /reset starts an episode", "no_episode")
       result = self._call_adapter(hosted, env_id, "step", lambda env: env.step(action))
       if not isinstance(result, StepResult):
         self._fail(hosted, env_id, "step",
@@ -284,23 +299,58 @@ class AgentGymServer:
       hosted.episode_return += result.reward
       payload = {"observation": result.observation, "done": result.done}
       payload.update(self._reward_fields(result.reward, hosted.episode_return, result.info))
+      hosted.reward = payload["reward"]
+      if self.style.gym_step:
+        payload.update(terminated=result.done, truncated=False)
       payload["success"] = bool(result.info.get("success", False))
       payload["info"] = result.info
       return payload
 
-  def _observation(self, query: dict[str, str], body: bytes) -> str:
-    env_id = _int_query(query, "id")
+  def _observation(self, query: dict[str, str], body: bytes) -> Any:
+    env_id = _int_query(query, self.style.id_field)
     with self._use(env_id) as hosted:
-      return hosted.observation
+      if not self.style.observation_object:
+        return hosted.observation
+      return {
+          "observation": hosted.observation,
+          "reward": hosted.reward,
+          "score": self.style.score_scale * hosted.episode_return,
+          "done": hosted.started and not hosted.running,
+          "deleted": False
+      }
 
-  def _close(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
-    env_id = _int_field(_json_object(body), "id")
+  def _close(self, query: dict[str, str], body: bytes) -> Any:
+    env_id = _int_field(_json_object(body), self.style.id_field)
     with self._lock:
       hosted = self._envs.pop(env_id, None)
-    if hosted is None:
-      raise _unknown_env(env_id)
-    self._discard(hosted, wait_s=self._busy_timeout_s)
-    return {"id": env_id, "closed": True}
+    if hosted is not None:
+      self._discard(hosted, wait_s=self._busy_timeout_s)
+    if self.style.close_object:
+      return {"closed": "closed" if hosted else f"Close Env {env_id} Error: unknown env id"}
+    return hosted is not None
+
+  def _commands(self, query: dict[str, str], body: bytes) -> Any:
+    return self._episode_attribute(_int_query(query, "id"), "commands")
+
+  def _goal(self, query: dict[str, str], body: bytes) -> Any:
+    return self._episode_attribute(_int_query(query, "id"), "goal")
+
+  def _detail(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
+    with self._use(_int_query(query, "id")) as hosted:
+      return {
+          "observation": hosted.observation,
+          "reward": hosted.reward,
+          "done": hosted.started and not hosted.running,
+          "deleted": False
+      }
+
+  def _episode_attribute(self, env_id: int, name: str) -> Any:
+    """An attribute of env `env_id`'s adapter (TextCraft's commands and goal)."""
+    with self._use(env_id) as hosted:
+      value = getattr(hosted.adapter, name, None) if hosted.started else None
+      if value is None:
+        raise _env_error(f"env {env_id} has no {name} (no episode started)", "no_episode")
+      return value
 
   def _instruction(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
     return {"instruction": self._ask_meta("instruction", lambda env: env.instruction)}
@@ -325,10 +375,14 @@ class AgentGymServer:
     if not isinstance(observation, str):
       self._fail(hosted, env_id, "reset",
                  TypeError(f"reset returned {type(observation).__name__}, not str"))
-    hosted.running = True
+    hosted.running = hosted.started = True
     hosted.observation = observation
-    hosted.episode_return = 0.0
-    payload: dict[str, Any] = {"observation": observation, "done": False}
+    hosted.reward = hosted.episode_return = 0.0
+    payload: dict[str, Any] = {
+        self.style.id_field: env_id,
+        "observation": observation,
+        "done": False
+    }
     payload.update(self._reward_fields(0.0, 0.0, {}))
     if self.style.reset_has_task_description:
       # Our adapters return the task inside the first observation.
@@ -355,7 +409,8 @@ class AgentGymServer:
     message = (f"the {self.env_name} adapter of env {env_id} failed in {what}: "
                f"{type(error).__name__}: {error}")
     logging.warning("AgentGymServer: %s", message)
-    adapter, hosted.adapter, hosted.running = hosted.adapter, None, False
+    adapter, hosted.adapter = hosted.adapter, None
+    hosted.running = hosted.started = False
     if adapter is not None:
       _close_quietly(adapter)
     raise HTTPError(500, message + "; POST /reset starts over with a fresh adapter",
@@ -453,15 +508,22 @@ class AgentGymServer:
       self._split_task_ids = split_task_ids
     return self._split_task_ids
 
-  def _check_task(self, task_id: int) -> None:
+  def _all_task_ids_now(self) -> frozenset[int]:
     self._task_ids()
-    if task_id not in self._all_task_ids:
-      raise HTTPError(
-          400, f"data_idx {task_id} is not a task id of {self.env_name} "
+    return self._all_task_ids
+
+  def _check_task(self, task_id: int) -> None:
+    if task_id not in self._all_task_ids_now():
+      raise _env_error(
+          f"data_idx {task_id} is not a task id of {self.env_name} "
           f"({len(self._all_task_ids)} task ids; GET /task_ids?split= lists them)", "unknown_task")
 
 
-_MAX_QUERY_DIGITS = 18
+# Ids and task numbers are below 10^18 (ids count from below 2^30): a longer number in a query
+# or body is refused before int() (which refuses over 4,300 digits) sees it.
+_MAX_DIGITS = _MAX_QUERY_DIGITS = 18
+_MAX_JSON_DEPTH = 64
+_JSON_STRUCTURE = re.compile(r'[\[\]{}"\\]')
 
 
 class _HTTPServer(http.server.ThreadingHTTPServer):
@@ -613,17 +675,49 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     logging.debug("AgentGymServer: %s %s", self.address_string(), format % args)
 
 
+def _json_depth(text: str) -> int:
+  """The deepest nesting of arrays and objects in `text` (brackets inside strings skipped)."""
+  depth = deepest = 0
+  in_string = escaped = False
+  for match in _JSON_STRUCTURE.finditer(text):
+    char = match.group()
+    if in_string:
+      if escaped:
+        escaped = False
+      elif char == "\\":
+        escaped = True
+      elif char == '"':
+        in_string = False
+    elif char == '"':
+      in_string = True
+    elif char in "[{":
+      depth += 1
+      deepest = max(deepest, depth)
+    elif char in "]}":
+      depth -= 1
+  return deepest
+
+
+def _bounded_int(text: str) -> int:
+  if len(text.lstrip("-")) > _MAX_DIGITS:
+    raise ValueError(f"a number of more than {_MAX_DIGITS} digits")
+  return int(text)
+
+
 def _json_object(body: bytes, allow_empty: bool = False) -> dict[str, Any]:
+  """The request's JSON object; nesting past _MAX_JSON_DEPTH and integers of more than
+  _MAX_DIGITS digits are malformed (no field of the protocol needs either)."""
   if not body.strip():
     if allow_empty:
       return {}
     raise HTTPError(400, "missing JSON body")
   try:
-    value = json.loads(body)
-  except (ValueError, UnicodeDecodeError) as e:
-    raise HTTPError(400, f"malformed JSON body: {e}") from None
-  except RecursionError:
-    raise HTTPError(400, "malformed JSON body: nested too deeply") from None
+    text = body.decode()
+    if _json_depth(text) > _MAX_JSON_DEPTH:
+      raise ValueError(f"nested too deeply (over {_MAX_JSON_DEPTH} levels)")
+    value = json.loads(text, parse_int=_bounded_int)
+  except (ValueError, UnicodeDecodeError, RecursionError) as e:
+    raise HTTPError(400, f"malformed JSON body: {e}"[:300]) from None
   if not isinstance(value, dict):
     raise HTTPError(400, f"the JSON body must be an object, got {type(value).__name__}")
   return value
@@ -662,10 +756,16 @@ def _int_query(query: Mapping[str, str], name: str) -> int:
   return int(text)
 
 
+def _env_error(message: str, code: str) -> HTTPError:
+  """An env-level refusal, answered 200 {"error", "code"} as the original servers do."""
+  return HTTPError(200, message, code)
+
+
 def _unknown_env(env_id: int) -> HTTPError:
-  return HTTPError(
-      404, f"unknown env id {env_id} (never created, closed, or closed after "
-      "being idle); POST /create makes a new one", "unknown_env")
+  # "is not valid" is the original servers' phrase, which clients look for.
+  return _env_error(
+      f"The id {env_id} is not valid: unknown env id (never created, closed, or closed "
+      "after being idle); POST /create makes a new one", "unknown_env")
 
 
 def _close_quietly(adapter: Env) -> None:

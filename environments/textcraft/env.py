@@ -26,7 +26,9 @@ Actions (AgentGym's grammar and texts; N are decimal counts):
   inventory                     -> "Inventory: [item] (n) ..." or
                                    "Inventory: You are not carrying anything."
   anything else                 -> "Could not execute <action>".
-Reward 1 and done when the goal is crafted; every other step has reward 0.
+Reward 1 and done when the goal is crafted; every other step has reward 0. As in AgentGym, the
+game goes on after that: the inventory stays and crafting the goal again pays 1 again (EnvPool
+never steps a finished episode; AgentGym's clients may).
 
 Replies. In the tool_call format (environments/base.py) the actions are the tools get, craft
 and inventory (TOOLS), and a call that cannot be carried out gets "Invalid tool call: <why>.
@@ -203,8 +205,11 @@ class TextCraftEnv:
     self.action_format = base.ActionFormat(action_format, TOOLS)
     self._book = RecipeBook.load()
     self._goal: str | None = None
-    self._done = True
     self._inventory: dict[str, int] = {}
+    # The episode's commands as listed and its goal's item id ("minecraft:stick"), as the
+    # original's env exposes them (its server's /commands and /goal); None between episodes.
+    self.commands: str | None = None
+    self.goal: str | None = None
 
   @property
   def instruction(self) -> str:
@@ -228,11 +233,13 @@ class TextCraftEnv:
 
   def reset(self, task_id: int) -> str:
     goal, _ = goals()[self._check_task(task_id)]
-    self._goal, self._done, self._inventory = goal, False, {}
+    self._goal, self._inventory = goal, {}
+    self.commands = "\n".join(recipe.command for recipe in commands_for(goal))
+    self.goal = f"minecraft:{goal}"
     return first_observation(goal)
 
   def step(self, action_text: str) -> StepResult:
-    if self._done:
+    if self._goal is None:
       raise RuntimeError("step() without an episode in progress; call reset() first")
     try:
       action = parse_action(self.action_format.react_reply(action_text))
@@ -242,11 +249,10 @@ class TextCraftEnv:
       observation, success = self._act(action)
     except _ActionFailed as e:
       observation, success = str(e), False
-    self._done = success
     return StepResult(observation, float(success), success, {"success": success, "action": action})
 
   def close(self) -> None:
-    self._done = True
+    self._goal = self.commands = self.goal = None
 
   def _check_task(self, task_id: int) -> int:
     if isinstance(task_id,
