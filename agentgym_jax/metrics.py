@@ -383,7 +383,8 @@ class TrajectoryWriter:
         paths.path(_trajectory_path(self.directory, logged)).unlink()
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+  """A wall time for the console: 4m05s, or 1h12m past an hour."""
   minutes, seconds = divmod(round(seconds), 60)
   hours, minutes = divmod(minutes, 60)
   return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
@@ -433,7 +434,7 @@ class ProgressBar:
     parts = [f"{self._unit} {step}/{self._total}", " ".join(f"{k}={v}" for k, v in shown.items())]
     if step > self._initial:
       pace = (time.monotonic() - self._start) / (step - self._initial)
-      parts.append(f"eta {_duration(pace * (self._total - step))}")
+      parts.append(f"eta {duration(pace * (self._total - step))}")
     return "  ".join(part for part in parts if part)
 
   def close(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import time
 from typing import Any, Callable
 
 import jax
@@ -27,7 +28,7 @@ from absl import logging
 
 from agentgym_jax import config as config_lib
 from agentgym_jax import paths
-from agentgym_jax import demonstrations, evaluation, offline, rollout, run, trainer
+from agentgym_jax import demonstrations, evaluation, metrics, offline, rollout, run, trainer
 from environments import base, jsonl
 
 WARM_START_DIR = "warm_start"
@@ -44,7 +45,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   def evaluate(stage: str, policy: str) -> None:
     if c.eval.stages:
       path = workdir / EVALUATION_DIR / f"{stage.replace(' ', '_').lower()}.json"
-      summaries[stage] = evaluate_stage(c, policy, path)
+      summaries[stage] = evaluate_stage(c, stage, policy, path)
 
   evaluate("initial", c.model.name)
   if c.warm_start.steps:
@@ -82,16 +83,33 @@ def evaluate_policy(
                                progress=start(len(task_ids)) if start else None)
 
 
-def evaluate_stage(c: ml_collections.ConfigDict, policy: str, path: pathlib.Path) -> dict[str, Any]:
-  """The summary of `policy` on the evaluation, kept at `path` (read, if there, instead of
-  played again)."""
+def evaluate_stage(c: ml_collections.ConfigDict, stage: str, policy: str,
+                   path: pathlib.Path) -> dict[str, Any]:
+  """The summary of the `stage` policy `policy` on the evaluation, kept at `path` (read, if
+  there, instead of played again). Says on stdout when it starts and what it scored."""
   if path.exists():
     return json.loads(path.read_text())
   settings = run.Settings.from_config(c)
-  summary, _ = evaluate_policy(settings, policy, c.eval.rows or settings.rows)
+  plan, started = settings.evaluation, time.monotonic()
+
+  def start(tasks: int) -> Callable[[int, int], None]:
+    print(
+        f"evaluating the {stage} policy: {tasks} {c.env.name} tasks of the {plan.split} split, "
+        f"k = {plan.samples_per_task}, up to {plan.horizon} turns", flush=True)
+    return episodes_done
+
+  def episodes_done(done: int, total: int) -> None:
+    if done < total:
+      print(f"  {done}/{total} episodes in {metrics.duration(time.monotonic() - started)}",
+            flush=True)
+
+  summary, _ = evaluate_policy(settings, policy, c.eval.rows or settings.rows, start)
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(summary, indent=2))
-  logging.info("evaluated %s: success %.3f", policy, summary["avg@k"])
+  print(
+      f"evaluated the {stage} policy: avg@{summary['k']} {100 * summary['avg@k']:.1f}%, "
+      f"pass@{summary['k']} {100 * summary['pass@k']:.1f}%, {summary['turns']:.2f} turns, "
+      f"in {metrics.duration(time.monotonic() - started)}", flush=True)
   return summary
 
 
