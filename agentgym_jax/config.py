@@ -62,6 +62,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout.max_logprob_gap = 1.0  # The sampler/learner log-prob gap that stops the run.
   # Row groups whose env steps overlap the other groups' decoding (1: no pipelining).
   c.rollout.pipeline_groups = 1
+  # Rows a process plays at once: its rows of a step in consecutive waves of this many (0: all
+  # at once). The KV cache and the env pool hold one wave; the paper's 256 rows x 10k tokens
+  # are more cache than a v5e-16 holds beside the training state (docs/scaling.md).
+  c.rollout.wave_rows = 0
   c.rollout.cache_dtype = ""  # KV cache: "" (model.dtype) | bfloat16 | float32
   # A curriculum: per horizon stage, the task categories (env task_info "category", e.g.
   # TextCraft's "depth1") its training tasks are drawn from; a stage past the last entry keeps
@@ -256,6 +260,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         "log.wandb=True needs wandb: pip install -e \".[wandb]\"")
   _check(r.max_logprob_gap > 0, f"rollout.max_logprob_gap={r.max_logprob_gap} must be > 0")
   _check(r.pipeline_groups >= 1, f"rollout.pipeline_groups={r.pipeline_groups} must be >= 1")
+  _check(
+      r.wave_rows >= 0 and r.wave_rows % r.pipeline_groups == 0,
+      f"rollout.wave_rows={r.wave_rows} must be 0 (every row at once) or a positive multiple "
+      f"of rollout.pipeline_groups={r.pipeline_groups}")
   trajectories = r.tasks_per_step * r.samples_per_task
   _check(
       trajectories % r.pipeline_groups == 0,

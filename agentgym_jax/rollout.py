@@ -133,6 +133,29 @@ class RolloutStats:
   def env_hidden_fraction(self) -> float:
     return self.env_hidden_s / self.env_s if self.env_s > 0 else 0.0
 
+  @classmethod
+  def total(cls, parts: Sequence[RolloutStats]) -> RolloutStats:
+    """The stats of rollouts played one after the other."""
+    return cls(*(sum(getattr(s, f.name) for s in parts) for f in dataclasses.fields(cls)))
+
+
+def collect_waves(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
+                  tasks: Sequence[tuple[int, int]], *, wave_rows: int, first_row: int = 0,
+                  groups: int = 1, **kwargs: Any) -> tuple[list[Trajectory], RolloutStats]:
+  """`collect` over `tasks` in consecutive waves of `wave_rows` trajectories, each wave on
+  the sampler's rows and the pool's slots from 0. A trajectory draws from the keys of its row
+  in the whole (first_row + its index), as in one call; only one wave's cache and episodes are
+  alive at a time. `kwargs` are `collect`'s."""
+  played, stats = [], []
+  for start in range(0, len(tasks), wave_rows):
+    wave = tasks[start:start + wave_rows]
+    trajectories, wave_stats = collect(sampler, params, pool, chat, wave,
+                                       first_row=first_row + start, groups=min(groups,
+                                                                               len(wave)), **kwargs)
+    played.extend(trajectories)
+    stats.append(wave_stats)
+  return played, RolloutStats.total(stats)
+
 
 def collect(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
             tasks: Sequence[tuple[int, int]], *, horizon: int, sampling: TurnSampling,

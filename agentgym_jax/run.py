@@ -87,6 +87,7 @@ class Settings:
     curriculum: per horizon stage, the categories of the tasks it trains on (() for all).
     max_context, pipeline_groups: tokens per trajectory (KV-cache slots), and the row groups
       whose environment steps overlap the other groups' decoding.
+    wave_rows: the rows a process plays at once (0: all of its rows); see `wave`.
     failed_episodes: how environment faults enter the loss (exclude | zero_reward).
     num_minibatches, ppo_epochs: an RL step's updates.
     checkpoint_every: steps between checkpoints (0: none but the last).
@@ -113,6 +114,7 @@ class Settings:
   curriculum: tuple[tuple[str, ...], ...]
   max_context: int
   pipeline_groups: int
+  wave_rows: int
   failed_episodes: str
   num_minibatches: int
   ppo_epochs: int
@@ -142,11 +144,11 @@ class Settings:
                tasks_per_step=r.tasks_per_step, samples_per_task=r.samples_per_task,
                dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
                curriculum=tuple(tuple(stage) for stage in r.curriculum), max_context=r.max_context,
-               pipeline_groups=r.pipeline_groups, failed_episodes=c.env.failed_episodes,
-               num_minibatches=c.algorithm.num_minibatches, ppo_epochs=c.algorithm.ppo_epochs,
-               checkpoint_every=c.checkpoint.every, export_hf=c.checkpoint.export_hf,
-               log_trajectories=c.log.trajectories, data=data, dpo_beta=c.dpo.beta,
-               thinking=c.model.thinking == "on")
+               pipeline_groups=r.pipeline_groups, wave_rows=r.wave_rows,
+               failed_episodes=c.env.failed_episodes, num_minibatches=c.algorithm.num_minibatches,
+               ppo_epochs=c.algorithm.ppo_epochs, checkpoint_every=c.checkpoint.every,
+               export_hf=c.checkpoint.export_hf, log_trajectories=c.log.trajectories, data=data,
+               dpo_beta=c.dpo.beta, thinking=c.model.thinking == "on")
 
   def check_layout(self, mesh: Mesh, process_count: int) -> None:
     """What the config can only be checked against once the mesh and processes are known."""
@@ -155,6 +157,10 @@ class Settings:
       raise config_lib.ConfigError(
           f"invalid config: rollout.pipeline_groups={self.pipeline_groups} does not divide "
           f"the {process_rows} trajectories of each of the {process_count} processes")
+    if self.wave(process_rows) % self.pipeline_groups:
+      raise config_lib.ConfigError(
+          f"invalid config: rollout.pipeline_groups={self.pipeline_groups} does not divide "
+          f"a wave of {self.wave(process_rows)} of each process's {process_rows} trajectories")
     batch_shards = math.prod(mesh.shape[axis] for axis in sharding.BATCH)
     minibatch = self.rows // self.num_minibatches
     if minibatch % batch_shards:
@@ -240,6 +246,10 @@ class Settings:
       raise config_lib.ConfigError(
           f"invalid config: model.name={self.config.model.name!r}, model.thinking="
           f"{self.config.model.thinking!r}: {error}") from None
+
+  def wave(self, rows: int) -> int:
+    """How many of a process's `rows` it plays at once: rollout.wave_rows, at most `rows`."""
+    return min(self.wave_rows or rows, rows)
 
   def sampler(self, model: Decoder, mesh: Mesh | None, rows: int) -> Sampler:
     """The sampler for playing `rows` episodes at once: rows / pipeline_groups rows of

@@ -211,11 +211,12 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   processes = multihost.Processes.of(mesh)
   settings.check_layout(mesh, processes.count)
   process_rows = processes.rows(num_rows)
-  sampler = settings.sampler(model, processes.local_mesh, len(process_rows))
+  wave = settings.wave(len(process_rows))
+  sampler = settings.sampler(model, processes.local_mesh, wave)
   base_key = jax.random.key(settings.seed)
   eval_key = jax.random.fold_in(base_key, 1 << 30)  # Distinct from every step's fold_in.
   history = []
-  with settings.env_pool(len(process_rows)) as pool:
+  with settings.env_pool(wave) as pool:
     task_orders = stage_task_orders(pool, settings.curriculum, settings.seed)
     progress = settings.progress(("reward", "success", "horizon_cap", "time/rollout",
                                   "time/experience", "time/update", "time/eval"),
@@ -231,10 +232,10 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         group_of = [(task_id, group)
                     for group, task_id in enumerate(task_ids)
                     for _ in range(settings.samples_per_task)]
-        played, stats = rollout.collect(
+        played, stats = rollout.collect_waves(
             sampler, processes.local_copy(state.params), pool, chat,
-            group_of[process_rows.start:process_rows.stop], horizon=cap, sampling=settings.sampling,
-            max_context=settings.max_context,
+            group_of[process_rows.start:process_rows.stop], wave_rows=wave, horizon=cap,
+            sampling=settings.sampling, max_context=settings.max_context,
             key=jax.random.fold_in(step_key, round_index) if round_index else step_key,
             first_row=process_rows.start, groups=settings.pipeline_groups)
         return processes.gather_rollout(played, stats)
@@ -292,9 +293,9 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
                                           samples_per_task=settings.evaluation.samples_per_task,
                                           horizon=settings.evaluation.horizon,
                                           sampling=settings.evaluation.sampling,
-                                          max_context=settings.max_context, key=jax.random.fold_in(
-                                              eval_key, done), rows_per_batch=len(process_rows),
-                                          groups=settings.pipeline_groups)
+                                          max_context=settings.max_context,
+                                          key=jax.random.fold_in(eval_key, done),
+                                          rows_per_batch=wave, groups=settings.pipeline_groups)
           summary = evaluation.summarize(
               processes.gather(played), evaluation.task_categories(pool, task_ids))
         step_metrics.update(evaluation.as_metrics(summary))

@@ -1,5 +1,6 @@
 """Pipelined rollouts (`rollout.collect(groups=G)`): the same episodes as one group, env steps
-of one group issued while another group's decode is in flight, env faults still per episode."""
+of one group issued while another group's decode is in flight, env faults still per episode;
+rollouts in waves (`rollout.collect_waves`): the same episodes as all rows at once."""
 
 import functools
 
@@ -92,6 +93,38 @@ def test_groups_step_their_envs_while_another_group_decodes(policy, monkeypatch)
   assert events[4][0] == "decode" and max(events[4][1]) < 8
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_rollouts_in_waves_play_the_same_episodes_as_all_rows_at_once(policy, groups):
+  model, tokenizer = policy
+  echo = functools.partial(faulty_env.FaultyEchoEnv, turns=4, num_train=8)
+  expected, _ = play(policy, echo, 1, echo_tasks())
+  wave = 6  # 16 rows: waves of 6, 6 and 4.
+  sampler = Sampler(model, cache_slots=96, max_batch=wave // groups)
+  with EnvPool(echo, wave) as pool:
+    played, stats = rollout.collect_waves(sampler, sampler.params, pool, tokenizer.chat,
+                                          echo_tasks(), wave_rows=wave, horizon=4,
+                                          sampling=rollout.TurnSampling(max_new_tokens=3),
+                                          max_context=96, key=jax.random.key(7), first_row=5,
+                                          groups=groups)
+  assert [(t.task_id, t.group) for t in played] == echo_tasks()
+  for a, b in zip(expected, played):
+    # Each row draws from its keys in the whole batch; batches of other sizes reorder sums.
+    assert (b.tokens, b.loss_mask, b.turn_rewards, b.termination) == (a.tokens, a.loss_mask,
+                                                                      a.turn_rewards, a.termination)
+    atol = tolerances.reordered_logprobs(2, 128, max(np.abs(a.sampler_logprobs).max(), 1.0))
+    np.testing.assert_allclose(b.sampler_logprobs, a.sampler_logprobs, atol=atol)
+  assert stats.generated_tokens == sum(sum(t.loss_mask) for t in played)
+
+
+def test_rollout_stats_of_waves_add_up():
+  total = rollout.RolloutStats.total([
+      rollout.RolloutStats(generate_s=1.0, env_s=2.0, env_hidden_s=0.5, generated_tokens=10),
+      rollout.RolloutStats(generate_s=0.25, env_s=1.0, env_hidden_s=0.0, generated_tokens=3)
+  ])
+  assert total == rollout.RolloutStats(1.25, 3.0, 0.5, 13)
+  assert total.env_hidden_fraction == 0.5 / 3.0
+
+
 def test_env_faults_end_only_their_episode_under_pipelining(policy):
   # Tasks 100..103 x 2 samples; group 0 plays tasks 100-101, group 1 tasks 102-103.
   faulty = functools.partial(faulty_env.FaultyEchoEnv, turns=2, num_train=4, raise_tasks=(1,),
@@ -157,6 +190,26 @@ def test_training_with_two_groups_matches_one_group(tmp_path, monkeypatch):
                                    err_msg=key)
     assert 0 <= b["rollout/env_hidden_fraction"] <= 1
   assert "eval/success" in two[-1]
+
+
+def test_training_in_waves_matches_all_rows_at_once(tmp_path, monkeypatch):
+  from agentgym_jax import config as config_lib, run, trainer
+  from test_trainer import _single_device, echo_config
+
+  _single_device(monkeypatch)
+  c = echo_config(str(tiny.make_checkpoint(tmp_path / "tiny")), steps=2)
+  whole = trainer.train(c, tmp_path / "whole")
+  c.rollout.wave_rows = 16  # 64 rows a step in 4 waves.
+  assert run.Settings.from_config(c).wave(64) == 16
+  waves = trainer.train(c, tmp_path / "waves")
+  for a, b in zip(whole, waves):
+    for key in ("reward", "turns", "tokens_generated", "loss", "grad_norm"):
+      np.testing.assert_allclose(b[key], a[key], rtol=tolerances.reordered_sum(1024), atol=1e-6,
+                                 err_msg=key)
+  c.rollout.pipeline_groups = 2
+  c.rollout.wave_rows = 15
+  with pytest.raises(config_lib.ConfigError, match="wave_rows=15 must be 0"):
+    config_lib.validate(c)
 
 
 def test_hidden_env_time_is_the_overlap_of_busy_intervals():
