@@ -94,6 +94,10 @@ class Recipe:
   output: str
   count: int
   ingredients: tuple[Ingredient, ...]
+  # Whether each ingredient is the first alternative of its slot (step 2 of the module
+  # docstring); true for a recipe without alternatives. AgentGym's loader reads a list of
+  # alternative items as its first item, so it knows only these recipes.
+  first_alternative: bool = dataclasses.field(default=True, compare=False)
 
   @property
   def command(self) -> str:
@@ -252,8 +256,9 @@ def _factor(output: str, variants: Sequence[_Variant],
         options.append([Ingredient(name, count)])
       else:
         options.append([Ingredient(item, count) for item in alternatives])
-    for choice in itertools.product(*options):
-      recipes.append(Recipe(output, layout[-1], _merge(choice)))
+    for choice in itertools.product(*(enumerate(option) for option in options)):
+      first = all(index == 0 for index, _ in choice)
+      recipes.append(Recipe(output, layout[-1], _merge(i for _, i in choice), first))
   return recipes
 
 
