@@ -40,7 +40,7 @@ MISTAKES = {
          "error: invalid config: env.action_format='tool_call': env 'echo' publishes no tools"),
     "registry model without weights":
         ("train.py", [LOCAL, "--config.model.name=qwen2.5-0.5b-instruct"],
-         "huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir {models}"
+         "hf download Qwen/Qwen2.5-0.5B-Instruct --local-dir {models}"
          "/qwen2.5-0.5b-instruct"),
 }
 
