@@ -25,8 +25,9 @@ MISTAKES = {
                                 "error: invalid config: eval.horizon=-1 must be >= 0"),
     "value of the wrong type":
         ("train.py", [LOCAL, "--config.eval.horizon=abc"], "invalid literal for int()"),
-    "unknown variant": ("train.py", [f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:lokal"],
-                        "error: unknown config variant 'lokal'; expected some of ['local'"),
+    "unknown variant":
+        ("train.py", [f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:lokal"],
+         "error: unknown config variant 'lokal'; expected some of ['agentgym', 'local'"),
     "unknown variant, evaluate":
         ("evaluate.py", [f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:lokal"],
          "error: unknown config variant 'lokal'"),
