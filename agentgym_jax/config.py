@@ -243,6 +243,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       f"(those that do: {', '.join(env_base.TOOL_CALL_ENVS)})")
   _check("action_format" not in c.env.options,
          "set env.action_format, not env.options.action_format")
+  if c.env.name == "textcraft" and "goals" in c.env.options:
+    from environments.textcraft import env as textcraft
+    _check(c.env.options.goals in textcraft.GOAL_SETS,
+           f"env.options.goals={c.env.options.goals!r} is not one of {textcraft.GOAL_SETS}")
   r = c.rollout
   for key in ("tasks_per_step", "samples_per_task", "max_new_tokens", "max_context"):
     _check(r[key] > 0, f"rollout.{key}={r[key]} must be > 0")

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import pathlib
+import os
 from typing import Any, Sequence
 
 import jax
@@ -61,9 +61,10 @@ MODES = ("sft", "dpo")
 # --- data ----------------------------------------------------------------------------------
 
 
-def load_records(path: str | pathlib.Path) -> list[dict[str, Any]]:
-  """The conversation records at `path`: a JSONL file, or a run workdir's trajectories."""
-  path = pathlib.Path(path)
+def load_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+  """The conversation records at `path` (local or gs://): a JSONL file, or a run workdir's
+  trajectories."""
+  path = paths.path(path)
   if path.is_dir():
     records = metrics.read_trajectories(path)
     if not records:
@@ -255,7 +256,7 @@ def make_evaluator(settings: run.Settings, mesh: Mesh, model: Decoder, chat: Cha
 
 
 def train_offline(c: ml_collections.ConfigDict,
-                  workdir: str | pathlib.Path) -> list[dict[str, Any]]:
+                  workdir: str | os.PathLike[str]) -> list[dict[str, Any]]:
   """Runs (or resumes) SFT or DPO in `workdir`; returns the per-step metrics of this call."""
   settings = run.Settings.from_config(c)
   loss, mode = settings.loss, settings.mode

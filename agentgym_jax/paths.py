@@ -67,11 +67,13 @@ def check_directory(value: str | os.PathLike[str], what: str) -> epath.Path:
 
 def replace_file(target: str | os.PathLike[str], text: str) -> None:
   """Writes `text` to `target` so that a reader sees the old file or the new one, never a
-  part: locally through a temporary file and an atomic rename, in a bucket as one object."""
+  part: locally through a temporary file and an atomic rename (making the directory if it is
+  missing), in a bucket as one object."""
   target = path(target)
   if is_remote(target):
     target.write_text(text, encoding="utf-8")
     return
+  target.parent.mkdir(parents=True, exist_ok=True)
   temporary = target.with_name(target.name + ".tmp")
   with open(temporary, "w", encoding="utf-8") as f:
     f.write(text)

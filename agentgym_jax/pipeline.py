@@ -134,7 +134,7 @@ def stage_table(summaries: dict[str, dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
-def warm_start(c: ml_collections.ConfigDict, directory: pathlib.Path) -> pathlib.Path:
+def warm_start(c: ml_collections.ConfigDict, directory: paths.Path) -> paths.Path:
   """SFT of c's policy on demonstrations of c's environment; returns the exported policy."""
   export = directory / "export"
   if (export / "config.json").exists():
@@ -144,11 +144,11 @@ def warm_start(c: ml_collections.ConfigDict, directory: pathlib.Path) -> pathlib
   return export
 
 
-def demonstrations_file(c: ml_collections.ConfigDict, directory: pathlib.Path) -> pathlib.Path:
+def demonstrations_file(c: ml_collections.ConfigDict, directory: paths.Path) -> paths.Path:
   """warm_start.demonstrations, or the environment expert's verified demonstrations of up to
-  warm_start.max_tasks train tasks, made once and kept in `directory`."""
+  warm_start.max_tasks train tasks, made once and kept in `directory` (either local or gs://)."""
   if c.warm_start.demonstrations:
-    return pathlib.Path(c.warm_start.demonstrations)
+    return paths.path(c.warm_start.demonstrations)
   path = directory / "demos.jsonl"
   if path.exists():
     return path
@@ -165,11 +165,11 @@ def demonstrations_file(c: ml_collections.ConfigDict, directory: pathlib.Path) -
         f"invalid config: the {c.env.name} expert solved none of {len(task_ids)} train tasks, "
         f"so there is nothing to warm-start on ({made.rejected[:3]})")
   logging.info("warm start: %d demonstrations of %d tasks", len(made.demos), len(task_ids))
-  jsonl.write(path, made.demos)
+  paths.replace_file(path, "".join(map(jsonl.to_line, made.demos)))
   return path
 
 
-def sft_config(c: ml_collections.ConfigDict, data: pathlib.Path) -> ml_collections.ConfigDict:
+def sft_config(c: ml_collections.ConfigDict, data: paths.Path) -> ml_collections.ConfigDict:
   """The warm start's SFT run: c's policy, environment and logging, warm_start's schedule."""
   sft = ml_collections.ConfigDict(c.to_dict())
   w = c.warm_start

@@ -11,10 +11,13 @@ SmolLM2-135M-Instruct: on goals of crafting depth 1-2 (`shallow`), an SFT warm s
 oracle's demonstrations of train goals, then GRPO with the staged horizon on depth-1 goals and,
 in its last stage, depth 1-2, each stage's policy evaluated greedily on the 72 held-out test goals and tabled
 at the end (README, "The first command"). `short` and `long` are the fixed-horizon baselines
-(10 and 30 turns); `shallow` keeps only goals of crafting depth 1-2 in every split:
+(10 and 30 turns); `shallow` keeps only goals of crafting depth 1-2 in every split;
+`agentgym` plays the original AgentGym TextCraft's 544 goals instead of our 551
+(env.options.goals; environments/textcraft/env.py, "Tasks"):
 
   python launch/train.py --config=configs/grpo_textcraft.py:local --workdir=runs/local
   python launch/train.py --config=configs/grpo_textcraft.py:long --workdir=runs/fixed30
+  python launch/train.py --config=configs/grpo_textcraft.py:agentgym --workdir=runs/agentgym
 
 Any registry model (agentgym_jax.models.MODELS: SmolLM2, Qwen2.5, Qwen3, Llama 3.1/3.2) or
 checkpoint directory runs it, its chat layout read off its own template; actions may be tool
@@ -37,12 +40,17 @@ def get_config(variant: str = ""):
           "local": local,
           "short": config.fixed_horizon(10),
           "long": config.fixed_horizon(30),
-          "shallow": shallow
+          "shallow": shallow,
+          "agentgym": agentgym_goals
       })
 
 
 def shallow(c):
   c.env.options.max_depth = 2
+
+
+def agentgym_goals(c):
+  c.env.options.goals = "agentgym"
 
 
 def local(c):

@@ -1,7 +1,8 @@
 """JSON-lines files: one JSON object a line, read with the line of any fault, written atomically.
 
 Shared by the environments' data (SearchQA questions and corpora) and the trainer's files
-(demonstrations, metrics, trajectory logs).
+(demonstrations, metrics, trajectory logs). Reading takes a path object's own `open` when it has
+one, so an `etils.epath.Path` of a bucket (agentgym_jax/paths.py) reads as a local file does.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def iterate(path: str | os.PathLike[str], *,
   `allow_truncated_tail`, an unparsable last line without a newline after it (an append cut
   short by a killed process) is skipped instead.
   """
-  with open(path, "rb") as lines:
+  with (path.open("rb") if hasattr(path, "open") else open(path, "rb")) as lines:
     for number, line in enumerate(lines, start=1):
       if not line.strip():
         continue
@@ -54,6 +55,11 @@ def read(path: str | os.PathLike[str], *,
   return list(iterate(path, allow_truncated_tail=allow_truncated_tail))
 
 
+def to_line(record: Mapping[str, Any]) -> str:
+  """`record` as one line of a JSONL file, its newline included."""
+  return json.dumps(record, ensure_ascii=False) + "\n"
+
+
 def write(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any]]) -> int:
   """Writes one JSON object per line through a temporary file and a rename; returns the count."""
   path = os.fspath(path)
@@ -64,7 +70,7 @@ def write(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any]]) ->
   count = 0
   with open(temporary, "w", encoding="utf-8") as f:
     for record in records:
-      f.write(json.dumps(record, ensure_ascii=False) + "\n")
+      f.write(to_line(record))
       count += 1
   os.replace(temporary, path)
   return count

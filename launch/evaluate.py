@@ -9,17 +9,16 @@ is eval.horizon, or the largest cap of the config's horizon schedule.
 """
 
 import json
-import pathlib
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from agentgym_jax import cli, evaluation, metrics, pipeline, run
+from agentgym_jax import cli, evaluation, metrics, paths, pipeline, run
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/).",
                                           lock_config=True)
 _MODEL = flags.DEFINE_string("model", None, "Registry name or HF directory; default: config's.")
-_OUT = flags.DEFINE_string("out", None, "Write the summary as JSON here.")
+_OUT = flags.DEFINE_string("out", None, "Write the summary as JSON here (local or gs://).")
 _TRAJECTORIES = flags.DEFINE_string("trajectories", None,
                                     "Write the evaluation trajectories under this workdir.")
 _ROWS = flags.DEFINE_integer("rows", 32, "Episodes played at once.")
@@ -43,8 +42,7 @@ def main(argv):
     bar.close()
   print(evaluation.format_table(summary))
   if _OUT.value:
-    pathlib.Path(_OUT.value).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(_OUT.value).write_text(json.dumps(summary, indent=2))
+    paths.replace_file(_OUT.value, json.dumps(summary, indent=2))
   if _TRAJECTORIES.value:
     metrics.TrajectoryWriter(_TRAJECTORIES.value).write(0, [t.to_json() for t in trajectories])
 

@@ -2,6 +2,7 @@
 
   python launch/serve_env.py --env=textcraft --port=36001
   python launch/serve_env.py --env=textcraft --option=max_depth=2   # environments.make options
+  python launch/serve_env.py --env=textcraft --option=goals=agentgym   # the original's 544 goals
 
 Clients: `environments.make("http", base_url="http://127.0.0.1:36001", env="textcraft")`, or the
 original AgentGym clients. Stop with Ctrl-C or SIGTERM; every hosted env is closed on the way out.

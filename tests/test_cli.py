@@ -1,5 +1,6 @@
 """The launch scripts answer a user's mistake with one line on stderr and a failing exit status."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -24,8 +25,9 @@ MISTAKES = {
                                 "error: invalid config: eval.horizon=-1 must be >= 0"),
     "value of the wrong type":
         ("train.py", [LOCAL, "--config.eval.horizon=abc"], "invalid literal for int()"),
-    "unknown variant": ("train.py", [f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:lokal"],
-                        "error: unknown config variant 'lokal'; expected some of ['local'"),
+    "unknown variant":
+        ("train.py", [f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:lokal"],
+         "error: unknown config variant 'lokal'; expected some of ['agentgym', 'local'"),
     "unknown variant, evaluate":
         ("evaluate.py", [f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:lokal"],
          "error: unknown config variant 'lokal'"),
@@ -39,7 +41,7 @@ MISTAKES = {
          "error: invalid config: env.action_format='tool_call': env 'echo' publishes no tools"),
     "registry model without weights":
         ("train.py", [LOCAL, "--config.model.name=qwen2.5-0.5b-instruct"],
-         "huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir {models}"
+         "hf download Qwen/Qwen2.5-0.5B-Instruct --local-dir {models}"
          "/qwen2.5-0.5b-instruct"),
 }
 
@@ -116,7 +118,7 @@ def test_evaluate_shows_its_progress_and_says_what_k_is(tmp_path):
       f"--config={REPO / 'configs' / 'ablation_echo.py'}:long", f"--config.model.name={checkpoint}",
       "--config.eval.max_tasks=6", "--config.eval.samples_per_task=2",
       "--config.rollout.max_new_tokens=4", "--config.rollout.max_context=128",
-      "--config.mesh.fsdp=1", "--rows=4"
+      "--config.mesh.fsdp=1", "--rows=4", f"--out={tmp_path / 'new' / 'eval.json'}"
   ]
   result = subprocess.run(
       command, capture_output=True, text=True, timeout=300, env={
@@ -125,6 +127,8 @@ def test_evaluate_shows_its_progress_and_says_what_k_is(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.splitlines()
   assert lines[0] == "6 echo tasks of the test split, k = 2 sample(s) each, up to 4 turns"
+  summary = json.loads((tmp_path / "new" / "eval.json").read_text())
+  assert (summary["k"], summary["num_tasks"]) == (2, 6)
   assert [line.split("  ")[0] for line in lines[1:4]
          ] == ["episode 4/12", "episode 8/12", "episode 12/12"]
   assert lines[4].startswith("k = 2 samples per task: avg@2 is the mean success")

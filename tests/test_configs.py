@@ -175,3 +175,12 @@ def test_chat_keys_are_validated(key, value, message):
   with pytest.raises(config_lib.ConfigError, match=message):
     config_lib.validate(c)
   assert config_lib.env_options(load("grpo_textcraft")("")) == {}  # react: the options only.
+
+
+def test_textcraft_goal_set_variant_and_its_validation():
+  c = config_lib.validate(load("grpo_textcraft")("local,agentgym"))
+  assert config_lib.env_options(c) == {"max_depth": 2, "goals": "agentgym"}
+  c.env.options.goals = "original"
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"env.options.goals='original' is not one of \('default', 'agentgym'\)"):
+    config_lib.validate(c)

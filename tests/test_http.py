@@ -382,7 +382,8 @@ def _load_round(served, num_clients, num_steps, task_ids):
   assert not failures, failures[:3]
   solved = [outcomes[i] for i in range(num_clients)]
   assert min(solved) >= 1, solved
-  # Every junk request got its own 4xx answer, never another's, never a 200 or a 5xx.
+  # Every junk request got its own answer, never another's: a 4xx, or the 200 {error} of an
+  # unknown env id, as the original servers answer it; never a 5xx.
   assert {index for index, _, _ in junk_answers} == set(range(len(_JUNK_REQUESTS)))
   for index, status, error in junk_answers:
     _, _, _, expected_status, expected_message = _JUNK_REQUESTS[index]

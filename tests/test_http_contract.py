@@ -13,6 +13,7 @@ import requests
 
 from environments.babyai import expert as babyai_expert
 from environments.http import AgentGymServer
+from environments.http.served import serve_in_subprocess
 from environments.textcraft import TextCraftEnv, solve
 import environments
 import toy_env
@@ -56,11 +57,12 @@ class _Player:
 
 def test_textcraft_plays_as_the_original_client_plays_it():
   with AgentGymServer("textcraft") as server:
-    player = _Player(server.url, create_body={
-        "minecraft_dir": "agentenv_textcraft/",
-        "commands": None,
-        "goal": None
-    })
+    player = _Player(
+        server.url, create_body={
+            "minecraft_dir": "agentenv_textcraft/",
+            "commands": None,
+            "goal": None
+        })
     # /create starts an episode: {id, observation, done, reward}.
     assert set(player.created) == {"id", "observation", "done", "reward"}
     assert player.created["observation"].startswith("Crafting commands:\n")
@@ -86,6 +88,27 @@ def test_textcraft_plays_as_the_original_client_plays_it():
     assert player.post("close", {}) is True
     assert player.post("close", {}) is False  # Already closed.
     assert "is not valid" in player.post("step", {"action": "inventory"})["error"]
+
+
+def test_serve_env_serves_the_agentgym_goal_set():
+  """`launch/serve_env.py --option=goals=agentgym`: the original's 544 goals, ids as in
+  environments/textcraft/env.py; the last 11 are the original's depth-4 goals."""
+  local = TextCraftEnv(goals="agentgym")
+  with serve_in_subprocess("textcraft", option="goals=agentgym") as served:
+    served_ids = [
+        requests.get(f"{served.url}/task_ids?split={split}", timeout=_TIMEOUT_S).json()["task_ids"]
+        for split in ("train", "test")
+    ]
+    assert served_ids == [list(local.task_ids(split)) for split in ("train", "test")]
+    player = _Player(served.url, create_body={})
+    reset = player.post("reset", {"data_idx": 538})
+    assert player.get("goal") == "minecraft:lodestone"
+    assert reset["observation"] == local.reset(538)
+    for action in solve(reset["observation"]):
+      response = player.post("step", {"action": action})
+    assert (response["reward"], response["done"]) == (1, True)
+    assert "error" in player.post("reset", {"data_idx": 544})
+    assert player.post("close", {}) is True
 
 
 def test_babyai_plays_as_the_original_client_plays_it():

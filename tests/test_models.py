@@ -265,7 +265,7 @@ def test_unknown_model_and_missing_weights_say_where_weights_go(tmp_path, monkey
   with pytest.raises(FileNotFoundError) as error:
     models.load_model("qwen2.5-0.5b-instruct")
   assert f"at {expected}" in str(error.value)
-  assert "huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct" in str(error.value)
+  assert f"hf download Qwen/Qwen2.5-0.5B-Instruct --local-dir {expected}" in str(error.value)
   with pytest.raises(FileNotFoundError, match=r"no \*.safetensors files"):
     weights.SafetensorsReader(tmp_path)
 

@@ -1,7 +1,7 @@
-"""Runs in a bucket: gs:// workdirs, metrics, trajectories and model directories go through
-agentgym_jax.paths (etils.epath) to an in-process fake of Cloud Storage (an fsspec in-memory
-filesystem registered for the gs:// scheme), never to a local folder named "gs:"; a bucket that
-cannot be reached stops the launch scripts at start-up with one line."""
+"""Runs in a bucket: gs:// workdirs, metrics, trajectories, demonstrations and model directories
+go through agentgym_jax.paths (etils.epath) to an in-process fake of Cloud Storage (an fsspec
+in-memory filesystem registered for the gs:// scheme), never to a local folder named "gs:"; a
+bucket that cannot be reached stops the launch scripts at start-up with one line."""
 
 import pathlib
 import subprocess
@@ -16,8 +16,11 @@ from etils.epath import backend as epath_backend
 from fsspec.implementations.memory import MemoryFileSystem
 
 import tiny
-from agentgym_jax import metrics, models, paths
+from agentgym_jax import config as config_lib
+from agentgym_jax import metrics, models, offline, paths, pipeline
 from agentgym_jax.models import weights
+from environments import jsonl
+from environments.textcraft import TextCraftEnv
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -104,6 +107,38 @@ def test_model_directory_in_the_bucket_loads_as_the_local_one(bucket, tmp_path):
   with pytest.raises(weights.WeightsNotFoundError,
                      match="^model directory gs://models/absent cannot be read"):
     models.resolve("gs://models/absent")
+
+
+def test_demonstrations_file_in_the_bucket_is_read_for_the_warm_start(bucket):
+  demos = [
+      dict(task_id=i, reward=1.0, messages=[dict(role="user", content=f"é {i}")]) for i in range(3)
+  ]
+  paths.replace_file("gs://data/demos.jsonl", "".join(map(jsonl.to_line, demos)))
+  c = config_lib.base_config()
+  c.warm_start.demonstrations = "gs://data/demos.jsonl"
+  c.warm_start.steps = 2
+  source = pipeline.demonstrations_file(c, paths.path("gs://runs/grpo/warm_start"))
+  assert str(source) == "gs://data/demos.jsonl"
+  assert offline.load_records(source) == offline.load_records(str(source)) == demos
+  # What the SFT run is given: the bucket path, not a local "gs:" folder.
+  assert pipeline.sft_config(c, source).data.path == "gs://data/demos.jsonl"
+  # Faults name the bucket path.
+  paths.path("gs://data/bad.jsonl").write_text(jsonl.to_line(demos[0]) + "{not json\n")
+  with pytest.raises(ValueError, match=r"gs://data/bad.jsonl:2 is not valid JSON"):
+    offline.load_records("gs://data/bad.jsonl")
+  with pytest.raises(ValueError, match=r"data.path='gs://data/absent.jsonl' does not exist"):
+    offline.load_records("gs://data/absent.jsonl")
+
+
+def test_demonstrations_made_by_the_expert_are_kept_in_the_bucket(bucket):
+  c = config_lib.base_config()
+  c.env.name = "textcraft"
+  c.warm_start.max_tasks = 2
+  made = pipeline.demonstrations_file(c, paths.path("gs://runs/grpo/warm_start"))
+  assert str(made) == "gs://runs/grpo/warm_start/demos.jsonl"
+  records = offline.load_records(made)
+  assert [r["task_id"] for r in records] == list(TextCraftEnv().task_ids("train")[:2])
+  assert all(r["success"] for r in records)
 
 
 def test_forbidden_bucket_is_one_line(monkeypatch, tmp_path):

@@ -3,6 +3,7 @@ and splits that are the same in every process, an oracle that solves every goal,
 parser that never raises."""
 
 import collections
+import hashlib
 import json
 import os
 import re
@@ -70,6 +71,8 @@ def test_tag_variants_are_merged_into_agentgym_style_generic_ingredients(book):
       "craft 1 campfire using 3 stick, 1 coal, 3 logs",
       "craft 1 campfire using 3 stick, 1 charcoal, 3 logs"
   ]
+  # AgentGym's loader reads the first item of a list of alternatives: coal, not charcoal.
+  assert [r.first_alternative for r in book.recipes["campfire"]] == [True, False]
   # Distinct recipes that share a layout are not merged into an invented ingredient.
   assert sorted(r.command for r in book.recipes["red_dye"]) == [
       "craft 1 red dye using 1 beetroot", "craft 1 red dye using 1 poppy",
@@ -144,6 +147,75 @@ def test_max_depth_keeps_the_shallow_goals_of_a_split():
       TextCraftEnv(max_depth=bad)
 
 
+# The original AgentGym TextCraft's goals: its 11 goals of crafting depth 4, which are its last
+# 11 ids whatever order the OS lists its recipe files in.
+_AGENTGYM_DEPTH_4 = ("cyan_banner", "gray_banner", "hopper_minecart", "lectern", "lime_banner",
+                     "lodestone", "polished_andesite_slab", "polished_andesite_stairs",
+                     "polished_granite_slab", "polished_granite_stairs", "purple_banner")
+# Default goals whose every recipe the original's loader drops (one ingredient named *_block,
+# or an alternative beside such a block).
+_NOT_AGENTGYM = ("purpur_slab", "purpur_stairs", "quartz_bricks", "quartz_pillar", "quartz_slab",
+                 "quartz_stairs", "snow")
+
+
+def test_agentgym_goal_set_is_the_originals_544_in_a_fixed_order():
+  table = env_lib.goals("agentgym")
+  names = [goal for goal, _ in table]
+  assert len(table) == 544 and len(set(names)) == 544
+  # sha256 of the ordered names: the order is pinned across machines and Python versions.
+  digest = hashlib.sha256("\n".join(names).encode()).hexdigest()
+  assert digest == "b037efe2441b7fa2d45c9424a86b8ea8db4bddf4893ef45503fbc516b14fba74"
+  # Sorted by depth as the original, then by name.
+  assert table == tuple(sorted(table, key=lambda goal_depth: (goal_depth[1], goal_depth[0])))
+  assert collections.Counter(depth for _, depth in table) == {1: 144, 2: 273, 3: 116, 4: 11}
+  default = {goal for goal, _ in env_lib.goals()}
+  assert sorted(default - set(names)) == list(_NOT_AGENTGYM) and set(names) < default
+  # Storage cycles resolve as in the recipe book: the ingots are base items, the nuggets goals.
+  assert {"iron_nugget", "gold_nugget", "honey_block"} <= set(names)
+  assert not {"iron_ingot", "gold_ingot", "honey_bottle"} & set(names)
+
+
+def test_agentgym_spot_ids_hold_the_originals_goal_items():
+  env = environments.make("textcraft", goals="agentgym")
+  spots = {
+      0: "acacia_planks",
+      143: "yellow_dye",
+      144: "acacia_boat",
+      417: "activator_rail",
+      533: "cyan_banner",
+      538: "lodestone",
+      543: "purple_banner"
+  }
+  assert {i: env.task_info(i)["goal"] for i in spots} == spots
+  assert [env.task_info(i)["goal"] for i in range(533, 544)] == list(_AGENTGYM_DEPTH_4)
+  assert {env.task_info(i)["depth"] for i in range(533, 544)} == {4}
+  assert env.reset(538).endswith("\n\nGoal: craft lodestone.") and env.goal == "minecraft:lodestone"
+  with pytest.raises(ValueError, match=r"ids are 0\.\.543"):
+    env.reset(544)
+
+
+def test_agentgym_split_is_picked_as_the_default_split():
+  default, agentgym = TextCraftEnv(), TextCraftEnv(goals="agentgym")
+  train, test = agentgym.task_ids("train"), agentgym.task_ids("test")
+  assert len(test) == 100 and len(train) == 444 and sorted(train + test) == list(range(544))
+  assert collections.Counter(agentgym.task_info(i)["depth"] for i in test) == {
+      1: 31,
+      2: 41,
+      3: 25,
+      4: 3
+  }
+  # The same ranking: every default test goal the set holds is a test goal here.
+  default_test = {default.task_info(i)["goal"] for i in default.task_ids("test")}
+  agentgym_test = {agentgym.task_info(i)["goal"] for i in test}
+  assert sorted(default_test - agentgym_test) == ["quartz_bricks", "quartz_stairs"]
+  assert sorted(agentgym_test - default_test) == ["birch_stairs", "polished_blackstone_slab"]
+  shallow = TextCraftEnv(max_depth=2, goals="agentgym")
+  assert len(shallow.task_ids("test")) == 31 + 41
+  for bad in ("AgentGym", "", None, 544):
+    with pytest.raises(ValueError, match="goals must be one of default, agentgym"):
+      TextCraftEnv(goals=bad)
+
+
 def test_bad_task_ids_and_splits_raise():
   env = TextCraftEnv()
   for bad in (-1, len(env_lib.goals()), "3", True, 1.0):
@@ -190,8 +262,11 @@ def fingerprint():
   env = TextCraftEnv()
   ids = range(len(env.task_ids("train")) + len(env.task_ids("test")))
   observations = "\\n\\n".join(env.reset(i) for i in ids)
+  agentgym = TextCraftEnv(goals="agentgym")
   return {"test": list(env.task_ids("test")), "goals": [env.task_info(i)["goal"] for i in ids],
-          "observations": hashlib.sha256(observations.encode()).hexdigest()}
+          "observations": hashlib.sha256(observations.encode()).hexdigest(),
+          "agentgym": [agentgym.task_info(i)["goal"] for i in range(544)],
+          "agentgym_test": list(agentgym.task_ids("test"))}
 """
 
 
@@ -378,8 +453,13 @@ def test_huge_replies_get_bounded_observations():
 # The oracle.
 
 
-def test_oracle_solves_every_goal_of_both_splits_from_the_text_alone():
-  env = TextCraftEnv()
+@pytest.mark.parametrize("goal_set", env_lib.GOAL_SETS)
+def test_oracle_solves_every_goal_of_both_splits_from_the_text_alone(goal_set):
+  env = TextCraftEnv(goals=goal_set)
+  assert len(env.task_ids("train") + env.task_ids("test")) == {
+      "default": 551,
+      "agentgym": 544
+  }[goal_set]
   lengths = []
   for task_id in env.task_ids("train") + env.task_ids("test"):
     actions = solve(env.reset(task_id))

@@ -76,7 +76,7 @@ def resolve(spec: str) -> pathlib.Path | None:
           f"weights of {spec!r} are not on disk: put the Hugging Face checkpoint directory "
           f"(config.json, *.safetensors, tokenizer.json) at {directory} (or set "
           f"${MODELS_DIR_ENV}); on a machine with a network: "
-          f"huggingface-cli download {entry.hub_id} --local-dir {directory}")
+          f"hf download {entry.hub_id} --local-dir {directory}")
     return directory
   if paths.is_remote(spec):
     try:

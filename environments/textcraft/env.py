@@ -36,9 +36,26 @@ and inventory (TOOLS), and a call that cannot be carried out gets "Invalid tool 
 (the whole reply if there is none) and before any "Instruction:", with every character other
 than ASCII letters, digits, commas and spaces removed and runs of spaces collapsed.
 
-Tasks. Goals are the craftable items of crafting depth 1-4 (see recipes.py), task id = index in
-the list of goals sorted by name. The test split holds 31/41/25/3 goals of depth 1/2/3/4 (the
-paper's test set), the ones ranked first by sha256 of their name; train holds the rest. The
+Tasks. Two goal sets (`goals=` of TextCraftEnv, env.options.goals in a config):
+- "default": the 551 craftable items, all of crafting depth 1-4 (see recipes.py); task id =
+  index in the list of goals sorted by name.
+- "agentgym": the original AgentGym TextCraft's 544 goals, by its rule: the items of minimum
+  crafting depth >= 1 in the recipes its loader keeps, that is every item it keeps a recipe
+  for (`_agentgym_keeps`). Seven items of the default set lose all their recipes to its
+  loader: purpur slab, purpur stairs, quartz bricks, quartz pillar, quartz slab, quartz stairs
+  and snow (recipes of one ingredient named *_block; the alternatives beside a quartz or purpur
+  block are never read). Task id = index in the list sorted by crafting depth, as the
+  original's, and then by name. The original breaks depth ties, and picks which item of each
+  two-item storage cycle (iron ingot/nugget, gold ingot/nugget, honey bottle/block) keeps its
+  recipe, by the order the OS lists its recipe files in; its ids therefore vary from machine
+  to machine (only its last 11 ids, the depth-4 goals, hold the same items everywhere, in some
+  order). Here the cycles resolve as in recipes.py (the nuggets and the honey block are goals),
+  and the depths are this game's: the original's own count differs for a few dozen items (iron
+  and gold goods when its nuggets make ingots, its tags and dropped recipes).
+In either set the test split holds 31/41/25/3 goals of depth 1/2/3/4 (the paper's test set),
+the ones ranked first by sha256 of their name; train holds the rest. Both sets rank by the same
+key, so every default test goal that the agentgym set holds is one of its test goals too (98 of
+100; quartz bricks and quartz stairs give way to birch stairs and polished blackstone slab). The
 commands of a task are ordered, and its distractors chosen, by sha256 too, so tasks are the
 same on every machine, process and PYTHONHASHSEED.
 """
@@ -55,6 +72,7 @@ from environments.base import StepResult
 from environments.textcraft.recipes import Recipe, RecipeBook, display_name, item_id, kind_word
 
 MAX_DEPTH = 4
+GOAL_SETS = ("default", "agentgym")  # see "Tasks" above
 TEST_QUOTAS = {1: 31, 2: 41, 3: 25, 4: 3}  # test goals per crafting depth, as in the paper
 MAX_DISTRACTORS = 10
 # Error observations echo the action; this bounds their length for runaway replies.
@@ -132,28 +150,47 @@ def _sha256(text: str) -> str:
   return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _agentgym_keeps(recipe: Recipe) -> bool:
+  """Whether the original AgentGym TextCraft loads `recipe`.
+
+  Its loader reads a list of alternative items as the list's first item (so only recipes of
+  first alternatives, recipes.py) and skips every recipe of one ingredient whose name ends in
+  "_block", meant for "9 iron ingots from 1 iron block".
+  """
+  unpacks_block = len(recipe.ingredients) == 1 and recipe.ingredients[0].item.endswith("_block")
+  return recipe.first_alternative and not unpacks_block
+
+
 @functools.cache
-def goals() -> tuple[tuple[str, int], ...]:
-  """(goal item, crafting depth) of every task; the task id is the index."""
+def goals(goal_set: str = "default") -> tuple[tuple[str, int], ...]:
+  """(goal item, crafting depth) of every task of `goal_set`; the task id is the index."""
   book = RecipeBook.load()
-  return tuple((item, int(book.depth[item]))
-               for item in book.craftable_items()
-               if 1 <= book.depth[item] <= MAX_DEPTH)
+  if goal_set == "default":
+    items = [item for item in book.craftable_items() if 1 <= book.depth[item] <= MAX_DEPTH]
+  elif goal_set == "agentgym":
+    kept = [
+        item for item in book.craftable_items() if any(map(_agentgym_keeps, book.recipes[item]))
+    ]
+    items = sorted(kept, key=lambda item: (book.depth[item], item))
+  else:
+    raise ValueError(f"unknown TextCraft goal set {goal_set!r}; goal sets: {', '.join(GOAL_SETS)}")
+  return tuple((item, int(book.depth[item])) for item in items)
 
 
 @functools.cache
-def splits() -> dict[str, tuple[int, ...]]:
-  """Task ids of each split, ascending."""
+def splits(goal_set: str = "default") -> dict[str, tuple[int, ...]]:
+  """Task ids of each split of `goal_set`, ascending."""
+  table = goals(goal_set)
   test = []
   for depth, quota in TEST_QUOTAS.items():
-    ids = [i for i, (_, d) in enumerate(goals()) if d == depth]
+    ids = [i for i, (_, d) in enumerate(table) if d == depth]
     if len(ids) < quota:
       raise ValueError(f"only {len(ids)} goals of depth {depth}, the test split needs {quota}")
-    test.extend(sorted(ids, key=lambda i: _sha256(f"textcraft test {goals()[i][0]}"))[:quota])
+    test.extend(sorted(ids, key=lambda i: _sha256(f"textcraft test {table[i][0]}"))[:quota])
   test_ids = set(test)
   return {
       "test": tuple(sorted(test_ids)),
-      "train": tuple(i for i in range(len(goals())) if i not in test_ids)
+      "train": tuple(i for i in range(len(table)) if i not in test_ids)
   }
 
 
@@ -195,13 +232,18 @@ class TextCraftEnv:
 
   name = "textcraft"
 
-  def __init__(self, max_depth: int | None = None, action_format: str = "react"):
+  def __init__(self, max_depth: int | None = None, action_format: str = "react",
+               goals: str = "default"):
     """max_depth: task_ids lists only goals of crafting depth <= max_depth (a curriculum);
-    action_format: react or tool_call (environments/base.py; the tools are TOOLS)."""
+    action_format: react or tool_call (environments/base.py; the tools are TOOLS);
+    goals: the goal set, "default" or "agentgym" (module docstring, "Tasks")."""
     if max_depth is not None and (isinstance(max_depth, bool) or not isinstance(max_depth, int)
                                   or max_depth < 1):
       raise ValueError(f"max_depth must be an int >= 1 or None, got {max_depth!r}")
+    if goals not in GOAL_SETS:
+      raise ValueError(f"goals must be one of {', '.join(GOAL_SETS)}, got {goals!r}")
     self._max_depth = max_depth
+    self._goal_set = goals
     self.action_format = base.ActionFormat(action_format, TOOLS)
     self._book = RecipeBook.load()
     self._goal: str | None = None
@@ -222,17 +264,17 @@ class TextCraftEnv:
         reply_format=base.TOOL_CALL_INSTRUCTION if tool_call else _REACT_FORMAT)
 
   def task_ids(self, split: str) -> Sequence[int]:
-    ids = splits()[base.check_split(split)]
+    ids = splits(self._goal_set)[base.check_split(split)]
     if self._max_depth is None:
       return ids
-    return [i for i in ids if goals()[i][1] <= self._max_depth]
+    return [i for i in ids if self._goals[i][1] <= self._max_depth]
 
   def task_info(self, task_id: int) -> dict[str, Any]:
-    goal, depth = goals()[self._check_task(task_id)]
+    goal, depth = self._goals[self._check_task(task_id)]
     return {"category": f"depth{depth}", "goal": goal, "depth": depth}
 
   def reset(self, task_id: int) -> str:
-    goal, _ = goals()[self._check_task(task_id)]
+    goal, _ = self._goals[self._check_task(task_id)]
     self._goal, self._inventory = goal, {}
     self.commands = "\n".join(recipe.command for recipe in commands_for(goal))
     self.goal = f"minecraft:{goal}"
@@ -254,10 +296,14 @@ class TextCraftEnv:
   def close(self) -> None:
     self._goal = self.commands = self.goal = None
 
+  @property
+  def _goals(self) -> tuple[tuple[str, int], ...]:
+    return goals(self._goal_set)
+
   def _check_task(self, task_id: int) -> int:
-    if isinstance(task_id,
-                  bool) or not isinstance(task_id, int) or not (0 <= task_id < len(goals())):
-      raise ValueError(f"unknown TextCraft task id {task_id!r}; ids are 0..{len(goals()) - 1}")
+    count = len(self._goals)
+    if isinstance(task_id, bool) or not isinstance(task_id, int) or not 0 <= task_id < count:
+      raise ValueError(f"unknown TextCraft task id {task_id!r}; ids are 0..{count - 1}")
     return task_id
 
   def _act(self, action: str) -> tuple[str, bool]:

@@ -16,7 +16,11 @@ This module turns them back into the recipes a player reads, in four steps.
    `_generic_name`). Smaller alternative sets are Minecraft's short item lists (coal or
    charcoal, cobblestone or blackstone) or distinct recipes that happen to share a layout
    (poppy or red tulip -> red dye); each alternative is kept as a recipe of its own, which is
-   equivalent and reads better than an invented name.
+   equivalent and reads better than an invented name. The recipe of the first alternatives
+   is marked (`Recipe.first_alternative`): AgentGym's loader reads a list of alternatives as
+   its first item and knows only that recipe (environments/textcraft/env.py, "agentgym"
+   goals). Distinct recipes that share a layout are recipes of their own in AgentGym too;
+   the mark on them decides no goal.
 3. Break storage cycles. Some items are crafted from each other and from nothing else (iron
    ingot <-> iron block <-> iron nugget, wheat <-> hay bale, honey bottle <-> honey block), so
    no chain of recipes starts at a base item. In each such cycle the item that the most other
@@ -94,6 +98,9 @@ class Recipe:
   output: str
   count: int
   ingredients: tuple[Ingredient, ...]
+  # Whether each ingredient is the first alternative of its slot (step 2 of the module
+  # docstring); true for a recipe without alternatives.
+  first_alternative: bool = dataclasses.field(default=True, compare=False)
 
   @property
   def command(self) -> str:
@@ -252,8 +259,9 @@ def _factor(output: str, variants: Sequence[_Variant],
         options.append([Ingredient(name, count)])
       else:
         options.append([Ingredient(item, count) for item in alternatives])
-    for choice in itertools.product(*options):
-      recipes.append(Recipe(output, layout[-1], _merge(choice)))
+    for choice in itertools.product(*(enumerate(option) for option in options)):
+      first = all(index == 0 for index, _ in choice)
+      recipes.append(Recipe(output, layout[-1], _merge(i for _, i in choice), first))
   return recipes
 
 
