@@ -4,6 +4,7 @@
   python benchmarks/rl_step.py --env=echo --model=tiny           # the test model, seconds
   python benchmarks/rl_step.py --quick                           # 2 tasks x 2 samples, 2 turns
   python benchmarks/rl_step.py --env=echo --env_delay_ms=200     # a slow env: G=1 vs G=2
+  python benchmarks/rl_step.py --vs=bf7a2af --turns=3            # this tree against a commit
 
 Runs `trainer.train` for --steps steps of the configured size (a temporary workdir, no
 checkpoints) and reads its per-step metrics:
@@ -32,15 +33,23 @@ on a small CPU host the env pool's threads compete with XLA's for the cores, so 
 show the mechanism best (a CPU-bound env hides less there; on an accelerator host it would not
 compete with the device).
 
+Against a commit (--vs=REV). Both sides run --recipe (default configs/grpo_textcraft.py:local,
+each tree's own version of it: its dtype, remat, cache and loss settings) at --tasks x
+--samples and a fixed cap of --turns, one after the other in fresh processes, the commit from a
+temporary git worktree (benchmarks/rl_step_side.py imports that tree's package); the phase
+tables of both and the speed-up of each phase follow.
+
 The first step compiles every program (the sampler's prefill and decode, the learner's
 experience and update) and is reported apart; the means are over the later steps.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import platform
+import subprocess
 import sys
 import tempfile
 from typing import Any
@@ -73,6 +82,14 @@ _QUICK = flags.DEFINE_bool("quick", False, "A small run: 2 x 2 rollouts, 2 turns
 _GROUPS = flags.DEFINE_list("pipeline_groups", ["1", "2"],
                             "rollout.pipeline_groups of each run, compared side by side.")
 _ENV_DELAY_MS = flags.DEFINE_integer("env_delay_ms", 0, "Sleep per echo env step (--env=echo).")
+_VS = flags.DEFINE_string(
+    "vs", None, "A git commit: run --recipe at this size in this tree and in a worktree of the "
+    "commit, one after the other, and compare the two steps phase by phase.")
+_RECIPE = flags.DEFINE_string("recipe", "configs/grpo_textcraft.py:local",
+                              "The config file and variant each side of --vs runs.")
+_SET = flags.DEFINE_multi_string(
+    "set", [], "key=value set on both sides of --vs after the benchmark's own keys (a JSON "
+    "value, or else a string), e.g. --set=model.name=/path/to/checkpoint.")
 
 PHASES = ("rollout", "generate", "env", "other", "experience", "update")
 
@@ -122,6 +139,9 @@ def main(argv):
   print(f"host: {platform.node()}, {os.cpu_count()} CPUs, load average "
         f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}, jax {jax.__version__} "
         f"({jax.devices()[0].platform}, {jax.device_count()} devices)")
+  if _VS.value:
+    compare_commits(_VS.value)
+    return
   means = {}
   with tempfile.TemporaryDirectory() as directory:
     model = _MODEL.value
@@ -152,6 +172,87 @@ def main(argv):
   print("\nMeans over the steps after the warm-up. env hidden: the fraction of env time spent "
         "while the device was generating. Every run plays the same episodes (each row samples "
         "from its own key), so gen tokens and turns agree step by step; only the timing differs.")
+
+
+def recipe_spec() -> dict[str, Any]:
+  """What each side of --vs runs: --recipe at the benchmark's size, one fixed turn cap over the
+  recipe's tasks (no curriculum), writing nothing but metrics."""
+  return {
+      "config": _RECIPE.value,
+      "set": {
+          "steps": _STEPS.value,
+          "rollout.tasks_per_step": _TASKS.value,
+          "rollout.samples_per_task": _SAMPLES.value,
+          "rollout.curriculum": [],
+          "horizon.kind": "fixed",
+          "horizon.turns": _TURNS.value,
+          "checkpoint.every": 0,
+          "checkpoint.export_hf": False,
+          "log.tensorboard": False,
+          "log.trajectories": False,
+          "log.progress_bar": False,
+      } | dict(_parse_setting(setting) for setting in _SET.value)
+  }
+
+
+def _parse_setting(setting: str) -> tuple[str, Any]:
+  key, sep, value = setting.partition("=")
+  if not sep:
+    raise app.UsageError(f"--set={setting!r} must read key=value")
+  try:
+    return key, json.loads(value)
+  except json.JSONDecodeError:
+    return key, value
+
+
+def run_side(tree: pathlib.Path, spec: dict[str, Any], directory: pathlib.Path) -> dict[str, Any]:
+  """Runs benchmarks/rl_step_side.py on `tree` in a fresh process; returns its output."""
+  (directory / "spec.json").write_text(json.dumps(spec))
+  out = directory / f"{tree.name}.json"
+  subprocess.run([
+      sys.executable,
+      str(REPO / "benchmarks" / "rl_step_side.py"),
+      str(tree),
+      str(directory / "spec.json"),
+      str(out)
+  ], check=True, cwd=tree)
+  return json.loads(out.read_text())
+
+
+def compare_commits(commit: str) -> None:
+  """--vs: the recipe's RL step in this tree and in a worktree of `commit`, one after the other
+  in this invocation; both phase tables, then the ratios."""
+  spec = recipe_spec()
+  head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                        text=True, check=True).stdout.strip()
+  print(f"\n{spec['config']}, {_TASKS.value} tasks x {_SAMPLES.value} samples, {_TURNS.value} "
+        f"turns, {_STEPS.value} steps (the first is the warm-up), each side its own recipe")
+  results = {}
+  with tempfile.TemporaryDirectory() as directory:
+    directory = pathlib.Path(directory)
+    baseline = directory / "baseline"
+    subprocess.run(["git", "worktree", "add", "--detach",
+                    str(baseline), commit], cwd=REPO, check=True, capture_output=True)
+    try:
+      for name, tree in ((f"this tree ({head})", REPO), (f"commit {commit}", baseline)):
+        results[name] = run_side(tree, spec, directory)
+    finally:
+      subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=REPO, check=True)
+  means = {}
+  for name, result in results.items():
+    c = result["config"]
+    print(f"\n{name}: model.dtype {c['model']['dtype']}, remat {c['model']['remat']}, "
+          f"attention {c['model'].get('attention', 'dense')}, cache "
+          f"{c['rollout'].get('cache_dtype', '-')}, kl_coef {c['algorithm']['kl_coef']}, "
+          f"{c['algorithm']['num_minibatches']} minibatches"
+          f"{'; not in this tree: ' + ', '.join(result['skipped']) if result['skipped'] else ''}")
+    means[name] = print_steps(result["history"])
+  (ours, _), (theirs, _) = means.values()
+  print("\n| phase | " + " | ".join(f"{name} s" for name in means) + " | speed-up |")
+  print("|---|---:|---:|---:|")
+  for phase in ("step", "rollout", "generate", "env", "experience", "update"):
+    print(f"| {phase} | {ours[phase]:.2f} | {theirs[phase]:.2f} | "
+          f"{theirs[phase] / max(ours[phase], 1e-9):.2f}x |")
 
 
 def print_steps(history: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, float]]:
