@@ -26,7 +26,7 @@ import environments
 from agentgym_jax import demonstrations
 from environments import jsonl
 from environments.babyai import expert as babyai_expert
-from agentgym_jax import metrics
+from agentgym_jax import metrics, paths
 
 _ENV = flags.DEFINE_string(
     "env", None, "Environment: textcraft, babyai, sciworld or searchqa "
@@ -35,7 +35,7 @@ _ACTION_FORMAT = flags.DEFINE_enum(
     "action_format", "react", list(environments.base.ACTION_FORMATS),
     "How replies carry actions: ReAct text, or calls of the env's tools.")
 _SPLIT = flags.DEFINE_enum("split", "train", ["train", "test"], "Tasks to demonstrate.")
-_OUT = flags.DEFINE_string("out", None, "Output JSONL file.", required=True)
+_OUT = flags.DEFINE_string("out", None, "Output JSONL file (a local or gs:// path).", required=True)
 _MAX_DEPTH = flags.DEFINE_integer("max_depth", None,
                                   "TextCraft: only goals of crafting depth <= this.", lower_bound=1)
 _LIMIT = flags.DEFINE_integer("limit", 0, "Demonstrate only the first N tasks (0: all).",
@@ -100,7 +100,7 @@ def main(argv: list[str]) -> None:
                        time.perf_counter() - start)
   finally:
     env.close()
-  jsonl.write(_OUT.value, result.demos)
+  paths.replace_file(_OUT.value, "".join(map(jsonl.to_line, result.demos)))
   print(result.summary())
   print(f"wrote {len(result.demos)} demonstrations to {_OUT.value}")
 
