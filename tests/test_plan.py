@@ -223,3 +223,25 @@ def test_a_training_run_resolves_remat_auto_from_its_compiled_update_step(
   needs = [float(n) for n in re.findall(r"(?:none|dots|full) needs ([\d.]+) MiB", why)]
   assert remat == "full" and "none fits" in why and len(needs) == 3
   assert needs[0] > needs[1] > needs[2], why
+
+
+def test_lora_plan_trains_and_holds_moments_of_the_adapters_only():
+  from agentgym_jax.models import lora
+
+  r = 64
+  settings = lora.LoraSettings(rank=r, alpha=128.0)
+  full = plan.plan(QWEN_7B, sharding.make_mesh(1, 8, 1), batch=8, seq=4096, compile=False)
+  memory = plan.plan(QWEN_7B, sharding.make_mesh(1, 8, 1), batch=8, seq=4096, lora=settings,
+                     compile=False)
+  assert memory.param_bytes == full.param_bytes  # The frozen base, sharded as before.
+  # Per layer, A takes its weight's input axes and B its output axes: on fsdp=8 the embed axes
+  # split 8 ways (A of q, k, v, gate, up; B of o, down) while heads, kv_heads and mlp (tensor=1)
+  # stay whole (A of o [28 x 128, r], A of down [18944, r]; B of q, k, v, gate, up).
+  e, h, k, d, f = 3584, 28, 4, 128, 18944
+  per_layer = r * (7 * e // 8 + 2 * h * d + 2 * k * d + 3 * f)
+  assert memory.adapter_bytes == 4 * 28 * per_layer
+  # AdamW's two f32 moments of the adapters and the same counters as above: 0.91 GiB against
+  # full fine-tuning's 7.09 GiB of moments.
+  assert memory.optimizer_bytes == 2 * memory.adapter_bytes + 4 + 9
+  assert round(memory.optimizer_bytes / 2**30, 2) == 0.91
+  assert round(full.optimizer_bytes / 2**30, 2) == 7.09
