@@ -228,8 +228,8 @@ def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nn
 
 def _loss_fn(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.GraphDef,
              value_graphdef: nnx.GraphDef | None, batch: Batch, experience: Experience,
-             loss: LossConfig, frozen: nnx.State | None,
-             dropout_key: Array | None) -> tuple[Array, dict[str, Array]]:
+             loss: LossConfig, frozen: nnx.State | None = None,
+             dropout_key: Array | None = None) -> tuple[Array, dict[str, Array]]:
   params, value_params = trainable
   value_head = nnx.merge(value_graphdef, value_params) if value_graphdef is not None else None
   logprobs, entropies, values = token_logprobs(graphdef, params, batch, loss, value_head, frozen,
@@ -305,8 +305,8 @@ MAX_METRICS = ("policy/ratio_max",)
 
 def _gradients(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.GraphDef,
                value_graphdef: nnx.GraphDef | None, batch: Batch, experience: Experience,
-               loss: LossConfig, frozen: nnx.State | None,
-               dropout_key: Array | None) -> tuple[Any, dict[str, Array]]:
+               loss: LossConfig, frozen: nnx.State | None = None,
+               dropout_key: Array | None = None) -> tuple[Any, dict[str, Array]]:
   """(gradient of the minibatch's loss, its metrics), accumulated over micro-batches when
   loss.micro_batch_rows splits the minibatch (the module docstring's weighting); micro-batch j
   drops out with fold_in(dropout_key, j)."""

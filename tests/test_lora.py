@@ -1,8 +1,8 @@
 """LoRA: exact at step 0, merged weights equal the adapter path, only adapters trained and
 checkpointed, exact resume, learning on echo, the PEFT round trip and the config's errors."""
 
+import dataclasses
 import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -197,6 +197,29 @@ def test_update_trains_only_the_adapters_whose_state_alone_the_optimizer_holds(
   assert min(moved) > 0  # Every A and B moved (B from zero by Adam's first step, about lr).
 
 
+def test_lora_gradients_accumulate_over_micro_batches(checkpoint_dir, tiny_model):
+  c = config_lib.base_config()
+  c.model.name = checkpoint_dir
+  c.model.lora.rank = 4
+  c.algorithm.logprob_chunk = 8
+  c.algorithm.kl_coef = 0.0
+  settings = run.Settings.from_config(c)
+  policy = settings.policy(tiny_model, None)
+  adapters = _random_b(policy.params)  # Away from B = 0, where A gets no gradient.
+  batch = jax.tree.map(jnp.asarray, _rollout_batch())
+  experience, _ = learner.compute_experience(policy.graphdef, adapters, None, None, None, batch,
+                                             loss=settings.loss, num_groups=4, frozen=policy.frozen)
+  whole, _ = learner._gradients(  # pylint: disable=protected-access
+      (adapters, None), policy.graphdef, None, batch, experience, settings.loss, policy.frozen)
+  micro = dataclasses.replace(settings.loss, micro_batch_rows=2)
+  parts, _ = learner._gradients(  # pylint: disable=protected-access
+      (adapters, None), policy.graphdef, None, batch, experience, micro, policy.frozen)
+  for got, want in zip(jax.tree.leaves(parts), jax.tree.leaves(whole)):
+    assert np.abs(want).max() > 0
+    np.testing.assert_allclose(got, want, rtol=0,
+                               atol=tolerances.reordered_sum(4 * 12) * np.abs(want).max())
+
+
 def echo_config(checkpoint_dir: str, steps: int):
   c = config_lib.base_config()
   c.steps = steps
@@ -246,9 +269,23 @@ def test_lora_resume_continues_exactly_and_checkpoints_only_adapters(checkpoint_
   assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (8, 16.0, 0.1)
 
 
+@pytest.fixture(scope="module")
+def pretrained_like_dir(tmp_path_factory):
+  """The tiny checkpoint with its (tied) embeddings 6x larger, std 0.12.
+
+  After the final RMSNorm (weight 1, width 64) tiny.py's std-0.02 embeddings put the logits at
+  most |h| |e| = 8 x 0.16 = 1.3 apart, and only training the embeddings or the norm widens
+  that, which LoRA does not do; here the range is ~8, as a pretrained model's are wide."""
+  directory = tiny.make_checkpoint(tmp_path_factory.mktemp("tiny_wide"))
+  tensors = {name: np.array(x) for name, x in weights.SafetensorsReader(directory).items()}
+  tensors["model.embed_tokens.weight"] *= 6
+  weights.write_safetensors(directory / "model.safetensors", tensors)
+  return str(directory)
+
+
 @pytest.mark.slow
-def test_lora_alone_learns_echo(checkpoint_dir, tmp_path, single_device):
-  c = echo_config(checkpoint_dir, steps=40)
+def test_lora_alone_learns_echo(pretrained_like_dir, tmp_path, single_device):
+  c = echo_config(pretrained_like_dir, steps=40)
   history = trainer.train(c, tmp_path)
   success = [h["success"] for h in history]
   # A random policy answers both turns right a few percent of the time (test_trainer.py).
