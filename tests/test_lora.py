@@ -293,7 +293,7 @@ def test_lora_alone_learns_echo(pretrained_like_dir, tmp_path, single_device):
   assert max(np.mean(success[i:i + 3]) for i in range(len(success) - 2)) >= 0.9, success
 
 
-def test_lora_sft_trains_adapters_and_exports_the_merged_model(checkpoint_dir, tmp_path,
+def test_lora_sft_trains_adapters_and_exports_the_merged_model(pretrained_like_dir, tmp_path,
                                                                single_device):
   demos = tmp_path / "demos.jsonl"
   conversation = [{"role": "user", "content": "1 0"}, {"role": "assistant", "content": "0 1 1"}]
@@ -301,7 +301,7 @@ def test_lora_sft_trains_adapters_and_exports_the_merged_model(checkpoint_dir, t
   c = config_lib.base_config()
   c.mode = "sft"
   c.steps = 8
-  c.model.name = checkpoint_dir
+  c.model.name = pretrained_like_dir
   c.model.dtype = "float32"
   c.model.remat = "none"
   c.model.lora.rank = 4
@@ -310,16 +310,16 @@ def test_lora_sft_trains_adapters_and_exports_the_merged_model(checkpoint_dir, t
   c.data.batch_size = 2
   c.data.max_length = 32
   c.algorithm.logprob_chunk = 16
-  c.optim.learning_rate = 3e-2
+  c.optim.learning_rate = 1e-2
   config_lib.quiet(c)
   c.checkpoint.export_hf = True
   history = offline.train_offline(c, tmp_path / "run")
   losses = [h["loss"] for h in history]
-  # Adapters alone fit the one conversation, step after step.
-  assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.8 * losses[0], losses
+  # Adapters alone fit the one conversation.
+  assert losses[-1] < 0.3 * losses[0], losses
   # The merged export is the base plus delta W: its SFT loss is the adapted policy's.
   exported, _ = load_model(str(tmp_path / "run" / "export"))
-  base, _ = load_model(checkpoint_dir)
+  base, _ = load_model(pretrained_like_dir)
   assert not np.array_equal(exported.layers.q_proj.get_value(), base.layers.q_proj.get_value())
   np.testing.assert_array_equal(exported.embed_tokens.get_value(), base.embed_tokens.get_value())
 
@@ -363,6 +363,20 @@ def test_peft_loads_our_adapters_with_the_same_logits(family, tmp_path):
   np.testing.assert_allclose(ours, reference, atol=_logits_atol(config, reference), rtol=0)
   saved = json.loads((tmp_path / "adapter" / lora.PEFT_CONFIG).read_text())
   assert saved["target_modules"] == ["down_proj", "o_proj", "q_proj", "v_proj"]
+
+
+def test_a_peft_directory_loads_as_its_base_with_the_adapters_merged(checkpoint_dir, tiny_model,
+                                                                     tmp_path):
+  settings = lora.LoraSettings(rank=4, alpha=8.0, targets=("k_proj", "o_proj", "up_proj"))
+  graphdef, adapters, base = _lora_model(tiny_model, settings)
+  lora.save_peft(nnx.merge(graphdef, adapters, base).adapters, tmp_path / "adapter", checkpoint_dir)
+  loaded, tokenizer = load_model(str(tmp_path / "adapter"))  # As launch/evaluate.py --model=.
+  assert tokenizer.chat is not None
+  expected = lora.merged_params(graphdef, adapters, base)
+  # The same merge of the same (round-tripped, exactly) adapters, compiled apart.
+  for got, want in zip(jax.tree.leaves(nnx.split(loaded)[1]), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  assert not np.array_equal(loaded.layers.o_proj.get_value(), tiny_model.layers.o_proj.get_value())
 
 
 # --- config errors ------------------------------------------------------------------------------

@@ -16,7 +16,10 @@ Where each piece runs:
             `adapters`); only the adapters are differentiated, and only they (and AdamW's
             moments of them) are trained, sharded and checkpointed.
   sampler   merged weights W + delta W (`merged_params`), computed once per step when the
-            policy is handed to the sampler: no adapter matmuls per decoded token.
+            policy is handed to the sampler: no adapter matmuls per decoded token. The merge
+            is in f32, stored in W's dtype: with bf16 parameters its rounding separates the
+            sampler's log-probs from the learner's (logged as logprob_gap_*, corrected by
+            algorithm.rollout_correction); with f32 ones they agree to float noise.
   reference the base: the adapters as initialised (B = 0) add exactly nothing, so the KL's
             reference costs a copy of the adapters instead of a copy of the model.
   export    merged (a Hugging Face directory of W + delta W) or peft (`save_peft`: a PEFT
@@ -30,6 +33,7 @@ experience pass (old and reference log-probs) and the sampler run without it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -139,11 +143,12 @@ class Adapters(nnx.Module):
     return dot(out_of, low_rank, adapter.b.value, dtype)
 
   def delta(self, target: str) -> Array:
-    """delta W = (alpha / r) A B of every layer, f32 [layers, in..., out...]."""
+    """delta W = (alpha / r) A B of every layer, f32 [layers, in..., out...], at full f32
+    precision (a TPU's default f32 matmul rounds its inputs to bf16)."""
     adapter = getattr(self, target)
     _, _, product = adapter_specs(target)
-    return self.scale * jax.vmap(lambda a, b: jnp.einsum(product, a, b))(adapter.a.value,
-                                                                         adapter.b.value)
+    outer = lambda a, b: jnp.einsum(product, a, b, precision=jax.lax.Precision.HIGHEST)
+    return self.scale * jax.vmap(outer)(adapter.a.value, adapter.b.value)
 
 
 class LoraModel(nnx.Module):
@@ -253,3 +258,50 @@ def save_peft(adapters: Adapters, directory: str | pathlib.Path, base_model: str
   }
   (directory / PEFT_CONFIG).write_text(json.dumps(peft_config, indent=2))
   weights.write_safetensors(directory / PEFT_WEIGHTS, peft_tensors(adapters, dtype))
+
+
+def is_peft(directory: str | pathlib.Path) -> bool:
+  return (pathlib.Path(directory).expanduser() / PEFT_CONFIG).is_file()
+
+
+def peft_base(directory: str | pathlib.Path) -> str:
+  """The base model a PEFT adapter directory names (base_model_name_or_path)."""
+  return json.loads(
+      (pathlib.Path(directory).expanduser() / PEFT_CONFIG).read_text())["base_model_name_or_path"]
+
+
+def load_peft(directory: str | pathlib.Path, base: Decoder) -> Decoder:
+  """`base` with the LoRA adapters of a PEFT adapter directory merged in (`save_peft`'s
+  layout, read back), on the base's shardings: a PEFT export plays as the merged model."""
+  directory = pathlib.Path(directory).expanduser()
+  peft_config = json.loads((directory / PEFT_CONFIG).read_text())
+  targets = peft_config["target_modules"]
+  targets = (targets,) if isinstance(targets, str) else tuple(targets)
+  unsupported = [t for t in targets if t not in TARGETS]
+  if (peft_config.get("peft_type") != "LORA" or unsupported or peft_config.get("use_rslora")
+      or peft_config.get("bias", "none") != "none"):
+    raise ValueError(f"{directory} is not a LoRA adapter this project reads: it needs "
+                     f"peft_type LORA, target_modules among {TARGETS} (got {targets}), no bias "
+                     "and no rsLoRA")
+  settings = LoraSettings(
+      rank=int(peft_config["r"]), alpha=float(peft_config["lora_alpha"]), targets=targets)
+  adapters = Adapters(base.config, settings, nnx.Rngs(0))
+  reader = weights.SafetensorsReader(directory)
+  for target in targets:
+    template, _ = weights.PARAM_MAP[("layers", target)]
+    adapter = getattr(adapters, target)
+    names = [
+        PEFT_PREFIX + template.format(i=i).removesuffix(".weight")
+        for i in range(base.config.num_layers)
+    ]
+    a_shape, b_shape = adapter.a.get_value().shape[1:], adapter.b.get_value().shape[1:]
+    adapter.a.set_value(
+        jnp.stack([np.asarray(reader[f"{n}.lora_A.weight"]).T.reshape(a_shape) for n in names]))
+    adapter.b.set_value(
+        jnp.stack([np.asarray(reader[f"{n}.lora_B.weight"]).T.reshape(b_shape) for n in names]))
+  base_graphdef, base_params = nnx.split(base)
+  graphdef, adapter_params, frozen = split(LoraModel(base, adapters))
+  merge = jax.jit(
+      functools.partial(merged_params, graphdef),
+      out_shardings=jax.tree.map(lambda x: x.sharding, base_params))
+  return nnx.merge(base_graphdef, merge(adapter_params, frozen))
