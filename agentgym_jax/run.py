@@ -244,7 +244,7 @@ class Settings:
     _, params = plan.abstract_params(model.config, mesh, dtype=model.dtype, param_dtype=param_dtype)
     resident = 0
     # The reference is a copy of the trained parameters: of the whole model, or of LoRA's
-    # adapters (which the plan's figures leave out, being small).
+    # adapters, left out here as small beside the step.
     if (self.loss.uses_reference or self.mode == "dpo") and self.lora is None:
       resident += plan.device_bytes(params)
     if self.mode == "rl":
