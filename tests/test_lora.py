@@ -7,6 +7,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import peft
 import pytest
 import torch
 import transformers
@@ -324,6 +325,46 @@ def test_lora_sft_trains_adapters_and_exports_the_merged_model(pretrained_like_d
   np.testing.assert_array_equal(exported.embed_tokens.get_value(), base.embed_tokens.get_value())
 
 
+def test_lora_dpo_scores_against_the_base(checkpoint_dir, tmp_path, single_device):
+  records = []
+  for task, (prompt, chosen, rejected) in enumerate([("1 0", "0 1", "1 1"), ("0 0", "1", "0")]):
+    for reply, success in ((chosen, True), (rejected, False)):
+      records.append({
+          "task_id": task,
+          "env": "echo",
+          "reward": float(success),
+          "success": success,
+          "messages": [{
+              "role": "user",
+              "content": prompt
+          }, {
+              "role": "assistant",
+              "content": reply
+          }]
+      })
+  data = tmp_path / "pairs.jsonl"
+  data.write_text("".join(json.dumps(r) + "\n" for r in records))
+  c = config_lib.base_config()
+  c.mode = "dpo"
+  c.steps = 3
+  c.model.name = checkpoint_dir
+  c.model.dtype = "float32"
+  c.model.remat = "none"
+  c.model.lora.rank = 4
+  c.env.name = "echo"
+  c.data.path = str(data)
+  c.data.batch_size = 2
+  c.data.max_length = 32
+  c.algorithm.logprob_chunk = 16
+  c.optim.learning_rate = 1e-2
+  config_lib.quiet(c)
+  history = offline.train_offline(c, tmp_path / "run")
+  # Step 1's policy is the base, and so is the reference (the initial adapters, B = 0): every
+  # implicit reward beta (log pi - log pi_ref) is exactly 0.
+  assert history[0]["chosen_reward"] == 0.0 and history[0]["rejected_reward"] == 0.0
+  assert history[-1]["reward_margin"] > 0, history
+
+
 # --- PEFT's adapter directory, loaded by peft over transformers' model ------------------------
 
 _TINY_HF = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -336,7 +377,6 @@ HF_CONFIGS = {
 
 @pytest.mark.parametrize("family", sorted(HF_CONFIGS))
 def test_peft_loads_our_adapters_with_the_same_logits(family, tmp_path):
-  peft = pytest.importorskip("peft")
   torch.manual_seed(0)
   hf_model = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[family]()).eval()
   with torch.no_grad():
