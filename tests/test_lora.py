@@ -221,6 +221,31 @@ def test_lora_gradients_accumulate_over_micro_batches(checkpoint_dir, tiny_model
                                atol=tolerances.reordered_sum(4 * 12) * np.abs(want).max())
 
 
+def test_a_lora_checkpoint_holds_and_restores_the_adapters_alone(checkpoint_dir, tiny_model,
+                                                                 tmp_path):
+  c = config_lib.base_config()
+  c.model.name = checkpoint_dir
+  c.model.lora.rank = 4
+  settings = run.Settings.from_config(c)
+  policy = settings.policy(tiny_model, None)
+  adapters = _random_b(policy.params)
+  state = run.RunState(adapters, None, settings.optimizer.init((adapters, None)))
+  with checkpoint.Checkpointer(tmp_path) as checkpointer:
+    checkpointer.save(1, state.tree(), settings.meta(1))
+  fresh = run.RunState(policy.params, None, settings.optimizer.init((policy.params, None)))
+  with checkpoint.Checkpointer(tmp_path) as checkpointer:
+    restored, start, _ = run.resume(checkpointer, fresh)
+    saved = checkpoint._leaf_shapes(  # pylint: disable=protected-access
+        checkpointer._manager.item_metadata(1)["state"].tree)  # pylint: disable=protected-access
+  assert start == 1
+  jax.tree.map(np.testing.assert_array_equal, restored.params, adapters)
+  # Of the model only the adapters: 7 targets x (A, B), and AdamW's two moments of each.
+  assert sorted(p for p in saved if p.startswith("params/")) == sorted(
+      f"params/adapters/{t}/{ab}/value" for t in lora.TARGETS for ab in "ab")
+  assert sum(1 for p in saved if "/mu/" in p or "/nu/" in p) == 2 * 14
+  assert not any("embed_tokens" in p or "norm" in p for p in saved), saved
+
+
 def echo_config(checkpoint_dir: str, steps: int):
   c = config_lib.base_config()
   c.steps = steps

@@ -245,3 +245,20 @@ def test_lora_plan_trains_and_holds_moments_of_the_adapters_only():
   assert memory.optimizer_bytes == 2 * memory.adapter_bytes + 4 + 9
   assert round(memory.optimizer_bytes / 2**30, 2) == 0.91
   assert round(full.optimizer_bytes / 2**30, 2) == 7.09
+
+
+def test_lora_step_donates_the_adapters_and_only_reads_the_base():
+  from agentgym_jax.models import lora
+
+  config = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True)
+  mesh = sharding.make_mesh(1, 4, 2)
+  memory = plan.plan(config, mesh, batch=8, seq=64, dtype=jnp.float32, remat="full",
+                     lora=lora.LoraSettings(rank=4, alpha=8.0))
+  # Arguments: the frozen base, the adapters and their moments (less the guard's unread flag),
+  # GRPO's minibatch (2 rows a device: tokens, mask; old log-probs, advantages, weights; kept).
+  state = memory.adapter_bytes + memory.optimizer_bytes - 1
+  assert memory.argument_bytes == memory.param_bytes + state + 2 * (2 * 64 * 4 + 3 * 63 * 4 + 4)
+  # Adapters and moments are updated in place; the base is neither donated nor returned.
+  assert memory.alias_bytes == state
+  assert memory.output_bytes - memory.alias_bytes < 1024
