@@ -280,7 +280,8 @@ def test_lora_resume_continues_exactly_and_checkpoints_only_adapters(checkpoint_
   assert straight[-1]["kl_to_ref"] > 0  # The adapters moved the policy off the base.
   # The checkpoint holds the adapters and AdamW's state of them, nothing of the base.
   with checkpoint.Checkpointer(tmp_path / "resumed" / "checkpoints") as checkpointer:
-    saved = checkpoint._leaf_shapes(checkpointer._manager.item_metadata(4)["state"].tree)  # pylint: disable=protected-access
+    metadata = checkpointer._manager.item_metadata(4)  # pylint: disable=protected-access
+    saved = checkpoint._leaf_shapes(metadata["state"].tree)  # pylint: disable=protected-access
   params = sorted(p for p in saved if p.startswith("params/"))
   assert params == sorted(
       f"params/adapters/{t}/{ab}/value" for t in lora.TARGETS for ab in "ab"), params

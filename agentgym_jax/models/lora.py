@@ -5,10 +5,11 @@ A projection y = x W (W [in, out], `decoder.PROJECTIONS`) gets an adapter A [in,
 
   y = x W + (alpha / r) dropout(x) A B,       delta W = (alpha / r) A B
 
-A is normal(0, 1 / in) and B zeros, so at step 0 the adapted model is the base exactly. Shapes
-and logical axes follow the base weight: A takes W's input axes (q_proj's A is [embed, r],
-o_proj's [heads, head_dim, r]), B its output axes; the rank axis is replicated. Like the
-weights, every adapter is stacked on a leading layers axis. Adapters are f32 whatever
+A is normal with variance 1 / in (in: the product of W's input axes) and B zeros, so at step 0
+the adapted model is the base exactly. Shapes and logical axes follow the base weight: A takes
+W's input axes (q_proj's A is [embed, r], o_proj's [heads, head_dim, r]), B its output axes;
+the rank axis is replicated. Like the weights, every adapter is stacked on a leading layers
+axis. Adapters are f32 whatever
 model.param_dtype (they are small, and AdamW's small steps would round away in bf16).
 
 Where each piece runs:
@@ -65,10 +66,6 @@ class LoraSettings:
   alpha: float
   targets: tuple[str, ...] = TARGETS
   dropout: float = 0.0
-
-  @property
-  def scale(self) -> float:
-    return self.alpha / self.rank
 
 
 def _split(spec: str) -> tuple[str, str, str, str]:
@@ -129,6 +126,7 @@ class Adapters(nnx.Module):
 
   @property
   def scale(self) -> float:
+    """alpha / r: delta W = scale A B."""
     return self.alpha / self.rank
 
   def term(self, target: str, x: Array, dtype: Any, dropout_key: Array | None) -> Array:
