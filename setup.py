@@ -13,6 +13,7 @@ TEST = [
     "pytest",
     "hypothesis",
     "wandb",
+    "peft",
 ]
 
 setup(

@@ -13,6 +13,7 @@ import ml_collections
 
 DTYPES = ("float32", "bfloat16", "float16")
 CACHE_DTYPES = ("", "bfloat16", "float32")  # "": the model's matmul dtype.
+EXPORT_FORMATS = ("merged", "peft")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -35,6 +36,14 @@ def base_config() -> ml_collections.ConfigDict:
   # on | off: off pre-fills an empty think block in every generation prompt, as Qwen3's
   # template does with enable_thinking=False (the template must have that switch).
   c.model.thinking = "on"
+  # LoRA (agentgym_jax/models/lora.py): rank 0 trains every weight; rank r > 0 trains adapters
+  # delta W = (alpha / r) A B on the `targets` projections only, the base frozen.
+  c.model.lora = ml_collections.ConfigDict()
+  c.model.lora.rank = 0
+  c.model.lora.alpha = 16.0
+  c.model.lora.targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                          "down_proj")
+  c.model.lora.dropout = 0.0  # Of the adapters' input, in the update's forward only.
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1
@@ -150,6 +159,9 @@ def base_config() -> ml_collections.ConfigDict:
   # f32 by default: a bf16 copy of a small model can degenerate under greedy decoding
   # (SmolLM2-135M repeats itself in transformers where the same weights in f32 answer).
   c.checkpoint.export_dtype = "float32"
+  # merged: a Hugging Face directory of the policy (with LoRA, W + delta W) | peft: LoRA's
+  # adapters as a PEFT adapter directory (adapter_config.json, adapter_model.safetensors).
+  c.checkpoint.export_format = "merged"
 
   c.log = ml_collections.ConfigDict()
   c.log.tensorboard = True
@@ -223,6 +235,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(
       c.model.thinking in ("on", "off"),
       f"model.thinking={c.model.thinking!r} is not 'on' or 'off'")
+  _validate_lora(c)
   for axis in ("data", "fsdp", "tensor"):
     value = c.mesh[axis]
     _check(value == -1 or value > 0, f"mesh.{axis}={value} must be > 0 or -1")
@@ -367,6 +380,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(o.max_consecutive_nonfinite >= 1, "optim.max_consecutive_nonfinite must be >= 1")
   _check(c.checkpoint.export_dtype in DTYPES,
          f"checkpoint.export_dtype={c.checkpoint.export_dtype!r} is not one of {DTYPES}")
+  _check(c.checkpoint.export_format in EXPORT_FORMATS,
+         f"checkpoint.export_format={c.checkpoint.export_format!r} is not one of {EXPORT_FORMATS}")
+  _check(c.checkpoint.export_format != "peft" or c.model.lora.rank > 0,
+         "checkpoint.export_format='peft' writes LoRA adapters: it needs model.lora.rank > 0")
   _check(c.checkpoint.every >= 0 and c.checkpoint.keep >= 1,
          "checkpoint.every must be >= 0 and checkpoint.keep >= 1")
   _check(c.eval.every >= 0, f"eval.every={c.eval.every} must be >= 0")
@@ -378,9 +395,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(c.eval.horizon >= 0, f"eval.horizon={c.eval.horizon} must be >= 0")
   _check(c.eval.rows >= 0, f"eval.rows={c.eval.rows} must be >= 0")
   _check(
-      not c.eval.stages or (c.mode == "rl" and c.checkpoint.export_hf),
+      not c.eval.stages
+      or (c.mode == "rl" and c.checkpoint.export_hf and c.checkpoint.export_format == "merged"),
       "eval.stages evaluates the stages of an RL run's recipe from their exports: it needs "
-      "mode='rl' and checkpoint.export_hf=True")
+      "mode='rl', checkpoint.export_hf=True and checkpoint.export_format='merged'")
   curriculum = c.rollout.curriculum
   _check(
       isinstance(curriculum, (tuple, list)) and all(
@@ -406,6 +424,28 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            "data.batch_size and data.max_length must be > 0")
     _check(c.dpo.beta > 0, f"dpo.beta={c.dpo.beta} must be > 0")
   return c
+
+
+def _validate_lora(c: ml_collections.ConfigDict) -> None:
+  from agentgym_jax.models.lora import TARGETS
+
+  lora = c.model.lora
+  _check(
+      isinstance(lora.rank, int) and lora.rank >= 0,
+      f"model.lora.rank={lora.rank!r} must be an integer >= 0 (0: off)")
+  _check(lora.alpha > 0, f"model.lora.alpha={lora.alpha} must be > 0")
+  _check(0 <= lora.dropout < 1, f"model.lora.dropout={lora.dropout} must be in [0, 1)")
+  targets = lora.targets
+  _check(
+      isinstance(targets, (tuple, list)) and len(targets) > 0,
+      f"model.lora.targets={targets!r} must be a non-empty tuple of projections, some of "
+      f"{TARGETS}")
+  unknown = [t for t in targets if t not in TARGETS]
+  _check(not unknown, f"model.lora.targets: {', '.join(map(repr, unknown))} is not one of "
+         f"{TARGETS}")
+  _check(
+      len(set(targets)) == len(targets), f"model.lora.targets={tuple(targets)} names a "
+      "projection twice")
 
 
 def env_options(c: ml_collections.ConfigDict) -> dict[str, Any]:

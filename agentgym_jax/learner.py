@@ -15,6 +15,12 @@ update accumulates the gradient of each micro-batch's loss weighted by its share
 aggregation's units (trained tokens for token-mean, rows for the sequence means), which sums to
 the gradient of the whole minibatch's loss. Micro-batch j of an [M, T] batch holds rows j, j + n,
 j + 2n, ... (n = M / micro_batch_rows), so on a mesh every micro-batch spans every device's rows.
+
+LoRA (agentgym_jax/models/lora.py). With `frozen` (the base parameters) given, `graphdef` is a
+lora.LoraModel's and the parameters are its adapters: the forward runs base + adapters and the
+gradient reaches the adapters only. The reference is then the initial adapters (B = 0), which
+is the base exactly. The update's `dropout_key` drops the adapters' input (model.lora.dropout);
+the experience pass runs without dropout.
 """
 
 from __future__ import annotations
@@ -106,20 +112,30 @@ def make_optimizer(learning_rate: float | optax.Schedule, *, weight_decay: float
 
 
 def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, loss: LossConfig,
-                   value_head: ValueHead | None = None) -> tuple[Array, Array, Array]:
+                   value_head: ValueHead | None = None, frozen: nnx.State | None = None,
+                   dropout_key: Array | None = None) -> tuple[Array, Array, Array]:
   """(logprobs, entropies, values), each f32[N, T-1], aligned with the targets.
 
   The vocabulary projection runs chunk by chunk over the sequence, so full [N, T, V] f32
-  logits never exist (a 152k vocabulary at 8k tokens would be 5 GB per row).
+  logits never exist (a 152k vocabulary at 8k tokens would be 5 GB per row). With LoRA's
+  `frozen` base, `params` are the adapters (module docstring).
   """
-  model: Decoder = nnx.merge(graphdef, params)
+  model = policy_model(graphdef, params, frozen)
   inputs, targets, _ = batch.inputs_and_targets()
-  hidden, _ = model.hidden_states(inputs)
+  hidden, _ = model.hidden_states(inputs, dropout_key=dropout_key)
   logprobs, entropies = rl.chunked_token_logprobs_and_entropy(
       hidden, targets, model.logits, chunk_size=min(loss.logprob_chunk, inputs.shape[1]),
       temperature=loss.temperature)
   values = value_head(hidden) if value_head is not None else jnp.zeros_like(logprobs)
   return logprobs, entropies, values
+
+
+def policy_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None) -> Decoder:
+  """The learner's model: the Decoder of `params`, or with LoRA's frozen base the LoraModel
+  whose adapters are `params` (the base gets no gradient: it is not differentiated)."""
+  if frozen is None:
+    return nnx.merge(graphdef, params)
+  return nnx.merge(graphdef, params, frozen)
 
 
 def micro_batches(tree: Any, micro_batch_rows: int) -> Any:
@@ -143,11 +159,12 @@ def _splits(rows: int, loss: LossConfig) -> bool:
 
 
 def _micro_token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, loss: LossConfig,
-                          value_head: ValueHead | None = None) -> tuple[Array, Array, Array]:
+                          value_head: ValueHead | None = None,
+                          frozen: nnx.State | None = None) -> tuple[Array, Array, Array]:
   """`token_logprobs`, micro-batch by micro-batch when loss.micro_batch_rows splits the batch."""
   if not _splits(batch.tokens.shape[0], loss):
-    return token_logprobs(graphdef, params, batch, loss, value_head)
-  per_micro = jax.lax.map(lambda b: token_logprobs(graphdef, params, b, loss, value_head),
+    return token_logprobs(graphdef, params, batch, loss, value_head, frozen)
+  per_micro = jax.lax.map(lambda b: token_logprobs(graphdef, params, b, loss, value_head, frozen),
                           micro_batches(batch, loss.micro_batch_rows))
   return join_micro_batches(per_micro)
 
@@ -156,16 +173,17 @@ def _micro_token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batc
     jax.jit, static_argnames=("graphdef", "value_graphdef", "loss", "num_groups", "num_turns"))
 def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nnx.State | None,
                        value_graphdef: nnx.GraphDef | None, value_params: nnx.State | None,
-                       batch: Batch, *, loss: LossConfig, num_groups: int,
-                       num_turns: int = 0) -> tuple[Experience, dict[str, Array]]:
+                       batch: Batch, *, loss: LossConfig, num_groups: int, num_turns: int = 0,
+                       frozen: nnx.State | None = None) -> tuple[Experience, dict[str, Array]]:
   """Old and reference log-probs, values, advantages and the rollout correction for one rollout
-  batch; its metrics include the sampler-learner mismatch of the first `num_turns` turns."""
+  batch; its metrics include the sampler-learner mismatch of the first `num_turns` turns.
+  With LoRA's `frozen` base, `params` and `ref_params` are adapters."""
   value_head = nnx.merge(value_graphdef, value_params) if value_graphdef is not None else None
   old_logprobs, entropies, old_values = _micro_token_logprobs(graphdef, params, batch, loss,
-                                                              value_head)
+                                                              value_head, frozen)
   _, _, mask = batch.inputs_and_targets()
   if loss.uses_reference:
-    ref_logprobs, _, _ = _micro_token_logprobs(graphdef, ref_params, batch, loss)
+    ref_logprobs, _, _ = _micro_token_logprobs(graphdef, ref_params, batch, loss, frozen=frozen)
   else:
     ref_logprobs = jnp.zeros_like(old_logprobs)
   token_rewards = None
@@ -210,10 +228,12 @@ def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nn
 
 def _loss_fn(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.GraphDef,
              value_graphdef: nnx.GraphDef | None, batch: Batch, experience: Experience,
-             loss: LossConfig) -> tuple[Array, dict[str, Array]]:
+             loss: LossConfig, frozen: nnx.State | None = None,
+             dropout_key: Array | None = None) -> tuple[Array, dict[str, Array]]:
   params, value_params = trainable
   value_head = nnx.merge(value_graphdef, value_params) if value_graphdef is not None else None
-  logprobs, entropies, values = token_logprobs(graphdef, params, batch, loss, value_head)
+  logprobs, entropies, values = token_logprobs(graphdef, params, batch, loss, value_head, frozen,
+                                               dropout_key)
   _, _, mask = batch.inputs_and_targets()
   # Trajectories the rollout correction dropped count in no term of the loss.
   mask = mask * experience.kept[:, None]
@@ -263,9 +283,13 @@ def jit_update_step(trainable_shardings: Any, opt_state_shardings: Any):
 def update_step(graphdef: nnx.GraphDef, value_graphdef: nnx.GraphDef | None,
                 trainable: tuple[nnx.State, nnx.State | None], opt_state: optax.OptState,
                 batch: Batch, experience: Experience, *, optimizer: optax.GradientTransformation,
-                loss: LossConfig):
-  """One optimizer step on one minibatch. Returns (trainable, opt_state, metrics)."""
-  grads, metrics = _gradients(trainable, graphdef, value_graphdef, batch, experience, loss)
+                loss: LossConfig, frozen: nnx.State | None = None,
+                dropout_key: Array | None = None):
+  """One optimizer step on one minibatch. Returns (trainable, opt_state, metrics).
+
+  With LoRA, trainable[0] are the adapters and `frozen` the base (module docstring)."""
+  grads, metrics = _gradients(trainable, graphdef, value_graphdef, batch, experience, loss, frozen,
+                              dropout_key)
   metrics["grad_norm"] = optax.global_norm(grads)
   updates, opt_state = optimizer.update(grads, opt_state, trainable)
   trainable = optax.apply_updates(trainable, updates)
@@ -281,12 +305,15 @@ MAX_METRICS = ("policy/ratio_max",)
 
 def _gradients(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.GraphDef,
                value_graphdef: nnx.GraphDef | None, batch: Batch, experience: Experience,
-               loss: LossConfig) -> tuple[Any, dict[str, Array]]:
+               loss: LossConfig, frozen: nnx.State | None = None,
+               dropout_key: Array | None = None) -> tuple[Any, dict[str, Array]]:
   """(gradient of the minibatch's loss, its metrics), accumulated over micro-batches when
-  loss.micro_batch_rows splits the minibatch (the module docstring's weighting)."""
+  loss.micro_batch_rows splits the minibatch (the module docstring's weighting); micro-batch j
+  drops out with fold_in(dropout_key, j)."""
   grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
   if not _splits(batch.tokens.shape[0], loss):
-    (_, metrics), grads = grad_fn(trainable, graphdef, value_graphdef, batch, experience, loss)
+    (_, metrics), grads = grad_fn(trainable, graphdef, value_graphdef, batch, experience, loss,
+                                  frozen, dropout_key)
     return grads, metrics
   # The loss's mask: trained tokens of the trajectories the rollout correction keeps.
   mask = lambda b, e: b.inputs_and_targets()[2] * e.kept[:, None]
@@ -296,9 +323,10 @@ def _gradients(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.Grap
   total_tokens = jnp.maximum(tokens(batch, experience), 1.0)
 
   def accumulate(carry, micro):
-    micro_batch, micro_experience = micro
+    (micro_batch, micro_experience), index = micro
+    key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
     (_, metrics), grads = grad_fn(trainable, graphdef, value_graphdef, micro_batch,
-                                  micro_experience, loss)
+                                  micro_experience, loss, frozen, key)
     share = units(micro_batch, micro_experience) / total_units
     token_share = tokens(micro_batch, micro_experience) / total_tokens
     sums, maxima = carry
@@ -311,15 +339,17 @@ def _gradients(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.Grap
     return ((grads, means), maxima), None
 
   parts = micro_batches((batch, experience), loss.micro_batch_rows)
-  shapes = jax.eval_shape(lambda b, e: grad_fn(trainable, graphdef, value_graphdef, b, e, loss),
-                          *jax.tree.map(lambda x: x[0], parts))
+  shapes = jax.eval_shape(
+      lambda b, e: grad_fn(trainable, graphdef, value_graphdef, b, e, loss, frozen, dropout_key),
+      *jax.tree.map(lambda x: x[0], parts))
   (_, metric_shapes), grad_shapes = shapes
   zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
   sums = (zeros(grad_shapes), zeros({
       k: v for k, v in metric_shapes.items() if k not in MAX_METRICS
   }))
   maxima = {k: jnp.full((), -jnp.inf) for k in metric_shapes if k in MAX_METRICS}
-  ((grads, metrics), maxima), _ = jax.lax.scan(accumulate, (sums, maxima), parts)
+  indices = jnp.arange(batch.tokens.shape[0] // loss.micro_batch_rows)
+  ((grads, metrics), maxima), _ = jax.lax.scan(accumulate, (sums, maxima), (parts, indices))
   return grads, {**metrics, **maxima}
 
 

@@ -30,6 +30,11 @@ Resume. The batch of step s is `batches.batch(s)`, a pure function of (data, see
 checkpoint holds the parameters and the optimizer state, so a resumed run continues exactly as
 an uninterrupted one. The reference policy is the model `config.model.name` names, loaded
 anew, so it is the same on resume.
+
+LoRA (model.lora.rank > 0) trains adapters over the frozen model as the RL loop does
+(agentgym_jax/learner.py): the checkpoints hold the adapters, DPO's reference is the initial
+adapters (the base exactly), and the update of step s drops the adapters' input with
+`Settings.dropout_key(s, 0)`.
 """
 
 from __future__ import annotations
@@ -147,10 +152,11 @@ def conversation_tokens(batch: Batch) -> int:
 # --- losses and update steps --------------------------------------------------------------
 
 
-def sft_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch,
-             loss: learner.LossConfig) -> tuple[Array, dict[str, Array]]:
+def sft_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch, loss: learner.LossConfig,
+             frozen: nnx.State | None = None,
+             dropout_key: Array | None = None) -> tuple[Array, dict[str, Array]]:
   """The token-mean NLL of the reply tokens (module docstring, SFT)."""
-  logprobs, _, _ = learner.token_logprobs(graphdef, params, batch, loss)
+  logprobs, _, _ = learner.token_logprobs(graphdef, params, batch, loss, None, frozen, dropout_key)
   _, _, mask = batch.inputs_and_targets()
   nll, out = rl.sft_loss(logprobs, mask, aggregation="token-mean")
   out["trained_tokens"] = jnp.sum(mask)
@@ -158,24 +164,26 @@ def sft_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch,
 
 
 def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch,
-                      loss: learner.LossConfig) -> Array:
+                      loss: learner.LossConfig, frozen: nnx.State | None = None,
+                      dropout_key: Array | None = None) -> Array:
   """f32[N]: log pi(y) summed over each row's reply tokens."""
-  logprobs, _, _ = learner.token_logprobs(graphdef, params, batch, loss)
+  logprobs, _, _ = learner.token_logprobs(graphdef, params, batch, loss, None, frozen, dropout_key)
   _, _, mask = batch.inputs_and_targets()
   return rl.sequence_logprobs(logprobs, mask)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "loss"))
 def reference_logprobs(graphdef: nnx.GraphDef, ref_params: nnx.State, pairs: Batch, *,
-                       loss: learner.LossConfig) -> Array:
+                       loss: learner.LossConfig, frozen: nnx.State | None = None) -> Array:
   """f32[2B]: the frozen reference's sequence log-probs of `stack_pairs` rows."""
-  return sequence_logprobs(graphdef, ref_params, pairs, loss)
+  return sequence_logprobs(graphdef, ref_params, pairs, loss, frozen)
 
 
 def dpo_loss(params: nnx.State, graphdef: nnx.GraphDef, pairs: Batch, ref_logprobs: Array,
-             loss: learner.LossConfig, beta: float) -> tuple[Array, dict[str, Array]]:
+             loss: learner.LossConfig, beta: float, frozen: nnx.State | None = None,
+             dropout_key: Array | None = None) -> tuple[Array, dict[str, Array]]:
   """The DPO loss of `stack_pairs` rows (module docstring, DPO)."""
-  policy = sequence_logprobs(graphdef, params, pairs, loss)
+  policy = sequence_logprobs(graphdef, params, pairs, loss, frozen, dropout_key)
   num_pairs = policy.shape[0] // 2
   value, out = rl.dpo_loss(policy[:num_pairs], policy[num_pairs:], ref_logprobs[:num_pairs],
                            ref_logprobs[num_pairs:], beta=beta)
@@ -192,20 +200,23 @@ def _apply(params: nnx.State, opt_state: optax.OptState, grads: nnx.State,
   return optax.apply_updates(params, updates), opt_state, out
 
 
-def sft_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptState, batch: Batch, *,
+def sft_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptState, batch: Batch,
+             frozen: nnx.State | None, dropout_key: Array | None, *,
              optimizer: optax.GradientTransformation, loss: learner.LossConfig):
   """One SFT optimizer step. Returns (params, opt_state, metrics)."""
-  (value, out), grads = jax.value_and_grad(sft_loss, has_aux=True)(params, graphdef, batch, loss)
+  (value, out), grads = jax.value_and_grad(sft_loss, has_aux=True)(params, graphdef, batch, loss,
+                                                                   frozen, dropout_key)
   out["loss"] = value
   return _apply(params, opt_state, grads, optimizer, out)
 
 
 def dpo_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptState, pairs: Batch,
-             ref_logprobs: Array, *, optimizer: optax.GradientTransformation,
-             loss: learner.LossConfig, beta: float):
+             ref_logprobs: Array, frozen: nnx.State | None, dropout_key: Array | None, *,
+             optimizer: optax.GradientTransformation, loss: learner.LossConfig, beta: float):
   """One DPO optimizer step on `stack_pairs` rows. Returns (params, opt_state, metrics)."""
-  (value, out), grads = jax.value_and_grad(dpo_loss, has_aux=True)(params, graphdef, pairs,
-                                                                   ref_logprobs, loss, beta)
+  (value, out), grads = jax.value_and_grad(dpo_loss,
+                                           has_aux=True)(params, graphdef, pairs, ref_logprobs,
+                                                         loss, beta, frozen, dropout_key)
   out["loss"] = value
   return _apply(params, opt_state, grads, optimizer, out)
 
@@ -216,9 +227,10 @@ def dpo_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptStat
 def make_update(settings: run.Settings, graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh):
   """(init, update): the jitted optimizer-state init and the jitted update step of the mode.
 
-  update(params, opt_state, batch) for SFT, update(params, opt_state, pairs, ref_logprobs)
-  for DPO, returns (params, opt_state, metrics) with the state on `state_shardings` and its
-  input buffers donated; it compiles once per padded batch length.
+  update(params, opt_state, batch, frozen, dropout_key) for SFT, update(params, opt_state,
+  pairs, ref_logprobs, frozen, dropout_key) for DPO (frozen: LoRA's base or None), returns
+  (params, opt_state, metrics) with the state on `state_shardings` and its input buffers
+  donated; it compiles once per padded batch length.
   """
   optimizer = settings.optimizer
   param_shardings, opt_shardings = run.state_shardings(params,
@@ -275,8 +287,9 @@ def train_offline(c: ml_collections.ConfigDict,
                      "them)")
   chat = settings.chat(tokenizer)
   batches = make_batches(settings, records, chat)
-  graphdef, params = nnx.split(model)
-  # A copy: the update donates the policy's buffers.
+  policy = settings.policy(model, mesh)
+  graphdef, params, frozen = policy.graphdef, policy.params, policy.frozen
+  # A copy: the update donates the policy's buffers (with LoRA, of the initial adapters).
   ref_params = jax.tree.map(jnp.copy, params) if mode == "dpo" else None
   init, update = make_update(settings, graphdef, params, mesh)
   # Resume from the newest complete checkpoint; step k's checkpoint follows k updates.
@@ -308,9 +321,10 @@ def train_offline(c: ml_collections.ConfigDict,
       if mode == "dpo":
         with timer("reference"):
           inputs += (jax.block_until_ready(
-              reference_logprobs(graphdef, ref_params, batch, loss=loss)),)
+              reference_logprobs(graphdef, ref_params, batch, loss=loss, frozen=frozen)),)
       with timer("update"):
-        params, opt_state, step_metrics = update(state.params, state.opt_state, *inputs)
+        params, opt_state, step_metrics = update(state.params, state.opt_state, *inputs, frozen,
+                                                 settings.dropout_key(step, 0))
         jax.block_until_ready(step_metrics)
       state = run.RunState(params, None, opt_state)
 
@@ -320,7 +334,7 @@ def train_offline(c: ml_collections.ConfigDict,
       step_metrics["epoch"] = done / batches.steps_per_epoch
       if evaluate is not None and done % evaluate_every == 0:
         with timer("eval"):
-          step_metrics.update(evaluate(state.params, done))
+          step_metrics.update(evaluate(policy.sampler_params(state.params), done))
       step_metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
       metrics_writer.write(done, step_metrics)
       history.append(metrics_writer.latest)
@@ -335,7 +349,7 @@ def train_offline(c: ml_collections.ConfigDict,
   checkpointer.close()
   metrics_writer.close()
   if settings.export_hf:
-    settings.export_policy(nnx.merge(graphdef, state.params), tokenizer, workdir)
+    settings.export_policy(policy.exported(policy.export_params(state.params)), tokenizer, workdir)
   return history
 
 

@@ -183,6 +183,8 @@ def sft_config(c: ml_collections.ConfigDict, data: paths.Path) -> ml_collections
   sft.optim.schedule = "constant"
   sft.optim.warmup_steps = 0
   sft.checkpoint.export_hf = True
+  # RL starts from the warm start's export: a whole model (with LoRA, its adapters merged).
+  sft.checkpoint.export_format = "merged"
   sft.eval.every = 0
   sft.eval.stages = False
   return config_lib.validate(sft)

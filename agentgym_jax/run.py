@@ -14,7 +14,7 @@ import math
 import pathlib
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from agentgym_jax import checkpoint, config as config_lib, horizon, learner, metrics, rl, rollout
 from agentgym_jax import hardware, multihost, paths, sharding
 from agentgym_jax.batch import bucket
-from agentgym_jax.models import Decoder, attention, load_model, weights
+from agentgym_jax.models import Decoder, attention, load_model, lora as lora_lib, weights
 from agentgym_jax.models.tokenizer import ChatTemplate, Tokenizer
 from agentgym_jax.sampling import Sampler
 from environments.pool import EnvPool
@@ -92,6 +92,8 @@ class Settings:
     num_minibatches, ppo_epochs: an RL step's updates.
     checkpoint_every: steps between checkpoints (0: none but the last).
     export_hf: whether the run ends by exporting its policy (`export_policy`).
+    export_format: checkpoint.export_format: merged (a Hugging Face directory) | peft.
+    lora: model.lora, or None when every weight is trained (rank 0).
     log_trajectories: whether RL steps log their trajectories.
     data, dpo_beta: an offline run's conversations, and DPO's beta.
     thinking: model.thinking: whether generation prompts leave the think block to the model.
@@ -120,6 +122,8 @@ class Settings:
   ppo_epochs: int
   checkpoint_every: int
   export_hf: bool
+  export_format: str
+  lora: lora_lib.LoraSettings | None
   log_trajectories: bool
   data: Data
   dpo_beta: float
@@ -147,7 +151,8 @@ class Settings:
                pipeline_groups=r.pipeline_groups, wave_rows=r.wave_rows,
                failed_episodes=c.env.failed_episodes, num_minibatches=c.algorithm.num_minibatches,
                ppo_epochs=c.algorithm.ppo_epochs, checkpoint_every=c.checkpoint.every,
-               export_hf=c.checkpoint.export_hf, log_trajectories=c.log.trajectories, data=data,
+               export_hf=c.checkpoint.export_hf, export_format=c.checkpoint.export_format,
+               lora=_lora_settings(c), log_trajectories=c.log.trajectories, data=data,
                dpo_beta=c.dpo.beta, thinking=c.model.thinking == "on")
 
   def check_layout(self, mesh: Mesh, process_count: int) -> None:
@@ -203,6 +208,28 @@ class Settings:
       logging.info("model.remat=auto: %s, as %s", model.remat, why)
     return mesh, model, tokenizer
 
+  def policy(self, model: Decoder, mesh: Mesh | None) -> Policy:
+    """The loaded `model` split into what the run trains and what stays frozen (`Policy`):
+    with LoRA, fresh adapters from the run's seed over the frozen model."""
+    graphdef, params = nnx.split(model)
+    if self.lora is None:
+      return Policy(graphdef, params, None, graphdef, None, self.export_format)
+    adapters = lora_lib.init_adapters(model.config, self.lora, self.seed, mesh)
+    lora_graphdef, adapter_params, base = lora_lib.split(lora_lib.LoraModel(model, adapters))
+    merge = jax.jit(
+        functools.partial(lora_lib.merged_params, lora_graphdef),
+        out_shardings=jax.tree.map(lambda x: x.sharding, params))
+    return Policy(lora_graphdef, adapter_params, base, graphdef, merge, self.export_format)
+
+  def dropout_key(self, step: int, update: int) -> jax.Array | None:
+    """The key of LoRA's dropout in optimizer update `update` of step `step` (a pure function
+    of the seed, so a resumed run drops what an uninterrupted one drops); None without
+    dropout."""
+    if self.lora is None or not self.lora.dropout:
+      return None
+    stream = jax.random.fold_in(jax.random.key(self.seed), DROPOUT_STREAM)
+    return jax.random.fold_in(jax.random.fold_in(stream, step), update)
+
   def update_shape(self) -> tuple[int, int]:
     """(rows, tokens) of the run's largest update step: an RL minibatch of rollout rows packed
     to bucket(max_context), or an offline batch of data.max_length rows (twice the rows for
@@ -222,7 +249,9 @@ class Settings:
     param_dtype = jnp.dtype(self.config.model.param_dtype)
     _, params = plan.abstract_params(model.config, mesh, dtype=model.dtype, param_dtype=param_dtype)
     resident = 0
-    if self.loss.uses_reference or self.mode == "dpo":
+    # The reference is a copy of the trained parameters: of the whole model, or of LoRA's
+    # adapters, left out here as small beside the step.
+    if (self.loss.uses_reference or self.mode == "dpo") and self.lora is None:
       resident += plan.device_bytes(params)
     if self.mode == "rl":
       resident += plan.device_bytes(plan.abstract_minibatch(mesh, self.rows, tokens))
@@ -233,7 +262,7 @@ class Settings:
     peak = lambda remat: plan.plan(model.config, mesh, rows, tokens, dtype=model.dtype,
                                    param_dtype=param_dtype, remat=remat, attention=model.attention,
                                    logits_chunk=self.loss.logprob_chunk, micro_batch_rows=self.loss.
-                                   micro_batch_rows).peak_bytes
+                                   micro_batch_rows, lora=self.lora).peak_bytes
     remat, why = plan.choose_remat(peak, device_bytes, resident)
     return remat, f"a {rows} x {tokens} update step: {why} ({source})"
 
@@ -304,16 +333,77 @@ class Settings:
           f"average (> rollout.max_logprob_gap={most_gap}): the sampled tokens are no longer "
           "on-policy")
 
-  def export_policy(self, model: Decoder, tokenizer: Tokenizer, workdir: pathlib.Path) -> None:
-    """The trained policy as a Hugging Face directory, workdir/export, in
-    checkpoint.export_dtype."""
+  def export_policy(self, model: Decoder | lora_lib.Adapters, tokenizer: Tokenizer,
+                    workdir: pathlib.Path) -> None:
+    """The trained policy (`Policy.exported`) in workdir/export, in checkpoint.export_dtype:
+    a decoder as a Hugging Face directory, LoRA's adapters as a PEFT adapter directory; the
+    tokenizer beside either."""
     if not paths.is_remote(workdir):
-      weights.save_hf(model, workdir / "export", dtype=self.config.checkpoint.export_dtype)
+      dtype = self.config.checkpoint.export_dtype
+      if isinstance(model, lora_lib.Adapters):
+        lora_lib.save_peft(model, workdir / "export", self.config.model.name, dtype=dtype)
+      else:
+        weights.save_hf(model, workdir / "export", dtype=dtype)
       tokenizer.save_pretrained(workdir / "export")
       return
     with tempfile.TemporaryDirectory() as local:  # Written locally, then copied file by file.
       self.export_policy(model, tokenizer, pathlib.Path(local))
       paths.copy_tree(local, workdir / "export")
+
+
+# fold_in of the seed's key that LoRA's dropout keys derive from: apart from the steps' rollout
+# keys (fold_in(seed key, step)) and the evaluation's (1 << 30).
+DROPOUT_STREAM = 1 << 29
+
+
+def _lora_settings(c: ml_collections.ConfigDict) -> lora_lib.LoraSettings | None:
+  lora = c.model.lora
+  if not lora.rank:
+    return None
+  return lora_lib.LoraSettings(rank=lora.rank, alpha=float(lora.alpha), targets=tuple(lora.targets),
+                               dropout=float(lora.dropout))
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """The policy a loop trains, split into the parameters it differentiates and those it keeps
+  frozen, and what the sampler and the export see of it.
+
+  Full fine-tuning trains the decoder's parameters (`frozen` is None) and the sampler reads
+  them as they are. LoRA trains adapters over the frozen base (agentgym_jax/models/lora.py):
+  `params` are the adapters, `frozen` the base, the learner's model is a lora.LoraModel, and
+  the sampler runs the base with the adapters merged in, computed once per call of
+  `sampler_params`. Only `params` (and the optimizer's state of them) are checkpointed.
+
+  Attributes:
+    graphdef: the learner's model graph (the Decoder's, or the LoraModel's).
+    params: the trained parameters as the run starts (before any resume).
+    frozen: LoRA's base parameters, or None.
+    decoder_graphdef: the plain Decoder's graph, the sampler's and the merged export's.
+    merge: LoRA's jitted (adapters, base) -> decoder parameters, on the base's shardings.
+    export_format: checkpoint.export_format.
+  """
+
+  graphdef: nnx.GraphDef
+  params: nnx.State
+  frozen: nnx.State | None
+  decoder_graphdef: nnx.GraphDef
+  merge: Callable[[nnx.State, nnx.State], nnx.State] | None
+  export_format: str
+
+  def sampler_params(self, params: nnx.State) -> nnx.State:
+    """The decoder's parameters of the policy whose trained parameters are `params`."""
+    return params if self.frozen is None else self.merge(params, self.frozen)
+
+  def export_params(self, params: nnx.State) -> nnx.State:
+    """What the export writes: the adapters (peft), else the decoder's parameters."""
+    return params if self.export_format == "peft" else self.sampler_params(params)
+
+  def exported(self, export_params: nnx.State) -> Decoder | lora_lib.Adapters:
+    """The module of `export_params` (possibly a process-local copy) for `export_policy`."""
+    if self.export_format == "peft":
+      return nnx.merge(self.graphdef, export_params, self.frozen).adapters
+    return nnx.merge(self.decoder_graphdef, export_params)
 
 
 def _loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:

@@ -34,6 +34,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("norm", None),
     ("layers", None),
+    # LoRA's rank: an adapter's A [in..., r] shares its weight's input axes, B [r, out...] its
+    # output axes (agentgym_jax/models/lora.py).
+    ("lora_rank", None),
     # Activations.
     ("batch", BATCH),
     ("seq", None),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import pathlib
 from typing import Any, Callable, Sequence
 
@@ -184,7 +185,11 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   workdir.mkdir(parents=True, exist_ok=True)
   mesh, model, tokenizer = settings.load_policy(training=True)
   chat = settings.chat(tokenizer)
-  graphdef, params = nnx.split(model)
+  # What is trained: the model's parameters, or with LoRA adapters over the frozen model.
+  policy = settings.policy(model, mesh)
+  graphdef, params, frozen = policy.graphdef, policy.params, policy.frozen
+  # The KL's reference is the initial policy: a copy of the model, or with LoRA of the initial
+  # adapters, whose zero B leaves the base exactly (no second copy of the model).
   ref_params = jax.tree.map(jnp.copy, params) if loss.uses_reference else None
   value_graphdef = value_params = None
   if loss.uses_critic:
@@ -228,25 +233,28 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
       cap = schedule.cap(step)
       step_key = jax.random.fold_in(base_key, step)
 
-      def play(task_ids: list[int], round_index: int):
+      def play(sampler_params: Any, task_ids: list[int], round_index: int):
         group_of = [(task_id, group)
                     for group, task_id in enumerate(task_ids)
                     for _ in range(settings.samples_per_task)]
         played, stats = rollout.collect_waves(
-            sampler, processes.local_copy(state.params), pool, chat,
-            group_of[process_rows.start:process_rows.stop], wave_rows=wave, horizon=cap,
-            sampling=settings.sampling, max_context=settings.max_context,
+            sampler, sampler_params, pool, chat, group_of[process_rows.start:process_rows.stop],
+            wave_rows=wave, horizon=cap, sampling=settings.sampling,
+            max_context=settings.max_context,
             key=jax.random.fold_in(step_key, round_index) if round_index else step_key,
             first_row=process_rows.start, groups=settings.pipeline_groups)
         return processes.gather_rollout(played, stats)
 
       with timer("rollout"):
+        # The policy as the sampler runs it (with LoRA, merged once here), alive for the rollout.
+        sampler_params = processes.local_copy(policy.sampler_params(state.params))
         step_rollout, cursor = play_step(
-            play, task_orders[min(schedule.stage(step),
-                                  len(task_orders) - 1)], cursor,
-            tasks_per_step=settings.tasks_per_step, samples_per_task=settings.samples_per_task,
-            dynamic_sampling=settings.dynamic_sampling, max_rounds=settings.max_sampling_rounds,
-            failed_episodes=settings.failed_episodes)
+            functools.partial(play, sampler_params),
+            task_orders[min(schedule.stage(step),
+                            len(task_orders) - 1)], cursor, tasks_per_step=settings.tasks_per_step,
+            samples_per_task=settings.samples_per_task, dynamic_sampling=settings.dynamic_sampling,
+            max_rounds=settings.max_sampling_rounds, failed_episodes=settings.failed_episodes)
+        del sampler_params
         trajectories = step_rollout.batch
 
       # 2. Experience: old and reference log-probs, values, advantages.
@@ -258,7 +266,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         batch = jax.device_put(batch, sharding.batch_sharding(mesh, 1))
         experience, experience_metrics = learner.compute_experience(
             graphdef, state.params, ref_params, value_graphdef, state.value_params, batch,
-            loss=loss, num_groups=2 * num_rows, num_turns=schedule.max_turns)
+            loss=loss, num_groups=2 * num_rows, num_turns=schedule.max_turns, frozen=frozen)
         jax.block_until_ready(experience)  # So that the phase timers measure device work.
 
       # 3. Update: ppo_epochs passes of num_minibatches optimizer steps.
@@ -266,12 +274,14 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         trainable, opt_state = (state.params, state.value_params), state.opt_state
         rng = np.random.default_rng([settings.seed, step])
         update_metrics = []
-        for rows in learner.minibatch_indices(num_rows, settings.num_minibatches,
-                                              settings.ppo_epochs, rng):
+        for update, rows in enumerate(
+            learner.minibatch_indices(num_rows, settings.num_minibatches, settings.ppo_epochs,
+                                      rng)):
           minibatch = learner.take_rows(batch, rows)
           trainable, opt_state, m = update_step(graphdef, value_graphdef, trainable, opt_state,
                                                 minibatch, learner.take_rows(experience, rows),
-                                                optimizer=optimizer, loss=loss)
+                                                optimizer=optimizer, loss=loss, frozen=frozen,
+                                                dropout_key=settings.dropout_key(step, update))
           update_metrics.append(m)
         state = run.RunState(*jax.block_until_ready((trainable[0], trainable[1], opt_state)))
 
@@ -288,14 +298,12 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
       if settings.evaluation.every and done % settings.evaluation.every == 0:
         with timer("eval"):
           task_ids = settings.evaluation.tasks(pool)
-          _, played = evaluation.evaluate(sampler, processes.local_copy(state.params), pool, chat,
-                                          processes.share(task_ids),
-                                          samples_per_task=settings.evaluation.samples_per_task,
-                                          horizon=settings.evaluation.horizon,
-                                          sampling=settings.evaluation.sampling,
-                                          max_context=settings.max_context,
-                                          key=jax.random.fold_in(eval_key, done),
-                                          rows_per_batch=wave, groups=settings.pipeline_groups)
+          _, played = evaluation.evaluate(
+              sampler, processes.local_copy(policy.sampler_params(state.params)), pool, chat,
+              processes.share(task_ids), samples_per_task=settings.evaluation.samples_per_task,
+              horizon=settings.evaluation.horizon, sampling=settings.evaluation.sampling,
+              max_context=settings.max_context, key=jax.random.fold_in(eval_key, done),
+              rows_per_batch=wave, groups=settings.pipeline_groups)
           summary = evaluation.summarize(
               processes.gather(played), evaluation.task_categories(pool, task_ids))
         step_metrics.update(evaluation.as_metrics(summary))
@@ -317,9 +325,9 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   checkpointer.close()
   metrics_writer.close()
   if settings.export_hf:
-    params = processes.local_copy(state.params)
+    exported = processes.local_copy(policy.export_params(state.params))
     if processes.index == 0:
-      settings.export_policy(nnx.merge(graphdef, params), tokenizer, workdir)
+      settings.export_policy(policy.exported(exported), tokenizer, workdir)
   return history
 
 

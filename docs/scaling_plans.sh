@@ -31,3 +31,7 @@ plan 4 --sampler_mesh=1,4,1 --sampler_mesh=1,1,4 --rows=64 --cache_slots=10240 -
 plan 4 --sampler_mesh=1,1,4 --rows=64 --cache_slots=10240 --prefill=1024 --prefill_window=1024
 plan 4 --sampler_mesh=1,1,4 --rows=64 --cache_slots=4096 --prefill=64
 plan 4 --sampler_mesh=1,1,4 --rows=64 --cache_slots=4096 --prefill=1024 --prefill_window=1024
+# LoRA on v5e-8 (one host, 8 chips of 16 GiB): rank-64 adapters on every projection, against
+# full fine-tuning at the same size.
+plan 8 --mesh=1,8,1 --mesh=1,4,2 --batch=8 --seq=4096 --lora_rank=64
+plan 8 --mesh=1,8,1 --mesh=1,4,2 --batch=8 --seq=4096

@@ -112,6 +112,7 @@ METHOD_CONFIGS = {
     "dapo_textcraft": ("rollout", "dynamic_sampling", True),
     "drgrpo_textcraft": ("algorithm", "aggregation", "seq-mean-token-sum-norm"),
     "tis_textcraft": ("algorithm", "rollout_correction", "token_tis"),
+    "lora_textcraft": ("checkpoint", "export_format", "peft"),
 }
 
 
@@ -128,6 +129,7 @@ def test_method_configs_and_variants_validate_and_select_their_method(name, vari
   assert settings.dynamic_sampling == (name == "dapo_textcraft")
   assert settings.loss.policy_loss == c.algorithm.policy_loss
   assert settings.loss.rollout_correction == c.algorithm.rollout_correction
+  assert (settings.lora is not None) == (name == "lora_textcraft")
 
 
 @pytest.mark.parametrize("key, value, message", [

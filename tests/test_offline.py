@@ -225,7 +225,8 @@ def test_update_compiles_once_per_batch_length(checkpoint_dir, tmp_path):
   opt_state = init(params)
   batches = offline_data.sft_batches(DEMOS, tokenizer.chat, c.data.batch_size, c.data.max_length)
   for step in range(3):
-    params, opt_state, _ = update(params, opt_state, jax.device_put(batches.batch(step)))
+    params, opt_state, _ = update(params, opt_state, jax.device_put(batches.batch(step)), None,
+                                  None)
   # The state comes back with the shardings it went in with, so later steps reuse the first
   # step's program (left to XLA, the returned state's shardings differ and step 2 recompiles).
   assert update._cache_size() == 1

@@ -5,7 +5,9 @@
 
 A spec is a registry name (MODELS below), a Hugging Face checkpoint directory, or a Hugging
 Face Hub id (`Qwen/Qwen2.5-7B-Instruct`) read through the huggingface_hub cache; a directory may
-be in a bucket (gs://...), copied to the local disk once.
+be in a bucket (gs://...), copied to the local disk once. A PEFT LoRA adapter directory (a LoRA
+run's peft export) loads as its base model (its base_model_name_or_path, a spec as above) with
+the adapters merged in.
 """
 
 from __future__ import annotations
@@ -121,9 +123,14 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: Any = jnp.float32,
                param_dtype: Any = jnp.float32, remat: str = "none", attention: str = "auto",
                mesh: Mesh | None = None) -> tuple[Decoder, "Tokenizer"]:
   """Loads a model and its tokenizer; with a mesh the parameters are placed sharded."""
-  from agentgym_jax.models import gguf
+  from agentgym_jax.models import gguf, lora
   from agentgym_jax.models.tokenizer import Tokenizer
 
+  if not paths.is_remote(spec) and lora.is_peft(spec):
+    base, tokenizer = load_model(
+        lora.peft_base(spec), dtype=dtype, param_dtype=param_dtype, remat=remat,
+        attention=attention, mesh=mesh)
+    return lora.load_peft(spec, base), tokenizer
   directory = resolve(spec)
   if directory is None:
     path = gguf.smollm2_gguf_path()

@@ -8,6 +8,9 @@ onto the (data, fsdp, tensor) mesh.
 Numerics: the residual stream, RMSNorm, RoPE, softmax and logits are f32; matmul inputs are cast
 to `dtype` (bf16 on accelerators and on AMX CPUs) and accumulate in f32.
 
+LoRA adapters (`adapters`, agentgym_jax/models/lora.py) add their low-rank path to the
+projections they target on the uncached path, the learner's; the sampler runs merged weights.
+
 Attention without a cache (the learner's packed rows) runs the implementation named by
 `attention` (agentgym_jax/models/attention.py: by default flash attention, or the Pallas kernel on
 TPU); with a cache it is the dense reference over the cache window.
@@ -35,6 +38,19 @@ from agentgym_jax.models.attention import dot
 from agentgym_jax.models.config import ModelConfig
 
 Array = jax.Array
+
+# The projections of a block, each an einsum of (input, weight) -> output whose weight's leading
+# axes are the input's (contracted) axes and its trailing axes the output's. LoRA adapts any of
+# them by these names (agentgym_jax/models/lora.py).
+PROJECTIONS = {
+    "q_proj": "bte,ehd->bthd",
+    "k_proj": "bte,ekd->btkd",
+    "v_proj": "bte,ekd->btkd",
+    "o_proj": "bthd,hde->bte",
+    "gate_proj": "bte,ef->btf",
+    "up_proj": "bte,ef->btf",
+    "down_proj": "btf,fe->bte",
+}
 
 REMAT_POLICIES = {
     "none": None,
@@ -212,7 +228,8 @@ class Decoder(nnx.Module):
 
   def hidden_states(self, input_ids: Array, positions: Array | None = None,
                     attention_mask: Array | None = None, cache: KVCache | None = None, *,
-                    cache_window: int | None = None) -> tuple[Array, KVCache | None]:
+                    cache_window: int | None = None, adapters: Any = None,
+                    dropout_key: Array | None = None) -> tuple[Array, KVCache | None]:
     """Final-normed hidden states [B, T, E] (f32) and the updated cache.
 
     Without a cache a token attends to the earlier tokens of its row that attention_mask keeps
@@ -222,8 +239,14 @@ class Decoder(nnx.Module):
     (static) limits attention to slots [0, cache_window): every real token must then sit below
     it. Decoding reads the cache once per step, so a window that covers only the live prefix
     saves the read of the empty tail.
+
+    `adapters` (a lora.Adapters, stacked on the layers axis like the weights) adds each
+    adapted projection's low-rank term, its input dropped out with `dropout_key` (None: no
+    dropout); the cached path takes no adapters (the sampler runs merged weights).
     """
     config = self.config
+    if adapters is not None and cache is not None:
+      raise ValueError("adapters apply to the uncached (learner) path; sample with merged weights")
     batch, length = input_ids.shape
     if cache is None:
       slots = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
@@ -243,10 +266,16 @@ class Decoder(nnx.Module):
     x = sharding.constrain(x, ("batch", "seq", "activation_embed"))
     inv_freq = rope_frequencies(config)
     layer_graph, layer_params = nnx.split(self.layers)
+    adapter_graph, adapter_params = nnx.split(adapters) if adapters is not None else (None, None)
 
-    def block(x, params, cache_update):
+    def block(x, params, cache_update, adapted=None):
       p = nnx.merge(layer_graph, params)
-      return self._block(p, x, positions, mask, inv_freq, slots, cache_update)
+      if adapted is None:
+        return self._block(p, x, positions, mask, inv_freq, slots, cache_update)
+      layer_adapters, layer = adapted
+      key = None if dropout_key is None else jax.random.fold_in(dropout_key, layer)
+      lora = (nnx.merge(adapter_graph, layer_adapters), key)
+      return self._block(p, x, positions, mask, inv_freq, slots, cache_update, lora)
 
     policy = REMAT_POLICIES[self.remat]
     # Rematerialisation only matters for a backward pass; the cached (sampling) path has none.
@@ -255,11 +284,13 @@ class Decoder(nnx.Module):
 
     if cache is None:
 
-      def body(x, params):
-        x, _ = block(x, params, None)
+      def body(x, inputs):
+        params, adapted = inputs
+        x, _ = block(x, params, None, adapted)
         return x, None
 
-      x, _ = jax.lax.scan(body, x, layer_params)
+      adapted = None if adapters is None else (adapter_params, jnp.arange(config.num_layers))
+      x, _ = jax.lax.scan(body, x, (layer_params, adapted))
       new_cache = None
     else:
       # The whole cache rides in the carry and each layer scatters its new keys and values
@@ -296,21 +327,30 @@ class Decoder(nnx.Module):
         if logits.ndim == 3 else logits
 
   def _block(self, p: Layers, x: Array, positions: Array, mask: Array | None, inv_freq: Array,
-             slots: Array, cache_update: tuple[Array, int, Array, Array, Any] | None):
+             slots: Array, cache_update: tuple[Array, int, Array, Array, Any] | None,
+             lora: tuple[Any, Array | None] | None = None):
     """One transformer block.
 
     `mask` is the segment ids [B, T] (or None) without a cache, the mask [B, T, window] of
     visible cache slots with one. With `cache_update` = (layer, window, k_bits, v_bits, cache_dtype) the new keys and values
     go into layer `layer` of the stacked caches (held as raw bits, see `KVCache`) and
     attention reads their first `window` slots. Returns x and the updated (k_bits, v_bits), or
-    None without a cache.
+    None without a cache. `lora` = (this layer's adapters, its dropout key or None) adds the
+    adapters' terms to the projections they target.
     """
     config, dtype = self.config, self.dtype
     eps = config.rms_norm_eps
+
+    def project(name: str, inputs: Array) -> Array:
+      out = dot(PROJECTIONS[name], inputs, getattr(p, name).value, dtype)
+      if lora is not None and name in lora[0].targets:
+        out = out + lora[0].term(name, inputs, dtype, lora[1])
+      return out
+
     h = rms_norm(x, p.input_norm.value, eps)
-    q = dot("bte,ehd->bthd", h, p.q_proj.value, dtype)
-    k = dot("bte,ekd->btkd", h, p.k_proj.value, dtype)
-    v = dot("bte,ekd->btkd", h, p.v_proj.value, dtype)
+    q = project("q_proj", h)
+    k = project("k_proj", h)
+    v = project("v_proj", h)
     if config.attention_bias:
       q = q + p.q_bias.value.astype(jnp.float32)
       k = k + p.k_bias.value.astype(jnp.float32)
@@ -338,12 +378,12 @@ class Decoder(nnx.Module):
     else:
       attended = attention_lib.causal_attention(q, k, v, mask, implementation=self.attention,
                                                 dtype=dtype)
-    out = dot("bthd,hde->bte", attended, p.o_proj.value, dtype)
+    out = project("o_proj", attended)
     x = x + out
     h = rms_norm(x, p.post_attention_norm.value, eps)
-    gate = dot("bte,ef->btf", h, p.gate_proj.value, dtype)
-    up = dot("bte,ef->btf", h, p.up_proj.value, dtype)
+    gate = project("gate_proj", h)
+    up = project("up_proj", h)
     hidden = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "seq", "activation_mlp"))
-    x = x + dot("btf,fe->bte", hidden, p.down_proj.value, dtype)
+    x = x + project("down_proj", hidden)
     x = sharding.constrain(x, ("batch", "seq", "activation_embed"))
     return x, caches

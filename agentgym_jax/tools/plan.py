@@ -18,7 +18,13 @@ chunked log-probs, forward + backward, AdamW after clipping) on a [batch, seq] m
               logits at a time, and the fusions' working space
   peak        arguments + outputs that do not reuse a donated argument + temp
 
-params and optimizer are exact: they follow from the shardings alone. temp is the XLA:CPU
+With LoRA (`--lora_rank=r`, `--lora_targets`) the step trains adapters over the frozen
+parameters (agentgym_jax/models/lora.py): params are then the frozen base, adapters the
+trained A and B, and optimizer AdamW's moments of the adapters only.
+
+    python -m agentgym_jax.tools.plan --mesh=1,8,1 --batch=8 --seq=4096 --lora_rank=64
+
+params, adapters and optimizer are exact: they follow from the shardings alone. temp is the XLA:CPU
 compiler's schedule of the same SPMD program; a TPU's differs (other fusions and layouts, and
 `--attention=auto` is the Pallas splash kernel there, flash attention here), so read it as an
 estimate. `choose_remat` reads the same estimate to resolve model.remat=auto. The compiled step's argument bytes are checked against params +
@@ -57,7 +63,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentgym_jax import learner, run, sampling, sharding
 from agentgym_jax.batch import Batch
-from agentgym_jax.models import attention, weights
+from agentgym_jax.models import attention, lora as lora_lib, weights
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import KVCache
 
@@ -107,6 +113,7 @@ class MemoryPlan:
   param_bytes: int
   optimizer_bytes: int
   batch_bytes: int
+  adapter_bytes: int = 0  # LoRA's trained adapters (the optimizer's moments are of these).
   temp_bytes: int | None = None
   argument_bytes: int | None = None
   output_bytes: int | None = None
@@ -136,6 +143,24 @@ def abstract_params(config: ModelConfig, mesh: Mesh, *, dtype: Any = jnp.bfloat1
   model = weights.abstract_model(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
                                  attention=attention)
   graphdef, params = nnx.split(model)
+  return graphdef, _place(params, mesh)
+
+
+def abstract_lora(config: ModelConfig, mesh: Mesh, settings: lora_lib.LoraSettings, *,
+                  dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, remat: str = "full",
+                  attention: str = "auto") -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+  """(graphdef, adapters, base) of a lora.LoraModel as ShapeDtypeStructs with their
+  NamedShardings (lora.split's parts)."""
+  model = nnx.eval_shape(lambda: lora_lib.LoraModel(
+      weights.abstract_model(config, dtype=dtype, param_dtype=param_dtype,
+                             remat=remat, attention=attention),
+      lora_lib.Adapters(config, settings, nnx.Rngs(0))))
+  graphdef, adapters, base = lora_lib.split(model)
+  return graphdef, _place(adapters, mesh), _place(base, mesh)
+
+
+def _place(state: nnx.State, mesh: Mesh) -> nnx.State:
+  """Every variable of `state` a ShapeDtypeStruct with its logical axes' NamedSharding."""
 
   def place(variable: nnx.Variable) -> nnx.Variable:
     shape, dtype = variable.get_value().shape, variable.get_value().dtype
@@ -143,7 +168,7 @@ def abstract_params(config: ModelConfig, mesh: Mesh, *, dtype: Any = jnp.bfloat1
         jax.ShapeDtypeStruct(shape, dtype,
                              sharding=sharding.named_sharding(mesh, variable.axes, shape)))
 
-  return graphdef, jax.tree.map(place, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def abstract_optimizer_state(optimizer: optax.GradientTransformation, trainable: Any,
@@ -192,15 +217,20 @@ def lower_forward(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
 
 def lower_train_step(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
                      dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, remat: str = "full",
-                     attention: str = "auto", logits_chunk: int = 1024,
-                     micro_batch_rows: int = 0) -> jax.stages.Lowered:
+                     attention: str = "auto", logits_chunk: int = 1024, micro_batch_rows: int = 0,
+                     lora: lora_lib.LoraSettings | None = None) -> jax.stages.Lowered:
   """The learner's `update_step` on one minibatch, lowered on abstract sharded inputs, jitted
   as the RL trainer jits it (learner.jit_update_step): parameters and optimizer state donated,
   returned with their own shardings. Its log-probs come from chunked logits, so [batch, seq,
   vocab] never exists at once. With micro_batch_rows the step accumulates its gradient over
-  micro-batches of that many rows (learner.py)."""
-  graphdef, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype,
-                                     remat=remat, attention=attention)
+  micro-batches of that many rows (learner.py). With `lora` the step trains the adapters over
+  the frozen parameters."""
+  model = dict(dtype=dtype, param_dtype=param_dtype, remat=remat, attention=attention)
+  if lora is None:
+    graphdef, params = abstract_params(config, mesh, **model)
+    frozen = None
+  else:
+    graphdef, params, frozen = abstract_lora(config, mesh, lora, **model)
   optimizer = learner.make_optimizer(1e-6)
   trainable = (params, None)
   opt_state = abstract_optimizer_state(optimizer, trainable, mesh)
@@ -210,25 +240,33 @@ def lower_train_step(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
   step = learner.jit_update_step(shardings(trainable), shardings(opt_state))
   with jax.set_mesh(mesh):
     return step.lower(graphdef, None, trainable, opt_state, *abstract_minibatch(mesh, batch, seq),
-                      optimizer=optimizer, loss=loss)
+                      optimizer=optimizer, loss=loss, frozen=frozen)
 
 
 def plan(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *, dtype: Any = jnp.bfloat16,
          param_dtype: Any = jnp.float32, remat: str = "full", attention: str = "auto",
-         logits_chunk: int = 1024, micro_batch_rows: int = 0, compile: bool = True) -> MemoryPlan:
-  """Per-device memory of one update step; compiles the step unless `compile` is False."""
-  _, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype, remat=remat)
-  opt_state = abstract_optimizer_state(learner.make_optimizer(1e-6), (params, None), mesh)
+         logits_chunk: int = 1024, micro_batch_rows: int = 0,
+         lora: lora_lib.LoraSettings | None = None, compile: bool = True) -> MemoryPlan:
+  """Per-device memory of one update step (with `lora`, of LoRA's update over the frozen
+  parameters); compiles the step unless `compile` is False."""
+  if lora is None:
+    _, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    trained = params
+  else:
+    _, trained, params = abstract_lora(config, mesh, lora, dtype=dtype, param_dtype=param_dtype,
+                                       remat=remat)
+  opt_state = abstract_optimizer_state(learner.make_optimizer(1e-6), (trained, None), mesh)
   figures = dict(
       mesh_shape=tuple(mesh.shape[a] for a in sharding.MESH_AXES), batch=batch, seq=seq,
       num_params=config.num_params, param_bytes=device_bytes(params),
+      adapter_bytes=0 if lora is None else device_bytes(trained),
       optimizer_bytes=device_bytes(opt_state),
       batch_bytes=device_bytes(abstract_minibatch(mesh, batch, seq)))
   if compile:
     start = time.perf_counter()
     compiled = lower_train_step(config, mesh, batch, seq, dtype=dtype, param_dtype=param_dtype,
                                 remat=remat, attention=attention, logits_chunk=logits_chunk,
-                                micro_batch_rows=micro_batch_rows).compile()
+                                micro_batch_rows=micro_batch_rows, lora=lora).compile()
     figures["compile_seconds"] = time.perf_counter() - start
     stats = compiled.memory_analysis()
     if stats is not None:
@@ -367,9 +405,12 @@ def plan_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, *
 
 
 def format_table(model: str, plans: Sequence[MemoryPlan]) -> str:
-  """A fixed-width table, one row per mesh layout, sizes in GiB per device."""
+  """A fixed-width table, one row per mesh layout, sizes in GiB per device (with an adapters
+  column when a plan is LoRA's)."""
   gib = lambda n: "-" if n is None else f"{n / 2**30:.2f}"
-  header = (f"{'mesh (d,f,t)':>13} {'batch x seq':>12} {'params':>8} {'optimizer':>9} "
+  lora = any(p.adapter_bytes for p in plans)
+  header = (f"{'mesh (d,f,t)':>13} {'batch x seq':>12} {'params':>8} " +
+            (f"{'adapters':>8} " if lora else "") + f"{'optimizer':>9} "
             f"{'temp':>8} {'peak':>8} {'compile s':>9}")
   lines = [
       f"{model}: {plans[0].num_params / 1e9:.2f}B parameters; GiB per device", header,
@@ -378,7 +419,8 @@ def format_table(model: str, plans: Sequence[MemoryPlan]) -> str:
   for p in plans:
     compile_seconds = "-" if p.compile_seconds is None else f"{p.compile_seconds:.0f}"
     lines.append(f"{','.join(map(str, p.mesh_shape)):>13} {f'{p.batch} x {p.seq}':>12} "
-                 f"{gib(p.param_bytes):>8} {gib(p.optimizer_bytes):>9} {gib(p.temp_bytes):>8} "
+                 f"{gib(p.param_bytes):>8} " + (f"{gib(p.adapter_bytes):>8} " if lora else "") +
+                 f"{gib(p.optimizer_bytes):>9} {gib(p.temp_bytes):>8} "
                  f"{gib(p.peak_bytes):>8} {compile_seconds:>9}")
   return "\n".join(lines)
 
@@ -429,6 +471,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help="tokens per chunk of the vocabulary projection in the loss")
   parser.add_argument("--micro_batch_rows", type=int, default=0,
                       help="rows per forward/backward pass of the update (0: the whole batch)")
+  parser.add_argument("--lora_rank", type=int, default=0,
+                      help="plan LoRA's update with adapters of this rank (0: full fine-tuning)")
+  parser.add_argument("--lora_targets", default=",".join(lora_lib.TARGETS),
+                      help="the adapted projections, comma-separated")
   parser.add_argument("--sampler_mesh", type=_mesh_shape, action="append",
                       help="data,fsdp,tensor of a sampler (repeatable)")
   parser.add_argument("--rows", type=int, default=256, help="sampler rows (episodes at once)")
@@ -453,6 +499,11 @@ def main(argv: Sequence[str] | None = None) -> None:
   devices = jax.devices("cpu")
   config = model_config(args.model)
   dtypes = dict(dtype=jnp.dtype(args.dtype), param_dtype=jnp.dtype(args.param_dtype))
+  lora = None
+  if args.lora_rank:
+    # alpha scales the adapters' values only; no memory figure depends on it.
+    lora = lora_lib.LoraSettings(rank=args.lora_rank, alpha=float(args.lora_rank),
+                                 targets=tuple(args.lora_targets.split(",")))
 
   def make_mesh(shape):
     if math.prod(shape) > len(devices):
@@ -466,8 +517,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         format_table(args.model, [
             plan(config, make_mesh(shape), args.batch, args.seq, remat=args.remat,
                  attention=args.attention, logits_chunk=args.logits_chunk,
-                 micro_batch_rows=args.micro_batch_rows, compile=not args.no_compile, **dtypes)
-            for shape in meshes
+                 micro_batch_rows=args.micro_batch_rows, lora=lora, compile=not args.no_compile, **
+                 dtypes) for shape in meshes
         ]))
   if sampler_meshes:
     tables.append(
