@@ -14,15 +14,17 @@ plan() {
   echo
 }
 cd "$(dirname "$0")/.."
-# Update step: one optimizer step on a micro-batch of 10,240-token rows, full remat.
+# Update step: one optimizer step on 10,240-token rows (4,096 in the last two), flash attention,
+# full remat; --micro_batch_rows: rows per forward/backward pass, gradients accumulated.
 plan 4 --mesh=1,4,1 --mesh=1,2,2 --mesh=1,1,4 --batch=4 --seq=10240
-plan 4 --mesh=1,4,1 --batch=8 --seq=10240
-plan 4 --mesh=1,4,1 --batch=4 --seq=10240 --remat=dots
+plan 4 --mesh=1,4,1 --batch=8 --seq=10240 --micro_batch_rows=4
 plan 16 --mesh=1,16,1 --batch=16 --seq=10240
-plan 16 --mesh=1,4,4 --mesh=4,1,4 --batch=4 --seq=10240
-plan 16 --mesh=1,4,4 --mesh=1,8,2 --batch=8 --seq=10240
-plan 16 --mesh=1,4,4 --batch=4 --seq=4096
-plan 16 --mesh=1,4,4 --batch=8 --seq=4096
+plan 16 --mesh=1,4,4 --batch=16 --seq=10240 --micro_batch_rows=4
+plan 16 --mesh=1,4,4 --batch=16 --seq=4096 --micro_batch_rows=4
+plan 16 --mesh=1,16,1 --batch=16 --seq=4096
+# The fixed part of the update: one row per device at 128 and 1,024 tokens.
+plan 16 --mesh=1,16,1 --batch=16 --seq=128
+plan 16 --mesh=1,16,1 --batch=16 --seq=1024
 # Sampler: an observation append (64 tokens against the whole cache), the first prompt (1024
 # tokens against its own 1024 slots) and decode (512 tokens against the whole cache).
 plan 4 --sampler_mesh=1,4,1 --sampler_mesh=1,1,4 --rows=256 --cache_slots=10240 --prefill=64
