@@ -188,6 +188,7 @@ def recipe_spec() -> dict[str, Any]:
           "horizon.turns": _TURNS.value,
           "checkpoint.every": 0,
           "checkpoint.export_hf": False,
+          "eval.stages": False,
           "log.tensorboard": False,
           "log.trajectories": False,
           "log.progress_bar": False,
