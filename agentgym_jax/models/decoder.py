@@ -10,7 +10,13 @@ to `dtype` (bf16 on accelerators and on AMX CPUs) and accumulate in f32.
 
 Attention without a cache (the learner's packed rows) runs the implementation named by
 `attention` (agentgym_jax/models/attention.py: by default flash attention, or the Pallas kernel on
-TPU); with a cache it is the dense reference over the cache window.
+TPU). With a cache, one new token per row (a decode step) reads only its row's live slots
+(`attention.decode_attention`), and several (a prefill) the dense reference over the cache window.
+
+With a cache the layers run unrolled, each on its own cache arrays and its own weights: the
+scan over stacked layers slices a layer's weights and cache window out of their stacks, a copy
+of every weight and of the window at every decode step. `cached_layers` takes the per-layer
+weights out of their stack once, so a decode loop slices them once per call, not per step.
 
 KV cache semantics (used by the sampler for multi-turn continuation): row b of the cache holds
 `lengths[b]` valid slots. A forward with a cache writes the new tokens of row b at slots
@@ -23,6 +29,7 @@ equals slot unless positions are given.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -45,45 +52,40 @@ REMAT_POLICIES = {
 
 @struct.dataclass
 class KVCache:
-  """Per-layer keys and values on a static number of slots, and each row's used slots.
+  """Keys and values on a static number of slots, one array per layer, and each row's used
+  slots.
+
+  One array per layer rather than one stacked [layers, ...] array: each layer's step then
+  updates and reads its own buffer in place (a layer of a stack is a slice, which XLA copies).
 
   Keys and values of `dtype` are stored as their raw bits (the unsigned integer type of the
   same width) because new tokens are scattered into the cache, and XLA:CPU runs a bf16 scatter
   in f32, converting the whole cache there and back in every layer; an integer scatter of the
-  same bits updates the buffer in place. `keys` and `values` view them as `dtype`.
+  same bits updates the buffer in place.
 
   Kv heads come before slots so that a decode step reads the keys of each (row, kv head) as one
   contiguous [slots, head_dim] matrix, a batched matmul with no transpose of the cache (on CPU
   3-4x faster than a [slots, kv_heads] layout).
   """
 
-  k: Array  # [layers, batch, kv_heads, slots, head_dim] bits of `dtype`
-  v: Array  # [layers, batch, kv_heads, slots, head_dim] bits of `dtype`
+  k: tuple[Array, ...]  # layers x [batch, kv_heads, slots, head_dim] bits of `dtype`
+  v: tuple[Array, ...]  # layers x [batch, kv_heads, slots, head_dim] bits of `dtype`
   lengths: Array  # [batch] int32
   dtype: Any = struct.field(pytree_node=False, default=jnp.float32)
 
-  AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
+  AXES = attention_lib.CACHE_AXES  # Of each layer's array.
 
   @classmethod
   def zeros(cls, config: ModelConfig, batch: int, slots: int, dtype: Any) -> "KVCache":
     dtype = jnp.dtype(dtype)
-    shape = (config.num_layers, batch, config.num_kv_heads, slots, config.head_dim)
+    shape = (batch, config.num_kv_heads, slots, config.head_dim)
     bits = _bits_dtype(dtype)
-    return cls(
-        k=jnp.zeros(shape, bits), v=jnp.zeros(shape, bits), lengths=jnp.zeros((batch,), jnp.int32),
-        dtype=dtype)
+    layers = lambda: tuple(jnp.zeros(shape, bits) for _ in range(config.num_layers))
+    return cls(k=layers(), v=layers(), lengths=jnp.zeros((batch,), jnp.int32), dtype=dtype)
 
   @property
   def slots(self) -> int:
-    return self.k.shape[3]
-
-  @property
-  def keys(self) -> Array:
-    return jax.lax.bitcast_convert_type(self.k, self.dtype)
-
-  @property
-  def values(self) -> Array:
-    return jax.lax.bitcast_convert_type(self.v, self.dtype)
+    return self.k[0].shape[2]
 
 
 def _bits_dtype(dtype: Any) -> Any:
@@ -212,16 +214,18 @@ class Decoder(nnx.Module):
 
   def hidden_states(self, input_ids: Array, positions: Array | None = None,
                     attention_mask: Array | None = None, cache: KVCache | None = None, *,
-                    cache_window: int | None = None) -> tuple[Array, KVCache | None]:
+                    cache_window: int | None = None,
+                    layers: Sequence[nnx.State] | None = None) -> tuple[Array, KVCache | None]:
     """Final-normed hidden states [B, T, E] (f32) and the updated cache.
 
     Without a cache a token attends to the earlier tokens of its row that attention_mask keeps
     (padding queries see only padding: their outputs mean nothing).
     With a cache the tokens are appended to each row's live slots (see the module docstring);
-    the cache's lengths grow by attention_mask.sum(-1) (by T without a mask). `cache_window`
-    (static) limits attention to slots [0, cache_window): every real token must then sit below
-    it. Decoding reads the cache once per step, so a window that covers only the live prefix
-    saves the read of the empty tail.
+    the cache's lengths grow by attention_mask.sum(-1) (by T without a mask). One token per row
+    (T = 1) reads only the slots its row holds, and a masked row reads nothing. Several read
+    the slots [0, cache_window) (static, default: all), below which every real token must sit.
+    `layers` are the weights of `cached_layers()`, when the caller took them out once for many
+    calls (a decode loop); by default they are taken here.
     """
     config = self.config
     batch, length = input_ids.shape
@@ -234,8 +238,13 @@ class Decoder(nnx.Module):
       if not 0 < window <= cache.slots:
         raise ValueError(f"cache_window={cache_window} is not in [1, {cache.slots}]")
       slots = cache.lengths[:, None] + jnp.arange(length, dtype=jnp.int32)
-      # mask[b, q, k]: causal by slot.
-      mask = jnp.arange(window, dtype=jnp.int32)[None, None, :] <= slots[:, :, None]
+      if length == 1:
+        # visible[b]: row b attends to its slots [0, visible[b]), the new token's included.
+        live = True if attention_mask is None else attention_mask[:, 0].astype(bool)
+        mask = jnp.where(live, slots[:, 0] + 1, 0)
+      else:
+        # mask[b, q, k]: causal by slot.
+        mask = jnp.arange(window, dtype=jnp.int32)[None, None, :] <= slots[:, :, None]
     if positions is None:
       positions = slots
 
@@ -248,12 +257,11 @@ class Decoder(nnx.Module):
       p = nnx.merge(layer_graph, params)
       return self._block(p, x, positions, mask, inv_freq, slots, cache_update)
 
-    policy = REMAT_POLICIES[self.remat]
-    # Rematerialisation only matters for a backward pass; the cached (sampling) path has none.
-    if self.remat != "none" and cache is None:
-      block = jax.checkpoint(block, policy=policy)
-
     if cache is None:
+      policy = REMAT_POLICIES[self.remat]
+      # Rematerialisation only matters for a backward pass; the cached (sampling) path has none.
+      if self.remat != "none":
+        block = jax.checkpoint(block, policy=policy)
 
       def body(x, params):
         x, _ = block(x, params, None)
@@ -262,29 +270,36 @@ class Decoder(nnx.Module):
       x, _ = jax.lax.scan(body, x, layer_params)
       new_cache = None
     else:
-      # The whole cache rides in the carry and each layer scatters its new keys and values
-      # straight into it, so XLA updates it in place: slicing out a layer, updating the slice
-      # and writing it back would copy the layer's cache twice per step.
-      # 16-bit weights are sliced out of their stack as raw bits too: XLA:CPU converts a
-      # stacked bf16 array to f32 before slicing it, which made a bf16 decode step 5x slower.
-      # (Bits do not differentiate; the cache path is inference only.) In a decode loop the
-      # conversion to bits is loop-invariant, so XLA does it once per call.
-      dtypes = jax.tree.map(lambda p: p.dtype, layer_params)
-      as_bits = lambda p: _to_bits(p) if p.dtype.itemsize == 2 else p
-
-      def body(carry, inputs):
-        x, k_bits, v_bits = carry
-        param_bits, index = inputs
-        params = jax.tree.map(jax.lax.bitcast_convert_type, param_bits, dtypes)
-        x, (k_bits, v_bits) = block(x, params, (index, window, k_bits, v_bits, cache.dtype))
-        return (x, k_bits, v_bits), None
-
-      xs = (jax.tree.map(as_bits, layer_params), jnp.arange(config.num_layers))
-      (x, k_bits, v_bits), _ = jax.lax.scan(body, (x, cache.k, cache.v), xs)
+      layers = self.cached_layers() if layers is None else layers
+      k_bits, v_bits = [], []
+      for params, k, v in zip(layers, cache.k, cache.v):
+        x, (k, v) = block(x, params, (window, k, v, cache.dtype))
+        k_bits.append(k)
+        v_bits.append(v)
       added = length if attention_mask is None else attention_mask.sum(-1).astype(jnp.int32)
-      new_cache = cache.replace(k=k_bits, v=v_bits, lengths=cache.lengths + added)
+      new_cache = cache.replace(k=tuple(k_bits), v=tuple(v_bits), lengths=cache.lengths + added)
     x = rms_norm(x, self.final_norm.value, config.rms_norm_eps)
     return x, new_cache
+
+  def cached_layers(self) -> list[nnx.State]:
+    """Each layer's weights out of their stack, one nnx.State of Layers' variables a layer.
+
+    16-bit weights are sliced as raw bits: XLA:CPU converts a stacked bf16 array to f32 before
+    slicing it (which made a bf16 decode step 5x slower). Bits do not differentiate; the cached
+    path is inference only.
+    """
+    _, stacked = nnx.split(self.layers)
+
+    def layer(index: int) -> nnx.State:
+
+      def take(p: Array) -> Array:
+        if p.dtype.itemsize != 2:
+          return p[index]
+        return jax.lax.bitcast_convert_type(_to_bits(p)[index], p.dtype)
+
+      return jax.tree.map(take, stacked)
+
+    return [layer(index) for index in range(self.config.num_layers)]
 
   def logits(self, hidden: Array) -> Array:
     """Logits [..., V] in f32 from final hidden states [..., E]."""
@@ -296,14 +311,14 @@ class Decoder(nnx.Module):
         if logits.ndim == 3 else logits
 
   def _block(self, p: Layers, x: Array, positions: Array, mask: Array | None, inv_freq: Array,
-             slots: Array, cache_update: tuple[Array, int, Array, Array, Any] | None):
+             slots: Array, cache_update: tuple[int, Array, Array, Any] | None):
     """One transformer block.
 
-    `mask` is the segment ids [B, T] (or None) without a cache, the mask [B, T, window] of
-    visible cache slots with one. With `cache_update` = (layer, window, k_bits, v_bits, cache_dtype) the new keys and values
-    go into layer `layer` of the stacked caches (held as raw bits, see `KVCache`) and
-    attention reads their first `window` slots. Returns x and the updated (k_bits, v_bits), or
-    None without a cache.
+    Without a cache `mask` is the segment ids [B, T] (or None). With `cache_update` = (window,
+    k_bits, v_bits, cache_dtype), this layer's cache (raw bits, see `KVCache`), the new keys and
+    values are written at `slots` [B, T] and `mask` is, for T = 1, the visible slots [B] of each
+    row, else the mask [B, T, window] of visible cache slots. Returns x and the updated (k_bits,
+    v_bits), or None without a cache.
     """
     config, dtype = self.config, self.dtype
     eps = config.rms_norm_eps
@@ -324,17 +339,20 @@ class Decoder(nnx.Module):
 
     caches = None
     if cache_update is not None:
-      layer, window, k_bits, v_bits, cache_dtype = cache_update
+      window, k_bits, v_bits, cache_dtype = cache_update
       rows = jnp.arange(x.shape[0])[:, None]
       # Out-of-range slots (padding past the cache end) are dropped, never wrapped around.
-      # new [B, T, K, D] goes to [layer, b, :, slots[b, t]] of the [L, B, K, S, D] cache.
-      write = lambda bits, new: bits.at[layer, rows, :, slots].set(
+      # new [B, T, K, D] goes to [b, :, slots[b, t]] of the [B, K, S, D] cache.
+      write = lambda bits, new: bits.at[rows, :, slots].set(
           jax.lax.bitcast_convert_type(new.astype(cache_dtype), bits.dtype), mode="drop")
-      read = lambda bits: jax.lax.bitcast_convert_type(
-          jax.lax.dynamic_index_in_dim(bits, layer, 0, keepdims=False)[:, :, :window], cache_dtype)
       k_bits, v_bits = write(k_bits, k), write(v_bits, v)
       caches = (k_bits, v_bits)
-      attended = attention_lib.dense_attention(q, read(k_bits), read(v_bits), mask, dtype)
+      if x.shape[1] == 1:
+        attended = attention_lib.decode_attention(q[:, 0], k_bits, v_bits, mask, cache_dtype,
+                                                  dtype)[:, None]
+      else:
+        read = lambda bits: jax.lax.bitcast_convert_type(bits[:, :, :window], cache_dtype)
+        attended = attention_lib.dense_attention(q, read(k_bits), read(v_bits), mask, dtype)
     else:
       attended = attention_lib.causal_attention(q, k, v, mask, implementation=self.attention,
                                                 dtype=dtype)
