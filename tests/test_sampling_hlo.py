@@ -119,8 +119,10 @@ def test_the_decode_loop_updates_each_layer_cache_in_place(decode_hlo):
 def test_the_decode_loop_reads_the_weights_without_copying_them(decode_hlo):
   e, f, d = CONFIG.hidden_size, CONFIG.intermediate_size, CONFIG.head_dim
   h, k = CONFIG.num_heads, CONFIG.num_kv_heads
-  # Each weight's size (in elements, whatever its shape): a step may read them, never make one.
-  weight_sizes = {e * h * d, e * k * d, e * f, CONFIG.vocab_size * e}
+  # Each weight's size as stored and as laid out for decoding (q, k and v fused, gate and up).
+  weight_sizes = {
+      e * h * d, e * k * d, e * f, CONFIG.vocab_size * e, e * (h + 2 * k) * d, 2 * e * f
+  }
   loop = _loop_instructions(decode_hlo)
   made = [(op, shape)
           for op, shape, _ in loop
