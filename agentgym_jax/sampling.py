@@ -35,10 +35,15 @@ token), after `max_new_tokens`, or when its cache is full.
 
 Compilation. Shapes are bucketed so a rollout compiles a handful of programs: appended and
 prompt lengths are rounded up by `bucket` (the next 2^k or 3 * 2^(k-1), at least `min_bucket`),
-`max_new_tokens` likewise, and the attention window (the cache prefix a call reads, which must
-cover every row's end) to a bucket of at least `min_window`, capped at `cache_slots`. The sampling
-settings (temperature, top_p, top_k) are compile-time constants. Stop ids are padded to
-`MAX_STOP_IDS`.
+`max_new_tokens` likewise, and a prefill's attention window (the cache prefix it reads, which
+must cover every row's end) to a bucket of at least `min_window`, capped at `cache_slots`. A decode
+step has no window: each row reads only the slots it holds (`attention.decode_attention`), so
+its cost follows the rows' lengths and one program serves every length. The sampling settings
+(temperature, top_p, top_k) are compile-time constants. Stop ids are padded to `MAX_STOP_IDS`.
+
+Decode loop. The per-layer weights are taken out of their stack once per `generate` call
+(`Decoder.cached_layers`) and each layer's cache is its own donated buffer, updated in place: a
+step copies neither (tests/test_sampling_hlo.py reads the compiled program).
 
 Sharding. With a mesh, rows are split over (data, fsdp) and the cache's kv heads over tensor, by
 the logical axes in `agentgym_jax.sharding` (the cache's are `KVCache.AXES`).
@@ -222,11 +227,11 @@ def bucket(n: int, floor: int, cap: int | None = None) -> int:
 def _map_state(fn: Callable[[Array, tuple[str, ...]], Array], state: SamplerState) -> SamplerState:
   """Applies fn(array, logical axes) to every array of a state."""
   cache = state.cache
+  layers = lambda bits: tuple(fn(layer, KVCache.AXES) for layer in bits)
   return SamplerState(
       cache=cache.replace(
-          k=fn(cache.k, KVCache.AXES), v=fn(cache.v, KVCache.AXES),
-          lengths=fn(cache.lengths, ("batch",))), hidden=fn(state.hidden,
-                                                            ("batch", "activation_embed")))
+          k=layers(cache.k), v=layers(cache.v), lengths=fn(cache.lengths, ("batch",))),
+      hidden=fn(state.hidden, ("batch", "activation_embed")))
 
 
 def _constrain(state: SamplerState) -> SamplerState:
@@ -266,27 +271,30 @@ def _prefill_shared(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerSta
   source = jnp.maximum(sources, 0)
 
   def place(bits: Array, prompt_bits: Array) -> Array:
-    new = jnp.where(copied[None, :, None, None, None], jnp.take(prompt_bits, source, axis=1),
-                    bits[:, :, :, :window])
-    return jax.lax.dynamic_update_slice_in_dim(bits, new, 0, axis=3)
+    new = jnp.where(copied[:, None, None, None], jnp.take(prompt_bits, source, axis=0),
+                    bits[:, :, :window])
+    return jax.lax.dynamic_update_slice_in_dim(bits, new, 0, axis=2)
 
+  layers = lambda bits, prompt_bits: tuple(map(place, bits, prompt_bits))
   cache = state.cache.replace(
-      k=place(state.cache.k, prompts.k), v=place(state.cache.v, prompts.v),
+      k=layers(state.cache.k, prompts.k), v=layers(state.cache.v, prompts.v),
       lengths=jnp.where(copied, prompts.lengths[source], state.cache.lengths))
   hidden = jnp.where(copied[:, None], last[source], state.hidden)
   return _constrain(SamplerState(cache=cache, hidden=hidden))
 
 
 def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys: Array,
-            budget: Array, stop_ids: Array, *, window: int, width: int,
+            budget: Array, stop_ids: Array, *, width: int,
             sampling: SamplingParams) -> tuple[SamplerState, SampleOutput]:
   """Samples up to budget[b] <= width tokens per row inside one lax.while_loop.
 
   Each step samples a token from every live row's logits and runs the forward pass on it, so
   the cache always holds every sampled token and `hidden` the state after it. Finished rows
-  still flow through the (static-shape) step, masked: they write nothing past their length.
+  still flow through the (static-shape) step, masked: they write nothing past their length and
+  their attention reads no slot. The layers' weights leave their stack before the loop.
   """
   model = nnx.merge(graphdef, params)
+  layers = model.cached_layers()
   batch = budget.shape[0]
   zeros = lambda dtype: jnp.zeros((batch, width), dtype)
   out = SampleOutput(
@@ -312,7 +320,7 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys
         sampling_logprobs=column(out.sampling_logprobs, sampling_logprobs),
         lengths=out.lengths + live, stopped=out.stopped | stop)
     hidden, cache = model.hidden_states(tokens[:, None], attention_mask=live[:, None],
-                                        cache=state.cache, cache_window=window)
+                                        cache=state.cache, layers=layers)
     state = SamplerState(cache=cache, hidden=jnp.where(live[:, None], hidden[:, 0], state.hidden))
     done = done | stop | (out.lengths >= budget)
     return step + 1, state, done, out
@@ -331,7 +339,7 @@ class Sampler:
     cache_dtype: dtype of the cached keys and values (default: the model's matmul dtype).
     mesh: place the state over a (data, fsdp, tensor) mesh; None for one device.
     min_bucket: the smallest padded prompt/append length.
-    min_window: the smallest attention window (cache prefix read by a call).
+    min_window: the smallest attention window (cache prefix read by a prefill).
   """
 
   def __init__(self, model: Decoder, *, cache_slots: int, max_batch: int, cache_dtype: Any = None,
@@ -356,7 +364,7 @@ class Sampler:
         functools.partial(_prefill_shared, self.graphdef), static_argnames=("window",),
         donate_argnums=(1,))
     self._decode = jax.jit(
-        functools.partial(_decode, self.graphdef), static_argnames=("window", "width", "sampling"),
+        functools.partial(_decode, self.graphdef), static_argnames=("width", "sampling"),
         donate_argnums=(1,))
 
   def empty(self) -> SamplerState:
@@ -468,14 +476,13 @@ class Sampler:
         raise ValueError(f"rows {np.flatnonzero(active & (lengths == 0)).tolist()} hold no "
                          "tokens to continue from; start or append to them first")
     budget = np.where(active, np.minimum(max_new_tokens, self.cache_slots - lengths), 0)
-    window = self._window((lengths + budget)[active].max(initial=1))
     keys = self._row_keys(key)
     stops = np.full(MAX_STOP_IDS, _NO_STOP, np.int32)
     stops[:len(stop_ids)] = stop_ids
     with self._mesh_context():
       state, out = self._decode(
           self._params(params), state, keys, self._place_batch(budget.astype(np.int32)),
-          jnp.asarray(stops), window=window, width=bucket(max_new_tokens, 1), sampling=sampling)
+          jnp.asarray(stops), width=bucket(max_new_tokens, 1), sampling=sampling)
     if out.tokens.shape[1] != max_new_tokens:
       out = jax.tree.map(lambda x: x[:, :max_new_tokens] if x.ndim == 2 else x, out)
     return state, out

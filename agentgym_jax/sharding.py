@@ -45,7 +45,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_kv_heads", "tensor"),
     ("activation_mlp", "tensor"),
     ("activation_vocab", "tensor"),
-    # KV cache: [layers, batch, cache_seq, kv_heads, head_dim].
+    # KV cache, each layer [batch, kv_heads, cache_seq, head_dim]; decode_attention keeps a row's
+    # slots on one device.
     ("cache_seq", None),
 )
 _RULES = dict(LOGICAL_AXIS_RULES)

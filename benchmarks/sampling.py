@@ -36,6 +36,15 @@ that batch (`jnp.dot` on the model's weight shapes, chained layer by layer): the
 roofline any decode step built on XLA's dot reaches at that batch. "draw alone" times the
 step's sampling (`sample_tokens` at temperature 1 on [batch, vocabulary] logits).
 
+Windows. A decode step's cost must follow the bytes it reads, not the size of the cache or of
+the window the longest row needs: at batch --window_batch, the step is timed with one row's
+context ending at each of --windows (256 and 2048) and the other rows holding a chat prompt's
+worth (--window_others tokens), so the longer window adds only that one row's extra slots; the
+ratio of the two steps is a target (<= 1.3x). For reference the same is timed with every row at
+the window, where the bytes themselves grow (the table prints the roofline's own ratio). These
+states are made directly (lengths set on an empty cache of --windows' largest size, which the
+step never reads past the rows' ends): a step's time does not depend on the cached values.
+
 Multi-turn. --conversations rows hold a conversation of --turns turns: the assistant samples
 --turn_tokens tokens, then an observation of 10-40 tokens per row is appended as the next user
 turn plus the assistant header (`ChatTemplate.continuation_ids`). "live cache" appends to the
@@ -78,12 +87,17 @@ _HF_DTYPE = flags.DEFINE_enum("hf_dtype", "float32", ["bfloat16", "float32"],
                               "transformers' weights and compute.")
 _SKIP_HF = flags.DEFINE_bool("skip_hf", False, "Measure only our sampler.")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Timed runs per figure (the best is kept).")
-_TURNS = flags.DEFINE_integer("turns", 10, "Turns of the multi-turn conversation (--quick: 4).")
+_TURNS = flags.DEFINE_integer("turns", 8, "Turns of the multi-turn conversation (--quick: 4).")
 _TURN_TOKENS = flags.DEFINE_integer("turn_tokens", 32, "Tokens sampled per assistant turn.")
 _CONVERSATIONS = flags.DEFINE_integer("conversations", 8, "Rows of the multi-turn benchmark.")
 _PEAK_SIZE = flags.DEFINE_integer("peak_size", 2048, "Side of the matmul measuring the peak.")
 _BANDWIDTH_MB = flags.DEFINE_integer("bandwidth_mb", 1024,
                                      "Size of the array whose sum measures read bandwidth.")
+_WINDOWS = flags.DEFINE_list("windows", ["256", "2048"],
+                             "Windows (longest row's context) of the decode-step timing.")
+_WINDOW_BATCH = flags.DEFINE_integer("window_batch", 8, "Rows of the decode-step timing.")
+_WINDOW_OTHERS = flags.DEFINE_integer("window_others", 64,
+                                      "Context of the rows other than the longest one.")
 _QUICK = flags.DEFINE_bool("quick", False, "A smoke run: batches 1 and 8, fewer tokens/turns.")
 
 _USER_MESSAGES = (
@@ -225,6 +239,34 @@ def _ours(model, prompts: list[list[int]], new_tokens: int, repeats: int,
       "decode_tps": batch * new_tokens / decode,
       "total_tps": batch * new_tokens / (prefill + decode)
   }
+
+
+def _window_steps(model, batch: int, windows: Sequence[int], others: int, repeats: int, cache_dtype,
+                  steps: int = 16) -> dict[tuple[str, int], float]:
+  """Seconds of one decode step at batch `batch`, keyed by (case, window): case "one" has row
+  0's context ending at the window and the others at `others` tokens, "every" every row at it.
+  """
+  sampler = Sampler(model, cache_slots=max(windows), max_batch=batch, cache_dtype=cache_dtype)
+  seconds = {}
+  for case in ("one", "every"):
+    for window in windows:
+      lengths = np.full(batch, window - steps if case == "every" else others, np.int32)
+      lengths[0] = window - steps
+
+      def run():
+        state = sampler.empty()  # Fresh buffers: each call donates the state it is given.
+        state = state.replace(
+            cache=state.cache.replace(lengths=jnp.asarray(lengths)),
+            hidden=jax.random.normal(jax.random.key(window), (batch, model.config.hidden_size)))
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        _, out = sampler.generate(state, jax.random.key(0), max_new_tokens=steps, lengths=lengths)
+        jax.block_until_ready(out)
+        return time.perf_counter() - start
+
+      run()  # Compiles (once: a decode step has no window).
+      seconds[case, window] = min(run() for _ in range(repeats)) / steps
+  return seconds
 
 
 class _HuggingFace:
@@ -395,6 +437,10 @@ def main(argv: Sequence[str]) -> None:
         f"transformers {theirs['decode_tps'] if theirs else float('nan'):.1f} tok/s, "
         f"{ratio}", flush=True)
 
+  windows = [int(w) for w in _WINDOWS.value]
+  window_batch = _WINDOW_BATCH.value
+  window_steps = _window_steps(model, window_batch, windows, _WINDOW_OTHERS.value,
+                               _REPEATS.value + 1, param_dtype)
   conversation = _conversation(model, chat, _CONVERSATIONS.value, turns, _TURN_TOKENS.value,
                                param_dtype)
 
@@ -418,6 +464,23 @@ def main(argv: Sequence[str]) -> None:
           f"{flops / 1e9:.1f} | {flops / peak:.0%} | {flops / f32_peak:.0%} | {roofline:.0%} | "
           f"{matmul_roofline:.0%} | {1e3 * batch / ours['decode_tps']:.0f} | {draw_ms:.0f} |")
   print()
+  print(f"Decode step at batch {window_batch} by window (the longest row's context); roofline "
+        f"ratio: the bytes the longer window's step must read over the shorter's:")
+  print()
+  print("| rows at the window | " + " | ".join(f"step ms at {w}" for w in windows) +
+        f" | ratio {windows[-1]}/{windows[0]} | roofline ratio |")
+  print("|---|" + "---:|" * (len(windows) + 2))
+  for case, label in (("one", f"one (the others at {_WINDOW_OTHERS.value})"), ("every", "every")):
+    # Bytes of the step: the weights and every row's cache (batch 1 over the summed contexts).
+    step_bytes = [
+        _decode_step_bytes(
+            config, 1, w + (window_batch - 1) * (w if case == "every" else _WINDOW_OTHERS.value),
+            item_bytes, item_bytes) for w in (windows[0], windows[-1])
+    ]
+    print(f"| {label} | " + " | ".join(f"{1e3 * window_steps[case, w]:.1f}" for w in windows) +
+          f" | {window_steps[case, windows[-1]] / window_steps[case, windows[0]]:.2f}x | "
+          f"{step_bytes[1] / step_bytes[0]:.2f}x |")
+  print()
   print(f"Multi-turn, {_CONVERSATIONS.value} conversations x {turns} turns of "
         f"{_TURN_TOKENS.value} sampled tokens + a 10-40 token observation "
         f"(up to {conversation['context']} tokens of context):")
@@ -427,6 +490,14 @@ def main(argv: Sequence[str]) -> None:
   print(f"| {conversation['live_s']:.1f} | {conversation['reprefill_s']:.1f} | "
         f"{conversation['reprefill_s'] / conversation['live_s']:.1f}x | "
         f"{conversation['tokens_equal']:.0%} |")
+  rooflines = {batch: roofline for batch, _, _, _, roofline, _, _ in rows}
+  print(f"\nTargets: of roofline " +
+        (", ".join(f"batch {b} {rooflines[b]:.0%}" for b in (32, 64) if b in rooflines) or "-") +
+        " (>= 40%, goal 60%); decode step at window "
+        f"{windows[-1]} over {windows[0]}, batch {window_batch}, one row at the window "
+        f"{window_steps['one', windows[-1]] / window_steps['one', windows[0]]:.2f}x (<= 1.3x); "
+        f"live cache over re-prefill at {turns} turns "
+        f"{conversation['reprefill_s'] / conversation['live_s']:.1f}x (>= 3x).")
   print(f"\nmatmul peaks: bf16 {peak / 1e9:.1f}, f32 {f32_peak / 1e9:.1f} GFLOP/s; read "
         f"bandwidth {bandwidth / 1e9:.1f} GB/s; load average at end "
         f"{', '.join(f'{value:.1f}' for value in os.getloadavg())}")

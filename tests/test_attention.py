@@ -237,3 +237,63 @@ def test_model_logits_and_loss_gradient_equal_the_dense_models(remat, monkeypatc
                                err_msg=jax.tree_util.keystr(path))
 
   jax.tree_util.tree_map_with_path(check, nnx.state(grads), nnx.state(ref_grads))
+
+
+def _decode_inputs(batch: int, slots: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
+  """q [B, H, D] and a layer's cache [B, K, S, D] as f32 bits, values as in `_inputs`."""
+  keys = jax.random.split(jax.random.key(seed), 3)
+  uniform = lambda key, shape: jax.random.uniform(key, shape, jnp.float32, -1.0, 1.0)
+  q = 2.0 * uniform(keys[0], (batch, heads, head_dim))
+  k = 2.0 * uniform(keys[1], (batch, kv_heads, slots, head_dim))
+  v = uniform(keys[2], (batch, kv_heads, slots, head_dim))
+  return q, k, v
+
+
+def _dense_decode(q, k, v, visible):
+  """The reference: dense attention of one query per row over the slots [0, visible[b])."""
+  mask = jnp.arange(k.shape[2])[None, None, :] < visible[:, None, None]
+  return attention.dense_attention(q[:, None], k, v, mask, jnp.float32)[:, 0]
+
+
+@pytest.mark.parametrize("heads, kv_heads, chunk", [(6, 2, 16), (4, 4, 64), (4, 1, 150)])
+def test_decode_attention_reads_each_row_s_slots_like_dense_attention(heads, kv_heads, chunk):
+  # 150 slots: with chunk 16 a row's last chunk runs past the end and is read shifted back;
+  # rows hold 1 slot, a whole chunk, a chunk and one, the whole cache, and a ragged middle, so
+  # one loop step takes chunks of several rows and several chunks of one row.
+  visible = jnp.asarray([1, 16, 17, LENGTH, 97], jnp.int32)
+  q, k, v = _decode_inputs(5, LENGTH, heads, kv_heads, 8)
+  bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)
+  out = jax.jit(attention.decode_attention,
+                static_argnums=(4, 5, 6))(q, bits(k), bits(v), visible, jnp.float32, jnp.float32,
+                                          chunk)
+  # Error model (module docstring): outputs are convex combinations of at most S values.
+  np.testing.assert_allclose(out, _dense_decode(q, k, v, visible), rtol=0,
+                             atol=tolerances.reordered_sum(LENGTH))
+
+
+def test_decode_attention_of_a_row_that_reads_nothing_is_zero_and_others_are_unchanged():
+  q, k, v = _decode_inputs(3, 64, 4, 2, 8, seed=1)
+  bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)
+  visible = jnp.asarray([40, 0, 9], jnp.int32)
+  out = attention.decode_attention(q, bits(k), bits(v), visible, jnp.float32, jnp.float32, 16)
+  np.testing.assert_array_equal(out[1], 0.0)
+  reference = _dense_decode(q, k, v, visible)
+  np.testing.assert_allclose(out[::2], reference[::2], rtol=0, atol=tolerances.reordered_sum(64))
+
+
+def test_decode_attention_runs_per_shard_under_a_mesh():
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  q, k, v = _decode_inputs(8, 48, 4, 2, 8, seed=2)
+  bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)
+  visible = jnp.asarray([1, 48, 5, 17, 33, 2, 40, 16], jnp.int32)
+  place = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+  rows = jax.sharding.PartitionSpec(("data", "fsdp"), "tensor", None, None)
+  with jax.set_mesh(mesh):
+    out = jax.jit(attention.decode_attention,
+                  static_argnums=(4, 5, 6))(place(q, jax.sharding.PartitionSpec(("data", "fsdp"))),
+                                            place(bits(k), rows), place(bits(v), rows),
+                                            place(visible,
+                                                  jax.sharding.PartitionSpec(("data", "fsdp"))),
+                                            jnp.float32, jnp.float32, 16)
+  np.testing.assert_allclose(out, _dense_decode(q, k, v, visible), rtol=0,
+                             atol=tolerances.reordered_sum(48))

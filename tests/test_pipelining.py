@@ -164,10 +164,10 @@ def test_the_configured_sampler_has_a_group_of_rows_and_the_cache_dtype(policy):
   sampler = run.Settings.from_config(c).sampler(model, None, 16)
   assert (sampler.max_batch, sampler.cache_slots) == (8, 96)
   # The cache holds 16-bit values as raw bits: half the bytes of the f32 model's default.
-  assert sampler.cache_dtype == jnp.bfloat16 and sampler.empty().cache.k.dtype.itemsize == 2
+  assert sampler.cache_dtype == jnp.bfloat16 and sampler.empty().cache.k[0].dtype.itemsize == 2
   c.rollout.cache_dtype = ""
   default = run.Settings.from_config(c).sampler(model, None, 16)
-  assert default.cache_dtype == jnp.float32 and default.empty().cache.k.dtype.itemsize == 4
+  assert default.cache_dtype == jnp.float32 and default.empty().cache.k[0].dtype.itemsize == 4
 
 
 def test_training_with_two_groups_matches_one_group(tmp_path, monkeypatch):

@@ -308,9 +308,11 @@ def test_sharded_sampler_matches_the_unsharded_one(model):
     state, second = sampler.generate(state, jax.random.key(1), max_new_tokens=6)
     results.append((state, first, second))
   (_, *reference), (state, *outputs) = results
-  # Rows over (data, fsdp) = 4 shards; CONFIG's 2 kv heads over tensor.
-  expected = NamedSharding(mesh, P(None, ("data", "fsdp"), "tensor", None, None))
-  assert state.cache.k.sharding.is_equivalent_to(expected, 5)
+  # Each layer's cache: rows over (data, fsdp) = 4 shards; CONFIG's 2 kv heads over tensor.
+  expected = NamedSharding(mesh, P(("data", "fsdp"), "tensor", None, None))
+  assert len(state.cache.k) == CONFIG.num_layers
+  for layer in state.cache.k + state.cache.v:
+    assert layer.sharding.is_equivalent_to(expected, 4)
   for out, ref in zip(outputs, reference):
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     # Sharded over 8 devices: partial sums added in another order (reordering error model).
@@ -469,6 +471,7 @@ def test_a_shared_start_leaves_rows_not_given_a_prompt_untouched(model):
   # Row 3 is empty: a shared append there copies nothing into rows 0-2.
   state = sampler.append(state, {3: prompt})
   after = jax.device_get((state.cache.k, state.cache.lengths, state.hidden))
-  np.testing.assert_array_equal(after[0][:, :3], before[0][:, :3])
+  for layer_after, layer_before in zip(after[0], before[0]):
+    np.testing.assert_array_equal(layer_after[:3], layer_before[:3])
   np.testing.assert_array_equal(after[2][:3], before[2][:3])
   assert after[1].tolist() == [3, 3, 5, 6]

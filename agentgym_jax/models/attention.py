@@ -13,6 +13,10 @@ repeat_kv order) and a query at index t sees the keys at indices s <= t of its o
   splash  the Pallas splash-attention kernel that ships with JAX (TPU only; interpreted
           elsewhere, which is how the tests run it on CPU).
 
+A decode step (one new query per row against the row's cached keys) runs `decode_attention`,
+which reads each row's live slots only, chunk by chunk (a split-K flash decode over ragged
+rows): its cost follows the tokens the rows hold, not the cache's size.
+
 `resolve` is the one place that picks an implementation by backend: splash on TPU, flash
 elsewhere. Segment ids [B, T] (optional) restrict attention to keys of the query's segment; a
 padded row carries its attention mask (1 real, 0 padding) as segment ids, which hides padding
@@ -44,6 +48,11 @@ MAX_BLOCKS = 32
 # long rows.
 SPLASH_BLOCK = 512
 _LANES = 128
+# Decode: cache slots a chunk reads per (row, kv head); 64 ran fastest of 32-256 on a 2-core CPU
+# (SmolLM2, batch 32, rows of 65 tokens: a chunk of 256 reads 4x their slots and made the step
+# 1.3x slower). And the logical axes of a layer's cache.
+DECODE_CHUNK = 64
+CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
 
 
 def resolve(implementation: str, backend: str | None = None) -> str:
@@ -95,6 +104,89 @@ def dense_attention(q: Array, k: Array, v: Array, mask: Array, dtype: Any) -> Ar
   # a dot with v as the left operand that only the (f32-only) fallback takes.
   out = dot("bkgts,bksd->bkgtd", probs, v, dtype)
   return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim)
+
+
+def decode_attention(q: Array, k_bits: Array, v_bits: Array, visible: Array, cache_dtype: Any,
+                     dtype: Any, chunk: int = DECODE_CHUNK) -> Array:
+  """One query per row against the row's own cached keys: [B, H, D] (f32).
+
+  q [B, H, D]; k_bits and v_bits [B, K, S, D], one layer's cache as the raw bits of
+  `cache_dtype` (see decoder.KVCache); row b attends to its slots [0, visible[b]), none when
+  visible[b] = 0 (its output is then 0). Query head h reads kv head h // G (G = H / K).
+
+  Only live slots are read. Row b's slots are cut into c_b = ceil(visible[b] / chunk) chunks;
+  the chunks of all rows, n = sum_b c_b work items, are taken B at a time (a loop of
+  ceil(n / B) steps), each item gathering its [K, chunk, D] keys and values. Per item i of row b,
+  with scores s_i = q_b k_i^T / sqrt(D) (slots outside the chunk or past visible[b] masked),
+
+    m_i = max(s_i),   l_i = sum(exp(s_i - m_i)),   a_i = exp(s_i - m_i) v_i,
+
+  and the row keeps M_b = max_i m_i, L_b = sum_i l_i exp(m_i - M_b), A_b = sum_i a_i exp(m_i - M_b),
+  rescaled by exp(M_old - M_new) when an item raises M_b; out_b = A_b / L_b. So a decode step
+  reads sum_b c_b chunks, not B times the longest row nor the whole cache. Under a mesh each
+  device runs this on its rows and kv heads (shard_map).
+  """
+  batch, heads, head_dim = q.shape
+  kv_heads = k_bits.shape[1]
+  q = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+  run = functools.partial(_decode_rows, cache_dtype=jnp.dtype(cache_dtype), dtype=jnp.dtype(dtype),
+                          chunk=chunk)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return run(q, k_bits, v_bits, visible).reshape(batch, heads, head_dim)
+  cache_spec = sharding.logical_to_spec(CACHE_AXES, k_bits.shape, mesh)
+  rows, kv = cache_spec[0], cache_spec[1]
+  cache_spec = jax.sharding.PartitionSpec(rows, kv, None, None)  # Every slot of a row on its shard.
+  q_spec = jax.sharding.PartitionSpec(rows, kv, None, None)
+  mapped = jax.shard_map(
+      run, in_specs=(q_spec, cache_spec, cache_spec, jax.sharding.PartitionSpec(rows)),
+      out_specs=q_spec, check_vma=False)
+  return mapped(q, k_bits, v_bits, visible).reshape(batch, heads, head_dim)
+
+
+def _decode_rows(q: Array, k_bits: Array, v_bits: Array, visible: Array, *, cache_dtype: Any,
+                 dtype: Any, chunk: int) -> Array:
+  """`decode_attention` on the rows and kv heads at hand: q [B, K, G, D] -> [B, K, G, D]."""
+  batch, kv_heads, groups, head_dim = q.shape
+  slots = k_bits.shape[2]
+  chunk = min(chunk, slots)
+  chunks = -(-visible // chunk)  # [B]
+  ends = jnp.cumsum(chunks)  # Item i belongs to the first row whose end is > i.
+  firsts = ends - chunks
+
+  def gather(bits: Array, rows: Array, offsets: Array) -> Array:
+    """[items, K, chunk, D] in cache_dtype: slots offsets[i].. of row rows[i]."""
+    take = lambda row, offset: jax.lax.dynamic_slice(bits, (row, 0, offset, 0),
+                                                     (1, kv_heads, chunk, head_dim))[0]
+    return jax.lax.bitcast_convert_type(jax.vmap(take)(rows, offsets), cache_dtype)
+
+  def body(carry):
+    first, peak, total, acc = carry
+    items = first + jnp.arange(batch)
+    row = jnp.sum(ends[None, :] <= items[:, None], axis=1)  # batch past the last item: dropped.
+    safe_row = jnp.minimum(row, batch - 1)
+    begin = (items - firsts[safe_row]) * chunk  # The chunk's first slot.
+    offset = jnp.minimum(begin, slots - chunk)  # A last chunk past the end is read shifted.
+    keys, values = gather(k_bits, safe_row, offset), gather(v_bits, safe_row, offset)
+    scores = dot("ikgd,ikcd->ikgc", q[safe_row], keys, dtype) / math.sqrt(head_dim)
+    slot = offset[:, None] + jnp.arange(chunk)
+    seen = (slot >= begin[:, None]) & (slot < visible[safe_row][:, None])
+    scores = jnp.where(seen[:, None, None, :], scores, MASK_VALUE)
+    item_peak = jnp.max(scores, axis=-1)  # [items, K, G]: a real score (a chunk sees a slot).
+    probs = jnp.exp(scores - item_peak[..., None])
+    new_peak = peak.at[row].max(item_peak, mode="drop")
+    scale = jnp.exp(item_peak - new_peak[safe_row])
+    rescale = jnp.exp(peak - new_peak)
+    total = (total * rescale).at[row].add(jnp.sum(probs, axis=-1) * scale, mode="drop")
+    acc = (acc * rescale[..., None]).at[row].add(
+        dot("ikgc,ikcd->ikgd", probs, values, dtype) * scale[..., None], mode="drop")
+    return first + batch, new_peak, total, acc
+
+  peak = jnp.full((batch, kv_heads, groups), MASK_VALUE, jnp.float32)
+  _, _, total, acc = jax.lax.while_loop(
+      lambda carry: carry[0] < ends[-1], body,
+      (jnp.int32(0), peak, jnp.zeros_like(peak), jnp.zeros(q.shape, jnp.float32)))
+  return acc / jnp.where(total > 0, total, 1.0)[..., None]
 
 
 def dot(spec: str, x: Array, w: Array, dtype: Any) -> Array:

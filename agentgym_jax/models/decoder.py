@@ -1,7 +1,8 @@
 """The decoder-only transformer shared by Qwen2/2.5, Qwen3 and the Llama family (SmolLM2).
 
 Parameters live in an nnx.Module; the per-layer weights are stacked on a leading "layers" axis
-and the forward pass runs `jax.lax.scan` over them, so a 28-layer model compiles one layer.
+and the forward pass without a cache runs `jax.lax.scan` over them, so the learner's 28-layer
+model compiles one layer.
 Every parameter carries logical axis names (`axes` metadata) that `agentgym_jax.sharding` maps
 onto the (data, fsdp, tensor) mesh.
 
@@ -13,7 +14,14 @@ projections they target on the uncached path, the learner's; the sampler runs me
 
 Attention without a cache (the learner's packed rows) runs the implementation named by
 `attention` (agentgym_jax/models/attention.py: by default flash attention, or the Pallas kernel on
-TPU); with a cache it is the dense reference over the cache window.
+TPU). With a cache, one new token per row (a decode step) reads only its row's live slots
+(`attention.decode_attention`), and several (a prefill) the dense reference over the cache window.
+
+With a cache the layers run unrolled, each on its own cache arrays and its own weights: the
+scan over stacked layers slices a layer's weights and cache window out of their stacks, a copy
+of every weight and of the window at every decode step. `cached_layers` takes the per-layer
+weights out of their stack once (as `DecodeLayer`s: q, k, v and gate, up fused), so a decode
+loop slices them once per call, not per step.
 
 KV cache semantics (used by the sampler for multi-turn continuation): row b of the cache holds
 `lengths[b]` valid slots. A forward with a cache writes the new tokens of row b at slots
@@ -26,6 +34,7 @@ equals slot unless positions are given.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -61,45 +70,40 @@ REMAT_POLICIES = {
 
 @struct.dataclass
 class KVCache:
-  """Per-layer keys and values on a static number of slots, and each row's used slots.
+  """Keys and values on a static number of slots, one array per layer, and each row's used
+  slots.
+
+  One array per layer rather than one stacked [layers, ...] array: each layer's step then
+  updates and reads its own buffer in place (a layer of a stack is a slice, which XLA copies).
 
   Keys and values of `dtype` are stored as their raw bits (the unsigned integer type of the
   same width) because new tokens are scattered into the cache, and XLA:CPU runs a bf16 scatter
   in f32, converting the whole cache there and back in every layer; an integer scatter of the
-  same bits updates the buffer in place. `keys` and `values` view them as `dtype`.
+  same bits updates the buffer in place.
 
   Kv heads come before slots so that a decode step reads the keys of each (row, kv head) as one
   contiguous [slots, head_dim] matrix, a batched matmul with no transpose of the cache (on CPU
   3-4x faster than a [slots, kv_heads] layout).
   """
 
-  k: Array  # [layers, batch, kv_heads, slots, head_dim] bits of `dtype`
-  v: Array  # [layers, batch, kv_heads, slots, head_dim] bits of `dtype`
+  k: tuple[Array, ...]  # layers x [batch, kv_heads, slots, head_dim] bits of `dtype`
+  v: tuple[Array, ...]  # layers x [batch, kv_heads, slots, head_dim] bits of `dtype`
   lengths: Array  # [batch] int32
   dtype: Any = struct.field(pytree_node=False, default=jnp.float32)
 
-  AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
+  AXES = attention_lib.CACHE_AXES  # Of each layer's array.
 
   @classmethod
   def zeros(cls, config: ModelConfig, batch: int, slots: int, dtype: Any) -> "KVCache":
     dtype = jnp.dtype(dtype)
-    shape = (config.num_layers, batch, config.num_kv_heads, slots, config.head_dim)
+    shape = (batch, config.num_kv_heads, slots, config.head_dim)
     bits = _bits_dtype(dtype)
-    return cls(
-        k=jnp.zeros(shape, bits), v=jnp.zeros(shape, bits), lengths=jnp.zeros((batch,), jnp.int32),
-        dtype=dtype)
+    layers = lambda: tuple(jnp.zeros(shape, bits) for _ in range(config.num_layers))
+    return cls(k=layers(), v=layers(), lengths=jnp.zeros((batch,), jnp.int32), dtype=dtype)
 
   @property
   def slots(self) -> int:
-    return self.k.shape[3]
-
-  @property
-  def keys(self) -> Array:
-    return jax.lax.bitcast_convert_type(self.k, self.dtype)
-
-  @property
-  def values(self) -> Array:
-    return jax.lax.bitcast_convert_type(self.v, self.dtype)
+    return self.k[0].shape[2]
 
 
 def _bits_dtype(dtype: Any) -> Any:
@@ -109,6 +113,11 @@ def _bits_dtype(dtype: Any) -> Any:
 
 def _to_bits(x: Array) -> Array:
   return jax.lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
+
+
+def _array(weight: nnx.Variable | Array) -> Array:
+  """The array of a weight that is a Variable (of `Layers`) or already an array (`DecodeLayer`)."""
+  return weight.value if isinstance(weight, nnx.Variable) else weight
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any,
@@ -187,6 +196,27 @@ class Layers(nnx.Module):
     self.down_proj = p((f, e), ("mlp", "embed"))
 
 
+@struct.dataclass
+class DecodeLayer:
+  """One layer's weights for the cached (sampling) path, out of their stack.
+
+  q, k and v are one [in, out] matrix and gate and up another, so a step runs four weight
+  matmuls a layer instead of seven (on SmolLM2's shapes the dense matmuls of a decode step at
+  batch 8-64 ran ~8% faster on a 2-core CPU). `Decoder.cached_layers` makes them from the
+  stacked parameters once per sampler call.
+  """
+
+  input_norm: Array  # [E]
+  qkv: Array  # [E, (H + 2K) * D]
+  o: Array  # [H * D, E]
+  post_attention_norm: Array  # [E]
+  gate_up: Array  # [E, 2F]
+  down: Array  # [F, E]
+  qkv_bias: Array | None = None  # [(H + 2K) * D]
+  q_norm: Array | None = None  # [D]
+  k_norm: Array | None = None  # [D]
+
+
 class Decoder(nnx.Module):
   """A causal LM: token ids -> next-token logits.
 
@@ -229,16 +259,18 @@ class Decoder(nnx.Module):
   def hidden_states(self, input_ids: Array, positions: Array | None = None,
                     attention_mask: Array | None = None, cache: KVCache | None = None, *,
                     cache_window: int | None = None, adapters: Any = None,
-                    dropout_key: Array | None = None) -> tuple[Array, KVCache | None]:
+                    dropout_key: Array | None = None,
+                    layers: Sequence[DecodeLayer] | None = None) -> tuple[Array, KVCache | None]:
     """Final-normed hidden states [B, T, E] (f32) and the updated cache.
 
     Without a cache a token attends to the earlier tokens of its row that attention_mask keeps
     (padding queries see only padding: their outputs mean nothing).
     With a cache the tokens are appended to each row's live slots (see the module docstring);
-    the cache's lengths grow by attention_mask.sum(-1) (by T without a mask). `cache_window`
-    (static) limits attention to slots [0, cache_window): every real token must then sit below
-    it. Decoding reads the cache once per step, so a window that covers only the live prefix
-    saves the read of the empty tail.
+    the cache's lengths grow by attention_mask.sum(-1) (by T without a mask). One token per row
+    (T = 1) reads only the slots its row holds, and a masked row reads nothing. Several read
+    the slots [0, cache_window) (static, default: all), below which every real token must sit.
+    `layers` are the weights of `cached_layers()`, when the caller took them out once for many
+    calls (a decode loop); by default they are taken here.
 
     `adapters` (a lora.Adapters, stacked on the layers axis like the weights) adds each
     adapted projection's low-rank term, its input dropped out with `dropout_key` (None: no
@@ -257,8 +289,13 @@ class Decoder(nnx.Module):
       if not 0 < window <= cache.slots:
         raise ValueError(f"cache_window={cache_window} is not in [1, {cache.slots}]")
       slots = cache.lengths[:, None] + jnp.arange(length, dtype=jnp.int32)
-      # mask[b, q, k]: causal by slot.
-      mask = jnp.arange(window, dtype=jnp.int32)[None, None, :] <= slots[:, :, None]
+      if length == 1:
+        # visible[b]: row b attends to its slots [0, visible[b]), the new token's included.
+        live = True if attention_mask is None else attention_mask[:, 0].astype(bool)
+        mask = jnp.where(live, slots[:, 0] + 1, 0)
+      else:
+        # mask[b, q, k]: causal by slot.
+        mask = jnp.arange(window, dtype=jnp.int32)[None, None, :] <= slots[:, :, None]
     if positions is None:
       positions = slots
 
@@ -277,12 +314,11 @@ class Decoder(nnx.Module):
       lora = (nnx.merge(adapter_graph, layer_adapters), key)
       return self._block(p, x, positions, mask, inv_freq, slots, cache_update, lora)
 
-    policy = REMAT_POLICIES[self.remat]
-    # Rematerialisation only matters for a backward pass; the cached (sampling) path has none.
-    if self.remat != "none" and cache is None:
-      block = jax.checkpoint(block, policy=policy)
-
     if cache is None:
+      policy = REMAT_POLICIES[self.remat]
+      # Rematerialisation only matters for a backward pass; the cached (sampling) path has none.
+      if self.remat != "none":
+        block = jax.checkpoint(block, policy=policy)
 
       def body(x, inputs):
         params, adapted = inputs
@@ -293,29 +329,49 @@ class Decoder(nnx.Module):
       x, _ = jax.lax.scan(body, x, (layer_params, adapted))
       new_cache = None
     else:
-      # The whole cache rides in the carry and each layer scatters its new keys and values
-      # straight into it, so XLA updates it in place: slicing out a layer, updating the slice
-      # and writing it back would copy the layer's cache twice per step.
-      # 16-bit weights are sliced out of their stack as raw bits too: XLA:CPU converts a
-      # stacked bf16 array to f32 before slicing it, which made a bf16 decode step 5x slower.
-      # (Bits do not differentiate; the cache path is inference only.) In a decode loop the
-      # conversion to bits is loop-invariant, so XLA does it once per call.
-      dtypes = jax.tree.map(lambda p: p.dtype, layer_params)
-      as_bits = lambda p: _to_bits(p) if p.dtype.itemsize == 2 else p
-
-      def body(carry, inputs):
-        x, k_bits, v_bits = carry
-        param_bits, index = inputs
-        params = jax.tree.map(jax.lax.bitcast_convert_type, param_bits, dtypes)
-        x, (k_bits, v_bits) = block(x, params, (index, window, k_bits, v_bits, cache.dtype))
-        return (x, k_bits, v_bits), None
-
-      xs = (jax.tree.map(as_bits, layer_params), jnp.arange(config.num_layers))
-      (x, k_bits, v_bits), _ = jax.lax.scan(body, (x, cache.k, cache.v), xs)
+      layers = self.cached_layers() if layers is None else layers
+      k_bits, v_bits = [], []
+      for layer, k, v in zip(layers, cache.k, cache.v):
+        x, (k, v) = self._block(layer, x, positions, mask, inv_freq, slots,
+                                (window, k, v, cache.dtype))
+        k_bits.append(k)
+        v_bits.append(v)
       added = length if attention_mask is None else attention_mask.sum(-1).astype(jnp.int32)
-      new_cache = cache.replace(k=k_bits, v=v_bits, lengths=cache.lengths + added)
+      new_cache = cache.replace(k=tuple(k_bits), v=tuple(v_bits), lengths=cache.lengths + added)
     x = rms_norm(x, self.final_norm.value, config.rms_norm_eps)
     return x, new_cache
+
+  def cached_layers(self) -> list[DecodeLayer]:
+    """Each layer's weights out of their stack, in the decode layout (`DecodeLayer`).
+
+    16-bit weights are sliced and laid out as raw bits: XLA:CPU converts a stacked bf16 array to
+    f32 before slicing it (which made a bf16 decode step 5x slower). Bits do not differentiate;
+    the cached path is inference only.
+    """
+    config, stacked = self.config, self.layers
+    e = config.hidden_size
+
+    def layer(index: int) -> DecodeLayer:
+
+      def raw(name: str) -> Array:
+        value = getattr(stacked, name).value
+        return (_to_bits(value) if value.dtype.itemsize == 2 else value)[index]
+
+      joined = lambda *names: jnp.concatenate([raw(name).reshape(e, -1) for name in names], axis=1)
+      fields = dict(
+          input_norm=raw("input_norm"), post_attention_norm=raw("post_attention_norm"),
+          qkv=joined("q_proj", "k_proj", "v_proj"), o=raw("o_proj").reshape(-1, e),
+          gate_up=joined("gate_proj", "up_proj"), down=raw("down_proj"))
+      if config.attention_bias:
+        fields["qkv_bias"] = jnp.concatenate(
+            [raw(name).reshape(-1) for name in ("q_bias", "k_bias", "v_bias")])
+      if config.qk_norm:
+        fields.update(q_norm=raw("q_norm"), k_norm=raw("k_norm"))
+      # Every weight of a layer shares the parameters' dtype, which the bits go back to.
+      dtype = stacked.q_proj.value.dtype
+      return DecodeLayer(**jax.tree.map(lambda x: jax.lax.bitcast_convert_type(x, dtype), fields))
+
+    return [layer(index) for index in range(config.num_layers)]
 
   def logits(self, hidden: Array) -> Array:
     """Logits [..., V] in f32 from final hidden states [..., E]."""
@@ -326,17 +382,18 @@ class Decoder(nnx.Module):
     return sharding.constrain(logits, ("batch", "seq", "activation_vocab")) \
         if logits.ndim == 3 else logits
 
-  def _block(self, p: Layers, x: Array, positions: Array, mask: Array | None, inv_freq: Array,
-             slots: Array, cache_update: tuple[Array, int, Array, Array, Any] | None,
+  def _block(self, p: Layers | DecodeLayer, x: Array, positions: Array, mask: Array | None,
+             inv_freq: Array, slots: Array, cache_update: tuple[int, Array, Array, Any] | None,
              lora: tuple[Any, Array | None] | None = None):
-    """One transformer block.
+    """One transformer block, on one layer of the stacked `Layers` or a `DecodeLayer`.
 
-    `mask` is the segment ids [B, T] (or None) without a cache, the mask [B, T, window] of
-    visible cache slots with one. With `cache_update` = (layer, window, k_bits, v_bits, cache_dtype) the new keys and values
-    go into layer `layer` of the stacked caches (held as raw bits, see `KVCache`) and
-    attention reads their first `window` slots. Returns x and the updated (k_bits, v_bits), or
-    None without a cache. `lora` = (this layer's adapters, its dropout key or None) adds the
-    adapters' terms to the projections they target.
+    Without a cache `mask` is the segment ids [B, T] (or None). With `cache_update` = (window,
+    k_bits, v_bits, cache_dtype), this layer's cache (raw bits, see `KVCache`), the new keys and
+    values are written at `slots` [B, T] and `mask` is, for T = 1, the visible slots [B] of each
+    row, else the mask [B, T, window] of visible cache slots. Returns x and the updated (k_bits,
+    v_bits), or None without a cache. `lora` = (this layer's adapters, its dropout key or None)
+    adds the adapters' terms to the projections they target (`Layers` only: the sampler's
+    `DecodeLayer`s hold merged weights).
     """
     config, dtype = self.config, self.dtype
     eps = config.rms_norm_eps
@@ -347,43 +404,68 @@ class Decoder(nnx.Module):
         out = out + lora[0].term(name, inputs, dtype, lora[1])
       return out
 
-    h = rms_norm(x, p.input_norm.value, eps)
-    q = project("q_proj", h)
-    k = project("k_proj", h)
-    v = project("v_proj", h)
-    if config.attention_bias:
-      q = q + p.q_bias.value.astype(jnp.float32)
-      k = k + p.k_bias.value.astype(jnp.float32)
-      v = v + p.v_bias.value.astype(jnp.float32)
+    h = rms_norm(x, _array(p.input_norm), eps)
+    q, k, v = self._qkv(p, h, project)
     if config.qk_norm:
-      q = rms_norm(q, p.q_norm.value, eps)
-      k = rms_norm(k, p.k_norm.value, eps)
+      q = rms_norm(q, _array(p.q_norm), eps)
+      k = rms_norm(k, _array(p.k_norm), eps)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     q = sharding.constrain(q, ("batch", "seq", "activation_heads", "head_dim"))
 
     caches = None
     if cache_update is not None:
-      layer, window, k_bits, v_bits, cache_dtype = cache_update
+      window, k_bits, v_bits, cache_dtype = cache_update
       rows = jnp.arange(x.shape[0])[:, None]
       # Out-of-range slots (padding past the cache end) are dropped, never wrapped around.
-      # new [B, T, K, D] goes to [layer, b, :, slots[b, t]] of the [L, B, K, S, D] cache.
-      write = lambda bits, new: bits.at[layer, rows, :, slots].set(
+      # new [B, T, K, D] goes to [b, :, slots[b, t]] of the [B, K, S, D] cache.
+      write = lambda bits, new: bits.at[rows, :, slots].set(
           jax.lax.bitcast_convert_type(new.astype(cache_dtype), bits.dtype), mode="drop")
-      read = lambda bits: jax.lax.bitcast_convert_type(
-          jax.lax.dynamic_index_in_dim(bits, layer, 0, keepdims=False)[:, :, :window], cache_dtype)
       k_bits, v_bits = write(k_bits, k), write(v_bits, v)
       caches = (k_bits, v_bits)
-      attended = attention_lib.dense_attention(q, read(k_bits), read(v_bits), mask, dtype)
+      if x.shape[1] == 1:
+        attended = attention_lib.decode_attention(q[:, 0], k_bits, v_bits, mask, cache_dtype,
+                                                  dtype)[:, None]
+      else:
+        read = lambda bits: jax.lax.bitcast_convert_type(bits[:, :, :window], cache_dtype)
+        attended = attention_lib.dense_attention(q, read(k_bits), read(v_bits), mask, dtype)
     else:
       attended = attention_lib.causal_attention(q, k, v, mask, implementation=self.attention,
                                                 dtype=dtype)
-    out = project("o_proj", attended)
-    x = x + out
-    h = rms_norm(x, p.post_attention_norm.value, eps)
-    gate = project("gate_proj", h)
-    up = project("up_proj", h)
+    if isinstance(p, DecodeLayer):
+      x = x + dot("btn,ne->bte", attended.reshape(*attended.shape[:2], -1), p.o, dtype)
+    else:
+      x = x + project("o_proj", attended)
+    h = rms_norm(x, _array(p.post_attention_norm), eps)
+    if isinstance(p, DecodeLayer):
+      gate, up = jnp.split(dot("bte,en->btn", h, p.gate_up, dtype), 2, axis=-1)
+    else:
+      gate = project("gate_proj", h)
+      up = project("up_proj", h)
     hidden = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "seq", "activation_mlp"))
-    x = x + project("down_proj", hidden)
+    if isinstance(p, DecodeLayer):
+      x = x + dot("btf,fe->bte", hidden, p.down, dtype)
+    else:
+      x = x + project("down_proj", hidden)
     x = sharding.constrain(x, ("batch", "seq", "activation_embed"))
     return x, caches
+
+  def _qkv(self, p: Layers | DecodeLayer, h: Array,
+           project: Callable[[str, Array], Array]) -> tuple[Array, Array, Array]:
+    """q [B, T, H, D], k and v [B, T, K, D] (f32, biases added) of normed inputs h [B, T, E];
+    `project(name, h)` projects through a `Layers` weight (with its adapters, if any)."""
+    config, dtype = self.config, self.dtype
+    if isinstance(p, DecodeLayer):
+      qkv = dot("bte,en->btn", h, p.qkv, dtype)
+      if p.qkv_bias is not None:
+        qkv = qkv + p.qkv_bias.astype(jnp.float32)
+      heads, kv_heads = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+      q, k, v = jnp.split(qkv, [heads, heads + kv_heads], axis=-1)
+      split = lambda x: x.reshape(*x.shape[:2], -1, config.head_dim)
+      return split(q), split(k), split(v)
+    q, k, v = project("q_proj", h), project("k_proj", h), project("v_proj", h)
+    if config.attention_bias:
+      q = q + p.q_bias.value.astype(jnp.float32)
+      k = k + p.k_bias.value.astype(jnp.float32)
+      v = v + p.v_bias.value.astype(jnp.float32)
+    return q, k, v

@@ -32,7 +32,7 @@ optimizer + batch, which catches a sharding the compiler did not honour.
 
 The sampler (`--sampler_mesh`) is planned the same way: the two programs `Sampler` compiles,
 prefill (appending `--prefill` tokens to every row, attending to `--prefill_window` cache slots,
-by default all) and decode (`--max_new_tokens` per row, attending to the whole cache) on a
+by default all) and decode (`--max_new_tokens` per row, reading the slots the rows hold) on a
 [rows, cache_slots] KV cache:
 
   python -m agentgym_jax.tools.plan --sampler_mesh=1,4,1 --rows=64 --cache_slots=10240
@@ -334,12 +334,7 @@ def abstract_sampler_state(config: ModelConfig, mesh: Mesh, rows: int, cache_slo
           (rows, config.hidden_size), jnp.float32)))
   place = lambda x, axes: jax.ShapeDtypeStruct(
       x.shape, x.dtype, sharding=sharding.named_sharding(mesh, axes, x.shape))
-  cache = state.cache
-  return sampling.SamplerState(
-      cache=cache.replace(
-          k=place(cache.k, KVCache.AXES), v=place(cache.v, KVCache.AXES),
-          lengths=place(cache.lengths, ("batch",))), hidden=place(state.hidden,
-                                                                  ("batch", "activation_embed")))
+  return sampling._map_state(place, state)
 
 
 def lower_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, *,
@@ -348,7 +343,7 @@ def lower_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, 
                   param_dtype: Any = jnp.float32) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
   """The sampler's prefill and decode programs, as `Sampler` jits them, on abstract inputs.
 
-  Decode reads the whole cache (window = cache_slots), the most a call of a rollout reads;
+  Decode reads the rows' live slots, whatever their number (no window);
   prefill reads `prefill_window` slots (default: all), e.g. the first prompt's own bucket.
   """
   graphdef, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype,
@@ -367,13 +362,13 @@ def lower_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, 
       functools.partial(sampling._prefill, graphdef), static_argnames=("window",),
       donate_argnums=(1,))
   decode = jax.jit(
-      functools.partial(sampling._decode, graphdef),
-      static_argnames=("window", "width", "sampling"), donate_argnums=(1,))
+      functools.partial(sampling._decode, graphdef), static_argnames=("width", "sampling"),
+      donate_argnums=(1,))
   with jax.set_mesh(mesh):
     return (prefill.lower(params, state, per_row(prefill_tokens), per_row(), window=prefill_window
                           or cache_slots),
-            decode.lower(params, state, keys, per_row(), stop_ids, window=cache_slots,
-                         width=max_new_tokens, sampling=sampling.SamplingParams()))
+            decode.lower(params, state, keys, per_row(), stop_ids, width=max_new_tokens,
+                         sampling=sampling.SamplingParams()))
 
 
 def plan_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, *,
