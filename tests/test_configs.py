@@ -113,6 +113,7 @@ METHOD_CONFIGS = {
     "drgrpo_textcraft": ("algorithm", "aggregation", "seq-mean-token-sum-norm"),
     "tis_textcraft": ("algorithm", "rollout_correction", "token_tis"),
     "lora_textcraft": ("checkpoint", "export_format", "peft"),
+    "gigpo_textcraft": ("algorithm", "advantage", "gigpo"),
 }
 
 
@@ -130,6 +131,7 @@ def test_method_configs_and_variants_validate_and_select_their_method(name, vari
   assert settings.loss.policy_loss == c.algorithm.policy_loss
   assert settings.loss.rollout_correction == c.algorithm.rollout_correction
   assert (settings.lora is not None) == (name == "lora_textcraft")
+  assert settings.loss.advantage_estimator == c.algorithm.advantage
 
 
 @pytest.mark.parametrize("key, value, message", [
