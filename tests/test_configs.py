@@ -188,3 +188,16 @@ def test_textcraft_goal_set_variant_and_its_validation():
   with pytest.raises(config_lib.ConfigError,
                      match=r"env.options.goals='original' is not one of \('default', 'agentgym'\)"):
     config_lib.validate(c)
+
+
+def test_gigpo_echo_variants_differ_only_in_the_advantage_estimator():
+  grpo, gigpo = (load("gigpo_echo")(variant) for variant in ("grpo", "gigpo"))
+  for c in (grpo, gigpo):
+    c.model.name = "tiny"  # The caller's checkpoint (notebooks/gigpo_ablation.ipynb).
+    config_lib.validate(c)
+  assert (grpo.algorithm.advantage, gigpo.algorithm.advantage) == ("grpo", "gigpo")
+  gigpo.algorithm.advantage = "grpo"
+  assert gigpo.to_dict() == grpo.to_dict()
+  assert grpo.env.options.turns == grpo.horizon.turns == 3
+  with pytest.raises(ValueError, match="unknown variant 'ppo'"):
+    load("gigpo_echo")("ppo")
