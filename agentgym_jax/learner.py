@@ -176,7 +176,8 @@ def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nn
                        batch: Batch, *, loss: LossConfig, num_groups: int, num_turns: int = 0,
                        frozen: nnx.State | None = None) -> tuple[Experience, dict[str, Array]]:
   """Old and reference log-probs, values, advantages and the rollout correction for one rollout
-  batch; its metrics include the sampler-learner mismatch of the first `num_turns` turns.
+  batch; its metrics include the sampler-learner mismatch of the first `num_turns` turns and,
+  for an estimator of turn-level credit (GiGPO), its step groups (`rl.step_group_metrics`).
   With LoRA's `frozen` base, `params` and `ref_params` are adapters."""
   value_head = nnx.merge(value_graphdef, value_params) if value_graphdef is not None else None
   old_logprobs, entropies, old_values = _micro_token_logprobs(graphdef, params, batch, loss,
@@ -222,6 +223,8 @@ def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nn
           rl.masked_mean(rl.kl_divergence(old_logprobs, ref_logprobs, "low_var_kl"), mask)
           if loss.uses_reference else jnp.zeros(()),
   }
+  if estimator.needs_turns:
+    metrics.update({f"gigpo/{k}": v for k, v in rl.step_group_metrics(batch.turn_anchors).items()})
   return Experience(old_logprobs, ref_logprobs, old_values, advantages, returns, correction.weights,
                     correction.kept), metrics
 

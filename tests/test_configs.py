@@ -113,6 +113,7 @@ METHOD_CONFIGS = {
     "drgrpo_textcraft": ("algorithm", "aggregation", "seq-mean-token-sum-norm"),
     "tis_textcraft": ("algorithm", "rollout_correction", "token_tis"),
     "lora_textcraft": ("checkpoint", "export_format", "peft"),
+    "gigpo_textcraft": ("algorithm", "advantage", "gigpo"),
 }
 
 
@@ -130,6 +131,7 @@ def test_method_configs_and_variants_validate_and_select_their_method(name, vari
   assert settings.loss.policy_loss == c.algorithm.policy_loss
   assert settings.loss.rollout_correction == c.algorithm.rollout_correction
   assert (settings.lora is not None) == (name == "lora_textcraft")
+  assert settings.loss.advantage_estimator == c.algorithm.advantage
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -186,3 +188,16 @@ def test_textcraft_goal_set_variant_and_its_validation():
   with pytest.raises(config_lib.ConfigError,
                      match=r"env.options.goals='original' is not one of \('default', 'agentgym'\)"):
     config_lib.validate(c)
+
+
+def test_gigpo_echo_variants_differ_only_in_the_advantage_estimator():
+  grpo, gigpo = (load("gigpo_echo")(variant) for variant in ("grpo", "gigpo"))
+  for c in (grpo, gigpo):
+    c.model.name = "tiny"  # The caller's checkpoint (notebooks/gigpo_ablation.ipynb).
+    config_lib.validate(c)
+  assert (grpo.algorithm.advantage, gigpo.algorithm.advantage) == ("grpo", "gigpo")
+  gigpo.algorithm.advantage = "grpo"
+  assert gigpo.to_dict() == grpo.to_dict()
+  assert grpo.env.options.turns == grpo.horizon.turns == 3
+  with pytest.raises(ValueError, match="unknown variant 'ppo'"):
+    load("gigpo_echo")("ppo")

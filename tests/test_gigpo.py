@@ -122,6 +122,21 @@ def test_slots_without_a_turn_do_not_enter_any_group():
   np.testing.assert_allclose(out.advantages, [[1, 0, 1 / 2], [-1, 0, 0]], atol=1e-6)
 
 
+def test_step_group_metrics_count_the_turns_that_share_a_state():
+  # TextCraft example: P = {A0, B0, C0} and X = {A1, B2, C1} hold 3 turns, Y, Z, W 1 each.
+  # Sizes [[3, 3, 1], [3, 1, 3], [3, 3, 1]]: mean 21 / 9; turns after the first in a group of
+  # more than one: A1, B2, C1 of the six -> 1/2.
+  metrics = adv.step_group_metrics(jnp.asarray(TEXTCRAFT_ANCHORS))
+  np.testing.assert_allclose(metrics["step_group_size"], 7 / 3, rtol=1e-6)
+  np.testing.assert_allclose(metrics["anchored_turns"], 0.5)
+  # Empty slots (-1) count nowhere: sizes [[2, 1], [2, -]] -> 5/3; the one later turn is alone.
+  metrics = adv.step_group_metrics(jnp.array([[0, 1], [0, -1]]))
+  np.testing.assert_allclose(metrics["step_group_size"], 5 / 3, rtol=1e-6)
+  assert metrics["anchored_turns"] == 0.0
+  # One-turn episodes have no later turns: 0, not NaN.
+  assert adv.step_group_metrics(jnp.array([[0], [0]]))["anchored_turns"] == 0.0
+
+
 def _trajectory(group, turns, *, termination=rollout.DONE):
   """A trajectory of (observation tokens, reply tokens, reward) turns; a reply that does not
   end with token 1 (the turn end) is closed by an untrained 1, as the rollout does."""
@@ -227,13 +242,16 @@ def test_learner_computes_gigpo_from_the_packed_turns(policy):
       advantage_estimator="gigpo",
       advantage_options=(("eps", 0.0), ("gamma", 1.0), ("normalize_by_std", False),
                          ("std", "population"), ("step_weight", 2.0)))
-  experience, _ = learner.compute_experience(graphdef, params, None, None, None, batch, loss=loss,
-                                             num_groups=4)
+  experience, metrics = learner.compute_experience(graphdef, params, None, None, None, batch,
+                                                   loss=loss, num_groups=4)
   # Episode: rewards [1, 0] -> [1/2, -1/2]. Turn 0 (one prompt): returns [1, 0] -> [1/2, -1/2];
   # turn 1 answers different observations: singletons, 0. omega = 2.
   targets = batch.turn_index[:, 1:]
   expected = np.where(targets == 0, [[1.5], [-1.5]], np.where(targets == 1, [[0.5], [-0.5]], 0))
   np.testing.assert_allclose(experience.advantages, expected, atol=1e-6)
+  # Step groups: the prompt's of 2 turns, two singletons; no later turn shares its state.
+  np.testing.assert_allclose(metrics["gigpo/step_group_size"], 1.5)
+  assert metrics["gigpo/anchored_turns"] == 0.0
 
 
 def test_config_validates_the_step_weight():

@@ -46,7 +46,7 @@ def _single_device(monkeypatch):
           np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
 
 
-@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_plus_plus", "gae"])
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_plus_plus", "gae", "gigpo"])
 def test_tiny_policy_learns_echo(advantage, checkpoint_dir, tmp_path, monkeypatch):
   _single_device(monkeypatch)
   c = echo_config(checkpoint_dir, advantage)
@@ -58,6 +58,13 @@ def test_tiny_policy_learns_echo(advantage, checkpoint_dir, tmp_path, monkeypatc
   # A random policy answers both turns right a few percent of the time.
   assert np.mean(success[:3]) < 0.3
   assert max(np.mean(success[i:i + 3]) for i in range(len(success) - 2)) >= 0.9, success
+  if advantage == "gigpo":
+    # Echo shows a task's samples the same symbols, so the second turns of a task share their
+    # state. One goes unshared only when it is its task's sole survivor of the first turn, whose
+    # 7 failures cap success at 57/64 < 0.9: in steps of success >= 0.9 all are shared.
+    anchored = [h["gigpo/anchored_turns"] for h in history]
+    assert all(a == 1.0 for a, s in zip(anchored, success) if s >= 0.9), (anchored, success)
+    assert min(anchored) < 1.0  # ... while early steps, with few survivors, leave some alone.
 
 
 def test_horizon_schedule_caps_turns_per_stage(checkpoint_dir, tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ from agentgym_jax.rl.advantages import grpo_advantages
 from agentgym_jax.rl.advantages import place_on_last_trained_token
 from agentgym_jax.rl.advantages import reinforce_plus_plus_advantages
 from agentgym_jax.rl.advantages import rloo_advantages
+from agentgym_jax.rl.advantages import step_group_metrics
 from agentgym_jax.rl.advantages import turn_returns
 from agentgym_jax.rl.correction import Correction
 from agentgym_jax.rl.correction import CORRECTIONS

@@ -370,6 +370,36 @@ def gigpo_advantages(
   return Advantages(episode + step_weight * per_token(step), per_token(returns))
 
 
+def step_group_metrics(turn_anchors: jax.Array) -> dict[str, jax.Array]:
+  """How much GiGPO's step level has to compare: the step groups of a batch's turns.
+
+    step_group_size  mean over turns of |S(i, k)|, the number of turns in turn k's step group
+    anchored_turns   the fraction of turns k >= 1 with |S(i, k)| > 1
+
+  A first turn's anchor is its task's prompt, which every sample of the task shares, so its
+  step group is the episode group and adds nothing to A^E (`gigpo_advantages`); later turns
+  are where step groups of size > 1 give the turn-level credit GRPO lacks. A batch without
+  later turns has anchored_turns 0.
+
+  Args:
+    turn_anchors: int[B, K] step-group ids as `gigpo_advantages` reads them, -1 for no turn.
+
+  Returns:
+    {"step_group_size": f32[], "anchored_turns": f32[]}.
+  """
+  num_turns = turn_anchors.size
+  is_turn = turn_anchors >= 0
+  ids = jnp.where(is_turn, turn_anchors, num_turns).reshape(-1)
+  counts = jax.ops.segment_sum(
+      is_turn.reshape(-1).astype(jnp.float32), ids, num_segments=num_turns + 1)
+  sizes = counts[ids].reshape(turn_anchors.shape)
+  later = is_turn.at[:, 0].set(False)
+  return {
+      "step_group_size": masked.masked_mean(sizes, is_turn),
+      "anchored_turns": masked.masked_mean((sizes > 1).astype(jnp.float32), later),
+  }
+
+
 # The registry: each entry declares what it reads, so the learner passes exactly that and the
 # config knows which algorithm.* keys set its hyperparameters. A new estimator is one entry here.
 
