@@ -212,11 +212,15 @@ class Decoder(nnx.Module):
 
   def hidden_states(self, input_ids: Array, positions: Array | None = None,
                     attention_mask: Array | None = None, cache: KVCache | None = None, *,
-                    cache_window: int | None = None) -> tuple[Array, KVCache | None]:
+                    cache_window: int | None = None, segment_ids: Array | None = None,
+                    shared_prompt: bool = False) -> tuple[Array, KVCache | None]:
     """Final-normed hidden states [B, T, E] (f32) and the updated cache.
 
     Without a cache a token attends to the earlier tokens of its row that attention_mask keeps
-    (padding queries see only padding: their outputs mean nothing).
+    (padding queries see only padding: their outputs mean nothing), or, given segment_ids
+    [B, T] in place of a mask, to the earlier tokens of its segment; with `shared_prompt` also
+    to segment 0, the prompt that the row's continuations share (attention.causal_attention;
+    the positions then restart for each continuation).
     With a cache the tokens are appended to each row's live slots (see the module docstring);
     the cache's lengths grow by attention_mask.sum(-1) (by T without a mask). `cache_window`
     (static) limits attention to slots [0, cache_window): every real token must then sit below
@@ -225,10 +229,13 @@ class Decoder(nnx.Module):
     """
     config = self.config
     batch, length = input_ids.shape
+    if (segment_ids is not None or shared_prompt) and (cache is not None
+                                                       or attention_mask is not None):
+      raise ValueError("segment ids replace the attention mask and take no cache")
     if cache is None:
       slots = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
       # Causal by index; real tokens and padding are two segments.
-      mask = None if attention_mask is None else attention_mask.astype(jnp.int32)
+      mask = segment_ids if attention_mask is None else attention_mask.astype(jnp.int32)
     else:
       window = cache.slots if cache_window is None else cache_window
       if not 0 < window <= cache.slots:
@@ -246,7 +253,7 @@ class Decoder(nnx.Module):
 
     def block(x, params, cache_update):
       p = nnx.merge(layer_graph, params)
-      return self._block(p, x, positions, mask, inv_freq, slots, cache_update)
+      return self._block(p, x, positions, mask, inv_freq, slots, cache_update, shared_prompt)
 
     policy = REMAT_POLICIES[self.remat]
     # Rematerialisation only matters for a backward pass; the cached (sampling) path has none.
@@ -296,11 +303,13 @@ class Decoder(nnx.Module):
         if logits.ndim == 3 else logits
 
   def _block(self, p: Layers, x: Array, positions: Array, mask: Array | None, inv_freq: Array,
-             slots: Array, cache_update: tuple[Array, int, Array, Array, Any] | None):
+             slots: Array, cache_update: tuple[Array, int, Array, Array, Any] | None,
+             shared_prompt: bool = False):
     """One transformer block.
 
-    `mask` is the segment ids [B, T] (or None) without a cache, the mask [B, T, window] of
-    visible cache slots with one. With `cache_update` = (layer, window, k_bits, v_bits, cache_dtype) the new keys and values
+    `mask` is the segment ids [B, T] (or None; with `shared_prompt` segment 0 is the prompt
+    every segment sees) without a cache, the mask [B, T, window] of visible cache slots with
+    one. With `cache_update` = (layer, window, k_bits, v_bits, cache_dtype) the new keys and values
     go into layer `layer` of the stacked caches (held as raw bits, see `KVCache`) and
     attention reads their first `window` slots. Returns x and the updated (k_bits, v_bits), or
     None without a cache.
@@ -337,7 +346,7 @@ class Decoder(nnx.Module):
       attended = attention_lib.dense_attention(q, read(k_bits), read(v_bits), mask, dtype)
     else:
       attended = attention_lib.causal_attention(q, k, v, mask, implementation=self.attention,
-                                                dtype=dtype)
+                                                dtype=dtype, shared_prompt=shared_prompt)
     out = dot("bthd,hde->bte", attended, p.o_proj.value, dtype)
     x = x + out
     h = rms_norm(x, p.post_attention_norm.value, eps)
