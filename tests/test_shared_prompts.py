@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from agentgym_jax import learner, rollout
+from agentgym_jax import config as config_lib, learner, rollout
 from agentgym_jax.batch import Batch, share_prompts
 from agentgym_jax.models import attention
 from agentgym_jax.models.config import ModelConfig
@@ -291,3 +291,93 @@ def test_experience_equals_the_unshared_rows(policy):
   for key in metrics:
     np.testing.assert_allclose(metrics[key], want_metrics[key], rtol=1e-4, atol=_tolerance(),
                                err_msg=key)
+
+
+# --- minibatches and micro-batches of whole groups
+
+
+def _uniform_trajectories() -> list[rollout.Trajectory]:
+  """4 tasks x 2 samples, ragged continuations, one sample of task 2 failed at reset."""
+  rng = np.random.default_rng(3)
+  out = []
+  for group in range(4):
+    prompt = rng.integers(1, CONFIG.vocab_size, PROMPT)
+    for sample in range(2):
+      if (group, sample) == (2, 1):
+        out.append(rollout.Trajectory(task_id=group, group=group, termination=rollout.ENV_ERROR))
+        continue
+      turns = [(int(rng.integers(1, 8)), int(rng.integers(1, 5))) for _ in range(1 + sample)]
+      out.append(_trajectory(rng, group, prompt, turns))
+  return out
+
+
+def test_minibatches_take_whole_groups_padded_to_the_devices():
+  row_groups = np.repeat(np.arange(4), 2)
+  order = learner.minibatch_indices(8, 2, 2, np.random.default_rng(0), row_groups)
+  assert len(order) == 4
+  for epoch in (order[:2], order[2:]):
+    assert sorted(np.concatenate(epoch).tolist()) == list(range(8))
+  for rows in order:  # Two whole groups, group by group.
+    assert rows.tolist() in (
+        [2 * g, 2 * g + 1, 2 * h, 2 * h + 1] for g in range(4) for h in range(4) if g != h)
+  with pytest.raises(ValueError, match="4 groups do not split into 3 minibatches"):
+    learner.minibatch_indices(8, 3, 1, np.random.default_rng(0), row_groups)
+  _, shared = _batches(_uniform_trajectories())
+  taken = learner.take_batch(shared, np.array([6, 7, 2, 3]), row_groups, rows_multiple=4)
+  # Packed rows 3 and 1, then two empty ones; the samples read rows 0 and 1 of them.
+  assert taken.shared.tokens.shape == (4, shared.shared.tokens.shape[1])
+  np.testing.assert_array_equal(taken.shared.tokens[:2], shared.shared.tokens[np.array([3, 1])])
+  assert (np.asarray(taken.shared.segments[2:]) == -1).all()
+  np.testing.assert_array_equal(taken.shared.rows, [0, 0, 1, 1])
+  np.testing.assert_array_equal(taken.tokens, shared.tokens[np.array([6, 7, 2, 3])])
+
+
+def test_a_minibatch_of_groups_and_its_micro_batches_give_the_unshared_gradient(policy):
+  graphdef, params = policy
+  unshared, shared = _batches(_uniform_trajectories())
+  row_groups = np.asarray(shared.shared.rows)
+  loss = learner.LossConfig(kl_coef=0.1, entropy_coef=0.01, logprob_chunk=16,
+                            aggregation="seq-mean-token-mean")
+  experience, _ = learner.compute_experience(graphdef, params, params, None, None, unshared,
+                                             loss=loss, num_groups=16)
+  # The experience pass in micro-batches of 2 groups (4 samples) reads the samples back in order.
+  micro = dataclasses.replace(loss, micro_batch_rows=4)
+  parted, _ = learner.compute_experience(graphdef, params, params, None, None, shared, loss=micro,
+                                         num_groups=16)
+  mask = np.asarray(unshared.loss_mask[:, 1:]) > 0
+  np.testing.assert_allclose(
+      np.asarray(parted.old_logprobs)[mask],
+      np.asarray(experience.old_logprobs)[mask], rtol=0, atol=_tolerance())
+  params = jax.tree.map(lambda p: p * 1.01, params)
+  (rows,) = learner.minibatch_indices(8, 1, 1, np.random.default_rng(1), row_groups)
+  rows = rows[::-1].copy()  # Any order of whole groups.
+  want, _ = gradients((params, None), graphdef, None, learner.take_rows(unshared, rows),
+                      learner.take_rows(experience, rows), loss)
+  minibatch = learner.take_batch(shared, rows, row_groups, rows_multiple=2)
+  for micro_batch_rows in (0, 4, 2):  # One pass; 2 micro-batches of 2 groups; 4 of 1.
+    got, _ = gradients((params, None), graphdef, None, minibatch,
+                       learner.take_rows(experience, rows),
+                       dataclasses.replace(loss, micro_batch_rows=micro_batch_rows))
+    tokens = int(_valid(unshared).sum())
+    relative = tolerances.reordered_sum(CONFIG.num_layers * 6 * LENGTH * tokens)
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, w, rtol=0, atol=relative * scale, err_msg=str(micro_batch_rows))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(num_minibatches=4), r"num_minibatches=4 does not divide the 6 tasks per step"),
+    (dict(micro_batch_rows=2), r"micro_batch_rows=2 is not a multiple of "
+     r"rollout.samples_per_task=4"),
+])
+def test_layouts_that_split_a_task_fail_at_start_up(changes, message):
+  c = config_lib.base_config()
+  c.rollout.tasks_per_step, c.rollout.samples_per_task = 6, 4  # 24 rows: 4 minibatches of 6.
+  c.algorithm.num_minibatches = 2
+  c.algorithm.shared_prompts = True
+  for key, value in changes.items():
+    c.algorithm[key] = value
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(c)
+  c.algorithm.shared_prompts = False  # Row by row, each of these splits is fine.
+  config_lib.validate(c)
