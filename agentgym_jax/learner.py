@@ -15,6 +15,12 @@ update accumulates the gradient of each micro-batch's loss weighted by its share
 aggregation's units (trained tokens for token-mean, rows for the sequence means), which sums to
 the gradient of the whole minibatch's loss. Micro-batch j of an [M, T] batch holds rows j, j + n,
 j + 2n, ... (n = M / micro_batch_rows), so on a mesh every micro-batch spans every device's rows.
+
+Shared prompts (Batch.shared, agentgym_jax/batch.py): the forward passes run on packed rows, one
+per task, and every per-token array is read back per sample, so advantages, masks, the rollout
+correction and the aggregation's units are those of the unshared rows. Minibatches and
+micro-batches then take whole tasks (`minibatch_indices` with row_groups, `take_batch`,
+`split_micro_batches`), so that each computes a task's prompt once.
 """
 
 from __future__ import annotations
