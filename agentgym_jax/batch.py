@@ -21,16 +21,61 @@ tokens[:, 1:]; `Batch.inputs_and_targets()` returns the shifted views.
 
 Rollouts (rollout.pack) and offline data (offline_data) both build batches here, so offline and
 online training see the same layout, padded to the same `bucket` lengths.
+
+The shared-prompt layout (`SharedPrompts`, built by `share_prompts`): the n samples of a task
+share their prompt, so the learner's forward pass packs each group as ONE row, the prompt once
+and then the n continuations one after another, and reads every per-token value of sample n back
+at the packed index of its tokens. Every per-row array above stays per sample: only the model's
+forward pass runs on the packed rows. With S the shared prompt length, the packed row of a group
+with samples m_1..m_n of lengths len_i is
+
+  tokens     t[0 : S]  |  t_1[S : len_1]  |  t_2[S : len_2]  | ... | padding
+  segments   0 ... 0   |  1 ... 1         |  2 ... 2         | ... | -1
+  positions  0 .. S-1  |  S .. len_1 - 1  |  S .. len_2 - 1  | ... | 0
+
+where S + 1 is the longest prefix that all the group's non-empty rows have in common, at most up
+to their first trained token (the system prompt and the first observation, for rollouts). Token
+S, the prompt's last, starts every continuation instead of ending the prompt: the prompt's last
+input predicts the first generated token, a different target in every sample, while the inputs
+t[0 : S] predict the same prompt tokens in all of them. A continuation attends to the prompt and
+causally to itself (attention.py's shared_prompt mask), so every input sees exactly the tokens
+at the positions it sees in its own row: the packed forward pass equals the unshared one up to
+float summation order.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
+import numpy as np
 from flax import struct
 
 from agentgym_jax.sampling import bucket as sampling_bucket
 
 Array = jax.Array
+
+# The packed length of shared-prompt rows is at least this many tokens per sample of the largest
+# group: no more than the unshared layout's shortest rows (bucket's floor of 128) would hold, and
+# short episodes (the early stages of a growing horizon) do not compile a packed length each.
+SHARED_MIN_TOKENS_PER_SAMPLE = 128
+
+
+@struct.dataclass
+class SharedPrompts:
+  """The rows of a Batch packed group by group (the module docstring): G packed rows of P tokens
+  for N samples whose rows have T tokens."""
+
+  tokens: Array  # int32[G, P] each group's prompt once, then its samples' continuations
+  targets: Array  # int32[G, P] the next token of the same segment (0 at a continuation's end)
+  positions: Array  # int32[G, P] each token's position in its own sample's row
+  segments: Array  # int32[G, P] 0 the prompt, k the group's k-th continuation, -1 padding
+  rows: Array  # int32[N] the packed row of each sample
+  index: Array  # int32[N, T-1] the packed index of input tokens[n, t] (0 past the row's end)
+
+  def unpack(self, packed: Array) -> Array:
+    """Per-sample values [N, T-1, ...] from per-packed-token values [G, P, ...]."""
+    return packed[self.rows[:, None], self.index]
 
 
 @struct.dataclass
@@ -43,6 +88,7 @@ class Batch:
   turn_index: Array | None = None  # int32[N, T]; None for offline data
   turn_rewards: Array | None = None  # f32[N, K]
   turn_anchors: Array | None = None  # int32[N, K], ids in [0, N * K)
+  shared: SharedPrompts | None = None  # The forward pass's packed rows; None: row by row.
 
   def inputs_and_targets(self) -> tuple[Array, Array, Array]:
     """(inputs [N, T-1], targets [N, T-1], target loss mask [N, T-1])."""
@@ -53,3 +99,64 @@ def bucket(length: int, minimum: int = 128) -> int:
   """The packed length of a `length`-token row: `sampling.bucket` with a floor of `minimum`
   (at most a third of a row is padding; a 1300-token row packs to 1536, not 2048)."""
   return sampling_bucket(length, minimum)
+
+
+def share_prompts(tokens: np.ndarray, lengths: np.ndarray, prompt_ends: np.ndarray,
+                  groups: Sequence[int], *, length: int | None = None,
+                  rows_multiple: int = 1) -> SharedPrompts:
+  """The shared-prompt layout (the module docstring) of right-padded rows tokens [N, T].
+
+  Row n holds lengths[n] tokens, of which the first prompt_ends[n] precede its first trained
+  token; rows with equal groups[n] are packed into one row, in order of first appearance, their
+  continuations in row order. Empty rows (an episode that failed at reset) get an empty
+  continuation. The packed length is `length` or the longest packed group's `bucket`, at least
+  SHARED_MIN_TOKENS_PER_SAMPLE per sample of the largest group; the packed rows are padded with
+  empty ones to a multiple of `rows_multiple` (a mesh's batch shards).
+  """
+  num_rows, row_length = tokens.shape
+  order: dict[int, list[int]] = {}
+  for row, group in enumerate(groups):
+    order.setdefault(int(group), []).append(row)
+  packed_groups = []  # (prompt row, S, members) per group
+  for members in order.values():
+    real = [m for m in members if lengths[m] > 0]
+    common = min((int(prompt_ends[m]) for m in real), default=0)
+    if real:
+      first = tokens[real[0], :common]
+      for m in real[1:]:
+        differs = np.flatnonzero(tokens[m, :common] != first)
+        common = int(differs[0]) if differs.size else common
+    packed_groups.append((real[0] if real else members[0], max(common - 1, 0), members))
+  sizes = [s + sum(max(int(lengths[m]) - s, 0) for m in members) for _, s, members in packed_groups]
+  largest = max((len(members) for _, _, members in packed_groups), default=1)
+  packed_length = length or bucket(max(sizes, default=1), SHARED_MIN_TOKENS_PER_SAMPLE * largest)
+  if max(sizes, default=0) > packed_length:
+    raise ValueError(f"a packed group has {max(sizes)} tokens, more than the packed length "
+                     f"{packed_length}")
+  num_packed = -(-len(packed_groups) // rows_multiple) * rows_multiple
+  packed = np.zeros((4, num_packed, packed_length), np.int32)
+  packed_tokens, targets, positions, segments = packed
+  segments[:] = -1
+  rows = np.zeros((num_rows,), np.int32)
+  index = np.zeros((num_rows, row_length - 1), np.int32)
+  for g, (prompt_row, shared, members) in enumerate(packed_groups):
+    packed_tokens[g, :shared] = tokens[prompt_row, :shared]
+    targets[g, :shared] = tokens[prompt_row, 1:shared + 1]
+    positions[g, :shared] = np.arange(shared)
+    segments[g, :shared] = 0
+    offset = shared
+    for k, m in enumerate(members, start=1):
+      n = max(int(lengths[m]) - shared, 0)
+      span = slice(offset, offset + n)
+      packed_tokens[g, span] = tokens[m, shared:shared + n]
+      # The continuation's last input predicts what the unshared row has there: padding 0.
+      targets[g, span] = np.append(tokens[m, shared + 1:shared + n], 0)[:n]
+      positions[g, span] = np.arange(shared, shared + n)
+      segments[g, span] = k
+      rows[m] = g
+      inputs = min(int(lengths[m]), row_length - 1)
+      index[m, :min(shared, inputs)] = np.arange(min(shared, inputs))
+      index[m, shared:inputs] = offset + np.arange(inputs - shared)
+      offset += n
+  return SharedPrompts(tokens=packed_tokens, targets=targets, positions=positions,
+                       segments=segments, rows=rows, index=index)

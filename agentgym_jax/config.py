@@ -139,6 +139,12 @@ def base_config() -> ml_collections.ConfigDict:
   # Rows per forward/backward pass in the experience pass and the update, the gradient of a
   # minibatch accumulated over its micro-batches (learner.py); 0: a minibatch at once.
   c.algorithm.micro_batch_rows = 0
+  # The learner's forward passes pack each task's samples as one row, their common prompt once
+  # and then every continuation (agentgym_jax/batch.py); minibatches and micro-batches then
+  # hold whole tasks. Log-probs, losses and gradients are those of the unshared rows, but
+  # minibatches of whole tasks instead of random rows change the updates' course: off until
+  # that is shown not to slow learning (the README says what was measured).
+  c.algorithm.shared_prompts = False
   c.algorithm.logprob_chunk = 512
 
   c.optim = ml_collections.ConfigDict()
@@ -351,6 +357,17 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       a.micro_batch_rows == 0 or (a.micro_batch_rows > 0 and minibatch % a.micro_batch_rows == 0),
       f"algorithm.micro_batch_rows={a.micro_batch_rows} must be 0 (off) or divide the "
       f"minibatch of {minibatch} trajectories")
+  if a.shared_prompts:
+    _check(
+        r.tasks_per_step % a.num_minibatches == 0,
+        f"algorithm.num_minibatches={a.num_minibatches} does not divide the "
+        f"{r.tasks_per_step} tasks per step, which algorithm.shared_prompts=True keeps whole "
+        "(or set it False)")
+    _check(
+        a.micro_batch_rows % r.samples_per_task == 0,
+        f"algorithm.micro_batch_rows={a.micro_batch_rows} is not a multiple of "
+        f"rollout.samples_per_task={r.samples_per_task}: algorithm.shared_prompts=True keeps "
+        "tasks whole (or set it False)")
   estimator = rl.get_advantage_estimator(a.advantage)
   _check(
       not estimator.needs_groups or r.samples_per_task > 1,

@@ -21,6 +21,12 @@ lora.LoraModel's and the parameters are its adapters: the forward runs base + ad
 gradient reaches the adapters only. The reference is then the initial adapters (B = 0), which
 is the base exactly. The update's `dropout_key` drops the adapters' input (model.lora.dropout);
 the experience pass runs without dropout.
+
+Shared prompts (Batch.shared, agentgym_jax/batch.py): the forward passes run on packed rows, one
+per task, and every per-token array is read back per sample, so advantages, masks, the rollout
+correction and the aggregation's units are those of the unshared rows. Minibatches and
+micro-batches then take whole tasks (`minibatch_indices` with row_groups, `take_batch`,
+`split_micro_batches`), so that each computes a task's prompt once.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import optax
 from flax import nnx, struct
 
 from agentgym_jax import rl
-from agentgym_jax.batch import Batch
+from agentgym_jax.batch import Batch, SharedPrompts
 from agentgym_jax.models.decoder import Decoder
 
 Array = jax.Array
@@ -118,16 +124,27 @@ def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, loss
 
   The vocabulary projection runs chunk by chunk over the sequence, so full [N, T, V] f32
   logits never exist (a 152k vocabulary at 8k tokens would be 5 GB per row). With LoRA's
-  `frozen` base, `params` are the adapters (module docstring).
+  `frozen` base, `params` are the adapters (module docstring). In the shared-prompt layout
+  (batch.shared) the forward pass and the projection run on the packed rows, each group's
+  prompt once, and every sample reads its values back at its tokens' packed indices
+  (batch.py); past a row's end it reads a meaningless value that every loss masks.
   """
   model = policy_model(graphdef, params, frozen)
-  inputs, targets, _ = batch.inputs_and_targets()
-  hidden, _ = model.hidden_states(inputs, dropout_key=dropout_key)
+  shared = batch.shared
+  if shared is None:
+    inputs, targets, _ = batch.inputs_and_targets()
+    hidden, _ = model.hidden_states(inputs, dropout_key=dropout_key)
+  else:
+    inputs, targets = shared.tokens, shared.targets
+    hidden, _ = model.hidden_states(inputs, shared.positions, segment_ids=shared.segments,
+                                    shared_prompt=True, dropout_key=dropout_key)
   logprobs, entropies = rl.chunked_token_logprobs_and_entropy(
       hidden, targets, model.logits, chunk_size=min(loss.logprob_chunk, inputs.shape[1]),
       temperature=loss.temperature)
   values = value_head(hidden) if value_head is not None else jnp.zeros_like(logprobs)
-  return logprobs, entropies, values
+  if shared is None:
+    return logprobs, entropies, values
+  return shared.unpack(logprobs), shared.unpack(entropies), shared.unpack(values)
 
 
 def policy_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None) -> Decoder:
@@ -154,6 +171,32 @@ def join_micro_batches(tree: Any) -> Any:
   return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), tree)
 
 
+def split_micro_batches(batch: Batch, per_row: Any, micro_batch_rows: int):
+  """(micro-batches of (batch, per_row), join): `micro_batches` of a batch and of a tree of
+  per-row arrays [M, ...]; join maps per-row outputs [n, micro_batch_rows, ...] back to [M, ...].
+
+  In the shared-prompt layout micro-batch j holds packed rows j, j + n, j + 2n, ... and the
+  samples that read them, so every group stays whole; each micro-batch then needs
+  micro_batch_rows samples (groups of one size, as a rollout's; config.py checks it).
+  """
+  shared = batch.shared
+  if shared is None:
+    return micro_batches((batch, per_row), micro_batch_rows), join_micro_batches
+  count = shared.rows.shape[0] // micro_batch_rows
+  order = jnp.argsort(shared.rows % count, stable=True)
+  restore = jnp.argsort(order)
+  take = lambda x: x[order].reshape(count, micro_batch_rows, *x.shape[1:])
+  # Packed row g = j + k * count is row k of micro-batch j.
+  tokens, targets, positions, segments = micro_batches(
+      (shared.tokens, shared.targets, shared.positions, shared.segments),
+      shared.tokens.shape[0] // count)
+  packed = SharedPrompts(tokens=tokens, targets=targets, positions=positions, segments=segments,
+                         rows=take(shared.rows) // count, index=take(shared.index))
+  parts = jax.tree.map(take, (batch.replace(shared=None), per_row))
+  join = lambda tree: jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[restore], tree)
+  return (parts[0].replace(shared=packed), parts[1]), join
+
+
 def _splits(rows: int, loss: LossConfig) -> bool:
   return 0 < loss.micro_batch_rows < rows
 
@@ -164,9 +207,9 @@ def _micro_token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batc
   """`token_logprobs`, micro-batch by micro-batch when loss.micro_batch_rows splits the batch."""
   if not _splits(batch.tokens.shape[0], loss):
     return token_logprobs(graphdef, params, batch, loss, value_head, frozen)
-  per_micro = jax.lax.map(lambda b: token_logprobs(graphdef, params, b, loss, value_head, frozen),
-                          micro_batches(batch, loss.micro_batch_rows))
-  return join_micro_batches(per_micro)
+  (parts, _), join = split_micro_batches(batch, (), loss.micro_batch_rows)
+  return join(
+      jax.lax.map(lambda b: token_logprobs(graphdef, params, b, loss, value_head, frozen), parts))
 
 
 @functools.partial(
@@ -341,7 +384,7 @@ def _gradients(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.Grap
     maxima = {k: jnp.maximum(maxima[k], metrics[k]) for k in maxima}
     return ((grads, means), maxima), None
 
-  parts = micro_batches((batch, experience), loss.micro_batch_rows)
+  parts, _ = split_micro_batches(batch, experience, loss.micro_batch_rows)
   shapes = jax.eval_shape(
       lambda b, e: grad_fn(trainable, graphdef, value_graphdef, b, e, loss, frozen, dropout_key),
       *jax.tree.map(lambda x: x[0], parts))
@@ -356,18 +399,58 @@ def _gradients(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.Grap
   return grads, {**metrics, **maxima}
 
 
-def minibatch_indices(num_rows: int, num_minibatches: int, epochs: int,
-                      rng: np.random.Generator) -> list[np.ndarray]:
-  """Row indices of every minibatch of every epoch, reshuffled each epoch."""
-  if num_rows % num_minibatches:
-    raise ValueError(f"{num_rows} trajectories do not split into {num_minibatches} minibatches")
-  size = num_rows // num_minibatches
+def minibatch_indices(num_rows: int, num_minibatches: int, epochs: int, rng: np.random.Generator,
+                      row_groups: np.ndarray | None = None) -> list[np.ndarray]:
+  """Row indices of every minibatch of every epoch, reshuffled each epoch.
+
+  With row_groups [num_rows] (the packed row of each sample, in the shared-prompt layout) the
+  groups are shuffled and split instead, a minibatch's rows coming group by group, so that a
+  group's prompt is computed once in its minibatch; every minibatch must hold as many rows.
+  """
+  if row_groups is None:
+    units = [np.asarray([row]) for row in range(num_rows)]
+  else:
+    units = [np.flatnonzero(row_groups == group) for group in dict.fromkeys(row_groups.tolist())]
+  if len(units) % num_minibatches:
+    what = "trajectories" if row_groups is None else "groups"
+    raise ValueError(f"{len(units)} {what} do not split into {num_minibatches} minibatches")
+  size = len(units) // num_minibatches
   order = []
   for _ in range(epochs):
-    permutation = rng.permutation(num_rows)
-    order.extend(permutation[i * size:(i + 1) * size] for i in range(num_minibatches))
+    permutation = rng.permutation(len(units))
+    order.extend(
+        np.concatenate([units[u]
+                        for u in permutation[i * size:(i + 1) * size]])
+        for i in range(num_minibatches))
+  if len({len(rows) for rows in order}) > 1:
+    raise ValueError("the groups do not split into minibatches of one size: "
+                     f"{sorted({len(rows) for rows in order})} rows")
   return order
 
 
 def take_rows(tree: Any, rows: np.ndarray) -> Any:
+  """Rows `rows` of every array of `tree` (a Batch in the shared-prompt layout: `take_batch`)."""
   return jax.tree.map(lambda x: x[rows], tree)
+
+
+def take_batch(batch: Batch, rows: np.ndarray, row_groups: np.ndarray | None = None,
+               rows_multiple: int = 1) -> Batch:
+  """Rows `rows` of a batch. In the shared-prompt layout row_groups [N] (a host copy of
+  batch.shared.rows) names the packed rows they read: those are taken too, in order of first
+  use, and padded with empty packed rows to a multiple of `rows_multiple` (the mesh's batch
+  shards)."""
+  taken = take_rows(batch.replace(shared=None), rows)
+  shared = batch.shared
+  if shared is None:
+    return taken
+  used = list(dict.fromkeys(row_groups[rows].tolist()))
+  packed = np.asarray(used + [-1] * (-len(used) % rows_multiple))
+  real = (packed >= 0)[:, None]
+  gather = lambda x, fill: jnp.where(real, x[np.maximum(packed, 0)], fill)
+  local = {group: i for i, group in enumerate(used)}
+  return taken.replace(
+      shared=shared.replace(
+          tokens=gather(shared.tokens, 0), targets=gather(shared.targets, 0), positions=gather(
+              shared.positions, 0), segments=gather(shared.segments, -1), rows=np.asarray(
+                  [local[g]
+                   for g in row_groups[rows].tolist()], np.int32), index=shared.index[rows]))

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentgym_jax.batch import Batch, bucket
+from agentgym_jax.batch import Batch, bucket, share_prompts
 from agentgym_jax.models.tokenizer import ChatTemplate
 from agentgym_jax.sampling import Sampler
 from environments import jsonl
@@ -410,9 +410,15 @@ def _end(trajectory: Trajectory, termination: str, info: dict[str, Any]) -> None
 
 
 def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns: int | None = None,
-         failed_episodes: str = "exclude") -> Batch:
+         failed_episodes: str = "exclude", shared_prompts: bool = False,
+         packed_rows_multiple: int = 1) -> Batch:
   """Right-pads trajectories into a Batch of len(trajectories) rows with `turns` turn slots (at
   least the most turns of any trajectory; by default exactly that).
+
+  With `shared_prompts` the batch also carries the shared-prompt layout (batch.share_prompts):
+  the trajectories of one task (one `Trajectory.group`, failed ones included) packed as one row
+  of their common prompt and their continuations, padded to a multiple of
+  `packed_rows_multiple` packed rows.
 
   A trajectory whose environment failed is dropped from the loss ("exclude": its loss mask is
   zeroed, it has no turns, and it moves to a group of its own, so it does not shift its task's
@@ -458,9 +464,17 @@ def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns
     for k, (start, end) in enumerate(t.observation_spans):
       key = (t.group, tuple(t.tokens[start:end]))
       turn_anchors[i, k] = anchors.setdefault(key, len(anchors))
+  shared = None
+  if shared_prompts:
+    lengths = np.asarray([len(t.tokens) for t in trajectories])
+    # Where each row's first reply starts: its prompt (all of it for a row without a reply).
+    prompt_ends = np.asarray(
+        [t.observation_spans[0][1] if t.observation_spans else len(t.tokens) for t in trajectories])
+    shared = share_prompts(tokens, lengths, prompt_ends, [t.group for t in trajectories],
+                           rows_multiple=packed_rows_multiple)
   return Batch(tokens=tokens, loss_mask=loss_mask, sampler_logprobs=logprobs, rewards=rewards,
                group_ids=groups, turn_index=turn_index, turn_rewards=turn_rewards,
-               turn_anchors=turn_anchors)
+               turn_anchors=turn_anchors, shared=shared)
 
 
 def _turn_index(trajectory: Trajectory, row: int) -> np.ndarray:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import pathlib
 import tempfile
 import time
@@ -90,6 +89,7 @@ class Settings:
     wave_rows: the rows a process plays at once (0: all of its rows); see `wave`.
     failed_episodes: how environment faults enter the loss (exclude | zero_reward).
     num_minibatches, ppo_epochs: an RL step's updates.
+    shared_prompts: whether the learner packs each task's samples as one row (batch.py).
     checkpoint_every: steps between checkpoints (0: none but the last).
     export_hf: whether the run ends by exporting its policy (`export_policy`).
     export_format: checkpoint.export_format: merged (a Hugging Face directory) | peft.
@@ -120,6 +120,7 @@ class Settings:
   failed_episodes: str
   num_minibatches: int
   ppo_epochs: int
+  shared_prompts: bool
   checkpoint_every: int
   export_hf: bool
   export_format: str
@@ -150,7 +151,8 @@ class Settings:
                curriculum=tuple(tuple(stage) for stage in r.curriculum), max_context=r.max_context,
                pipeline_groups=r.pipeline_groups, wave_rows=r.wave_rows,
                failed_episodes=c.env.failed_episodes, num_minibatches=c.algorithm.num_minibatches,
-               ppo_epochs=c.algorithm.ppo_epochs, checkpoint_every=c.checkpoint.every,
+               ppo_epochs=c.algorithm.ppo_epochs, shared_prompts=c.mode == "rl"
+               and c.algorithm.shared_prompts, checkpoint_every=c.checkpoint.every,
                export_hf=c.checkpoint.export_hf, export_format=c.checkpoint.export_format,
                lora=_lora_settings(c), log_trajectories=c.log.trajectories, data=data,
                dpo_beta=c.dpo.beta, thinking=c.model.thinking == "on")
@@ -166,7 +168,7 @@ class Settings:
       raise config_lib.ConfigError(
           f"invalid config: rollout.pipeline_groups={self.pipeline_groups} does not divide "
           f"a wave of {self.wave(process_rows)} of each process's {process_rows} trajectories")
-    batch_shards = math.prod(mesh.shape[axis] for axis in sharding.BATCH)
+    batch_shards = sharding.batch_shards(mesh)
     minibatch = self.rows // self.num_minibatches
     if minibatch % batch_shards:
       raise config_lib.ConfigError(
@@ -178,6 +180,14 @@ class Settings:
       raise config_lib.ConfigError(
           f"invalid config: algorithm.micro_batch_rows={micro} does not split over the "
           f"{batch_shards} devices of the mesh's data x fsdp axes")
+    # Packed rows are padded with empty ones to split over the devices, but micro-batches take
+    # every count-th packed row (learner.split_micro_batches), which padding would unbalance.
+    if self.shared_prompts and micro and (micro // self.samples_per_task) % batch_shards:
+      raise config_lib.ConfigError(
+          f"invalid config: the {micro // self.samples_per_task} tasks of a micro-batch "
+          f"(algorithm.micro_batch_rows / rollout.samples_per_task) do not split over the "
+          f"{batch_shards} devices of the mesh's data x fsdp axes; change them or set "
+          "algorithm.shared_prompts=False")
 
   # --- what a loop opens
 

@@ -155,6 +155,11 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh))
 
 
+def batch_shards(mesh: Mesh) -> int:
+  """The devices the batch axis splits over: data x fsdp."""
+  return math.prod(mesh.shape[axis] for axis in BATCH)
+
+
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
   """Splits the leading (batch) axis over data and fsdp."""
   return NamedSharding(mesh, PartitionSpec(BATCH, *([None] * (ndim - 1))))

@@ -260,7 +260,11 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
       # 2. Experience: old and reference log-probs, values, advantages.
       with timer("experience"):
         batch = rollout.pack(trajectories, turns=settings.schedule.max_turns,
-                             failed_episodes=settings.failed_episodes)
+                             failed_episodes=settings.failed_episodes,
+                             shared_prompts=settings.shared_prompts,
+                             packed_rows_multiple=sharding.batch_shards(mesh))
+        # The packed row of each trajectory, on the host, to draw minibatches of whole tasks.
+        row_groups = None if batch.shared is None else batch.shared.rows
         batch = batch.replace(loss_mask=batch.loss_mask *
                               np.asarray(step_rollout.trained, np.float32)[:, None])
         batch = jax.device_put(batch, sharding.batch_sharding(mesh, 1))
@@ -275,9 +279,9 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         rng = np.random.default_rng([settings.seed, step])
         update_metrics = []
         for update, rows in enumerate(
-            learner.minibatch_indices(num_rows, settings.num_minibatches, settings.ppo_epochs,
-                                      rng)):
-          minibatch = learner.take_rows(batch, rows)
+            learner.minibatch_indices(num_rows, settings.num_minibatches, settings.ppo_epochs, rng,
+                                      row_groups)):
+          minibatch = learner.take_batch(batch, rows, row_groups, sharding.batch_shards(mesh))
           trainable, opt_state, m = update_step(graphdef, value_graphdef, trainable, opt_state,
                                                 minibatch, learner.take_rows(experience, rows),
                                                 optimizer=optimizer, loss=loss, frozen=frozen,

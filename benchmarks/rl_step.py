@@ -5,6 +5,8 @@
   python benchmarks/rl_step.py --quick                           # 2 tasks x 2 samples, 2 turns
   python benchmarks/rl_step.py --env=echo --env_delay_ms=200     # a slow env: G=1 vs G=2
   python benchmarks/rl_step.py --vs=bf7a2af --turns=3            # this tree against a commit
+  python benchmarks/rl_step.py --pipeline_groups=1 --shared_prompts=on,off   # the learner's
+                                                  # packed groups against one row a sample
 
 Runs `trainer.train` for --steps steps of the configured size (a temporary workdir, no
 checkpoints) and reads its per-step metrics:
@@ -38,6 +40,13 @@ each tree's own version of it: its dtype, remat, cache and loss settings) at --t
 --samples and a fixed cap of --turns, one after the other in fresh processes, the commit from a
 temporary git worktree (benchmarks/rl_step_side.py imports that tree's package); the phase
 tables of both and the speed-up of each phase follow.
+
+Shared prompts. Each value of --shared_prompts (default on) trains with
+algorithm.shared_prompts: "on" packs each task's samples as one row for the experience pass and
+the update (agentgym_jax/batch.py), "off" runs one row a sample. Both play the same first step;
+after it their policies differ by the update's float rounding, which can flip a sampled token
+and so the later episodes (gen tokens and turns show it). Every pair (pipeline groups, shared
+prompts) is one run, in the order given.
 
 The first step compiles every program (the sampler's prefill and decode, the learner's
 experience and update) and is reported apart; the means are over the later steps.
@@ -90,11 +99,13 @@ _RECIPE = flags.DEFINE_string("recipe", "configs/grpo_textcraft.py:local",
 _SET = flags.DEFINE_multi_string(
     "set", [], "key=value set on both sides of --vs after the benchmark's own keys (a JSON "
     "value, or else a string), e.g. --set=model.name=/path/to/checkpoint.")
+_SHARED = flags.DEFINE_list("shared_prompts", ["on"],
+                            "algorithm.shared_prompts of each run (on, off), side by side.")
 
 PHASES = ("rollout", "generate", "env", "other", "experience", "update")
 
 
-def make_config(model: str, groups: int) -> Any:
+def make_config(model: str, groups: int, shared_prompts: bool) -> Any:
   c = config_lib.base_config()
   quick = _QUICK.value
   c.steps = _STEPS.value
@@ -115,6 +126,7 @@ def make_config(model: str, groups: int) -> Any:
   c.horizon.turns = 2 if quick else _TURNS.value
   c.rollout.pipeline_groups = groups
   c.algorithm.num_minibatches = 2
+  c.algorithm.shared_prompts = shared_prompts
   config_lib.quiet(c)
   return c
 
@@ -134,6 +146,8 @@ def main(argv):
   del argv
   if _ENV_DELAY_MS.value and _ENV.value != "echo":
     raise app.UsageError("--env_delay_ms needs --env=echo")
+  if not set(_SHARED.value) <= {"on", "off"}:
+    raise app.UsageError(f"--shared_prompts takes on and off, not {_SHARED.value}")
   print("command: " + " ".join([os.path.basename(sys.executable)] + sys.argv))
   print(hardware.describe())
   print(f"host: {platform.node()}, {os.cpu_count()} CPUs, load average "
@@ -151,27 +165,36 @@ def main(argv):
 
       model = str(tiny.make_checkpoint(pathlib.Path(directory) / "tiny"))
     for groups in map(int, _GROUPS.value):
-      c = make_config(model, groups)
-      print(f"\nmodel {_MODEL.value} ({c.model.dtype}, remat {c.model.remat}), env {c.env.name}"
-            f"{f' sleeping {_ENV_DELAY_MS.value} ms a step' if _ENV_DELAY_MS.value else ''}, "
-            f"{c.rollout.tasks_per_step} tasks x {c.rollout.samples_per_task} samples, "
-            f"{c.horizon.turns} turns x {c.rollout.max_new_tokens} new tokens, "
-            f"{c.algorithm.num_minibatches} minibatches, pipeline_groups {groups}")
-      history = trainer.train(c, pathlib.Path(directory) / f"run_g{groups}")
-      means[groups] = print_steps(history)
+      for shared in _SHARED.value:
+        c = make_config(model, groups, shared == "on")
+        print(f"\nmodel {_MODEL.value} ({c.model.dtype}, remat {c.model.remat}), env "
+              f"{c.env.name}"
+              f"{f' sleeping {_ENV_DELAY_MS.value} ms a step' if _ENV_DELAY_MS.value else ''}, "
+              f"{c.rollout.tasks_per_step} tasks x {c.rollout.samples_per_task} samples, "
+              f"{c.horizon.turns} turns x {c.rollout.max_new_tokens} new tokens, "
+              f"{c.algorithm.num_minibatches} minibatches, pipeline_groups {groups}, "
+              f"shared prompts {shared}")
+        history = trainer.train(c, pathlib.Path(directory) / f"run_g{groups}_{shared}")
+        means[groups, shared] = print_steps(history)
 
-  print("\n| pipeline groups | step s | rollout s | generate s | env s | env hidden | "
-        "tokens/s (gen) | turns | rollout vs first |")
-  print("|" + "---|" * 9)
-  baseline = means[int(_GROUPS.value[0])][0]["rollout"]
-  for groups, (seconds, row) in means.items():
-    print(f"| {groups} | {seconds['step']:.2f} | {seconds['rollout']:.2f} | "
+  print("\n| pipeline groups | shared prompts | step s | rollout s | generate s | env s | "
+        "env hidden | tokens/s (gen) | turns | rollout vs first | experience s | update s | "
+        "learner vs first |")
+  print("|" + "---|" * 13)
+  first_seconds = next(iter(means.values()))[0]
+  learner_seconds = lambda seconds: seconds["experience"] + seconds["update"]
+  for (groups, shared), (seconds, row) in means.items():
+    print(f"| {groups} | {shared} | {seconds['step']:.2f} | {seconds['rollout']:.2f} | "
           f"{seconds['generate']:.2f} | {seconds['env']:.2f} | "
           f"{row['rollout/env_hidden_fraction']:.1%} | {row['tokens_per_s']:.0f} | "
-          f"{row['turns']:.2f} | {baseline / seconds['rollout']:.2f}x |")
+          f"{row['turns']:.2f} | {first_seconds['rollout'] / seconds['rollout']:.2f}x | "
+          f"{seconds['experience']:.2f} | {seconds['update']:.2f} | "
+          f"{learner_seconds(first_seconds) / learner_seconds(seconds):.2f}x |")
   print("\nMeans over the steps after the warm-up. env hidden: the fraction of env time spent "
-        "while the device was generating. Every run plays the same episodes (each row samples "
-        "from its own key), so gen tokens and turns agree step by step; only the timing differs.")
+        "while the device was generating. Runs of one shared_prompts value play the same "
+        "episodes (each row samples from its own key), so gen tokens and turns agree step by "
+        "step; shared and unshared runs agree on the first step (see the module docstring). "
+        "learner: experience + update.")
 
 
 def recipe_spec() -> dict[str, Any]:

@@ -16,7 +16,7 @@ import pytest
 from jax import monitoring
 
 import tiny
-from agentgym_jax import metrics, run, sharding, trainer
+from agentgym_jax import metrics, rollout, run, sharding, trainer
 from agentgym_jax.sampling import Sampler
 from test_trainer import echo_config
 
@@ -33,8 +33,9 @@ def _fun_name(name: str) -> str:
   return name[len("jit("):-1] if name.startswith("jit(") and name.endswith(")") else name
 
 
-def test_horizon_stages_compile_only_the_first_continuation_prefill(checkpoint_dir, tmp_path,
-                                                                    monkeypatch):
+@pytest.mark.parametrize("shared_prompts", [True, False])
+def test_horizon_stages_compile_only_the_first_continuation_prefill(shared_prompts, checkpoint_dir,
+                                                                    tmp_path, monkeypatch):
   monkeypatch.setattr(
       sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
           np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
@@ -65,6 +66,9 @@ def test_horizon_stages_compile_only_the_first_continuation_prefill(checkpoint_d
       samplers.append(self)
 
   monkeypatch.setattr(metrics.MetricsWriter, "write", write_and_count)
+  batches = []
+  pack = rollout.pack
+  monkeypatch.setattr(rollout, "pack", lambda *a, **k: batches.append(pack(*a, **k)) or batches[-1])
   monkeypatch.setattr(run, "Sampler", RecordedSampler)
   c = echo_config(checkpoint_dir, steps=5)
   c.env.options.turns = 3
@@ -73,6 +77,9 @@ def test_horizon_stages_compile_only_the_first_continuation_prefill(checkpoint_d
   c.horizon.every = 1
   # 3 x 8 rows: a batch shape no other test compiles, so the warm-up really compiles the learner.
   c.rollout.tasks_per_step = 3
+  c.algorithm.shared_prompts = shared_prompts
+  # Shared prompts keep a task's samples in one minibatch: 3 minibatches of one task each.
+  c.algorithm.num_minibatches = 3 if shared_prompts else 2
   monitoring.register_event_duration_secs_listener(on_duration)
   try:
     history = trainer.train(c, tmp_path)
@@ -80,6 +87,7 @@ def test_horizon_stages_compile_only_the_first_continuation_prefill(checkpoint_d
     monitoring.unregister_event_duration_listener(on_duration)
 
   assert [h["horizon_cap"] for h in history] == [1, 2, 3, 3, 3]
+  assert [b.shared is not None for b in batches] == [shared_prompts] * 5
   # Multi-turn episodes really happened in the later stages (the policy is random).
   assert max(h["turns"] for h in history[1:]) > 1
   warm_up, first_cap2, first_cap3, *repeats = per_step
@@ -87,7 +95,9 @@ def test_horizon_stages_compile_only_the_first_continuation_prefill(checkpoint_d
   # The one new program once turns follow turns: the prefill appending an observation to rows
   # that hold tokens (the prompts went through the shared prefill). The attention window
   # cannot grow: it is capped at cache_slots = max_context = 64, below min_window. Packed
-  # batches stay at the minimum length bucket (128 >= 64), so the learner's shapes never change.
+  # batches stay at the minimum length bucket (128 >= 64), and shared-prompt rows at theirs
+  # (8 samples x 128 >= 8 x 64, whatever the groups' prompts and continuations), so the
+  # learner's shapes never change.
   assert first_cap2 == collections.Counter({"_prefill": 1}), first_cap2
   # A third turn reuses every shape of the second; repeating a stage compiles nothing at all.
   assert first_cap3 == collections.Counter(), first_cap3

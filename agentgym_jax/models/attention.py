@@ -22,6 +22,17 @@ elsewhere. Segment ids [B, T] (optional) restrict attention to keys of the query
 padded row carries its attention mask (1 real, 0 padding) as segment ids, which hides padding
 keys from every real query. Every query sees at least itself, so no softmax row is empty.
 Positions only enter through RoPE, applied to q and k before attention.
+
+Shared prompts (`shared_prompt=True`, the learner's packed groups, agentgym_jax/batch.py): a
+row holds a prompt (segment 0) and then several continuations of it (segments 1, 2, ...; -1 for
+padding). A query at index t sees the key at s <= t when
+
+  segment[s] == segment[t]  or  segment[s] == 0,
+
+each continuation attends to the prompt and causally to itself, never to a sibling. Dense and
+flash build this mask tile by tile from the segment ids; splash has no such mask (its mask
+objects are static, one per shape, not per row), so a shared prompt runs flash on every
+backend, TPU included.
 """
 
 from __future__ import annotations
@@ -67,24 +78,36 @@ def resolve(implementation: str, backend: str | None = None) -> str:
 
 def causal_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, *,
                      implementation: str = "auto", dtype: Any = jnp.float32,
-                     block: int | None = None) -> Array:
+                     block: int | None = None, shared_prompt: bool = False) -> Array:
   """Causal GQA self-attention [B, T, H, D] (f32) of q [B, T, H, D], k and v [B, T, K, D].
 
   segment_ids [B, T] (int) or None (one segment); `dtype` is the matmul input dtype (scores and
-  softmax stay f32); `block` the flash tile (default: `flash_block(T)`).
+  softmax stay f32); `block` the flash tile (default: `flash_block(T)`); `shared_prompt`: segment
+  0 is a prompt every segment sees (the module docstring; needs segment ids, runs flash in place
+  of splash).
   """
   implementation = resolve(implementation)
+  if shared_prompt and segment_ids is None:
+    raise ValueError("a shared prompt needs segment ids")
   if implementation == "dense":
     length = q.shape[1]
-    causal = jnp.tril(jnp.ones((length, length), bool))[None]
-    mask = causal if segment_ids is None else (causal &
-                                               (segment_ids[:, :, None] == segment_ids[:, None, :]))
+    mask = jnp.tril(jnp.ones((length, length), bool))[None]
+    if segment_ids is not None:
+      mask = mask & visible_segments(segment_ids[:, :, None], segment_ids[:, None, :],
+                                     shared_prompt)
     mask = jnp.broadcast_to(mask, (q.shape[0], length, length))
     return dense_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask, dtype)
-  if implementation == "flash":
+  if implementation == "flash" or shared_prompt:
     return flash_attention(q, k, v, segment_ids, dtype=dtype, block=block
-                           or flash_block(q.shape[1]))
+                           or flash_block(q.shape[1]), shared_prompt=shared_prompt)
   return splash_attention(q, k, v, segment_ids, dtype=dtype)
+
+
+def visible_segments(query_segments: Array, key_segments: Array, shared_prompt: bool) -> Array:
+  """Whether a query of one segment may see a key of another (broadcast; causality aside):
+  the same segment, or with a shared prompt also the prompt's segment 0."""
+  same = query_segments == key_segments
+  return same | (key_segments == 0) if shared_prompt else same
 
 
 def dense_attention(q: Array, k: Array, v: Array, mask: Array, dtype: Any) -> Array:
@@ -208,7 +231,8 @@ def flash_block(length: int) -> int:
 
 
 def flash_attention(q: Array, k: Array, v: Array, segment_ids: Array | None = None, *,
-                    dtype: Any = jnp.float32, block: int = FLASH_BLOCK) -> Array:
+                    dtype: Any = jnp.float32, block: int = FLASH_BLOCK,
+                    shared_prompt: bool = False) -> Array:
   """Causal GQA self-attention [B, T, H, D] (f32), blockwise; see `causal_attention`.
 
   The row is cut into n = ceil(T / block) blocks (the tail padded; causality hides padded keys
@@ -222,8 +246,13 @@ def flash_attention(q: Array, k: Array, v: Array, segment_ids: Array | None = No
   rescaling l and acc by exp(m_old - m_new) when m grows; out = acc / l, and the backward pass
   keeps only out and lse = m + log(l) (FlashAttention-2). The diagonal d = 0 comes first: it
   holds every query's own key, so m is a real score from the start and l >= 1.
+
+  Segments mask each tile by `visible_segments` of its query and key ids (with
+  `shared_prompt`, a key of segment 0 is visible to every later query), so the mask is never
+  more than one [block, block] tile per (row, diagonal) either. The tail padding of the last
+  block carries segment 0, which causality hides: its keys come after every real query.
   """
-  return _flash(q, k, v, segment_ids, jnp.dtype(dtype), block)
+  return _flash(q, k, v, segment_ids, jnp.dtype(dtype), block, shared_prompt)
 
 
 def _blocks(x: Array, block: int) -> Array:
@@ -260,7 +289,8 @@ def _unblock_kv(x: Array, length: int) -> Array:
   return x.transpose(1, 0, 3, 2, 4).reshape(batch, n * block, kv_heads, head_dim)[:, :length]
 
 
-def _diagonal_scores(q: Array, k: Array, segment_ids: Array | None, d: int, dtype: Any) -> Array:
+def _diagonal_scores(q: Array, k: Array, segment_ids: Array | None, d: int, dtype: Any,
+                     shared_prompt: bool) -> Array:
   """Masked scores [n - d, B, K, G, block, block] of query blocks d.. against key blocks ..n-d
   (block diagonal d)."""
   n, block, head_dim = q.shape[0], q.shape[4], q.shape[5]
@@ -269,7 +299,8 @@ def _diagonal_scores(q: Array, k: Array, segment_ids: Array | None, d: int, dtyp
   if d == 0:  # Only the diagonal tiles cut through the causal boundary.
     visible = jnp.tril(jnp.ones((block, block), bool))
   if segment_ids is not None:
-    same = (segment_ids[d:, :, None, None, :, None] == segment_ids[:n - d, :, None, None, None, :])
+    same = visible_segments(segment_ids[d:, :, None, None, :, None],
+                            segment_ids[:n - d, :, None, None, None, :], shared_prompt)
     visible = same if visible is None else same & visible
   return scores if visible is None else jnp.where(visible, scores, MASK_VALUE)
 
@@ -279,14 +310,15 @@ def _pv(p: Array, v: Array, dtype: Any) -> Array:
   return dot("nbkgqs,nbksd->nbkgqd", p, v, dtype)
 
 
-def _flash_forward(q: Array, k: Array, v: Array, segment_ids: Array | None, dtype: Any, block: int):
+def _flash_forward(q: Array, k: Array, v: Array, segment_ids: Array | None, dtype: Any, block: int,
+                   shared_prompt: bool):
   """(out [B, T, H, D], residuals) of `flash_attention`."""
   length, kv_heads = q.shape[1], k.shape[2]
   qb, kb, vb = _block_q(q, kv_heads, block), _block_kv(k, block), _block_kv(v, block)
   sb = None if segment_ids is None else _blocks(segment_ids, block).transpose(1, 0, 2)
   n = qb.shape[0]
   for d in range(n):
-    s = _diagonal_scores(qb, kb, sb, d, dtype)
+    s = _diagonal_scores(qb, kb, sb, d, dtype, shared_prompt)
     if d == 0:
       m = jnp.max(s, axis=-1)
       p = jnp.exp(s - m[..., None])
@@ -307,7 +339,7 @@ def _flash_forward(q: Array, k: Array, v: Array, segment_ids: Array | None, dtyp
   return _unblock_q(out, length), (qb, kb, vb, sb, out, lse)
 
 
-def _flash_backward(dtype: Any, block: int, residuals, d_out: Array):
+def _flash_backward(dtype: Any, block: int, shared_prompt: bool, residuals, d_out: Array):
   """Cotangents of q, k, v (and None for the segment ids) of `flash_attention`.
 
   With p = exp(s - lse) recomputed tile by tile and delta = rowsum(dout * out):
@@ -322,7 +354,7 @@ def _flash_backward(dtype: Any, block: int, residuals, d_out: Array):
   dk = jnp.zeros(kb.shape, jnp.float32)
   dv = jnp.zeros(vb.shape, jnp.float32)
   for d in range(n):
-    p = jnp.exp(_diagonal_scores(qb, kb, sb, d, dtype) - lse[d:][..., None])
+    p = jnp.exp(_diagonal_scores(qb, kb, sb, d, dtype, shared_prompt) - lse[d:][..., None])
     dv = dv.at[:n - d].add(dot("nbkgqs,nbkgqd->nbksd", p, do[d:], dtype))
     dp = dot("nbkgqd,nbksd->nbkgqs", do[d:], vb[:n - d], dtype)
     ds = p * (dp - delta[d:][..., None]) / math.sqrt(head_dim)
@@ -333,10 +365,10 @@ def _flash_backward(dtype: Any, block: int, residuals, d_out: Array):
           _unblock_kv(dv, length).astype(vb.dtype), None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _flash(q: Array, k: Array, v: Array, segment_ids: Array | None, dtype: Any,
-           block: int) -> Array:
-  return _flash_forward(q, k, v, segment_ids, dtype, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash(q: Array, k: Array, v: Array, segment_ids: Array | None, dtype: Any, block: int,
+           shared_prompt: bool) -> Array:
+  return _flash_forward(q, k, v, segment_ids, dtype, block, shared_prompt)[0]
 
 
 _flash.defvjp(_flash_forward, _flash_backward)

@@ -258,13 +258,17 @@ class Decoder(nnx.Module):
 
   def hidden_states(self, input_ids: Array, positions: Array | None = None,
                     attention_mask: Array | None = None, cache: KVCache | None = None, *,
-                    cache_window: int | None = None, adapters: Any = None,
+                    cache_window: int | None = None, segment_ids: Array | None = None,
+                    shared_prompt: bool = False, adapters: Any = None,
                     dropout_key: Array | None = None,
                     layers: Sequence[DecodeLayer] | None = None) -> tuple[Array, KVCache | None]:
     """Final-normed hidden states [B, T, E] (f32) and the updated cache.
 
     Without a cache a token attends to the earlier tokens of its row that attention_mask keeps
-    (padding queries see only padding: their outputs mean nothing).
+    (padding queries see only padding: their outputs mean nothing), or, given segment_ids
+    [B, T] in place of a mask, to the earlier tokens of its segment; with `shared_prompt` also
+    to segment 0, the prompt that the row's continuations share (attention.causal_attention;
+    the positions then restart for each continuation).
     With a cache the tokens are appended to each row's live slots (see the module docstring);
     the cache's lengths grow by attention_mask.sum(-1) (by T without a mask). One token per row
     (T = 1) reads only the slots its row holds, and a masked row reads nothing. Several read
@@ -280,10 +284,13 @@ class Decoder(nnx.Module):
     if adapters is not None and cache is not None:
       raise ValueError("adapters apply to the uncached (learner) path; sample with merged weights")
     batch, length = input_ids.shape
+    if (segment_ids is not None or shared_prompt) and (cache is not None
+                                                       or attention_mask is not None):
+      raise ValueError("segment ids replace the attention mask and take no cache")
     if cache is None:
       slots = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
       # Causal by index; real tokens and padding are two segments.
-      mask = None if attention_mask is None else attention_mask.astype(jnp.int32)
+      mask = segment_ids if attention_mask is None else attention_mask.astype(jnp.int32)
     else:
       window = cache.slots if cache_window is None else cache_window
       if not 0 < window <= cache.slots:
@@ -307,12 +314,12 @@ class Decoder(nnx.Module):
 
     def block(x, params, cache_update, adapted=None):
       p = nnx.merge(layer_graph, params)
-      if adapted is None:
-        return self._block(p, x, positions, mask, inv_freq, slots, cache_update)
-      layer_adapters, layer = adapted
-      key = None if dropout_key is None else jax.random.fold_in(dropout_key, layer)
-      lora = (nnx.merge(adapter_graph, layer_adapters), key)
-      return self._block(p, x, positions, mask, inv_freq, slots, cache_update, lora)
+      lora = None
+      if adapted is not None:
+        layer_adapters, layer = adapted
+        key = None if dropout_key is None else jax.random.fold_in(dropout_key, layer)
+        lora = (nnx.merge(adapter_graph, layer_adapters), key)
+      return self._block(p, x, positions, mask, inv_freq, slots, cache_update, lora, shared_prompt)
 
     if cache is None:
       policy = REMAT_POLICIES[self.remat]
@@ -384,15 +391,16 @@ class Decoder(nnx.Module):
 
   def _block(self, p: Layers | DecodeLayer, x: Array, positions: Array, mask: Array | None,
              inv_freq: Array, slots: Array, cache_update: tuple[int, Array, Array, Any] | None,
-             lora: tuple[Any, Array | None] | None = None):
+             lora: tuple[Any, Array | None] | None = None, shared_prompt: bool = False):
     """One transformer block, on one layer of the stacked `Layers` or a `DecodeLayer`.
 
-    Without a cache `mask` is the segment ids [B, T] (or None). With `cache_update` = (window,
-    k_bits, v_bits, cache_dtype), this layer's cache (raw bits, see `KVCache`), the new keys and
-    values are written at `slots` [B, T] and `mask` is, for T = 1, the visible slots [B] of each
-    row, else the mask [B, T, window] of visible cache slots. Returns x and the updated (k_bits,
-    v_bits), or None without a cache. `lora` = (this layer's adapters, its dropout key or None)
-    adds the adapters' terms to the projections they target (`Layers` only: the sampler's
+    Without a cache `mask` is the segment ids [B, T] (or None; with `shared_prompt` segment 0 is
+    the prompt every segment sees). With `cache_update` = (window, k_bits, v_bits,
+    cache_dtype), this layer's cache (raw bits, see `KVCache`), the new keys and values are
+    written at `slots` [B, T] and `mask` is, for T = 1, the visible slots [B] of each row, else
+    the mask [B, T, window] of visible cache slots. Returns x and the updated (k_bits, v_bits),
+    or None without a cache. `lora` = (this layer's adapters, its dropout key or None) adds the
+    adapters' terms to the projections they target (`Layers` only: the sampler's
     `DecodeLayer`s hold merged weights).
     """
     config, dtype = self.config, self.dtype
@@ -431,7 +439,7 @@ class Decoder(nnx.Module):
         attended = attention_lib.dense_attention(q, read(k_bits), read(v_bits), mask, dtype)
     else:
       attended = attention_lib.causal_attention(q, k, v, mask, implementation=self.attention,
-                                                dtype=dtype)
+                                                dtype=dtype, shared_prompt=shared_prompt)
     if isinstance(p, DecodeLayer):
       x = x + dot("btn,ne->bte", attended.reshape(*attended.shape[:2], -1), p.o, dtype)
     else:

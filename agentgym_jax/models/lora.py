@@ -162,9 +162,11 @@ class LoraModel(nnx.Module):
     return self.decoder.config
 
   def hidden_states(self, input_ids: Array, positions: Array | None = None,
-                    attention_mask: Array | None = None, *,
+                    attention_mask: Array | None = None, *, segment_ids: Array | None = None,
+                    shared_prompt: bool = False,
                     dropout_key: Array | None = None) -> tuple[Array, None]:
-    return self.decoder.hidden_states(input_ids, positions, attention_mask, adapters=self.adapters,
+    return self.decoder.hidden_states(input_ids, positions, attention_mask, segment_ids=segment_ids,
+                                      shared_prompt=shared_prompt, adapters=self.adapters,
                                       dropout_key=dropout_key)
 
   def logits(self, hidden: Array) -> Array:
