@@ -13,6 +13,7 @@ import torch
 import transformers
 from flax import nnx
 
+import test_trainer
 import tiny
 import tolerances
 from agentgym_jax import checkpoint, config as config_lib, learner, offline, run
@@ -247,14 +248,8 @@ def test_a_lora_checkpoint_holds_and_restores_the_adapters_alone(checkpoint_dir,
 
 
 def echo_config(checkpoint_dir: str, steps: int):
-  c = config_lib.base_config()
-  c.steps = steps
-  c.model.name = checkpoint_dir
-  config_lib.tiny_echo(c)
-  c.env.options.turns = 2
-  c.rollout.max_context = 64
-  c.horizon.kind = "fixed"
-  c.horizon.turns = 2
+  """The trainer tests' echo run (tests/test_trainer.py) with rank-8 adapters."""
+  c = test_trainer.echo_config(checkpoint_dir, steps=steps)
   c.model.lora.rank = 8
   c.model.lora.alpha = 16.0
   return c
