@@ -10,9 +10,10 @@ import numpy as np
 import peft
 import pytest
 import torch
-import transformers
 from flax import nnx
 
+import test_models
+import test_offline
 import test_trainer
 import tiny
 import tolerances
@@ -320,20 +321,9 @@ def test_lora_sft_trains_adapters_and_exports_the_merged_model(pretrained_like_d
   demos = tmp_path / "demos.jsonl"
   conversation = [{"role": "user", "content": "1 0"}, {"role": "assistant", "content": "0 1 1"}]
   demos.write_text("".join(json.dumps({"messages": conversation}) + "\n" for _ in range(2)))
-  c = config_lib.base_config()
-  c.mode = "sft"
-  c.steps = 8
-  c.model.name = pretrained_like_dir
-  c.model.dtype = "float32"
-  c.model.remat = "none"
+  c = test_offline.offline_config(pretrained_like_dir, demos, "sft", steps=8)
   c.model.lora.rank = 4
-  c.env.name = "echo"
-  c.data.path = str(demos)
-  c.data.batch_size = 2
-  c.data.max_length = 32
-  c.algorithm.logprob_chunk = 16
   c.optim.learning_rate = 1e-2
-  config_lib.quiet(c)
   c.checkpoint.export_hf = True
   history = offline.train_offline(c, tmp_path / "run")
   losses = [h["loss"] for h in history]
@@ -365,20 +355,9 @@ def test_lora_dpo_scores_against_the_base(checkpoint_dir, tmp_path, single_devic
       })
   data = tmp_path / "pairs.jsonl"
   data.write_text("".join(json.dumps(r) + "\n" for r in records))
-  c = config_lib.base_config()
-  c.mode = "dpo"
-  c.steps = 3
-  c.model.name = checkpoint_dir
-  c.model.dtype = "float32"
-  c.model.remat = "none"
+  c = test_offline.offline_config(checkpoint_dir, data, "dpo", steps=3)
   c.model.lora.rank = 4
-  c.env.name = "echo"
-  c.data.path = str(data)
-  c.data.batch_size = 2
-  c.data.max_length = 32
-  c.algorithm.logprob_chunk = 16
   c.optim.learning_rate = 1e-2
-  config_lib.quiet(c)
   history = offline.train_offline(c, tmp_path / "run")
   # Step 1's policy is the base, and so is the reference (the initial adapters, B = 0): every
   # implicit reward beta (log pi - log pi_ref) is exactly 0.
@@ -388,23 +367,9 @@ def test_lora_dpo_scores_against_the_base(checkpoint_dir, tmp_path, single_devic
 
 # --- PEFT's adapter directory, loaded by peft over transformers' model ------------------------
 
-_TINY_HF = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-HF_CONFIGS = {
-    "qwen2": lambda: transformers.Qwen2Config(**_TINY_HF, tie_word_embeddings=False),
-    "llama": lambda: transformers.LlamaConfig(**_TINY_HF, tie_word_embeddings=True),
-}
-
-
-@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_peft_loads_our_adapters_with_the_same_logits(family, tmp_path):
-  torch.manual_seed(0)
-  hf_model = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[family]()).eval()
-  with torch.no_grad():
-    for name, parameter in hf_model.named_parameters():
-      parameter.normal_(0.0, 0.2)
-      if name.endswith("norm.weight"):
-        parameter.add_(1.0)
+  hf_model = test_models.random_hf_model(family)
   hf_model.save_pretrained(tmp_path / "base")
   config = ModelConfig.from_json(tmp_path / "base" / "config.json")
   decoder = weights.load_params(

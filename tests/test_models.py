@@ -47,7 +47,7 @@ HF_CONFIGS = {
 }
 
 
-def _random_hf_model(family: str) -> transformers.PreTrainedModel:
+def random_hf_model(family: str) -> transformers.PreTrainedModel:
   torch.manual_seed(0)
   hf_model = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[family]()).eval()
   with torch.no_grad():
@@ -83,7 +83,7 @@ def family(request):
 @pytest.fixture(scope="module")
 def hf_checkpoint(family, tmp_path_factory):
   """(HF model, its save_pretrained directory) for one family."""
-  hf_model = _random_hf_model(family)
+  hf_model = random_hf_model(family)
   directory = tmp_path_factory.mktemp(family)
   hf_model.save_pretrained(directory)
   return hf_model, directory
@@ -143,7 +143,7 @@ def test_sharded_checkpoint_with_index_loads(hf_checkpoint, tmp_path):
 
 
 def test_bf16_checkpoint_loads_exactly(family, tmp_path):
-  _random_hf_model(family).to(torch.bfloat16).save_pretrained(tmp_path)
+  random_hf_model(family).to(torch.bfloat16).save_pretrained(tmp_path)
   reader = weights.SafetensorsReader(tmp_path)
   assert reader["model.norm.weight"].dtype == jnp.bfloat16
   # bf16 -> f32 is exact, so our f32 model must match transformers loading the file in f32.
