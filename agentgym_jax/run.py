@@ -249,8 +249,8 @@ class Settings:
     return self.data.batch_size * (2 if self.mode == "dpo" else 1), self.data.max_length
 
   def auto_remat(self, model: Decoder, mesh: Mesh) -> tuple[str, str]:
-    """(policy, why) for model.remat=auto: tools/plan.py's `choose_remat` on the update step of
-    `update_shape`, beside what stays resident through it (a reference copy of the policy; an
+    """(policy, why) for model.remat=auto: tools/plan.py's `choose_remat` over the backend's
+    policies (`plan.remat_preference`) on the update step of `update_shape`, beside what stays resident through it (a reference copy of the policy; an
     RL step's whole batch and experience). A device's memory is the smallest any process
     reports, so every process picks the same policy."""
     from agentgym_jax.tools import plan  # pylint: disable=import-outside-toplevel
@@ -273,7 +273,8 @@ class Settings:
                                    param_dtype=param_dtype, remat=remat, attention=model.attention,
                                    logits_chunk=self.loss.logprob_chunk, micro_batch_rows=self.loss.
                                    micro_batch_rows, lora=self.lora).peak_bytes
-    remat, why = plan.choose_remat(peak, device_bytes, resident)
+    remat, why = plan.choose_remat(peak, device_bytes, resident,
+                                   plan.remat_preference(jax.default_backend()))
     return remat, f"a {rows} x {tokens} update step: {why} ({source})"
 
   def chat(self, tokenizer: Tokenizer) -> ChatTemplate:

@@ -276,16 +276,29 @@ def plan(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *, dtype: Any = 
   return MemoryPlan(**figures)
 
 
-# Fastest first: each policy recomputes more of the forward pass in the backward.
-REMAT_PREFERENCE = ("none", "dots", "full")
+# The policies model.remat=auto tries on a backend, fastest first (others: ACCELERATOR_REMAT).
+# On an accelerator each policy recomputes more of the forward pass in the backward than the one
+# before it, so the least recomputation that fits is the fastest. On XLA:CPU full
+# rematerialisation is the fastest as well as the smallest: keeping the scan's saved residuals
+# costs more there than recomputing them (benchmarks/train_step.py --remat=none,dots,full, bf16,
+# SmolLM2-135M on a quiet 2-core Intel Xeon with AMX: 4 x 256 tokens 10.3, 7.4 and 6.8 s a
+# step; 4 x 1024 tokens 39.4, 34.3 and 31.6 s).
+ACCELERATOR_REMAT = ("none", "dots", "full")
+REMAT_PREFERENCE = {"cpu": ("full",)}
 # The share of a device's memory a step may plan to use: the estimate is XLA's schedule of the
 # step alone (and XLA:CPU's when planning for another backend).
 MEMORY_HEADROOM = 0.9
 
 
+def remat_preference(backend: str) -> tuple[str, ...]:
+  """The policies model.remat=auto tries on `backend`, fastest first."""
+  return REMAT_PREFERENCE.get(backend, ACCELERATOR_REMAT)
+
+
 def choose_remat(peak_bytes: Callable[[str], int | None], device_bytes: int,
-                 resident_bytes: int = 0) -> tuple[str, str]:
-  """(remat, why): the first policy of REMAT_PREFERENCE whose update step fits in
+                 resident_bytes: int = 0,
+                 preference: Sequence[str] = ACCELERATOR_REMAT) -> tuple[str, str]:
+  """(remat, why): the first policy of `preference` (fastest first) whose update step fits in
   MEMORY_HEADROOM of `device_bytes` per device, next to `resident_bytes` that live beside it
   (a reference model, a whole rollout batch); full when none fits.
 
@@ -296,7 +309,7 @@ def choose_remat(peak_bytes: Callable[[str], int | None], device_bytes: int,
   gib = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
   within = f"{MEMORY_HEADROOM:.0%} of {gib(device_bytes)}"
   needs = []
-  for remat in REMAT_PREFERENCE:
+  for remat in preference:
     peak = peak_bytes(remat)
     if peak is None:
       return "full", "the compiler gives no memory analysis to choose by"
