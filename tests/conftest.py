@@ -4,7 +4,21 @@ a persistent compilation cache shared by the test processes (and their subproces
 import os
 import pathlib
 
+import pytest
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path.home() / ".cache" / "agentgym_jax" / "jax_test_cache"))
+
+
+@pytest.fixture
+def single_device(monkeypatch):
+  """Runs on one device, as on a workstation; sharding is tested on the 8-device mesh."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from agentgym_jax import sharding  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(
+      sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
+          np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))

@@ -37,13 +37,6 @@ def tiny_model(checkpoint_dir):
   return model
 
 
-@pytest.fixture
-def single_device(monkeypatch):
-  monkeypatch.setattr(
-      sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
-          np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
-
-
 def _random_b(adapters: nnx.State, seed: int = 1, scale: float = 0.1) -> nnx.State:
   """The adapters with B drawn normal(0, scale): a non-zero delta W."""
   leaves, treedef = jax.tree.flatten_with_path(adapters)

@@ -106,14 +106,6 @@ def offline_config(checkpoint_dir, data_path, mode="sft", steps=40):
   return c
 
 
-@pytest.fixture
-def single_device(monkeypatch):
-  # The learning tests run on one device; sharding is tested elsewhere.
-  monkeypatch.setattr(
-      sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
-          np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
-
-
 def _trained_params(c, workdir):
   """The policy parameters of the newest checkpoint in `workdir`, restored as a resume does."""
   model, _ = load_model(c.model.name)

@@ -3,14 +3,15 @@ each stage resumed where it stopped."""
 
 import json
 
-import jax
-import numpy as np
 import pytest
 
 import tiny
 from agentgym_jax import config as config_lib
-from agentgym_jax import demonstrations, metrics, pipeline, run, sharding, trainer
+from agentgym_jax import demonstrations, metrics, pipeline, run, trainer
 from environments import jsonl
+
+# The runs use one device, as on a workstation.
+pytestmark = pytest.mark.usefixtures("single_device")
 
 # Echo conversations (a prompt of symbols, the reply repeating them).
 DEMOS = [{
@@ -27,14 +28,6 @@ DEMOS = [{
 @pytest.fixture(scope="module")
 def checkpoint_dir(tmp_path_factory):
   return str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(autouse=True)
-def single_device(monkeypatch):
-  # The runs use one device, as on a workstation; sharding is tested elsewhere.
-  monkeypatch.setattr(
-      sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
-          np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
 
 
 def config(checkpoint_dir, demos_path):
