@@ -14,11 +14,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 
 @pytest.fixture
 def single_device(monkeypatch):
-  """Runs on one device, as on a workstation; sharding is tested on the 8-device mesh."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from agentgym_jax import sharding  # pylint: disable=import-outside-toplevel
+  """Runs on one device, as on a workstation (tests/tiny.py's `one_device`)."""
+  import tiny  # pylint: disable=import-outside-toplevel
 
-  monkeypatch.setattr(
-      sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
-          np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
+  tiny.one_device(monkeypatch)

@@ -105,8 +105,7 @@ def test_rollout_and_training_step_on_each_chat_family(checkpoint, chat, thinkin
     _check_turns(trajectory, template)
 
   # One RL step of the whole loop on the same checkpoint.
-  import test_trainer  # pylint: disable=import-outside-toplevel
-  test_trainer._single_device(monkeypatch)  # pylint: disable=protected-access
+  tiny.one_device(monkeypatch)
   (metrics,) = trainer.train(c, tmp_path)
   assert metrics["step"] == 1 and np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
 

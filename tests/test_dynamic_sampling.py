@@ -142,21 +142,12 @@ def checkpoint_dir(tmp_path_factory):
   return str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny")))
 
 
-def _single_device(monkeypatch):
-  import jax
-  from agentgym_jax import sharding
-
-  monkeypatch.setattr(
-      sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
-          np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
-
-
 def test_a_resumed_dynamic_sampling_run_matches_an_uninterrupted_one(checkpoint_dir, tmp_path,
                                                                      monkeypatch):
   # The tiny random policy on 2-turn echo: most groups of 8 fail every episode (no signal), so
   # steps need several rounds, the task cursor runs ahead of steps x tasks_per_step, and with
   # at most 2 rounds the first step trains on fewer than 4 groups.
-  _single_device(monkeypatch)
+  tiny.one_device(monkeypatch)
   c = config_lib.base_config()
   c.steps = 4
   c.model.name = checkpoint_dir

@@ -360,6 +360,7 @@ def test_lora_dpo_scores_against_the_base(checkpoint_dir, tmp_path, single_devic
 
 # --- PEFT's adapter directory, loaded by peft over transformers' model ------------------------
 
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_peft_loads_our_adapters_with_the_same_logits(family, tmp_path):
   hf_model = test_models.random_hf_model(family)

@@ -172,9 +172,9 @@ def test_the_configured_sampler_has_a_group_of_rows_and_the_cache_dtype(policy):
 
 def test_training_with_two_groups_matches_one_group(tmp_path, monkeypatch):
   from agentgym_jax import trainer
-  from test_trainer import _single_device, echo_config
+  from test_trainer import echo_config
 
-  _single_device(monkeypatch)
+  tiny.one_device(monkeypatch)
   c = echo_config(str(tiny.make_checkpoint(tmp_path / "tiny")), steps=2)
   c.eval.every = 2
   c.eval.max_tasks = 6  # 6 eval episodes in batches of the step's 64 rows: groups of 3.
@@ -194,9 +194,9 @@ def test_training_with_two_groups_matches_one_group(tmp_path, monkeypatch):
 
 def test_training_in_waves_matches_all_rows_at_once(tmp_path, monkeypatch):
   from agentgym_jax import config as config_lib, run, trainer
-  from test_trainer import _single_device, echo_config
+  from test_trainer import echo_config
 
-  _single_device(monkeypatch)
+  tiny.one_device(monkeypatch)
   c = echo_config(str(tiny.make_checkpoint(tmp_path / "tiny")), steps=2)
   whole = trainer.train(c, tmp_path / "whole")
   c.rollout.wave_rows = 16  # 64 rows a step in 4 waves.

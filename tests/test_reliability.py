@@ -28,7 +28,7 @@ from agentgym_jax.models.tokenizer import Tokenizer
 from environments.base import StepResult
 from environments.http import AgentGymServer
 from environments.pool import EnvPool
-from test_trainer import _single_device, echo_config
+from test_trainer import echo_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -74,7 +74,7 @@ def _record(monkeypatch, module, name):
 @pytest.mark.parametrize("failed_episodes", ["exclude", "zero_reward"])
 def test_env_errors_and_timeouts_end_only_their_episodes(failed_episodes, checkpoint_dir, tmp_path,
                                                          monkeypatch):
-  _single_device(monkeypatch)
+  tiny.one_device(monkeypatch)
   # Task 100 raises on its first step, task 101 hangs 2 s past the 0.5 s step timeout.
   c = faulty_config(checkpoint_dir, steps=2, raise_tasks=(0,), hang_tasks=(1,), hang_s=2.0)
   c.env.step_timeout = 0.5
@@ -124,7 +124,7 @@ def _free_port() -> int:
 def test_training_rides_out_an_http_server_dying(checkpoint_dir, tmp_path, monkeypatch):
   """Step 2: the server dies mid-episode and is back 0.3 s later; step 4: it is down for the
   whole rollout. Both steps' episodes end as env_error and the next step recovers."""
-  _single_device(monkeypatch)
+  tiny.one_device(monkeypatch)
   port = _free_port()
   servers = [AgentGymServer("echo", options={"turns": 2}, port=port).start()]
   c = echo_config(checkpoint_dir, steps=5)
@@ -246,7 +246,7 @@ def test_sciworld_parse_action_is_one_stripped_line_or_none(reply):
 
 @pytest.mark.parametrize("room", ["one turn", "no turn"])
 def test_a_full_context_ends_episodes_as_context(room, checkpoint_dir, tmp_path, monkeypatch):
-  _single_device(monkeypatch)
+  tiny.one_device(monkeypatch)
   c = echo_config(checkpoint_dir, steps=1)
   c.rollout.tasks_per_step = 4
   c.log.trajectories = True
@@ -282,7 +282,7 @@ def test_a_full_context_ends_episodes_as_context(room, checkpoint_dir, tmp_path,
 
 
 def test_nonfinite_updates_are_skipped_then_stop_the_run(checkpoint_dir, tmp_path, monkeypatch):
-  _single_device(monkeypatch)
+  tiny.one_device(monkeypatch)
   # NaN rewards -> NaN advantages -> NaN gradients on every update.
   c = faulty_config(checkpoint_dir, steps=1, nan_reward=True)
   c.algorithm.num_minibatches = 1

@@ -36,19 +36,9 @@ def echo_config(checkpoint_dir: str, advantage: str = "grpo", steps: int = 60):
   return c
 
 
-def _single_device(monkeypatch):
-  # The learning tests run on one device; sharding is tested elsewhere.
-  import jax
-  from agentgym_jax import sharding
-
-  monkeypatch.setattr(
-      sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
-          np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
-
-
 @pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_plus_plus", "gae", "gigpo"])
 def test_tiny_policy_learns_echo(advantage, checkpoint_dir, tmp_path, monkeypatch):
-  _single_device(monkeypatch)
+  tiny.one_device(monkeypatch)
   c = echo_config(checkpoint_dir, advantage)
   if advantage == "gae":
     c.algorithm.value_coef = 1.0
@@ -68,7 +58,7 @@ def test_tiny_policy_learns_echo(advantage, checkpoint_dir, tmp_path, monkeypatc
 
 
 def test_horizon_schedule_caps_turns_per_stage(checkpoint_dir, tmp_path, monkeypatch):
-  _single_device(monkeypatch)
+  tiny.one_device(monkeypatch)
   c = echo_config(checkpoint_dir, steps=4)
   c.env.options.turns = 3
   c.horizon.kind = "stepwise"
@@ -99,7 +89,7 @@ def test_horizon_schedule_caps_turns_per_stage(checkpoint_dir, tmp_path, monkeyp
 
 
 def test_resumed_run_matches_uninterrupted_run(checkpoint_dir, tmp_path, monkeypatch):
-  _single_device(monkeypatch)
+  tiny.one_device(monkeypatch)
   c = echo_config(checkpoint_dir, steps=4)
   c.checkpoint.every = 2
   c.checkpoint.export_hf = True

@@ -158,3 +158,14 @@ def make_checkpoint(directory: str | pathlib.Path, *, seed: int = 0, hidden_size
   model = Decoder(config, rngs=nnx.Rngs(seed))
   weights.save_hf(model, directory, dtype=jnp.float32)
   return directory
+
+
+def one_device(monkeypatch) -> None:
+  """Makes runs use one device, as on a workstation (sharding is tested on the 8-device mesh)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from agentgym_jax import sharding  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(
+      sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
+          np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
