@@ -71,6 +71,7 @@ Array = jax.Array
 MAX_STOP_IDS = 8
 INVERSE_CDF_BLOCK = 256  # Weights summed per block by `inverse_cdf`'s first level.
 _NO_STOP = -1
+SHARED_PREFIX_MULTIPLE = 128  # See `shared_prefix`.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +225,23 @@ def bucket(n: int, floor: int, cap: int | None = None) -> int:
   return size if cap is None else min(size, cap)
 
 
+def shared_prefix(prompts: Sequence[Sequence[int]]) -> int:
+  """How many leading tokens a start prefills once for all its distinct prompts: their longest
+  common prefix, short of the shortest prompt (each prompt keeps a token of its own, whose
+  hidden state starts its decode), cut down to a multiple of SHARED_PREFIX_MULTIPLE.
+
+  The cut keeps the prefix's program shape from step to step (prompts that share an
+  instruction and first differ a few tokens later or earlier share it) and leaves at most
+  SHARED_PREFIX_MULTIPLE - 1 common tokens to each prompt's own prefill.
+  """
+  first, last = min(map(tuple, prompts)), max(map(tuple, prompts))
+  limit = min(map(len, prompts)) - 1
+  common = 0
+  while common < limit and first[common] == last[common]:
+    common += 1  # The common prefix of a set is that of its lexicographic extremes.
+  return common - common % SHARED_PREFIX_MULTIPLE
+
+
 def _map_state(fn: Callable[[Array, tuple[str, ...]], Array], state: SamplerState) -> SamplerState:
   """Applies fn(array, logical axes) to every array of a state."""
   cache = state.cache
@@ -254,16 +272,28 @@ def _prefill(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, tok
   return _constrain(SamplerState(cache=cache, hidden=hidden))
 
 
-def _prefill_shared(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, tokens: Array,
-                    counts: Array, sources: Array, *, window: int) -> SamplerState:
-  """Prefills the distinct prompts tokens [U, T] (the first counts[u] real) once, on U rows of
-  their own, and copies prompt sources[b] into every row b with sources[b] >= 0 (rows that were
-  empty; the others are unchanged).
+def _prefill_shared(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState,
+                    prefix: Array | None, tokens: Array, counts: Array, sources: Array, *,
+                    window: int) -> SamplerState:
+  """Prefills the distinct prompts once, on U rows of their own, and copies prompt sources[b]
+  into every row b with sources[b] >= 0 (rows that were empty; the others are unchanged).
 
-  The copy reads and writes only the first `window` slots of the cache, which hold the prompts.
+  Prompt u is `prefix` [P] (every prompt's first P tokens; None for P = 0) followed by
+  tokens[u, :counts[u]]. The prefix is prefilled once, on one row, and its keys and values
+  broadcast to the U rows before their own tokens are appended. The copy reads and writes only
+  the first `window` slots of the cache, which hold the prompts.
   """
   model = nnx.merge(graphdef, params)
-  prompts = KVCache.zeros(model.config, tokens.shape[0], window, state.cache.dtype)
+  distinct = tokens.shape[0]
+  if prefix is None:
+    prompts = KVCache.zeros(model.config, distinct, window, state.cache.dtype)
+  else:
+    prompts = KVCache.zeros(model.config, 1, window, state.cache.dtype)
+    _, prompts = model.hidden_states(prefix[None], cache=prompts, cache_window=prefix.shape[0])
+    rows = lambda bits: tuple(jnp.broadcast_to(x, (distinct,) + x.shape[1:]) for x in bits)
+    prompts = prompts.replace(
+        k=rows(prompts.k), v=rows(prompts.v),
+        lengths=jnp.broadcast_to(prompts.lengths, (distinct,)))
   mask = jnp.arange(tokens.shape[1])[None, :] < counts[:, None]
   hidden, prompts = model.hidden_states(tokens, attention_mask=mask, cache=prompts)
   last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
@@ -393,7 +423,9 @@ class Sampler:
     Rows not listed, or listed with no ids, are unchanged. The new ids are prefilled in one
     call, attending to everything the rows already hold. When every listed row is empty (the
     start of episodes), each distinct list of ids is prefilled once and copied into the rows
-    that share it: the samples of one task share their prompt.
+    that share it: the samples of one task share their prompt. The tokens the distinct lists
+    all begin with (an instruction every task's prompt opens with; `shared_prefix`) are
+    prefilled once for all of them.
     """
     lengths = self._lengths(state, None)
     counts = np.zeros(self.max_batch, np.int32)
@@ -419,22 +451,25 @@ class Sampler:
 
   def _append_shared(self, state: SamplerState, rows_tokens: Mapping[int, Sequence[int]],
                      params: nnx.State | None) -> SamplerState:
-    """`append` to empty rows: each distinct list of ids prefilled once, then copied."""
+    """`append` to empty rows: each distinct list of ids prefilled once, after the prefix they
+    all share (`shared_prefix`) prefilled once, then copied."""
     distinct: dict[tuple[int, ...], int] = {}
     sources = np.full(self.max_batch, -1, np.int32)
     for row, ids in rows_tokens.items():
       if len(ids):
         sources[row] = distinct.setdefault(tuple(ids), len(distinct))
-    width = bucket(max(map(len, distinct)), self.min_bucket)
+    shared = shared_prefix(list(distinct)) if len(distinct) > 1 else 0
+    width = bucket(max(map(len, distinct)) - shared, self.min_bucket)
     tokens = np.zeros((bucket(len(distinct), 1, self.max_batch), width), np.int32)
     counts = np.zeros(tokens.shape[0], np.int32)
     for ids, index in distinct.items():
-      tokens[index, :len(ids)] = ids
-      counts[index] = len(ids)
-    window = self._window(counts.max())
+      tokens[index, :len(ids) - shared] = ids[shared:]
+      counts[index] = len(ids) - shared
+    prefix = jnp.asarray(next(iter(distinct))[:shared], jnp.int32) if shared else None
+    window = self._window(shared + counts.max())
     with self._mesh_context():
       return self._prefill_shared(
-          self._params(params), state, jnp.asarray(tokens), jnp.asarray(counts),
+          self._params(params), state, prefix, jnp.asarray(tokens), jnp.asarray(counts),
           self._place_batch(sources), window=window)
 
   def generate(self, state: SamplerState, key: Array, *, max_new_tokens: int,

@@ -436,31 +436,67 @@ def test_a_draw_takes_one_random_word_a_row_not_one_a_token():
   assert random_shapes and all(np.prod(shape, dtype=int) <= 4 for shape in random_shapes)
 
 
-def test_rows_sharing_a_prompt_prefill_it_once_and_continue_as_their_own(model, forward):
-  sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
-  shared, other = _prompts([9, 4], seed=5)
-  prefilled = []
-  prefill = sampler._prefill_shared
-  sampler._prefill_shared = lambda params, state, tokens, *a, **k: (
-      prefilled.append(tokens.shape[0]) or prefill(params, state, tokens, *a, **k))
-  state = sampler.start([shared, shared, other, shared])
-  assert prefilled == [2]  # Two distinct prompts, two rows prefilled.
-  assert np.asarray(state.lengths).tolist() == [9, 9, 4, 9]
-  # Each row then decodes as if it had been prefilled alone: greedy equals the argmax
-  # continuation of plain forward passes over its own sequence.
-  state, out = sampler.generate(state, jax.random.key(0), max_new_tokens=6, temperature=0.0)
-  for row, prompt in enumerate([shared, shared, other, shared]):
+def _assert_greedy_as_if_alone(forward, prompts, out):
+  """Row b's greedy tokens and their log-probs are those of plain forward passes over prompt b
+  and the tokens it generated: the argmax continuation."""
+  for row, prompt in enumerate(prompts):
     sequence = list(prompt)
-    for _ in range(6):
+    for _ in range(out.tokens.shape[1]):
       sequence.append(int(np.argmax(forward(sequence)[-1])))
     assert out.token_lists()[row] == sequence[len(prompt):]
     np.testing.assert_allclose(
         np.asarray(out.logprobs[row]),
         [forward(sequence[:t])[-1][sequence[t]] for t in range(len(prompt), len(sequence))], rtol=0,
         atol=_logprob_tolerance(np.asarray(out.logprobs)))
+
+
+def test_rows_sharing_a_prompt_prefill_it_once_and_continue_as_their_own(model, forward):
+  sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
+  shared, other = _prompts([9, 4], seed=5)
+  prefilled = []
+  prefill = sampler._prefill_shared
+  sampler._prefill_shared = lambda params, state, prefix, tokens, *a, **k: (
+      prefilled.append(tokens.shape[0]) or prefill(params, state, prefix, tokens, *a, **k))
+  state = sampler.start([shared, shared, other, shared])
+  assert prefilled == [2]  # Two distinct prompts, two rows prefilled.
+  assert np.asarray(state.lengths).tolist() == [9, 9, 4, 9]
+  # Each row then decodes as if it had been prefilled alone: greedy equals the argmax
+  # continuation of plain forward passes over its own sequence.
+  state, out = sampler.generate(state, jax.random.key(0), max_new_tokens=6, temperature=0.0)
+  _assert_greedy_as_if_alone(forward, [shared, shared, other, shared], out)
   # Appending to rows that hold tokens takes the plain prefill, attending to what they hold.
   state = sampler.append(state, {0: [5, 6], 1: [5, 6]})
   assert prefilled == [2] and np.asarray(state.lengths).tolist() == [17, 17, 10, 15]
+
+
+def test_the_shared_prefix_is_the_common_prefix_short_of_a_token_cut_to_the_multiple(monkeypatch):
+  monkeypatch.setattr(sampling, "SHARED_PREFIX_MULTIPLE", 1)
+  assert sampling.shared_prefix([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]]) == 2
+  # Every prompt keeps a token of its own, even one that is another's prefix.
+  assert sampling.shared_prefix([[1, 2, 3], [1, 2, 3, 4, 5]]) == 2
+  assert sampling.shared_prefix([[7, 1], [8, 1]]) == 0
+  monkeypatch.setattr(sampling, "SHARED_PREFIX_MULTIPLE", 4)
+  common = list(range(10, 21))  # 11 common tokens: 8 are shared.
+  assert sampling.shared_prefix([common + [1, 2], common + [3], common + [4, 5, 6]]) == 8
+
+
+def test_prompts_prefill_their_common_prefix_once_and_decode_as_if_alone(
+    model, forward, monkeypatch):
+  monkeypatch.setattr(sampling, "SHARED_PREFIX_MULTIPLE", 8)
+  sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH, min_bucket=4)
+  instruction = _prompts([19], seed=7)[0]
+  prompts = [instruction + tail for tail in _prompts([5, 9, 1], seed=8)]
+  prompts.append(prompts[1])
+  calls = []
+  prefill = sampler._prefill_shared
+  sampler._prefill_shared = lambda params, state, prefix, tokens, *a, **k: (
+      calls.append((prefix.shape, tokens.shape)) or prefill(params, state, prefix, tokens, *a, **k))
+  state = sampler.start(prompts)
+  # 16 of the 19 common tokens once, then the three distinct rests (3 + 5, 3 + 9, 3 + 1 tokens).
+  assert calls == [((16,), (3, 12))]
+  assert np.asarray(state.lengths).tolist() == [24, 28, 20, 28]
+  state, out = sampler.generate(state, jax.random.key(0), max_new_tokens=6, temperature=0.0)
+  _assert_greedy_as_if_alone(forward, prompts, out)
 
 
 def test_a_shared_start_leaves_rows_not_given_a_prompt_untouched(model):
