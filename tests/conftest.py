@@ -18,3 +18,11 @@ def single_device(monkeypatch):
   import tiny  # pylint: disable=import-outside-toplevel
 
   tiny.one_device(monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+  """tests/tiny.py's random model saved as a Hugging Face checkpoint (read, never written)."""
+  import tiny  # pylint: disable=import-outside-toplevel
+
+  return str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny")))

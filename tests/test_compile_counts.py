@@ -15,17 +15,11 @@ import numpy as np
 import pytest
 from jax import monitoring
 
-import tiny
 from agentgym_jax import metrics, rollout, run, sharding, trainer
 from agentgym_jax.sampling import Sampler
 from test_trainer import echo_config
 
 LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
-
-
-@pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory):
-  return str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny")))
 
 
 def _fun_name(name: str) -> str:

@@ -137,11 +137,6 @@ def test_dynamic_sampling_keys_are_validated_at_start_up():
     config_lib.validate(c)
 
 
-@pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory):
-  return str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny")))
-
-
 def test_a_resumed_dynamic_sampling_run_matches_an_uninterrupted_one(checkpoint_dir, tmp_path,
                                                                      monkeypatch):
   # The tiny random policy on 2-turn echo: most groups of 8 fail every episode (no signal), so

@@ -27,11 +27,6 @@ INPUT_IDS = np.random.RandomState(0).randint(0, 9, (2, 11))
 
 
 @pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory):
-  return str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(scope="module")
 def tiny_model(checkpoint_dir):
   model, _ = load_model(checkpoint_dir)
   return model

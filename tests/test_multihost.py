@@ -13,7 +13,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-import tiny
 import tolerances
 from agentgym_jax import metrics
 
@@ -46,11 +45,6 @@ SETTINGS = [
     f"--config.optim.eps={ADAM_EPS}"
 ]
 TIMEOUT_S = 300
-
-
-@pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory):
-  return str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny")))
 
 
 def _free_port() -> int:

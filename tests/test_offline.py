@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import tiny
 from agentgym_jax import checkpoint, config as config_lib, demonstrations, learner, metrics
 from agentgym_jax import offline, offline_data, run, sharding
 from agentgym_jax.models import load_model
@@ -69,11 +68,6 @@ PAIR_RECORDS = [
     _record(3, "0 1", "1 0", True),
     _record(3, "0 1", "0 1", False),
 ]
-
-
-@pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory):
-  return str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny")))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ import json
 
 import pytest
 
-import tiny
 from agentgym_jax import config as config_lib
 from agentgym_jax import demonstrations, metrics, pipeline, run, trainer
 from environments import jsonl
@@ -23,11 +22,6 @@ DEMOS = [{
         "content": reply
     }]
 } for prompt, reply in (("1 0", "1 0"), ("0 0", "0 0"), ("1 1", "1 1"), ("0 1", "0 1"))]
-
-
-@pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory):
-  return str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny")))
 
 
 def config(checkpoint_dir, demos_path):

@@ -33,11 +33,6 @@ from test_trainer import echo_config
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory):
-  return str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny")))
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _register_faulty_env():
   faulty_env.register()

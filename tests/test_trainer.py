@@ -17,11 +17,6 @@ from agentgym_jax import batch, metrics, trainer
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory):
-  return str(tiny.make_checkpoint(tmp_path_factory.mktemp("tiny")))
-
-
 def echo_config(checkpoint_dir: str, advantage: str = "grpo", steps: int = 60):
   c = config_lib.base_config()
   c.steps = steps
