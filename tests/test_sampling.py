@@ -294,11 +294,16 @@ def test_compilations_are_bounded_over_multi_turn_episodes(model):
   assert sampler._decode._cache_size() <= 15
 
 
-def test_sharded_sampler_matches_the_unsharded_one(model):
+@pytest.mark.parametrize("instruction", [0, 19])
+def test_sharded_sampler_matches_the_unsharded_one(model, instruction, monkeypatch):
+  # With a 19-token instruction opening every prompt, 16 of its tokens are a shared prefix.
+  monkeypatch.setattr(sampling, "SHARED_PREFIX_MULTIPLE", 8)
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   sharded_model = weights.load_params(
       weights.abstract_model(CONFIG), weights.to_hf_state_dict(model), mesh)
-  prompts = _prompts([4, 9, 2, 6, 5, 3, 7, 1])
+  opening = _prompts([instruction], seed=7)[0]
+  prompts = [opening + prompt for prompt in _prompts([4, 9, 2, 6, 5, 3, 7, 1])]
+  assert sampling.shared_prefix(prompts) == (16 if instruction else 0)
   results = []
   for candidate, candidate_mesh in [(model, None), (sharded_model, mesh)]:
     sampler = Sampler(candidate, cache_slots=64, max_batch=8, mesh=candidate_mesh)

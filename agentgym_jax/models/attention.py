@@ -120,8 +120,7 @@ def dense_attention(q: Array, k: Array, v: Array, mask: Array, dtype: Any) -> Ar
   kv_heads = k.shape[1]
   # q as [B, K, G, T, D]: the scores' order [B, K, G, T, S] is then the matmul's natural output
   # order (batch dims, then q's rows, then k's), which the mask and softmax read as it is; from
-  # q as [B, T, K, G, D] XLA:CPU wrote every score again in a transposing copy (2x the time of
-  # a 512-token append to a 1024-slot window, SmolLM2 at batch 72).
+  # q as [B, T, K, G, D] XLA:CPU wrote every score again in a transposing copy.
   q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim).transpose(0, 2, 3, 1, 4)
   scores = dot("bkgtd,bksd->bkgts", q, k, dtype) / math.sqrt(head_dim)
   scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
