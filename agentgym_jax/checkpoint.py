@@ -123,13 +123,10 @@ class Checkpointer:
         enable_async_checkpointing=async_save,
         # Unfinished `<step>.orbax-checkpoint-tmp-*` directories of a killed run are removed.
         cleanup_tmp_directories=True,
-        create=True,
-    )
+        create=True)
     self._manager = ocp.CheckpointManager(
-        self.directory, options=options, item_names=(_STATE, _META), item_handlers={
-            _STATE: ocp.StandardCheckpointHandler(),
-            _META: ocp.JsonCheckpointHandler()
-        })
+        self.directory, options=options, item_names=(_STATE, _META),
+        item_handlers={_STATE: ocp.StandardCheckpointHandler(), _META: ocp.JsonCheckpointHandler()})
 
   def should_save(self, step: int) -> bool:
     """Whether `step` is a scheduled save step (divisible by `save_every`)."""

@@ -233,27 +233,23 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"model.dtype={c.model.dtype!r} is not one of {DTYPES + ('auto',)}")
   _check(c.model.param_dtype in DTYPES,
          f"model.param_dtype={c.model.param_dtype!r} is not one of {DTYPES}")
-  _check(
-      c.model.remat in (*REMAT_POLICIES, "auto"),
-      f"model.remat={c.model.remat!r} is not one of {[*REMAT_POLICIES, 'auto']}")
+  _check(c.model.remat in (*REMAT_POLICIES, "auto"),
+         f"model.remat={c.model.remat!r} is not one of {[*REMAT_POLICIES, 'auto']}")
   _check(c.model.attention in IMPLEMENTATIONS,
          f"model.attention={c.model.attention!r} is not one of {IMPLEMENTATIONS}")
-  _check(
-      c.model.thinking in ("on", "off"),
-      f"model.thinking={c.model.thinking!r} is not 'on' or 'off'")
+  _check(c.model.thinking in ("on", "off"),
+         f"model.thinking={c.model.thinking!r} is not 'on' or 'off'")
   _validate_lora(c)
   for axis in ("data", "fsdp", "tensor"):
     value = c.mesh[axis]
     _check(value == -1 or value > 0, f"mesh.{axis}={value} must be > 0 or -1")
   _check(c.env.name in env_base.registered(),
          f"env.name={c.env.name!r} is not one of {env_base.registered()}")
-  _check(
-      c.env.backend in ("thread", "process"),
-      f"env.backend={c.env.backend!r} is not 'thread' or 'process'")
+  _check(c.env.backend in ("thread", "process"),
+         f"env.backend={c.env.backend!r} is not 'thread' or 'process'")
   _check(c.env.step_timeout > 0, f"env.step_timeout={c.env.step_timeout} must be > 0")
-  _check(
-      c.env.failed_episodes in ("exclude", "zero_reward"),
-      f"env.failed_episodes={c.env.failed_episodes!r} is not 'exclude' or 'zero_reward'")
+  _check(c.env.failed_episodes in ("exclude", "zero_reward"),
+         f"env.failed_episodes={c.env.failed_episodes!r} is not 'exclude' or 'zero_reward'")
   _check(c.env.action_format in env_base.ACTION_FORMATS,
          f"env.action_format={c.env.action_format!r} is not one of {env_base.ACTION_FORMATS}")
   _check(
@@ -312,9 +308,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   for key in ("kl_estimator", "kl_in_reward_estimator"):
     _check(a[key] in rl.KL_ESTIMATORS,
            f"algorithm.{key}={a[key]!r} is not one of {sorted(rl.KL_ESTIMATORS)}")
-  _check(
-      a.grpo_std in ("population", "unbiased"),
-      f"algorithm.grpo_std={a.grpo_std!r} is not 'population' or 'unbiased'")
+  _check(a.grpo_std in ("population", "unbiased"),
+         f"algorithm.grpo_std={a.grpo_std!r} is not 'population' or 'unbiased'")
   _check(a.grpo_eps >= 0, f"algorithm.grpo_eps={a.grpo_eps} must be >= 0")
   _check(a.policy_loss in rl.POLICY_LOSSES,
          f"algorithm.policy_loss={a.policy_loss!r} is not one of {sorted(rl.POLICY_LOSSES)}")
@@ -382,9 +377,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(a.logprob_chunk > 0, f"algorithm.logprob_chunk={a.logprob_chunk} must be > 0")
   o = c.optim
   _check(o.learning_rate > 0, f"optim.learning_rate={o.learning_rate} must be > 0")
-  _check(
-      o.schedule in ("constant", "cosine"),
-      f"optim.schedule={o.schedule!r} is not 'constant' or 'cosine'")
+  _check(o.schedule in ("constant", "cosine"),
+         f"optim.schedule={o.schedule!r} is not 'constant' or 'cosine'")
   _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
   updates = optimizer_updates(c)
   _check(
@@ -419,8 +413,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   curriculum = c.rollout.curriculum
   _check(
       isinstance(curriculum, (tuple, list)) and all(
-          isinstance(stage, (tuple, list)) and stage and all(isinstance(n, str)
-                                                             for n in stage)
+          isinstance(stage, (tuple, list)) and stage and all(isinstance(n, str) for n in stage)
           for stage in curriculum),
       f"rollout.curriculum={curriculum!r} must be a tuple of non-empty tuples of category "
       "names, one a horizon stage, e.g. (('depth1',), ('depth1', 'depth2'))")

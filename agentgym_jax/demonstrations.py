@@ -90,13 +90,9 @@ def replay(env: base.Env, task_id: int, replies: Sequence[str], *,
   else:
     reason = ""
   record = {
-      "task_id": int(task_id),
-      "env": env.name,
-      "category": str(env.task_info(task_id).get("category", "all")),
-      "source": source,
-      "reward": float(sum(rewards)),
-      "success": success,
-      "num_turns": len(rewards),
+      "task_id": int(task_id), "env": env.name,
+      "category": str(env.task_info(task_id).get("category", "all")), "source": source,
+      "reward": float(sum(rewards)), "success": success, "num_turns": len(rewards),
       "messages": messages
   }
   tools = base.tools_of(env)

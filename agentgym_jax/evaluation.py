@@ -46,8 +46,7 @@ def evaluate(
 def as_metrics(summary: dict[str, Any]) -> dict[str, float]:
   """Flat metrics of a summary: eval/success (Avg@k), eval/pass@k, eval/turns, per category."""
   out = {
-      "eval/success": summary["avg@k"],
-      "eval/pass@k": summary["pass@k"],
+      "eval/success": summary["avg@k"], "eval/pass@k": summary["pass@k"],
       "eval/turns": summary["turns"]
   }
   for name, stats in summary["categories"].items():

@@ -111,9 +111,8 @@ def make_optimizer(learning_rate: float | optax.Schedule, *, weight_decay: float
                    max_consecutive_nonfinite: int = 5) -> optax.GradientTransformation:
   """AdamW after global-norm clipping; a non-finite gradient skips the step (counted)."""
   return optax.apply_if_finite(
-      optax.chain(
-          optax.clip_by_global_norm(grad_clip),
-          optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)),
+      optax.chain(optax.clip_by_global_norm(grad_clip),
+                  optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)),
       max_consecutive_errors=max_consecutive_nonfinite)
 
 
@@ -390,9 +389,8 @@ def _gradients(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.Grap
       *jax.tree.map(lambda x: x[0], parts))
   (_, metric_shapes), grad_shapes = shapes
   zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
-  sums = (zeros(grad_shapes), zeros({
-      k: v for k, v in metric_shapes.items() if k not in MAX_METRICS
-  }))
+  sums = (zeros(grad_shapes),
+          zeros({k: v for k, v in metric_shapes.items() if k not in MAX_METRICS}))
   maxima = {k: jnp.full((), -jnp.inf) for k in metric_shapes if k in MAX_METRICS}
   indices = jnp.arange(batch.tokens.shape[0] // loss.micro_batch_rows)
   ((grads, metrics), maxima), _ = jax.lax.scan(accumulate, (sums, maxima), (parts, indices))
@@ -419,8 +417,7 @@ def minibatch_indices(num_rows: int, num_minibatches: int, epochs: int, rng: np.
   for _ in range(epochs):
     permutation = rng.permutation(len(units))
     order.extend(
-        np.concatenate([units[u]
-                        for u in permutation[i * size:(i + 1) * size]])
+        np.concatenate([units[u] for u in permutation[i * size:(i + 1) * size]])
         for i in range(num_minibatches))
   if len({len(rows) for rows in order}) > 1:
     raise ValueError("the groups do not split into minibatches of one size: "
@@ -448,9 +445,7 @@ def take_batch(batch: Batch, rows: np.ndarray, row_groups: np.ndarray | None = N
   real = (packed >= 0)[:, None]
   gather = lambda x, fill: jnp.where(real, x[np.maximum(packed, 0)], fill)
   local = {group: i for i, group in enumerate(used)}
-  return taken.replace(
-      shared=shared.replace(
-          tokens=gather(shared.tokens, 0), targets=gather(shared.targets, 0), positions=gather(
-              shared.positions, 0), segments=gather(shared.segments, -1), rows=np.asarray(
-                  [local[g]
-                   for g in row_groups[rows].tolist()], np.int32), index=shared.index[rows]))
+  return taken.replace(shared=shared.replace(
+      tokens=gather(shared.tokens, 0), targets=gather(shared.targets, 0), positions=gather(
+          shared.positions, 0), segments=gather(shared.segments, -1), rows=np.asarray(
+              [local[g] for g in row_groups[rows].tolist()], np.int32), index=shared.index[rows]))

@@ -311,8 +311,7 @@ def trajectory_steps(workdir: str | os.PathLike[str]) -> list[int]:
   if not directory.is_dir():
     return []
   return sorted(
-      int(match.group(1))
-      for file in directory.iterdir()
+      int(match.group(1)) for file in directory.iterdir()
       if (match := _TRAJECTORY_FILE.fullmatch(file.name)))
 
 
@@ -366,12 +365,8 @@ class TrajectoryWriter:
                          "writer adds it.")
     if not _is_writer_process():
       return
-    _replace_file(
-        _trajectory_path(self.directory, step),
-        [_trajectory_line({
-            "step": step,
-            **trajectory
-        }) for trajectory in trajectories])
+    _replace_file(_trajectory_path(self.directory, step),
+                  [_trajectory_line({"step": step, **trajectory}) for trajectory in trajectories])
 
   def truncate_after(self, step: int) -> None:
     """Deletes the files of steps after `step`."""
@@ -419,8 +414,7 @@ class ProgressBar:
   def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
     """Moves the bar to `step` (steps done) and shows the chosen host-side `metrics`."""
     shown = {
-        key: "nan" if metrics[key] is None else f"{metrics[key]:.4g}"
-        for key in self.keys
+        key: "nan" if metrics[key] is None else f"{metrics[key]:.4g}" for key in self.keys
         if metrics and key in metrics
     }
     if self._lines:

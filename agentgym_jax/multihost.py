@@ -82,10 +82,11 @@ class Processes:
       return list(trajectories), stats
     parts = all_gather_objects((list(trajectories), stats))
     every = [s for _, s in parts]
-    return [t for played, _ in parts for t in played], rollout.RolloutStats(
-        generate_s=max(s.generate_s for s in every), env_s=max(s.env_s for s in every),
-        env_hidden_s=min(s.env_hidden_s for s in every),
-        generated_tokens=sum(s.generated_tokens for s in every))
+    total = rollout.RolloutStats(generate_s=max(s.generate_s for s in every),
+                                 env_s=max(s.env_s for s in every),
+                                 env_hidden_s=min(s.env_hidden_s for s in every),
+                                 generated_tokens=sum(s.generated_tokens for s in every))
+    return [t for played, _ in parts for t in played], total
 
   def local_copy(self, params: Any) -> Any:
     """The parameters as arrays on `local_mesh` only, laid out by the logical axis rules.

@@ -85,20 +85,11 @@ class Trajectory:
 
   def to_json(self) -> dict[str, Any]:
     record = {
-        "task_id": self.task_id,
-        "group": self.group,
-        "env": self.env,
-        "category": self.category,
-        "reward": self.reward,
-        "success": self.success,
-        "num_turns": self.num_turns,
-        "termination": self.termination,
-        "error": self.error,
-        "turn_rewards": self.turn_rewards,
-        "messages": self.messages,
-        "num_tokens": len(self.tokens),
-        "num_trained_tokens": int(sum(self.loss_mask)),
-        "info": jsonl.json_safe(self.info)
+        "task_id": self.task_id, "group": self.group, "env": self.env, "category": self.category,
+        "reward": self.reward, "success": self.success, "num_turns": self.num_turns,
+        "termination": self.termination, "error": self.error, "turn_rewards": self.turn_rewards,
+        "messages": self.messages, "num_tokens": len(self.tokens),
+        "num_trained_tokens": int(sum(self.loss_mask)), "info": jsonl.json_safe(self.info)
     }
     if self.tools is not None:
       record["tools"] = self.tools
@@ -194,10 +185,8 @@ def collect(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
       if result.done:  # The environment failed to start the episode.
         _end(trajectory, result.info.get("termination", ENV_ERROR), result.info)
         continue
-      trajectory.messages.append({
-          "role": "user",
-          "content": f"{instruction}\n\n{result.observation}"
-      })
+      trajectory.messages.append(
+          {"role": "user", "content": f"{instruction}\n\n{result.observation}"})
       trajectory.tools = tools
       prompt = chat.render(trajectory.messages, add_generation_prompt=True, tools=tools)
       if len(prompt) + sampling.max_new_tokens > max_context:
@@ -365,9 +354,9 @@ class _Timeline:
     """The busy times; call after every future it watches has resolved."""
     device = _union([future.result() for future in self._device])
     env = _union(self._env)
-    return RolloutStats(
-        generate_s=_length(device), env_s=_length(env),
-        env_hidden_s=_length(_intersection(device, env)), generated_tokens=generated_tokens)
+    return RolloutStats(generate_s=_length(device), env_s=_length(env),
+                        env_hidden_s=_length(_intersection(device,
+                                                           env)), generated_tokens=generated_tokens)
 
 
 def _ready_interval(started: float, arrays: Any) -> tuple[float, float]:

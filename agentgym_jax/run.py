@@ -226,9 +226,8 @@ class Settings:
       return Policy(graphdef, params, None, graphdef, None, self.export_format)
     adapters = lora_lib.init_adapters(model.config, self.lora, self.seed, mesh)
     lora_graphdef, adapter_params, base = lora_lib.split(lora_lib.LoraModel(model, adapters))
-    merge = jax.jit(
-        functools.partial(lora_lib.merged_params, lora_graphdef),
-        out_shardings=jax.tree.map(lambda x: x.sharding, params))
+    merge = jax.jit(functools.partial(lora_lib.merged_params, lora_graphdef),
+                    out_shardings=jax.tree.map(lambda x: x.sharding, params))
     return Policy(lora_graphdef, adapter_params, base, graphdef, merge, self.export_format)
 
   def dropout_key(self, step: int, update: int) -> jax.Array | None:
@@ -312,9 +311,8 @@ class Settings:
 
   def metrics_writer(self, workdir: pathlib.Path, start_step: int) -> metrics.MetricsWriter:
     log = self.config.log
-    wandb = (
-        dict(project=log.wandb_project, name=log.wandb_run_name or workdir.name,
-             config=self.config.to_dict()) if log.wandb else None)
+    wandb = (dict(project=log.wandb_project, name=log.wandb_run_name or workdir.name,
+                  config=self.config.to_dict()) if log.wandb else None)
     return metrics.MetricsWriter(workdir, tensorboard=log.tensorboard, resume_step=start_step,
                                  wandb=wandb)
 
@@ -464,10 +462,10 @@ def learning_rate_schedule(c: ml_collections.ConfigDict) -> optax.Schedule:
 
 def make_optimizer(c: ml_collections.ConfigDict) -> optax.GradientTransformation:
   """The run's optimizer from config.optim (AdamW after clipping, non-finite steps skipped)."""
-  return learner.make_optimizer(
-      learning_rate_schedule(c), weight_decay=c.optim.weight_decay, b1=c.optim.b1, b2=c.optim.b2,
-      eps=c.optim.eps, grad_clip=c.optim.grad_clip,
-      max_consecutive_nonfinite=c.optim.max_consecutive_nonfinite)
+  return learner.make_optimizer(learning_rate_schedule(c), weight_decay=c.optim.weight_decay,
+                                b1=c.optim.b1, b2=c.optim.b2, eps=c.optim.eps,
+                                grad_clip=c.optim.grad_clip,
+                                max_consecutive_nonfinite=c.optim.max_consecutive_nonfinite)
 
 
 @dataclasses.dataclass
@@ -493,9 +491,8 @@ def state_shardings(trainable: Any, opt_state: Any, mesh: Mesh) -> tuple[Any, An
   update a second time. `opt_state` may be abstract (jax.eval_shape of the optimizer's init).
   """
   replicated = NamedSharding(mesh, PartitionSpec())
-  on_mesh = lambda x: (
-      x.sharding
-      if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh else replicated)
+  on_mesh = lambda x: (x.sharding if isinstance(x.sharding, NamedSharding) and x.sharding.mesh ==
+                       mesh else replicated)
   trainable_shardings = jax.tree.map(on_mesh, trainable)
   structure = jax.tree.structure(trainable)
   like_trainable = lambda subtree: jax.tree.structure(subtree) == structure

@@ -247,8 +247,8 @@ def _map_state(fn: Callable[[Array, tuple[str, ...]], Array], state: SamplerStat
   cache = state.cache
   layers = lambda bits: tuple(fn(layer, KVCache.AXES) for layer in bits)
   return SamplerState(
-      cache=cache.replace(
-          k=layers(cache.k), v=layers(cache.v), lengths=fn(cache.lengths, ("batch",))),
+      cache=cache.replace(k=layers(cache.k), v=layers(cache.v),
+                          lengths=fn(cache.lengths, ("batch",))),
       hidden=fn(state.hidden, ("batch", "activation_embed")))
 
 
@@ -291,9 +291,8 @@ def _prefill_shared(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerSta
     prompts = KVCache.zeros(model.config, 1, window, state.cache.dtype)
     _, prompts = model.hidden_states(prefix[None], cache=prompts, cache_window=prefix.shape[0])
     rows = lambda bits: tuple(jnp.broadcast_to(x, (distinct,) + x.shape[1:]) for x in bits)
-    prompts = prompts.replace(
-        k=rows(prompts.k), v=rows(prompts.v),
-        lengths=jnp.broadcast_to(prompts.lengths, (distinct,)))
+    prompts = prompts.replace(k=rows(prompts.k), v=rows(prompts.v),
+                              lengths=jnp.broadcast_to(prompts.lengths, (distinct,)))
   mask = jnp.arange(tokens.shape[1])[None, :] < counts[:, None]
   hidden, prompts = model.hidden_states(tokens, attention_mask=mask, cache=prompts)
   last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
@@ -327,9 +326,9 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys
   layers = model.cached_layers()
   batch = budget.shape[0]
   zeros = lambda dtype: jnp.zeros((batch, width), dtype)
-  out = SampleOutput(
-      tokens=zeros(jnp.int32), logprobs=zeros(jnp.float32), sampling_logprobs=zeros(jnp.float32),
-      lengths=jnp.zeros((batch,), jnp.int32), stopped=jnp.zeros((batch,), bool))
+  out = SampleOutput(tokens=zeros(jnp.int32), logprobs=zeros(jnp.float32),
+                     sampling_logprobs=zeros(jnp.float32), lengths=jnp.zeros(
+                         (batch,), jnp.int32), stopped=jnp.zeros((batch,), bool))
 
   def cond(carry):
     step, _, done, _ = carry
@@ -345,10 +344,9 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys
     column = lambda values, new: jax.lax.dynamic_update_index_in_dim(
         values, jnp.where(live, new, jnp.zeros_like(new)), step, axis=1)
     stop = live & jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
-    out = SampleOutput(
-        tokens=column(out.tokens, tokens), logprobs=column(out.logprobs, logprobs),
-        sampling_logprobs=column(out.sampling_logprobs, sampling_logprobs),
-        lengths=out.lengths + live, stopped=out.stopped | stop)
+    out = SampleOutput(tokens=column(out.tokens, tokens), logprobs=column(out.logprobs, logprobs),
+                       sampling_logprobs=column(out.sampling_logprobs, sampling_logprobs),
+                       lengths=out.lengths + live, stopped=out.stopped | stop)
     hidden, cache = model.hidden_states(tokens[:, None], attention_mask=live[:, None],
                                         cache=state.cache, layers=layers)
     state = SamplerState(cache=cache, hidden=jnp.where(live[:, None], hidden[:, 0], state.hidden))
@@ -387,15 +385,12 @@ class Sampler:
     self.min_window = min_window
     self.graphdef, self.params = nnx.split(model)
     # The state is donated: its cache is updated in place instead of copied every call.
-    self._prefill = jax.jit(
-        functools.partial(_prefill, self.graphdef), static_argnames=("window",),
-        donate_argnums=(1,))
-    self._prefill_shared = jax.jit(
-        functools.partial(_prefill_shared, self.graphdef), static_argnames=("window",),
-        donate_argnums=(1,))
-    self._decode = jax.jit(
-        functools.partial(_decode, self.graphdef), static_argnames=("width", "sampling"),
-        donate_argnums=(1,))
+    self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), static_argnames=("window",),
+                            donate_argnums=(1,))
+    self._prefill_shared = jax.jit(functools.partial(_prefill_shared, self.graphdef),
+                                   static_argnames=("window",), donate_argnums=(1,))
+    self._decode = jax.jit(functools.partial(_decode, self.graphdef),
+                           static_argnames=("width", "sampling"), donate_argnums=(1,))
 
   def empty(self) -> SamplerState:
     """A state whose rows hold nothing."""
@@ -445,9 +440,8 @@ class Sampler:
       tokens[row, :len(ids)] = np.asarray(ids, np.int32)
     window = self._window((lengths + counts).max())
     with self._mesh_context():
-      return self._prefill(
-          self._params(params), state, self._place_batch(tokens), self._place_batch(counts),
-          window=window)
+      return self._prefill(self._params(params), state, self._place_batch(tokens),
+                           self._place_batch(counts), window=window)
 
   def _append_shared(self, state: SamplerState, rows_tokens: Mapping[int, Sequence[int]],
                      params: nnx.State | None) -> SamplerState:
@@ -468,9 +462,8 @@ class Sampler:
     prefix = jnp.asarray(next(iter(distinct))[:shared], jnp.int32) if shared else None
     window = self._window(shared + counts.max())
     with self._mesh_context():
-      return self._prefill_shared(
-          self._params(params), state, prefix, jnp.asarray(tokens), jnp.asarray(counts),
-          self._place_batch(sources), window=window)
+      return self._prefill_shared(self._params(params), state, prefix, jnp.asarray(tokens),
+                                  jnp.asarray(counts), self._place_batch(sources), window=window)
 
   def generate(self, state: SamplerState, key: Array, *, max_new_tokens: int,
                stop_ids: Sequence[int] = (), rows: Sequence[int] | None = None,
@@ -515,9 +508,9 @@ class Sampler:
     stops = np.full(MAX_STOP_IDS, _NO_STOP, np.int32)
     stops[:len(stop_ids)] = stop_ids
     with self._mesh_context():
-      state, out = self._decode(
-          self._params(params), state, keys, self._place_batch(budget.astype(np.int32)),
-          jnp.asarray(stops), width=bucket(max_new_tokens, 1), sampling=sampling)
+      state, out = self._decode(self._params(params), state, keys,
+                                self._place_batch(budget.astype(np.int32)), jnp.asarray(stops),
+                                width=bucket(max_new_tokens, 1), sampling=sampling)
     if out.tokens.shape[1] != max_new_tokens:
       out = jax.tree.map(lambda x: x[:, :max_new_tokens] if x.ndim == 2 else x, out)
     return state, out

@@ -79,8 +79,7 @@ def has_signal(group: Sequence[rollout.Trajectory], failed_episodes: str) -> boo
   """Whether a group's rewards, as they enter the loss, are not all equal: failed episodes are
   left out ("exclude") or count as reward 0 ("zero_reward"), as rollout.pack treats them."""
   rewards = {
-      0.0 if t.env_failed else t.reward
-      for t in group
+      0.0 if t.env_failed else t.reward for t in group
       if not (t.env_failed and failed_episodes == "exclude")
   }
   return len(rewards) > 1
@@ -169,10 +168,8 @@ def trajectory_records(trajectories: Sequence[rollout.Trajectory], advantages: j
   samples = collections.Counter()
   records = []
   for t, advantage, count in zip(trajectories, row_advantage.tolist(), trained.tolist()):
-    records.append({
-        **t.to_json(), "sample": samples[t.group],
-        "advantage": advantage if count else None
-    })
+    records.append(
+        {**t.to_json(), "sample": samples[t.group], "advantage": advantage if count else None})
     samples[t.group] += 1
   return records
 
@@ -234,8 +231,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
       step_key = jax.random.fold_in(base_key, step)
 
       def play(sampler_params: Any, task_ids: list[int], round_index: int):
-        group_of = [(task_id, group)
-                    for group, task_id in enumerate(task_ids)
+        group_of = [(task_id, group) for group, task_id in enumerate(task_ids)
                     for _ in range(settings.samples_per_task)]
         played, stats = rollout.collect_waves(
             sampler, sampler_params, pool, chat, group_of[process_rows.start:process_rows.stop],
@@ -249,11 +245,11 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         # The policy as the sampler runs it (with LoRA, merged once here), alive for the rollout.
         sampler_params = processes.local_copy(policy.sampler_params(state.params))
         step_rollout, cursor = play_step(
-            functools.partial(play, sampler_params),
-            task_orders[min(schedule.stage(step),
-                            len(task_orders) - 1)], cursor, tasks_per_step=settings.tasks_per_step,
-            samples_per_task=settings.samples_per_task, dynamic_sampling=settings.dynamic_sampling,
-            max_rounds=settings.max_sampling_rounds, failed_episodes=settings.failed_episodes)
+            functools.partial(play, sampler_params), task_orders[min(schedule.stage(step),
+                                                                     len(task_orders) - 1)], cursor,
+            tasks_per_step=settings.tasks_per_step, samples_per_task=settings.samples_per_task,
+            dynamic_sampling=settings.dynamic_sampling, max_rounds=settings.max_sampling_rounds,
+            failed_episodes=settings.failed_episodes)
         del sampler_params
         trajectories = step_rollout.batch
 
@@ -308,8 +304,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
               horizon=settings.evaluation.horizon, sampling=settings.evaluation.sampling,
               max_context=settings.max_context, key=jax.random.fold_in(eval_key, done),
               rows_per_batch=wave, groups=settings.pipeline_groups)
-          summary = evaluation.summarize(
-              processes.gather(played), evaluation.task_categories(pool, task_ids))
+          summary = evaluation.summarize(processes.gather(played),
+                                         evaluation.task_categories(pool, task_ids))
         step_metrics.update(evaluation.as_metrics(summary))
         step_metrics["time/eval"] = timer.seconds["eval"]
       metrics_writer.write(done, step_metrics)

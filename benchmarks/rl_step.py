@@ -201,8 +201,7 @@ def recipe_spec() -> dict[str, Any]:
   """What each side of --vs runs: --recipe at the benchmark's size, one fixed turn cap over the
   recipe's tasks (no curriculum), writing nothing but metrics."""
   return {
-      "config": _RECIPE.value,
-      "set": {
+      "config": _RECIPE.value, "set": {
           "steps": _STEPS.value,
           "rollout.tasks_per_step": _TASKS.value,
           "rollout.samples_per_task": _SAMPLES.value,

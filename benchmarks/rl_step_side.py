@@ -41,11 +41,7 @@ def main(tree: str, spec_path: str, out_path: str) -> None:
   with tempfile.TemporaryDirectory() as workdir:
     history = trainer.train(c, pathlib.Path(workdir) / "run")
   pathlib.Path(out_path).write_text(
-      json.dumps({
-          "history": history,
-          "config": c.to_dict(),
-          "skipped": skipped
-      }, default=float))
+      json.dumps({"history": history, "config": c.to_dict(), "skipped": skipped}, default=float))
 
 
 if __name__ == "__main__":

@@ -100,16 +100,14 @@ _WINDOW_OTHERS = flags.DEFINE_integer("window_others", 64,
                                       "Context of the rows other than the longest one.")
 _QUICK = flags.DEFINE_bool("quick", False, "A smoke run: batches 1 and 8, fewer tokens/turns.")
 
-_USER_MESSAGES = (
-    "Craft a wooden pickaxe. You have 3 oak logs.",
-    "What is the capital of France, and why is it famous?",
-    "Write a haiku about reinforcement learning agents exploring a grid world.",
-    "List three uses of redstone in Minecraft and explain each in one sentence.",
-    "You are in a room with a red door and a blue key. What do you do first?",
-    "Summarize the rules of chess in two sentences.",
-    "Translate 'the agent picks up the key' into French and Spanish.",
-    "Explain why the sky is blue to a five year old.",
-)
+_USER_MESSAGES = ("Craft a wooden pickaxe. You have 3 oak logs.",
+                  "What is the capital of France, and why is it famous?",
+                  "Write a haiku about reinforcement learning agents exploring a grid world.",
+                  "List three uses of redstone in Minecraft and explain each in one sentence.",
+                  "You are in a room with a red door and a blue key. What do you do first?",
+                  "Summarize the rules of chess in two sentences.",
+                  "Translate 'the agent picks up the key' into French and Spanish.",
+                  "Explain why the sky is blue to a five year old.")
 
 
 def _best(run: Callable[[], object], repeats: int) -> float:
@@ -173,8 +171,7 @@ def _dense_matmuls(config, dtype, param_dtype) -> Callable[[int], float]:
   layers = [[
       (0.02 * jax.random.normal(jax.random.fold_in(key, 7 * layer + i), shape)).astype(param_dtype)
       for i, shape in enumerate(shapes)
-  ]
-            for layer in range(config.num_layers)]
+  ] for layer in range(config.num_layers)]
   head = (0.02 * jax.random.normal(key, (e, v))).astype(param_dtype)
   dot = lambda x, w: jnp.dot(x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
 
@@ -207,10 +204,8 @@ def _draw_seconds(config, batch: int, repeats: int = 3) -> float:
 
 def _prompts(chat, batch: int) -> list[list[int]]:
   return [
-      chat.render([{
-          "role": "user",
-          "content": _USER_MESSAGES[row % len(_USER_MESSAGES)]
-      }]) for row in range(batch)
+      chat.render([{"role": "user", "content": _USER_MESSAGES[row % len(_USER_MESSAGES)]}])
+      for row in range(batch)
   ]
 
 
@@ -234,9 +229,7 @@ def _ours(model, prompts: list[list[int]], new_tokens: int, repeats: int,
     assert int(out.lengths.min()) == new_tokens
   prefill, decode = min(timings["prefill"]), min(timings["decode"])
   return {
-      "prefill_s": prefill,
-      "decode_s": decode,
-      "decode_tps": batch * new_tokens / decode,
+      "prefill_s": prefill, "decode_s": decode, "decode_tps": batch * new_tokens / decode,
       "total_tps": batch * new_tokens / (prefill + decode)
   }
 
@@ -341,8 +334,7 @@ def _conversation(model, chat, rows: int, turns: int, turn_tokens: int,
           "user",
           f"Observation {turn}: " + " ".join(["the agent sees a door"] * int(rng.randint(1, 7))))
       for _ in range(rows)
-  ]
-                  for turn in range(turns)]
+  ] for turn in range(turns)]
   length = max(map(len, prompts)) + sum(turn_tokens + max(map(len, o)) for o in observations)
   sampler = Sampler(model, cache_slots=bucket(length, 128), max_batch=rows, cache_dtype=cache_dtype)
 
@@ -373,18 +365,15 @@ def _conversation(model, chat, rows: int, turns: int, turn_tokens: int,
   reprefill_s = _best(reprefill, 1)
   same = np.mean([a == b for x, y in zip(live_tokens, reprefill_tokens) for a, b in zip(x, y)])
   return {
-      "live_s": live_s,
-      "reprefill_s": reprefill_s,
-      "tokens_equal": float(same),
-      "context": length
+      "live_s": live_s, "reprefill_s": reprefill_s, "tokens_equal": float(same), "context": length
   }
 
 
 def main(argv: Sequence[str]) -> None:
   del argv
   quick = _QUICK.value
-  batches = [1, 8
-            ] if quick and _BATCHES.value == _BATCHES.default else [int(b) for b in _BATCHES.value]
+  default_batches = quick and _BATCHES.value == _BATCHES.default
+  batches = [1, 8] if default_batches else [int(b) for b in _BATCHES.value]
   new_tokens = 16 if quick and _NEW_TOKENS.value == _NEW_TOKENS.default else _NEW_TOKENS.value
   turns = 4 if quick and _TURNS.value == _TURNS.default else _TURNS.value
   dtype_name = hardware.matmul_dtype(_DTYPE.value)
@@ -491,7 +480,7 @@ def main(argv: Sequence[str]) -> None:
         f"{conversation['reprefill_s'] / conversation['live_s']:.1f}x | "
         f"{conversation['tokens_equal']:.0%} |")
   rooflines = {batch: roofline for batch, _, _, _, roofline, _, _ in rows}
-  print(f"\nTargets: of roofline " +
+  print("\nTargets: of roofline " +
         (", ".join(f"batch {b} {rooflines[b]:.0%}" for b in (32, 64) if b in rooflines) or "-") +
         " (>= 40%, goal 60%); decode step at window "
         f"{windows[-1]} over {windows[0]}, batch {window_batch}, one row at the window "

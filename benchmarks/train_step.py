@@ -140,11 +140,11 @@ def synthetic_batch(vocab: int, batch: int, length: int) -> batch_lib.Batch:
   rng = np.random.default_rng(0)
   loss_mask = np.zeros((batch, length), np.float32)
   loss_mask[:, length // 4:] = 1.0
-  return batch_lib.Batch(
-      tokens=rng.integers(0, vocab, (batch, length)).astype(np.int32), loss_mask=loss_mask,
-      sampler_logprobs=np.where(loss_mask > 0, -10.0, 0.0).astype(np.float32),
-      rewards=rng.integers(0, 2, batch).astype(np.float32),
-      group_ids=(np.arange(batch) // 2).astype(np.int32))
+  return batch_lib.Batch(tokens=rng.integers(0, vocab, (batch, length)).astype(np.int32),
+                         loss_mask=loss_mask, sampler_logprobs=np.where(loss_mask > 0, -10.0,
+                                                                        0.0).astype(np.float32),
+                         rewards=rng.integers(0, 2, batch).astype(np.float32),
+                         group_ids=(np.arange(batch) // 2).astype(np.int32))
 
 
 def ours_step(model, dtype: str, remat: str, attention: str,
@@ -284,8 +284,9 @@ def main(argv):
       weights.save_hf(model, directory, dtype=jnp.float32)
       print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
       for dtype in map(hardware.matmul_dtype, _TORCH_DTYPES.value):
-        variants.append(("torch+transformers", dtype, "-", "-",
-                         torch_step(pathlib.Path(directory), dtype, batch)))
+        variants.append(
+            ("torch+transformers", dtype, "-", "-", torch_step(pathlib.Path(directory), dtype,
+                                                               batch)))
     for dtype in map(hardware.matmul_dtype, _DTYPES.value):
       for implementation in map(attention_lib.resolve, _ATTENTION.value):
         for remat in _REMAT.value:

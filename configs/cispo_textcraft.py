@@ -17,8 +17,5 @@ def get_config(variant: str = ""):
   c = base_config()
   c.env.name = "textcraft"
   c.algorithm.policy_loss = "cispo"
-  return apply_variants(c, variant, {
-      "local": local,
-      "short": fixed_horizon(10),
-      "long": fixed_horizon(30)
-  })
+  return apply_variants(c, variant,
+                        {"local": local, "short": fixed_horizon(10), "long": fixed_horizon(30)})

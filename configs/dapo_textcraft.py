@@ -22,8 +22,5 @@ def get_config(variant: str = ""):
   c.algorithm.clip_eps_high = 0.28
   c.algorithm.aggregation = "token-mean"
   c.algorithm.kl_coef = 0.0
-  return apply_variants(c, variant, {
-      "local": local,
-      "short": fixed_horizon(10),
-      "long": fixed_horizon(30)
-  })
+  return apply_variants(c, variant,
+                        {"local": local, "short": fixed_horizon(10), "long": fixed_horizon(30)})

@@ -19,8 +19,5 @@ def get_config(variant: str = ""):
   c.env.name = "textcraft"
   c.algorithm.grpo_normalize_by_std = False
   c.algorithm.aggregation = "seq-mean-token-sum-norm"
-  return apply_variants(c, variant, {
-      "local": local,
-      "short": fixed_horizon(10),
-      "long": fixed_horizon(30)
-  })
+  return apply_variants(c, variant,
+                        {"local": local, "short": fixed_horizon(10), "long": fixed_horizon(30)})

@@ -20,8 +20,5 @@ def get_config(variant: str = ""):
   c.algorithm.advantage = "gigpo"
   c.algorithm.gigpo_step_weight = 1.0
   c.algorithm.gamma = 0.95
-  return apply_variants(c, variant, {
-      "local": local,
-      "short": fixed_horizon(10),
-      "long": fixed_horizon(30)
-  })
+  return apply_variants(c, variant,
+                        {"local": local, "short": fixed_horizon(10), "long": fixed_horizon(30)})

@@ -16,8 +16,5 @@ def get_config(variant: str = ""):
   c.rollout.tasks_per_step = 16
   c.horizon.caps = (6, 13, 20)
   c.horizon.turns = 20
-  return apply_variants(c, variant, {
-      "local": local,
-      "short": fixed_horizon(6),
-      "long": fixed_horizon(20)
-  })
+  return apply_variants(c, variant,
+                        {"local": local, "short": fixed_horizon(6), "long": fixed_horizon(20)})

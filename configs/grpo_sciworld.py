@@ -16,8 +16,5 @@ def get_config(variant: str = ""):
   c.env.backend = "process"
   c.rollout.tasks_per_step = 16
   c.rollout.max_new_tokens = 200
-  return apply_variants(c, variant, {
-      "local": local,
-      "short": fixed_horizon(10),
-      "long": fixed_horizon(30)
-  })
+  return apply_variants(c, variant,
+                        {"local": local, "short": fixed_horizon(10), "long": fixed_horizon(30)})

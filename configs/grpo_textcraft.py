@@ -37,11 +37,8 @@ def get_config(variant: str = ""):
   c.env.name = "textcraft"
   return config.apply_variants(
       c, variant, {
-          "local": local,
-          "short": config.fixed_horizon(10),
-          "long": config.fixed_horizon(30),
-          "shallow": shallow,
-          "agentgym": agentgym_goals
+          "local": local, "short": config.fixed_horizon(10), "long": config.fixed_horizon(30),
+          "shallow": shallow, "agentgym": agentgym_goals
       })
 
 

@@ -18,8 +18,5 @@ def get_config(variant: str = ""):
   c.env.name = "textcraft"
   c.algorithm.policy_loss = "gspo"
   c.algorithm.aggregation = "seq-mean-token-mean"
-  return apply_variants(c, variant, {
-      "local": local,
-      "short": fixed_horizon(10),
-      "long": fixed_horizon(30)
-  })
+  return apply_variants(c, variant,
+                        {"local": local, "short": fixed_horizon(10), "long": fixed_horizon(30)})

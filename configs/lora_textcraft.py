@@ -25,8 +25,5 @@ def get_config(variant: str = ""):
   c.model.lora.alpha = 128.0
   c.optim.learning_rate = 1e-5
   c.checkpoint.export_format = "peft"
-  return apply_variants(c, variant, {
-      "local": local,
-      "short": fixed_horizon(10),
-      "long": fixed_horizon(30)
-  })
+  return apply_variants(c, variant,
+                        {"local": local, "short": fixed_horizon(10), "long": fixed_horizon(30)})

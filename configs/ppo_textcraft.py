@@ -13,8 +13,5 @@ def get_config(variant: str = ""):
   c = base_config()
   c.env.name = "textcraft"
   c.algorithm.advantage = "gae"
-  return apply_variants(c, variant, {
-      "local": local,
-      "short": fixed_horizon(10),
-      "long": fixed_horizon(30)
-  })
+  return apply_variants(c, variant,
+                        {"local": local, "short": fixed_horizon(10), "long": fixed_horizon(30)})

@@ -19,8 +19,5 @@ def get_config(variant: str = ""):
   c.env.name = "textcraft"
   c.algorithm.rollout_correction = "token_tis"
   c.algorithm.rollout_correction_cap = 2.0
-  return apply_variants(c, variant, {
-      "local": local,
-      "short": fixed_horizon(10),
-      "long": fixed_horizon(30)
-  })
+  return apply_variants(c, variant,
+                        {"local": local, "short": fixed_horizon(10), "long": fixed_horizon(30)})

@@ -99,11 +99,8 @@ class Parameter:
     if fits and self.type == "array":
       fits = all(isinstance(item, str) for item in value)
     if not fits:
-      kind = {
-          "string": "a string",
-          "integer": "an integer",
-          "array": "an array of strings"
-      }[self.type]
+      kind = {"string": "a string", "integer": "an integer",
+              "array": "an array of strings"}[self.type]
       raise ToolCallError(f"{tool}'s argument {self.name!r} must be {kind}, got "
                           f"{_shown(json.dumps(value, ensure_ascii=False))}")
     if self.enum and value not in self.enum:
@@ -133,15 +130,9 @@ class Tool:
   def schema(self) -> dict[str, Any]:
     """The OpenAI-style function schema chat templates render."""
     return {
-        "type": "function",
-        "function": {
-            "name": self.name,
-            "description": self.description,
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    p.name: p.schema() for p in self.parameters
-                },
+        "type": "function", "function": {
+            "name": self.name, "description": self.description, "parameters": {
+                "type": "object", "properties": {p.name: p.schema() for p in self.parameters},
                 "required": [p.name for p in self.parameters if p.required]
             }
         }
@@ -197,8 +188,8 @@ def _pattern(action: str, parameters: Sequence[Parameter]) -> re.Pattern[str]:
       pattern = pattern.replace(escaped, group)
       continue
     segment = re.search(_attached(parameter.name), action).group(0)
-    pattern = pattern.replace(
-        re.escape(segment), f"(?:{re.escape(segment).replace(escaped, group)})?")
+    pattern = pattern.replace(re.escape(segment),
+                              f"(?:{re.escape(segment).replace(escaped, group)})?")
   return re.compile(pattern, re.DOTALL)
 
 

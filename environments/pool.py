@@ -63,10 +63,8 @@ _OPTIONAL_ATTRIBUTES = ("action_format",)
 
 def episode_failure(termination: str, reason: str) -> StepResult:
   """The result that ends an episode whose environment failed (not the agent)."""
-  return StepResult(observation="", reward=0.0, done=True, info={
-      "error": reason,
-      "termination": termination
-  })
+  return StepResult(observation="", reward=0.0, done=True,
+                    info={"error": reason, "termination": termination})
 
 
 class EnvPool:
@@ -474,9 +472,8 @@ def _serve_adapter(conn: multiprocessing.connection.Connection, factory: Callabl
       try:
         if adapter is None:
           adapter = factory()
-        value = (
-            getattr(adapter, name, None) if name in _OPTIONAL_ATTRIBUTES else getattr(
-                adapter, name))
+        value = (getattr(adapter, name, None) if name in _OPTIONAL_ATTRIBUTES else getattr(
+            adapter, name))
         reply = ("ok", value(*args) if callable(value) else value)
       except Exception as e:  # Exceptions may not pickle; their text always does.
         reply = ("error", f"{type(e).__name__}: {e}")

@@ -56,9 +56,8 @@ def _trajectory(rng: random.Random, step: int, task_id: int, group: int, sample:
   elif num_turns and env == "sciworld":
     turn_rewards[0] = 0.25  # Partial progress, as SciWorld's score gives.
   messages = [{
-      "role": "user",
-      "content": f"{INSTRUCTIONS[env]}\n\nTask {task_id}: you are in a room "
-                 f"with a <chest> & a 'table'."
+      "role": "user", "content": f"{INSTRUCTIONS[env]}\n\nTask {task_id}: you are in a room "
+                                 f"with a <chest> & a 'table'."
   }]
   if (step, task_id, sample) == NEEDLE_AT:
     messages[0]["content"] += f" A map of {NEEDLE.upper()} lies here."  # Found case-blind.
@@ -85,10 +84,7 @@ def _trajectory(rng: random.Random, step: int, task_id: int, group: int, sample:
       "messages": messages,
       "num_tokens": 40 * (1 + 2 * num_turns),
       "num_trained_tokens": 25 * num_turns,
-      "info": {
-          "success": success,
-          "score": sum(turn_rewards) * 100
-      },
+      "info": {"success": success, "score": sum(turn_rewards) * 100},
   }
   if task_id % 5 != 4:  # Some records lack the optional fields.
     record["env"] = env
@@ -112,12 +108,10 @@ def write_fake_run(workdir: str | os.PathLike[str], num_steps: int = 6, tasks_pe
   for step in range(num_steps):
     records = [
         _trajectory(rng, step, 1000 + (step * tasks_per_step + k) % 8, k, sample)
-        for k in range(tasks_per_step)
-        for sample in range(samples_per_task)
+        for k in range(tasks_per_step) for sample in range(samples_per_task)
     ]
-    with open(
-        os.path.join(workdir, "trajectories", f"step_{step:06d}.jsonl"), "w",
-        encoding="utf-8") as f:
+    with open(os.path.join(workdir, "trajectories", f"step_{step:06d}.jsonl"), "w",
+              encoding="utf-8") as f:
       for record in records:
         f.write(json.dumps({"step": step, **record}, ensure_ascii=False) + "\n")
     count = len(records)
@@ -148,8 +142,7 @@ def write_fake_run(workdir: str | os.PathLike[str], num_steps: int = 6, tasks_pe
       row["kl_to_ref"] = None  # ...and a non-finite value logged as null.
     if step % 2 == 1:  # Evaluations every other step, per category.
       row.update({
-          "eval/success": 0.2 + 0.1 * step,
-          "eval/success/depth1": 0.3 + 0.1 * step,
+          "eval/success": 0.2 + 0.1 * step, "eval/success/depth1": 0.3 + 0.1 * step,
           "eval/success/depth2": 0.1 + 0.05 * step
       })
     metric_lines.append(json.dumps(row) + "\n")

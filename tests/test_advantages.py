@@ -47,9 +47,8 @@ def test_grpo_zero_for_singleton_and_uniform_groups():
 
 def test_grpo_without_eps_scores_singleton_and_uniform_groups_zero():
   # eps = 0: groups {3.0} and {1, 1} would divide 0 by 0; {0, 2} -> [-1, 1].
-  out = grpo(
-      jnp.array([3.0, 1.0, 1.0, 0.0, 2.0]), jnp.ones((5, 1)), jnp.array([0, 1, 1, 2, 2]),
-      num_groups=3, eps=0.0)
+  out = grpo(jnp.array([3.0, 1.0, 1.0, 0.0, 2.0]), jnp.ones((5, 1)), jnp.array([0, 1, 1, 2, 2]),
+             num_groups=3, eps=0.0)
   np.testing.assert_array_equal(out[:, 0], [0, 0, 0, -1, 1])
 
 
@@ -69,8 +68,8 @@ def test_group_statistics_are_invariant_to_group_order():
   permutation = rng.permutation(12)
   for estimator in (grpo, rloo):
     contiguous = estimator(jnp.asarray(rewards), mask, jnp.asarray(group_ids), num_groups=3)
-    shuffled = estimator(
-        jnp.asarray(rewards[permutation]), mask, jnp.asarray(group_ids[permutation]), num_groups=3)
+    shuffled = estimator(jnp.asarray(rewards[permutation]), mask,
+                         jnp.asarray(group_ids[permutation]), num_groups=3)
     np.testing.assert_allclose(shuffled, np.asarray(contiguous)[permutation], atol=1e-6)
 
 

@@ -63,11 +63,8 @@ def test_task_ids_map_to_level_and_seed_like_agentgym_data_idx(env):
   # AgentGym's server: level = all_levels[idx % 40 + 1] (1-based), seed = idx // 40.
   assert env.task_info(0) == {"category": "GoTo", "level": "BabyAI-GoToRedBallGrey-v0", "seed": 0}
   assert env.task_info(41) == {"category": "GoTo", "level": "BabyAI-GoToRedBall-v0", "seed": 1}
-  assert env.task_info(38 + 40 * 7) == {
-      "category": "Synth",
-      "level": "BabyAI-BossLevel-v0",
-      "seed": 7
-  }
+  assert env.task_info(38 +
+                       40 * 7) == {"category": "Synth", "level": "BabyAI-BossLevel-v0", "seed": 7}
   assert len(LEVELS) == 40
   assert all(name in gymnasium.envs.registry for name, _ in LEVELS)
 
@@ -94,9 +91,7 @@ def test_reset_is_the_same_in_another_process_with_another_hash_seed(env):
   script = ("from environments.babyai import BabyAIEnv; import json; e = BabyAIEnv(); "
             f"print(json.dumps([e.reset(t) for t in {ids}]))")
   other = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
-                         check=True, env={
-                             **os.environ, "PYTHONHASHSEED": "12345"
-                         })
+                         check=True, env={**os.environ, "PYTHONHASHSEED": "12345"})
   assert json.loads(other.stdout) == [env.reset(t) for t in ids]
 
 
@@ -117,23 +112,18 @@ def test_first_observation_of_a_seeded_level(env):
   # Task 1 = GoToRedBall, seed 0. The agent faces -x; its right is -y.
   observation = env.reset(1)
   assert observation == "\n".join([
-      "Your goal: go to the red ball",
-      "You see:",
-      "- yellow key 1: 1 step forward, 1 step left",
-      "- grey ball 1: 1 step forward, 1 step right",
-      "- purple key 1: 2 steps forward, 1 step left",
-      "- blue key 1: 2 steps forward, 1 step right",
-      "- red box 1: 2 steps forward, 2 steps right",
+      "Your goal: go to the red ball", "You see:", "- yellow key 1: 1 step forward, 1 step left",
+      "- grey ball 1: 1 step forward, 1 step right", "- purple key 1: 2 steps forward, 1 step left",
+      "- blue key 1: 2 steps forward, 1 step right", "- red box 1: 2 steps forward, 2 steps right",
       "- green key 1: 4 steps forward, 2 steps right",
       "- grey ball 2: 5 steps forward, 1 step right",
-      "- red ball 1: 4 steps forward, 3 steps right",
-      "You are facing a wall, 6 steps away.",
+      "- red ball 1: 4 steps forward, 3 steps right", "You are facing a wall, 6 steps away.",
       "You are carrying nothing.",
       "Available actions: " + json.dumps(["turn left", "turn right", "move forward"] + [
           f"{verb} {name}" for verb in ("go to", "pick up")
           for name in ("yellow key 1", "grey ball 1", "purple key 1", "blue key 1", "red box 1",
                        "green key 1", "grey ball 2", "red ball 1")
-      ] + ["check available actions"]),
+      ] + ["check available actions"])
   ])
   level = env.minigrid_env
   assert tuple(level.agent_pos) == (6, 5) and level.agent_dir == 2
@@ -143,12 +133,8 @@ def test_first_observation_of_a_seeded_level(env):
 
 def test_scene_numbers_objects_nearest_first_and_places_them_in_steps():
   # Agent at (3, 5) facing up (-y): forward = 5 - y, right = x - 3.
-  room = _room((3, 5), UP, {
-      (3, 4): Box("grey"),
-      (3, 2): Ball("red"),
-      (1, 5): Key("yellow"),
-      (5, 1): Ball("red")
-  })
+  room = _room((3, 5), UP, {(3, 4): Box("grey"), (3, 2): Ball("red"), (1, 5): Key("yellow"),
+                            (5, 1): Ball("red")})
   assert scene_lib.observe(room).describe() == "\n".join([
       "You see:",
       "- grey box 1: 1 step forward",  # distance 1
@@ -156,7 +142,7 @@ def test_scene_numbers_objects_nearest_first_and_places_them_in_steps():
       "- red ball 1: 3 steps forward",  # distance 3
       "- red ball 2: 4 steps forward, 2 steps right",  # distance 6
       "You are facing grey box 1, 1 step away.",
-      "You are carrying nothing.",
+      "You are carrying nothing."
   ])
 
 
@@ -291,9 +277,9 @@ _WORDS = [
 @hypothesis.settings(max_examples=150, deadline=None,
                      suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
 @hypothesis.given(
-    task_id=st.sampled_from([1, 16, 31]), reply=st.one_of(
-        st.text(max_size=120),
-        st.lists(st.sampled_from(_WORDS), max_size=10).map(" ".join)))
+    task_id=st.sampled_from([1, 16, 31]),
+    reply=st.one_of(st.text(max_size=120),
+                    st.lists(st.sampled_from(_WORDS), max_size=10).map(" ".join)))
 def test_any_reply_gets_an_observation_never_an_exception(env, task_id, reply):
   env.reset(task_id)
   result = env.step(reply)
@@ -339,12 +325,8 @@ def test_running_out_of_steps_ends_the_episode_without_reward(env):
 # --- whole episodes ------------------------------------------------------------------------
 
 _BOT_TEXT = {
-    Actions.left: "turn left",
-    Actions.right: "turn right",
-    Actions.forward: "move forward",
-    Actions.pickup: "pick up",
-    Actions.drop: "drop",
-    Actions.toggle: "toggle"
+    Actions.left: "turn left", Actions.right: "turn right", Actions.forward: "move forward",
+    Actions.pickup: "pick up", Actions.drop: "drop", Actions.toggle: "toggle"
 }
 
 

@@ -18,9 +18,7 @@ def test_a_commit_and_this_tree_run_the_same_recipe_side_by_side(tmp_path):
       str(REPO / "benchmarks" / "rl_step.py"), "--vs=HEAD",
       "--recipe=configs/ablation_echo.py:long", "--steps=2", "--tasks=2", "--samples=2",
       "--turns=2", f"--set=model.name={checkpoint}"
-  ], cwd=REPO, capture_output=True, text=True, timeout=600, env={
-      **os.environ, "XLA_FLAGS": ""
-  })
+  ], cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "XLA_FLAGS": ""})
   assert completed.returncode == 0, completed.stderr[-3000:]
   out = completed.stdout
   # Both sides ran the recipe (this tree and the commit) and printed their phase tables.

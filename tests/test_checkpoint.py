@@ -36,16 +36,13 @@ def _train_state(seed: int = 0) -> dict:
   params, opt_state = _one_adamw_update({
       "embed": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32),
       "layers": {
-          "mlp": jnp.asarray(rng.normal(size=(2, 8, 4)), jnp.bfloat16),
-          "norm": jnp.ones((8,), jnp.float32)
+          "mlp": jnp.asarray(rng.normal(size=(2, 8, 4)), jnp.bfloat16), "norm": jnp.ones(
+              (8,), jnp.float32)
       },
   })
   return {
-      "params": params,
-      "opt_state": opt_state,
-      "step": jnp.asarray(7, jnp.int32),
-      "rng": jax.random.key_data(jax.random.key(seed)),
-      "typed_rng": jax.random.key(seed)
+      "params": params, "opt_state": opt_state, "step": jnp.asarray(7, jnp.int32),
+      "rng": jax.random.key_data(jax.random.key(seed)), "typed_rng": jax.random.key(seed)
   }
 
 
@@ -65,20 +62,9 @@ def _abstract(tree):
 def test_round_trip_is_bit_exact_with_adamw_state_prng_key_and_meta(tmp_path):
   state = _train_state()
   meta = {
-      "step": 7,
-      "rng": [int(v) for v in jax.random.key_data(jax.random.key(3))],
-      "horizon_stage": 1,
-      "task_cursor": {
-          "epoch": 0,
-          "index": 96
-      },
-      "config": {
-          "lr": 1e-6,
-          "caps": [10, 20, 30]
-      },
-      "metrics": {
-          "reward/mean": 0.25
-      }
+      "step": 7, "rng": [int(v) for v in jax.random.key_data(jax.random.key(3))],
+      "horizon_stage": 1, "task_cursor": {"epoch": 0, "index": 96},
+      "config": {"lr": 1e-6, "caps": [10, 20, 30]}, "metrics": {"reward/mean": 0.25}
   }
   with Checkpointer(tmp_path, keep=2) as checkpointer:
     assert checkpointer.latest_step() is None

@@ -53,9 +53,8 @@ def test_a_mistake_is_one_line(mistake, tmp_path):
   command = [sys.executable, str(REPO / "launch" / script), *flags]
   if script == "train.py":
     command.append(f"--workdir={tmp_path / 'run'}")
-  result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, env={
-      **os.environ, "AGENTGYM_MODELS": str(models)
-  })
+  result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "AGENTGYM_MODELS": str(models)})
   assert result.returncode != 0
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
@@ -121,9 +120,8 @@ def test_evaluate_shows_its_progress_and_says_what_k_is(tmp_path):
       "--config.mesh.fsdp=1", "--rows=4", f"--out={tmp_path / 'new' / 'eval.json'}"
   ]
   result = subprocess.run(
-      command, capture_output=True, text=True, timeout=300, env={
-          **os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"
-      })
+      command, capture_output=True, text=True, timeout=300,
+      env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.splitlines()
   assert lines[0] == "6 echo tasks of the test split, k = 2 sample(s) each, up to 4 turns"

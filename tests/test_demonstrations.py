@@ -75,7 +75,7 @@ def test_textcraft_thoughts_say_what_each_action_is_for():
       "To craft the oak planks I need 2 oak logs, which I can get directly, so I get 2.",
       "To craft the chest I need 8 oak planks, which I craft from oak logs.",
       "I have 4 of the 8 oak planks for the chest, so I craft again.",
-      "I have everything for the chest, so I craft it to reach the goal.",
+      "I have everything for the chest, so I craft it to reach the goal."
   ]
 
 
@@ -178,13 +178,8 @@ def _rollout(task_id, replies, *, reward, success, messages=None):
       if i + 1 < len(replies):
         messages += [{"role": "user", "content": "stale observation"}]
   return {
-      "task_id": task_id,
-      "group": 0,
-      "reward": reward,
-      "success": success,
-      "num_turns": len(replies),
-      "termination": "done",
-      "messages": messages
+      "task_id": task_id, "group": 0, "reward": reward, "success": success,
+      "num_turns": len(replies), "termination": "done", "messages": messages
   }
 
 
@@ -197,7 +192,7 @@ def test_from_rollouts_filters_dedupes_and_replays(textcraft):
       _rollout(a, good_a, reward=1.0, success=True),  # the same replies again: kept once
       _rollout(b, good_b[:1], reward=0.0, success=False),  # below min_reward: skipped
       _rollout(b, ["Action: get 1 dirt"], reward=1.0, success=True),  # claims success; fails
-      _rollout(b, good_b, reward=1.0, success=True),
+      _rollout(b, good_b, reward=1.0, success=True)
   ]
   result = demos_lib.from_rollouts(records, textcraft, min_reward=1.0)
   assert [d["task_id"] for d in result.demos] == [a, b]

@@ -30,14 +30,8 @@ def test_a_group_has_signal_when_the_rewards_entering_the_loss_differ():
 
 # The fake environment's rewards per task: tasks 0-3 give a group without signal, 4-7 with.
 _REWARDS = {
-    0: (0.0, 0.0),
-    1: (1.0, 1.0),
-    2: (0.0, 0.0),
-    3: (1.0, 1.0),
-    4: (0.0, 1.0),
-    5: (1.0, 0.0),
-    6: (0.5, 1.0),
-    7: (0.0, 0.5)
+    0: (0.0, 0.0), 1: (1.0, 1.0), 2: (0.0, 0.0), 3: (1.0, 1.0), 4: (0.0, 1.0), 5: (1.0, 0.0),
+    6: (0.5, 1.0), 7: (0.0, 0.5)
 }
 
 
@@ -51,8 +45,7 @@ class _FakeEpisodes:
     self.calls.append((list(task_ids), round_index))
     trajectories = [
         dataclasses.replace(_trajectory(task, reward), group=group)
-        for group, task in enumerate(task_ids)
-        for reward in _REWARDS[task]
+        for group, task in enumerate(task_ids) for reward in _REWARDS[task]
     ]
     return trajectories, rollout.RolloutStats(generate_s=1.0, env_s=0.5, generated_tokens=10)
 
@@ -87,8 +80,7 @@ def test_rounds_are_played_until_enough_groups_have_signal():
   assert len(step.played) == 8
   assert step.stats.generate_s == 2.0 and step.stats.generated_tokens == 20
   assert step.metrics(2) == {
-      "dynamic_sampling/rounds": 2,
-      "dynamic_sampling/kept_fraction": 0.5,
+      "dynamic_sampling/rounds": 2, "dynamic_sampling/kept_fraction": 0.5,
       "dynamic_sampling/filled_groups": 0
   }
 
@@ -108,8 +100,7 @@ def test_when_rounds_run_out_groups_without_signal_fill_the_batch_untrained():
   assert step.trained == [True, True, False, False]
   assert cursor == 6 and step.rounds == 3
   assert step.metrics(2) == {
-      "dynamic_sampling/rounds": 3,
-      "dynamic_sampling/kept_fraction": 1 / 6,
+      "dynamic_sampling/rounds": 3, "dynamic_sampling/kept_fraction": 1 / 6,
       "dynamic_sampling/filled_groups": 1
   }
 

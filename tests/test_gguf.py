@@ -32,11 +32,8 @@ def test_tensor_names_and_shapes_match_transformers(smollm2, transformers_smollm
   assert config["tie_word_embeddings"]
   assert set(reference) - set(ours) == {"lm_head.weight"}
   assert set(ours) <= set(reference)
-  assert {
-      name: ours[name].shape for name in ours
-  } == {
-      name: tuple(reference[name].shape) for name in ours
-  }
+  assert {name: ours[name].shape for name in ours
+         } == {name: tuple(reference[name].shape) for name in ours}
   assert all(weight.dtype == np.float32 for weight in ours.values())
 
 
@@ -84,9 +81,8 @@ def test_unpermute_rope_rows_worked_example():
   # One head of 4 dims over 1 input: llama.cpp stores rows (i, j) = HF row i + 2j, i.e. the
   # HF rows in order [0, 2, 1, 3]; a second head follows with rows offset by 4.
   stored = np.array([[0.], [2.], [1.], [3.], [4.], [6.], [5.], [7.]], dtype=np.float32)
-  np.testing.assert_array_equal(
-      gguf_io._unpermute_rope_rows(stored, n_heads=2),
-      np.arange(8, dtype=np.float32)[:, None])
+  np.testing.assert_array_equal(gguf_io._unpermute_rope_rows(stored, n_heads=2),
+                                np.arange(8, dtype=np.float32)[:, None])
 
 
 def _llamacpp_permute(weight, n_heads):

@@ -35,9 +35,8 @@ TEXTCRAFT_TURN_REWARDS = np.array([[0, 0, 1], [0, 0, 0], [0, 0, 0]], np.float32)
 
 def textcraft(**options):
   mask = (TEXTCRAFT_TURN_INDEX >= 0).astype(np.float32)
-  return gigpo(
-      jnp.array([1.0, 0.0, 0.0]), mask, jnp.zeros(3, jnp.int32), TEXTCRAFT_TURN_INDEX,
-      TEXTCRAFT_TURN_REWARDS, TEXTCRAFT_ANCHORS, num_groups=1, **options)
+  return gigpo(jnp.array([1.0, 0.0, 0.0]), mask, jnp.zeros(3, jnp.int32), TEXTCRAFT_TURN_INDEX,
+               TEXTCRAFT_TURN_REWARDS, TEXTCRAFT_ANCHORS, num_groups=1, **options)
 
 
 def per_turn(token_values):
@@ -59,9 +58,9 @@ def test_textcraft_worked_example_without_std():
   # A = A^E + A^S: A [5/6, 1, 2/3], B [-5/12, -1/3, -1/2], C [-5/12, -1/2, -1/3]: B's move
   # at X (crafting a stick without planks) is worse than its inventory check.
   out = textcraft(gamma=0.5, normalize_by_std=False)
-  np.testing.assert_allclose(
-      per_turn(out.advantages),
-      [[5 / 6, 1, 2 / 3], [-5 / 12, -1 / 3, -1 / 2], [-5 / 12, -1 / 2, -1 / 3]], atol=1e-6)
+  np.testing.assert_allclose(per_turn(
+      out.advantages), [[5 / 6, 1, 2 / 3], [-5 / 12, -1 / 3, -1 / 2], [-5 / 12, -1 / 2, -1 / 3]],
+                             atol=1e-6)
   np.testing.assert_allclose(per_turn(out.returns), [[0.25, 0.5, 1], [0, 0, 0], [0, 0, 0]])
   assert np.all(np.asarray(out.advantages)[TEXTCRAFT_TURN_INDEX < 0] == 0)
 
@@ -84,8 +83,8 @@ def test_textcraft_worked_example_with_std_and_step_weight():
 def test_step_weight_zero_is_grpo():
   mask = (TEXTCRAFT_TURN_INDEX >= 0).astype(np.float32)
   out = textcraft(gamma=0.9, step_weight=0.0)
-  grpo = adv.grpo_advantages(
-      jnp.array([1.0, 0.0, 0.0]), mask, jnp.zeros(3, jnp.int32), num_groups=1)
+  grpo = adv.grpo_advantages(jnp.array([1.0, 0.0, 0.0]), mask, jnp.zeros(3, jnp.int32),
+                             num_groups=1)
   np.testing.assert_allclose(out.advantages, grpo, atol=1e-6)
 
 
@@ -101,9 +100,8 @@ def test_babyai_state_revisited_within_an_episode_and_across_tasks():
   mask = (turn_index >= 0).astype(np.float32)
   anchors = np.array([[0, 1], [0, 0], [2, 3]], np.int32)
   turn_rewards = np.array([[0, 1], [0, 0], [0, 1]], np.float32)
-  out = gigpo(
-      jnp.array([1.0, 0.0, 1.0]), mask, jnp.array([0, 0, 1]), turn_index, turn_rewards, anchors,
-      num_groups=2, normalize_by_std=False)
+  out = gigpo(jnp.array([1.0, 0.0, 1.0]), mask, jnp.array([0, 0, 1]), turn_index, turn_rewards,
+              anchors, num_groups=2, normalize_by_std=False)
   np.testing.assert_allclose(
       np.asarray(out.advantages)[:, [1, 3]],
       [[1 / 2 + 2 / 3, 1 / 2], [-1 / 2 - 1 / 3, -1 / 2 - 1 / 3], [0, 0]], atol=1e-6)
@@ -114,10 +112,9 @@ def test_slots_without_a_turn_do_not_enter_any_group():
   # group of row 0's second turn, nor lower its mean. Row 0 turn 1 is alone -> 0.
   turn_index = np.array([[0, -1, 1], [0, -1, -1]], np.int32)
   mask = (turn_index >= 0).astype(np.float32)
-  out = gigpo(
-      jnp.array([1.0, 0.0]), mask, jnp.zeros(2, jnp.int32), turn_index,
-      jnp.array([[0.0, 1.0], [0.0, 0.0]]), jnp.array([[0, 1], [0, -1]]), num_groups=1,
-      normalize_by_std=False)
+  out = gigpo(jnp.array([1.0, 0.0]), mask, jnp.zeros(2, jnp.int32), turn_index,
+              jnp.array([[0.0, 1.0], [0.0, 0.0]]), jnp.array([[0, 1], [0, -1]]), num_groups=1,
+              normalize_by_std=False)
   # Episode: [1/2, -1/2]. Step group 0: returns [1, 0] -> [1/2, -1/2].
   np.testing.assert_allclose(out.advantages, [[1, 0, 1 / 2], [-1, 0, 0]], atol=1e-6)
 
@@ -157,7 +154,7 @@ def test_pack_numbers_anchor_states_per_task_and_marks_turns():
           _trajectory(0, [(prompt, [2, 1], 0.0), (seen, [3, 4], 0.0), (seen, [2, 1], 1.0)]),
           _trajectory(0, [(prompt, [3, 1], 0.0), (other, [4, 1], 0.0)]),
           # The same prompt and observation tokens in another task: other anchors.
-          _trajectory(1, [(prompt, [2, 1], 0.0), (seen, [2, 1], 0.0)]),
+          _trajectory(1, [(prompt, [2, 1], 0.0), (seen, [2, 1], 0.0)])
       ],
       length=16,
       turns=4)

@@ -13,32 +13,11 @@ from agentgym_jax import horizon
     [
         # The paper's scripts. TextCraft [10, 20, 30] every 100: steps 0-99 -> 10,
         # 100-199 -> 20, 200 onwards -> 30 (the last cap holds).
-        ([10, 20, 30], 100, {
-            0: 10,
-            99: 10,
-            100: 20,
-            199: 20,
-            200: 30,
-            10_000: 30
-        }),
-        ([6, 13, 20], 100, {
-            0: 6,
-            150: 13,
-            250: 20
-        }),  # BabyAI
-        ([5, 8, 10], 100, {
-            99: 5,
-            100: 8,
-            300: 10
-        }),  # SearchQA
-        ([8, 12, 15], 80, {
-            79: 8,
-            80: 12,
-            159: 12,
-            160: 15
-        }),  # WebArena
-    ],
-)
+        ([10, 20, 30], 100, {0: 10, 99: 10, 100: 20, 199: 20, 200: 30, 10_000: 30}),
+        ([6, 13, 20], 100, {0: 6, 150: 13, 250: 20}),  # BabyAI
+        ([5, 8, 10], 100, {99: 5, 100: 8, 300: 10}),  # SearchQA
+        ([8, 12, 15], 80, {79: 8, 80: 12, 159: 12, 160: 15}),  # WebArena
+    ])
 def test_stepwise_caps_follow_the_papers_scripts(caps, every, expected):
   schedule = horizon.make_horizon_schedule({"kind": "stepwise", "caps": caps, "every": every})
   assert {step: schedule.cap(step) for step in expected} == expected
@@ -53,13 +32,8 @@ def test_stepwise_stage_is_step_over_every_capped_at_last():
 def test_linear_schedule_adds_increment_and_saturates():
   # 10 + 8k every 50 steps, max 30: stages 0..3 -> caps 10, 18, 26, 30 (34 capped to 30).
   # The stage stops at 3 = ceil((30 - 10) / 8), where the cap stops changing.
-  schedule = horizon.make_horizon_schedule({
-      "kind": "linear",
-      "initial": 10,
-      "increment": 8,
-      "every": 50,
-      "maximum": 30
-  })
+  schedule = horizon.make_horizon_schedule(
+      {"kind": "linear", "initial": 10, "increment": 8, "every": 50, "maximum": 30})
   steps = (0, 49, 50, 100, 150, 200, 10_000)
   assert [schedule.cap(step) for step in steps] == [10, 10, 18, 26, 30, 30, 30]
   assert [schedule.stage(step) for step in steps] == [0, 0, 1, 2, 3, 3, 3]
@@ -93,90 +67,25 @@ def test_schedule_from_config_dict_is_pure_so_resume_recovers_the_stage():
 
 
 _BAD_CONFIGS = [
-    (
-        {
-            "kind": "cosine",
-            "turns": 3
-        },
-        "Unknown horizon schedule kind 'cosine'; expected one of: 'fixed', 'stepwise', 'linear'",
-    ),
-    ({
-        "turns": 3
-    }, "Unknown horizon schedule kind None"),
-    ({
-        "kind": "stepwise",
-        "caps": [],
-        "every": 100
-    }, "`caps` must not be empty"),
-    (
-        {
-            "kind": "stepwise",
-            "caps": [10, 10, 20],
-            "every": 100
-        },
-        r"strictly increasing, got \[10, 10, 20\]",
-    ),
-    ({
-        "kind": "stepwise",
-        "caps": [20, 10],
-        "every": 100
-    }, "strictly increasing"),
-    ({
-        "kind": "stepwise",
-        "caps": "10,20",
-        "every": 100
-    }, "`caps` must be a list of integers"),
-    ({
-        "kind": "stepwise",
-        "caps": [10, 0],
-        "every": 100
-    }, "`caps` must be a positive integer"),
-    ({
-        "kind": "stepwise",
-        "caps": [10, 20],
-        "every": 0
-    }, "`every` must be a positive integer"),
-    ({
-        "kind": "fixed",
-        "turns": -3
-    }, "`turns` must be a positive integer, got -3"),
-    ({
-        "kind": "fixed",
-        "turns": 2.5
-    }, "`turns` must be a positive integer, got 2.5"),
-    ({
-        "kind": "fixed",
-        "turns": True
-    }, "`turns` must be a positive integer, got True"),
-    ({
-        "kind": "fixed",
-        "turns": 5,
-        "every": 10
-    }, r"missing \[\], unknown \['every'\]"),
-    ({
-        "kind": "stepwise",
-        "caps": [10]
-    }, r"missing \['every'\]"),
-    (
-        {
-            "kind": "linear",
-            "initial": 20,
-            "increment": 5,
-            "every": 10,
-            "maximum": 10
-        },
-        r"`maximum` \(10\) must be >= `initial` \(20\)",
-    ),
-    (
-        {
-            "kind": "linear",
-            "initial": 10,
-            "increment": 0,
-            "every": 10,
-            "maximum": 30
-        },
-        "`increment` must be a positive integer",
-    ),
+    ({"kind": "cosine", "turns": 3},
+     "Unknown horizon schedule kind 'cosine'; expected one of: 'fixed', 'stepwise', 'linear'"),
+    ({"turns": 3}, "Unknown horizon schedule kind None"),
+    ({"kind": "stepwise", "caps": [], "every": 100}, "`caps` must not be empty"),
+    ({"kind": "stepwise", "caps": [10, 10, 20],
+      "every": 100}, r"strictly increasing, got \[10, 10, 20\]"),
+    ({"kind": "stepwise", "caps": [20, 10], "every": 100}, "strictly increasing"),
+    ({"kind": "stepwise", "caps": "10,20", "every": 100}, "`caps` must be a list of integers"),
+    ({"kind": "stepwise", "caps": [10, 0], "every": 100}, "`caps` must be a positive integer"),
+    ({"kind": "stepwise", "caps": [10, 20], "every": 0}, "`every` must be a positive integer"),
+    ({"kind": "fixed", "turns": -3}, "`turns` must be a positive integer, got -3"),
+    ({"kind": "fixed", "turns": 2.5}, "`turns` must be a positive integer, got 2.5"),
+    ({"kind": "fixed", "turns": True}, "`turns` must be a positive integer, got True"),
+    ({"kind": "fixed", "turns": 5, "every": 10}, r"missing \[\], unknown \['every'\]"),
+    ({"kind": "stepwise", "caps": [10]}, r"missing \['every'\]"),
+    ({"kind": "linear", "initial": 20, "increment": 5, "every": 10,
+      "maximum": 10}, r"`maximum` \(10\) must be >= `initial` \(20\)"),
+    ({"kind": "linear", "initial": 10, "increment": 0, "every": 10,
+      "maximum": 30}, "`increment` must be a positive integer"),
 ]
 
 

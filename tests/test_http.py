@@ -59,8 +59,7 @@ _EPISODES = {
     3: [
         "Thought: low.\n\nAction: guess 1", "Action: guess 9", "Action: jump", "Action: guess 5",
         "Action: guess 4"
-    ],
-    5: [
+    ], 5: [
         "Action: guess 0", "Action: guess 1", "Action: guess 2", "Action: guess 3",
         "Action: guess 4"
     ]
@@ -106,10 +105,8 @@ def test_payloads_follow_the_environment_style():
     task_id = task_ids[created["id"] % 30]
     assert created["observation"].startswith(f"Task {task_id}:")
     hidden = (7 * task_id + 3) % 10
-    status, stepped = _request(server.port, "POST", "/step", {
-        "id": created["id"],
-        "action": f"Action: guess {hidden}"
-    })
+    status, stepped = _request(server.port, "POST", "/step",
+                               {"id": created["id"], "action": f"Action: guess {hidden}"})
     assert stepped["reward"] == 1.0 and stepped["done"] and "score" not in stepped
     assert _request(server.port, "GET",
                     f"/observation?id={created['id']}") == (200, f"Guess 1: {hidden} is correct.")
@@ -118,10 +115,8 @@ def test_payloads_follow_the_environment_style():
     assert status == 200 and set(created) == {"id"}
     status, reset = _request(server.port, "POST", "/reset", {"id": created["id"], "data_idx": 0})
     assert reset["score"] == 0.0 and reset["task_description"] == ""
-    status, stepped = _request(server.port, "POST", "/step", {
-        "id": created["id"],
-        "action": "Action: guess 3"
-    })
+    status, stepped = _request(server.port, "POST", "/step",
+                               {"id": created["id"], "action": "Action: guess 3"})
     # A normalised reward of 1 is 100 points.
     assert (stepped["reward"], stepped["score"], stepped["success"]) == (100.0, 100.0, True)
 
@@ -144,68 +139,34 @@ _UNKNOWN = 987654321987
         ("POST", "/step", b"\xff\xfe", None, 400, "malformed JSON"),
         ("POST", "/step", b"[1, 2]", None, 400, "must be an object, got list"),
         ("POST", "/step", b"", None, 400, "missing JSON body"),
-        ("POST", "/step", {
-            "id": 1
-        }, None, 400, "missing field 'action'"),
-        ("POST", "/step", {
-            "action": "x"
-        }, None, 400, "missing field 'id'"),
-        ("POST", "/step", {
-            "id": "1",
-            "action": "x"
-        }, None, 400, "'id' must be an integer"),
-        ("POST", "/step", {
-            "id": True,
-            "action": "x"
-        }, None, 400, "'id' must be an integer"),
-        ("POST", "/step", {
-            "id": 1.0,
-            "action": "x"
-        }, None, 400, "'id' must be an integer"),
-        ("POST", "/step", {
-            "id": 1,
-            "action": 5
-        }, None, 400, "'action' must be a string"),
-        ("POST", "/reset", {
-            "id": -1,
-            "data_idx": 0
-        }, None, 400, "'id' must be >= 0"),
-        ("POST", "/reset", {
-            "id": "FRESH",
-            "data_idx": 55
-        }, None, 200, "data_idx 55 is not a task id"),
-        ("POST", "/reset", {
-            "id": "FRESH"
-        }, None, 400, "missing field 'data_idx'"),
-        ("POST", "/step", {
-            "id": _UNKNOWN,
-            "action": "x"
-        }, None, 200, "unknown env id"),
-        ("POST", "/reset", {
-            "id": _UNKNOWN,
-            "data_idx": 0
-        }, None, 200, "unknown env id"),
+        ("POST", "/step", {"id": 1}, None, 400, "missing field 'action'"),
+        ("POST", "/step", {"action": "x"}, None, 400, "missing field 'id'"),
+        ("POST", "/step", {"id": "1", "action": "x"}, None, 400, "'id' must be an integer"),
+        ("POST", "/step", {"id": True, "action": "x"}, None, 400, "'id' must be an integer"),
+        ("POST", "/step", {"id": 1.0, "action": "x"}, None, 400, "'id' must be an integer"),
+        ("POST", "/step", {"id": 1, "action": 5}, None, 400, "'action' must be a string"),
+        ("POST", "/reset", {"id": -1, "data_idx": 0}, None, 400, "'id' must be >= 0"),
+        ("POST", "/reset", {"id": "FRESH", "data_idx": 55
+                           }, None, 200, "data_idx 55 is not a task id"),
+        ("POST", "/reset", {"id": "FRESH"}, None, 400, "missing field 'data_idx'"),
+        ("POST", "/step", {"id": _UNKNOWN, "action": "x"}, None, 200, "unknown env id"),
+        ("POST", "/reset", {"id": _UNKNOWN, "data_idx": 0}, None, 200, "unknown env id"),
         ("GET", f"/observation?id={_UNKNOWN}", None, None, 200, "unknown env id"),
         ("GET", "/observation", None, None, 400, "missing query parameter 'id'"),
         ("GET", "/observation?id=abc", None, None, 400, "must be a non-negative integer"),
         ("GET", "/task_ids?split=dev", None, None, 400, "'split' must be one of"),
         ("GET", "/task_info?data_idx=55", None, None, 200, "data_idx 55 is not a task id"),
-        ("POST", "/step", {
-            "id": "FRESH",
-            "action": "x"
-        }, None, 200, "has finished (or failed, or was never reset)"),
+        ("POST", "/step", {"id": "FRESH", "action": "x"
+                          }, None, 200, "has finished (or failed, or was never reset)"),
         ("POST", "/steps", {}, None, 404, "unknown route POST /steps"),
         ("GET", "/step", None, None, 405, "/step takes POST, not GET"),
         ("DELETE", "/create", None, None, 405, "/create takes POST"),
         ("POST", "/step", "2000 BYTES", None, 413, "2000 bytes is over the limit of 1024"),
         # Larger than the socket buffers: the client is still sending when the server answers.
         ("POST", "/step", "8 MIB", None, 413, "8388608 bytes is over the limit of 1024"),
-        ("POST", "/step", b"5\r\nhello\r\n0\r\n\r\n", {
-            "Transfer-Encoding": "chunked"
-        }, 411, "chunked"),
-        ("POST", "/step", b"{}", {
-            "Content-Length": "-3"
-        }, 400, "bad Content-Length"),
+        ("POST", "/step", b"5\r\nhello\r\n0\r\n\r\n", {"Transfer-Encoding": "chunked"
+                                                      }, 411, "chunked"),
+        ("POST", "/step", b"{}", {"Content-Length": "-3"}, 400, "bad Content-Length"),
     ])
 def test_bad_requests_get_json_4xx_answers(shared_server, method, path, body, headers, status,
                                            message):
@@ -394,8 +355,7 @@ def _load_round(served, num_clients, num_steps, task_ids):
 def _server_resources(served):
   server = psutil.Process(served.pid)
   return {
-      "threads": server.num_threads(),
-      "fds": server.num_fds(),
+      "threads": server.num_threads(), "fds": server.num_fds(),
       "rss_mb": server.memory_info().rss / 2**20
   }
 
@@ -524,12 +484,8 @@ def test_retries_back_off_doubling_up_to_the_cap():
     with pytest.raises(ValueError):
       Endpoint(
           **{
-              "base_url": "http://h:1",
-              "timeout_s": 1.0,
-              "retries": 1,
-              "backoff_s": 0.1,
-              "max_backoff_s": 1.0,
-              **bad
+              "base_url": "http://h:1", "timeout_s": 1.0, "retries": 1, "backoff_s": 0.1,
+              "max_backoff_s": 1.0, **bad
           })
 
 
@@ -558,9 +514,7 @@ class _OriginalScoreServer(http.server.BaseHTTPRequestHandler):
       state = self.envs[body["id"]]
       state.update(score=0.0, guesses=0)
       payload = {
-          "observation": state["env"].reset(body["data_idx"]),
-          "reward": 0,
-          "score": 0,
+          "observation": state["env"].reset(body["data_idx"]), "reward": 0, "score": 0,
           "done": False
       }
       if self.style == "sciworld":
@@ -577,9 +531,7 @@ class _OriginalScoreServer(http.server.BaseHTTPRequestHandler):
       else:
         state["score"] = -100.0 if result.done else 10.0 * state["guesses"]
       payload = {
-          "observation": result.observation,
-          "reward": 0,
-          "score": state["score"],
+          "observation": result.observation, "reward": 0, "score": state["score"],
           "done": result.done
       }
     self._send(payload)
@@ -614,10 +566,8 @@ def original_server():
 def test_the_client_speaks_to_original_babyai_servers(original_server):
   _OriginalScoreServer.style = "babyai"
   client = AgentGymClient(original_server, "babyai", extract_action=True,
-                          instruction="Find the digit.", task_ids={
-                              "train": [0, 1],
-                              "test": [100]
-                          }, retries=0)
+                          instruction="Find the digit.", task_ids={"train": [0, 1],
+                                                                   "test": [100]}, retries=0)
   assert client.instruction == "Find the digit." and client.task_ids("test") == (100,)
   assert client.reset(0).startswith("Task 0:")
   first = client.step("Thought: try 1.\n\nAction: guess 1\n")

@@ -58,11 +58,8 @@ class _Player:
 def test_textcraft_plays_as_the_original_client_plays_it():
   with AgentGymServer("textcraft") as server:
     player = _Player(
-        server.url, create_body={
-            "minecraft_dir": "agentenv_textcraft/",
-            "commands": None,
-            "goal": None
-        })
+        server.url,
+        create_body={"minecraft_dir": "agentenv_textcraft/", "commands": None, "goal": None})
     # /create starts an episode: {id, observation, done, reward}.
     assert set(player.created) == {"id", "observation", "done", "reward"}
     assert player.created["observation"].startswith("Crafting commands:\n")

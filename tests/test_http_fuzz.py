@@ -18,12 +18,11 @@ _FIELDS = ("id", "data_idx", "action", "env_idx", "commands", "goal", "split")
 
 _scalars = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True)
             | st.text(max_size=20) | st.sampled_from([10**30, -1, 0, "²", "0", "1e9"]))
-_json_values = st.recursive(_scalars,
-                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-                                st.sampled_from(_FIELDS) | st.text(max_size=5), inner, max_size=3),
-                            max_leaves=8)
-_bodies = (st.dictionaries(st.sampled_from(_FIELDS), _json_values, max_size=3).map(
-    lambda d: json.dumps(d).encode())
+_json_values = st.recursive(
+    _scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(_FIELDS) | st.text(max_size=5), inner, max_size=3), max_leaves=8)
+_bodies = (st.dictionaries(st.sampled_from(_FIELDS), _json_values,
+                           max_size=3).map(lambda d: json.dumps(d).encode())
            | _json_values.map(lambda v: json.dumps(v).encode()) | st.binary(max_size=64)
            | st.integers(1, 200_000).map(lambda n: b"[" * n)
            | st.integers(1, 10_000).map(lambda n: b'{"id": ' + b"9" * n + b"}"))
@@ -51,9 +50,10 @@ def _send(port, method, target, body):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE"]),
-       route=st.sampled_from(_ROUTES) | st.text(max_size=8).map(lambda t: "/" + urllib.parse.quote(t)),
-       query=_queries, body=_bodies)
+@given(
+    method=st.sampled_from(["GET", "POST", "PUT", "DELETE"]),
+    route=st.sampled_from(_ROUTES) | st.text(max_size=8).map(lambda t: "/" + urllib.parse.quote(t)),
+    query=_queries, body=_bodies)
 def test_no_request_gets_a_5xx(server, method, route, query, body):
   status = _send(server.port, method, f"{route}?{query}" if query else route, body)
   assert 200 <= status < 500

@@ -82,8 +82,8 @@ def test_merged_weights_equal_the_adapter_forward(tiny_model):
   merged = nnx.merge(nnx.split(tiny_model)[0], lora.merged_params(graphdef, adapters, base))
   expected = np.asarray(adapted(INPUT_IDS))
   assert np.abs(expected - np.asarray(tiny_model(INPUT_IDS))).max() > 0.1  # B moved it.
-  np.testing.assert_allclose(
-      merged(INPUT_IDS), expected, atol=_logits_atol(tiny_model.config, expected), rtol=0)
+  np.testing.assert_allclose(merged(INPUT_IDS), expected,
+                             atol=_logits_atol(tiny_model.config, expected), rtol=0)
   # delta W by hand for o_proj, whose input is two axes: (alpha / r) A [h*d, r] @ B [r, e].
   a = np.asarray(adapted.adapters.o_proj.a.get_value())[1].reshape(64, 4)
   b = np.asarray(adapted.adapters.o_proj.b.get_value())[1]
@@ -132,11 +132,10 @@ def _rollout_batch(rows: int = 4, length: int = 12) -> Batch:
   rng = np.random.RandomState(0)
   loss_mask = np.zeros((rows, length), np.float32)
   loss_mask[:, 6:] = 1
-  return Batch(
-      tokens=rng.randint(0, 9, (rows, length)).astype(np.int32), loss_mask=loss_mask,
-      sampler_logprobs=np.full((rows, length), -2.0, np.float32),
-      rewards=np.array([1.0, 0.0, 0.0, 1.0], np.float32), group_ids=np.array([0, 0, 1, 1],
-                                                                             np.int32))
+  return Batch(tokens=rng.randint(0, 9, (rows, length)).astype(np.int32), loss_mask=loss_mask,
+               sampler_logprobs=np.full((rows, length), -2.0, np.float32),
+               rewards=np.array([1.0, 0.0, 0.0, 1.0], np.float32), group_ids=np.array([0, 0, 1, 1],
+                                                                                      np.int32))
 
 
 def test_update_trains_only_the_adapters_whose_state_alone_the_optimizer_holds(
@@ -329,17 +328,8 @@ def test_lora_dpo_scores_against_the_base(checkpoint_dir, tmp_path, single_devic
   for task, (prompt, chosen, rejected) in enumerate([("1 0", "0 1", "1 1"), ("0 0", "1", "0")]):
     for reply, success in ((chosen, True), (rejected, False)):
       records.append({
-          "task_id": task,
-          "env": "echo",
-          "reward": float(success),
-          "success": success,
-          "messages": [{
-              "role": "user",
-              "content": prompt
-          }, {
-              "role": "assistant",
-              "content": reply
-          }]
+          "task_id": task, "env": "echo", "reward": float(success), "success": success,
+          "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
       })
   data = tmp_path / "pairs.jsonl"
   data.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -361,8 +351,8 @@ def test_peft_loads_our_adapters_with_the_same_logits(family, tmp_path):
   hf_model = test_models.random_hf_model(family)
   hf_model.save_pretrained(tmp_path / "base")
   config = ModelConfig.from_json(tmp_path / "base" / "config.json")
-  decoder = weights.load_params(
-      weights.abstract_model(config), weights.SafetensorsReader(tmp_path / "base"))
+  decoder = weights.load_params(weights.abstract_model(config),
+                                weights.SafetensorsReader(tmp_path / "base"))
   settings = lora.LoraSettings(rank=4, alpha=8.0,
                                targets=("q_proj", "v_proj", "o_proj", "down_proj"), dropout=0.05)
   graphdef, adapters, base = _lora_model(decoder, settings)

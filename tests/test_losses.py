@@ -14,8 +14,7 @@ from agentgym_jax.rl import losses
 aggregate = jax.jit(losses.aggregate, static_argnames=("aggregation",))
 policy_gradient_loss = jax.jit(
     losses.policy_gradient_loss,
-    static_argnames=("clip_eps_low", "clip_eps_high", "dual_clip_c", "aggregation"),
-)
+    static_argnames=("clip_eps_low", "clip_eps_high", "dual_clip_c", "aggregation"))
 kl_divergence = jax.jit(losses.kl_divergence, static_argnames=("estimator",))
 value_loss = jax.jit(losses.value_loss, static_argnames=("clip_eps", "aggregation"))
 dpo_loss = jax.jit(losses.dpo_loss, static_argnames=("beta",))
@@ -96,8 +95,7 @@ def test_dual_clip_bounds_negative_advantages_only():
   assert float(dual) == pytest.approx((3.0 - 1.2) / 2, abs=1e-5)
   assert float(metrics["dual_clip_fraction"]) == pytest.approx(0.5)
   grad = jax.grad(
-      lambda logp: policy_gradient_loss(logp, old, advantages, mask, dual_clip_c=3.0)[0])(
-          new)
+      lambda logp: policy_gradient_loss(logp, old, advantages, mask, dual_clip_c=3.0)[0])(new)
   np.testing.assert_array_equal(grad, 0.0)
 
 
@@ -167,11 +165,7 @@ def test_kl_estimators_are_finite_with_finite_gradients_far_off_policy(estimator
       "k2": ([5000.0, 450.0, 0.0, 450.0, 5000.0], [-100.0, -30.0, 0.0, 30.0, 100.0]),
       "k3": ([10.0, 10.0, 0.0, 10.0, 10.0], [0.0] * 5),
       "abs": ([100.0, 30.0, 0.0, 30.0, 100.0], [-1.0, -1.0, ABS_GRAD_AT_0, 1.0, 1.0]),
-  }[{
-      "low_var_kl": "k3",
-      "kl": "k1",
-      "mse": "k2"
-  }.get(estimator, estimator)]
+  }[{"low_var_kl": "k3", "kl": "k1", "mse": "k2"}.get(estimator, estimator)]
   value = kl_divergence(d, ref, estimator)
   grad = jax.grad(lambda x: jnp.sum(kl_divergence(x, ref, estimator)))(d)
   np.testing.assert_allclose(value, [expected[0]], rtol=1e-6)

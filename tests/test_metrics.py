@@ -52,10 +52,7 @@ def test_rows_hold_step_time_and_host_values_of_device_arrays(tmp_path):
   with MetricsWriter(tmp_path, tensorboard=False) as writer:
     writer.write(
         1, {
-            "loss": jnp.float32(0.5),
-            "turns": jnp.asarray(3),
-            "count": 7,
-            "kl": np.float64(0.25),
+            "loss": jnp.float32(0.5), "turns": jnp.asarray(3), "count": 7, "kl": np.float64(0.25),
             "solved": True
         })
     writer.write(2, {"loss": jnp.float32(0.25)})
@@ -74,9 +71,7 @@ def test_each_row_is_fetched_in_one_device_get_when_written(tmp_path, monkeypatc
   real_device_get = jax.device_get
   monkeypatch.setattr(jax, "device_get", lambda tree: fetches.append(tree) or real_device_get(tree))
   metrics = lambda step: {
-      "loss": jnp.float32(step),
-      "reward": jnp.float32(2 * step),
-      "entropy": jnp.float32(0.5)
+      "loss": jnp.float32(step), "reward": jnp.float32(2 * step), "entropy": jnp.float32(0.5)
   }
   writer = MetricsWriter(tmp_path, tensorboard=False)
   writer.write(1, metrics(1))
@@ -171,15 +166,9 @@ def test_truncate_after_drops_later_rows(tmp_path):
 
 
 @pytest.mark.parametrize("metrics, message", [
-    ({
-        "loss": jnp.zeros((2,))
-    }, r"'loss' at step 0 must be a scalar, got .* shape \(2,\)"),
-    ({
-        "note": "fine"
-    }, "'note' at step 0 must be a scalar"),
-    ({
-        "step": 1.0
-    }, "Metric names must be strings other than"),
+    ({"loss": jnp.zeros((2,))}, r"'loss' at step 0 must be a scalar, got .* shape \(2,\)"),
+    ({"note": "fine"}, "'note' at step 0 must be a scalar"),
+    ({"step": 1.0}, "Metric names must be strings other than"),
 ])
 def test_non_scalar_and_reserved_metrics_are_rejected(tmp_path, metrics, message):
   with MetricsWriter(tmp_path, tensorboard=False) as writer:
@@ -191,18 +180,11 @@ def test_trajectories_round_trip_per_step_with_arrays_as_lists_and_nan_as_null(t
   writer = TrajectoryWriter(tmp_path)
   writer.write(3, [
       {
-          "task": "textcraft/7",
-          "tokens": np.arange(4, dtype=np.int32),
-          "reward": 1.0,
-          "turns": [{
-              "action": "get 1 oak log",
-              "observation": "Got 1 oak log"
-          }]
+          "task": "textcraft/7", "tokens": np.arange(4, dtype=np.int32), "reward": 1.0,
+          "turns": [{"action": "get 1 oak log", "observation": "Got 1 oak log"}]
       },
       {
-          "task": "textcraft/8",
-          "tokens": jnp.asarray([5, 6]),
-          "reward": float("nan"),
+          "task": "textcraft/8", "tokens": jnp.asarray([5, 6]), "reward": float("nan"),
           "logprobs": np.asarray([-0.5, np.nan], np.float32)
       },
   ])
@@ -212,20 +194,11 @@ def test_trajectories_round_trip_per_step_with_arrays_as_lists_and_nan_as_null(t
   step_3 = read_trajectories(tmp_path, 3)
   assert step_3 == [
       {
-          "step": 3,
-          "task": "textcraft/7",
-          "tokens": [0, 1, 2, 3],
-          "reward": 1.0,
-          "turns": [{
-              "action": "get 1 oak log",
-              "observation": "Got 1 oak log"
-          }]
+          "step": 3, "task": "textcraft/7", "tokens": [0, 1, 2, 3], "reward": 1.0,
+          "turns": [{"action": "get 1 oak log", "observation": "Got 1 oak log"}]
       },
       {
-          "step": 3,
-          "task": "textcraft/8",
-          "tokens": [5, 6],
-          "reward": None,
+          "step": 3, "task": "textcraft/8", "tokens": [5, 6], "reward": None,
           "logprobs": [-0.5, None]
       },
   ]

@@ -35,11 +35,10 @@ def _batch(seed=0):
     start, stop = sorted(rng.choice(np.arange(2, LENGTH + 1), 2, replace=False))
     loss_mask[row, start:stop] = 1.0  # Ragged replies of 1 to 21 tokens...
   loss_mask[5] = 0.0  # ...and an excluded (failed) episode with none.
-  return Batch(
-      tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(loss_mask),
-      sampler_logprobs=jnp.asarray(rng.normal(-2.0, 0.3, (ROWS, LENGTH)), jnp.float32),
-      rewards=jnp.asarray(rng.integers(0, 2, ROWS), jnp.float32),
-      group_ids=jnp.asarray(np.repeat(np.arange(ROWS // 4), 4), jnp.int32))
+  return Batch(tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(loss_mask),
+               sampler_logprobs=jnp.asarray(rng.normal(-2.0, 0.3, (ROWS, LENGTH)), jnp.float32),
+               rewards=jnp.asarray(rng.integers(0, 2, ROWS), jnp.float32),
+               group_ids=jnp.asarray(np.repeat(np.arange(ROWS // 4), 4), jnp.int32))
 
 
 def _config(**changes):
@@ -97,8 +96,8 @@ def test_the_experience_pass_in_micro_batches_equals_one_pass(policy):
   # tests/tolerances.py for log-probs of logits of order 1.
   tolerance = tolerances.reordered_logprobs(CONFIG.num_layers, CONFIG.intermediate_size, 4.0)
   for name in ("old_logprobs", "ref_logprobs", "advantages", "returns"):
-    np.testing.assert_allclose(
-        getattr(got, name), getattr(expected, name), rtol=0, atol=tolerance, err_msg=name)
+    np.testing.assert_allclose(getattr(got, name), getattr(expected, name), rtol=0, atol=tolerance,
+                               err_msg=name)
   for key in metrics:
     np.testing.assert_allclose(metrics[key], expected_metrics[key], rtol=0, atol=tolerance,
                                err_msg=key)

@@ -37,12 +37,8 @@ HF_CONFIGS = {
     "llama3_rope":
         lambda: transformers.LlamaConfig(
             **_TINY, tie_word_embeddings=True, rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-                "rope_theta": 500000.0
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor":
+                    4.0, "original_max_position_embeddings": 64, "rope_theta": 500000.0
             }),
 }
 
@@ -71,8 +67,8 @@ def _forward(model: Decoder, input_ids, positions=None, attention_mask=None) -> 
 
 def _load(directory, **kwargs) -> Decoder:
   config = ModelConfig.from_json(directory / "config.json")
-  return weights.load_params(
-      weights.abstract_model(config, **kwargs), weights.SafetensorsReader(directory))
+  return weights.load_params(weights.abstract_model(config, **kwargs),
+                             weights.SafetensorsReader(directory))
 
 
 @pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
@@ -173,8 +169,8 @@ def test_export_loads_in_transformers_with_the_same_logits(hf_checkpoint, tmp_pa
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").eval()
   assert exported.dtype == torch.bfloat16
   reloaded = _load(tmp_path / "bf16")
-  _assert_tiny_logits_close(
-      np.asarray(_forward(reloaded, INPUT_IDS)), _hf_logits(exported.float(), INPUT_IDS))
+  _assert_tiny_logits_close(np.asarray(_forward(reloaded, INPUT_IDS)),
+                            _hf_logits(exported.float(), INPUT_IDS))
 
 
 def test_config_round_trips_through_hf_json(hf_checkpoint):
@@ -206,36 +202,15 @@ _VALID = ModelConfig(model_type="qwen2", vocab_size=128, hidden_size=64, interme
 
 
 @pytest.mark.parametrize("change, message", [
-    ({
-        "model_type": "mistral"
-    }, r"model_type 'mistral'.*supported.*qwen2"),
-    ({
-        "use_sliding_window": True
-    }, r"sliding-window attention"),
-    ({
-        "num_attention_heads": 5
-    }, r"num_heads=5 is not a multiple of num_kv_heads=2"),
-    ({
-        "num_key_value_heads": 3
-    }, r"num_heads=4 is not a multiple of num_kv_heads=3"),
-    ({
-        "hidden_size": 0
-    }, r"hidden_size must be positive"),
-    ({
-        "hidden_act": "gelu"
-    }, r"hidden_act 'gelu' is not supported"),
-    ({
-        "mlp_bias": True
-    }, r"mlp_bias"),
-    ({
-        "layer_types": ["full_attention", "sliding_attention"]
-    }, r"layer_types"),
-    ({
-        "rope_scaling": {
-            "rope_type": "yarn",
-            "factor": 4.0
-        }
-    }, r"rope_scaling type 'yarn'"),
+    ({"model_type": "mistral"}, r"model_type 'mistral'.*supported.*qwen2"),
+    ({"use_sliding_window": True}, r"sliding-window attention"),
+    ({"num_attention_heads": 5}, r"num_heads=5 is not a multiple of num_kv_heads=2"),
+    ({"num_key_value_heads": 3}, r"num_heads=4 is not a multiple of num_kv_heads=3"),
+    ({"hidden_size": 0}, r"hidden_size must be positive"),
+    ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
+    ({"mlp_bias": True}, r"mlp_bias"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling type 'yarn'"),
 ])
 def test_unsupported_configs_fail_with_a_clear_message(change, message):
   with pytest.raises(ValueError, match=message):
@@ -274,9 +249,8 @@ def test_unknown_model_and_missing_weights_say_where_weights_go(tmp_path, monkey
 # own GGUF loading of the same file. Both dequantize the same bytes, so only the arithmetic differs.
 
 CHATS = [
-    "What is the capital of France?",
-    "Write a short poem about the sea.",
-    "List three uses of a paperclip.",
+    "What is the capital of France?", "Write a short poem about the sea.",
+    "List three uses of a paperclip."
 ]
 GENERATED_TOKENS = 20
 
@@ -288,8 +262,9 @@ def smollm2():
 
   model, tokenizer = models.load_model("smollm2-135m-instruct")
   path = gguf.smollm2_gguf_path()
-  hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-      str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent),
+                                                               gguf_file=path.name,
+                                                               dtype=torch.float32).eval()
   return model, tokenizer, hf_model
 
 
@@ -336,9 +311,9 @@ def test_smollm2_greedy_continuations_match_transformers(smollm2):
   lengths = []
   for row, continuation in zip(rows, ours):
     with torch.no_grad():
-      generated = hf_model.generate(
-          torch.tensor([row]), do_sample=False, num_beams=1, max_new_tokens=GENERATED_TOKENS,
-          attention_mask=torch.ones(1, len(row), dtype=torch.long))
+      generated = hf_model.generate(torch.tensor([row]), do_sample=False, num_beams=1,
+                                    max_new_tokens=GENERATED_TOKENS,
+                                    attention_mask=torch.ones(1, len(row), dtype=torch.long))
     # transformers stops after the end-of-turn token; ours runs on, so compare up to there.
     theirs = generated[0, len(row):].tolist()
     assert continuation[:len(theirs)] == theirs, tokenizer.decode(continuation)
@@ -354,5 +329,5 @@ def test_smollm2_export_loads_in_transformers_with_the_same_logits(smollm2, tmp_
   ids = np.array([tokenizer.chat.render([{"role": "user", "content": CHATS[0]}])])
   # The same f32 weights (GGUF dequantised, then exported) run by the same library: any
   # difference is a defect of the export, and 1e-4 is 1/30 of the reordering tolerance above.
-  np.testing.assert_allclose(
-      _hf_logits(exported, ids), _hf_logits(hf_model, ids), atol=1e-4, rtol=0)
+  np.testing.assert_allclose(_hf_logits(exported, ids), _hf_logits(hf_model, ids), atol=1e-4,
+                             rtol=0)

@@ -26,11 +26,8 @@ def _run_quick(path, monkeypatch):
   monkeypatch.setenv("ABLATION_QUICK", "1")  # The kernel inherits this process's environment.
   notebook = nbformat.read(path, as_version=4)
   # Raises CellExecutionError, naming the cell and the traceback, if any cell fails.
-  nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3", resources={
-      "metadata": {
-          "path": str(path.parent)
-      }
-  }).execute()
+  nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
+                          resources={"metadata": {"path": str(path.parent)}}).execute()
   return _outputs(notebook)
 
 

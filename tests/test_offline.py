@@ -23,37 +23,23 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def _conversation(*turns):
   """user, assistant, user, ... from the given contents."""
-  return [{
-      "role": "user" if i % 2 == 0 else "assistant",
-      "content": c
-  } for i, c in enumerate(turns)]
+  return [{"role": "user" if i % 2 == 0 else "assistant", "content": c} for i, c in enumerate(turns)
+         ]
 
 
 # Replies that depend on the prompt, of different lengths, one with two turns.
 DEMOS = [
-    {
-        "messages": _conversation("1 0", "0 1 1")
-    },
-    {
-        "messages": _conversation("0 0", "1")
-    },
-    {
-        "messages": _conversation("1 1", "0 0", "1", "1 0 1")
-    },
-    {
-        "messages": _conversation("0 1", "1 1 0 0")
-    },
+    {"messages": _conversation("1 0", "0 1 1")},
+    {"messages": _conversation("0 0", "1")},
+    {"messages": _conversation("1 1", "0 0", "1", "1 0 1")},
+    {"messages": _conversation("0 1", "1 1 0 0")},
 ]
 
 
 def _record(task_id, prompt, reply, success):
   return {
-      "task_id": task_id,
-      "env": "echo",
-      "messages": _conversation(prompt, reply),
-      "reward": float(success),
-      "success": success,
-      "num_turns": 1
+      "task_id": task_id, "env": "echo", "messages": _conversation(prompt, reply),
+      "reward": float(success), "success": success, "num_turns": 1
   }
 
 
@@ -66,7 +52,7 @@ PAIR_RECORDS = [
     _record(2, "1 1", "0 0 1", True),
     _record(2, "1 1", "1 0 0", False),
     _record(3, "0 1", "1 0", True),
-    _record(3, "0 1", "0 1", False),
+    _record(3, "0 1", "0 1", False)
 ]
 
 

@@ -31,10 +31,8 @@ def textcraft_demos():
 
 def _conversation(*turns):
   """user, assistant, user, ... from the given contents."""
-  return [{
-      "role": "user" if i % 2 == 0 else "assistant",
-      "content": c
-  } for i, c in enumerate(turns)]
+  return [{"role": "user" if i % 2 == 0 else "assistant", "content": c} for i, c in enumerate(turns)
+         ]
 
 
 def _check_invariants(chat, messages):
@@ -116,21 +114,10 @@ def test_tool_call_demos_tokenize_with_their_tools(chat_family, tmp_path):
 @pytest.mark.parametrize("messages,message", [
     (_conversation("1", "0", "1"), "ends with a 'user' turn"),
     (_conversation("1"), "no assistant reply"),
-    ([{
-        "role": "assistant",
-        "content": "0"
-    }], "starts with an assistant reply"),
-    (_conversation("1", "0") + [{
-        "role": "assistant",
-        "content": "1"
-    }], "must alternate"),
-    (_conversation("1", "0") + [{
-        "role": "user",
-        "content": 1
-    }, {
-        "role": "assistant",
-        "content": "0"
-    }], "not str"),
+    ([{"role": "assistant", "content": "0"}], "starts with an assistant reply"),
+    (_conversation("1", "0") + [{"role": "assistant", "content": "1"}], "must alternate"),
+    (_conversation("1", "0") +
+     [{"role": "user", "content": 1}, {"role": "assistant", "content": "0"}], "not str"),
     ([], "non-empty list"),
 ])
 def test_malformed_conversations_are_refused(tiny_chat, messages, message):
@@ -144,8 +131,7 @@ def test_malformed_conversations_are_refused(tiny_chat, messages, message):
 def _records(lengths):
   """Conversations whose single reply has the given number of words ("0 1 0 ..." style)."""
   return [{
-      "messages": _conversation("1", " ".join("01"[j % 2] for j in range(n))),
-      "reward": float(i)
+      "messages": _conversation("1", " ".join("01"[j % 2] for j in range(n))), "reward": float(i)
   } for i, n in enumerate(lengths)]
 
 
@@ -223,13 +209,8 @@ def test_over_long_conversations_are_dropped_and_counted_never_cut(tiny_chat):
 
 def _trajectory(name, task_id, success, reward, num_turns=1, **extra):
   return {
-      "name": name,
-      "task_id": task_id,
-      "success": success,
-      "reward": reward,
-      "num_turns": num_turns,
-      "messages": _conversation("1", "0"),
-      **extra
+      "name": name, "task_id": task_id, "success": success, "reward": reward,
+      "num_turns": num_turns, "messages": _conversation("1", "0"), **extra
   }
 
 
@@ -275,7 +256,7 @@ def test_dpo_pairs_prefer_shorter_successes_and_skip_broken_episodes():
       _trajectory("broken", 3, False, 0.0, termination="env_error"),
       _trajectory("fail", 3, False, 0.0, num_turns=10),
       _trajectory("other task", 4, True, 1.0),
-      _trajectory("no reply", 4, False, 0.0, messages=_conversation("1")),
+      _trajectory("no reply", 4, False, 0.0, messages=_conversation("1"))
   ]
   assert _names(offline_data.dpo_pairs(trajectories)) == [("short", "fail")]
   assert offline_data.dpo_pairs([_trajectory("a", 1, True, 1.0),
@@ -297,16 +278,10 @@ def test_dpo_batches_align_chosen_and_rejected_rows(tiny_chat):
   trajectories = []
   for task in range(6):  # chosen: a short success; rejected: a longer failure
     trajectories += [{
-        "task_id": task,
-        "success": True,
-        "reward": 1.0,
-        "num_turns": 1,
+        "task_id": task, "success": True, "reward": 1.0, "num_turns": 1,
         "messages": _conversation("1", "0 " * task + "1")
     }, {
-        "task_id": task,
-        "success": False,
-        "reward": 0.0,
-        "num_turns": 2,
+        "task_id": task, "success": False, "reward": 0.0, "num_turns": 2,
         "messages": _conversation("1", "0", "0", "1 " * (10 * task) + "0")
     }]
   pairs = offline_data.dpo_pairs(trajectories)

@@ -162,11 +162,8 @@ def test_train_with_an_unreachable_bucket_stops_at_start_up(tmp_path):
           str(REPO / "launch" / "train.py"), f"--config={REPO / 'configs' / 'ablation_echo.py'}",
           "--workdir=gs://no-such-bucket-agentgym/run"
       ], cwd=tmp_path, capture_output=True, text=True, timeout=120, env={
-          "PATH": "/usr/bin:/bin",
-          "HOME": str(tmp_path),
-          "PYTHONPATH": str(REPO),
-          "NO_GCE_CHECK": "true",
-          "GCE_METADATA_HOST": "127.0.0.1:9",
+          "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(REPO),
+          "NO_GCE_CHECK": "true", "GCE_METADATA_HOST": "127.0.0.1:9",
           "GCE_METADATA_IP": "127.0.0.1:9"
       })
   assert done.returncode == 1, done.stderr[-2000:]

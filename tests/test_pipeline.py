@@ -14,13 +14,7 @@ pytestmark = pytest.mark.usefixtures("single_device")
 
 # Echo conversations (a prompt of symbols, the reply repeating them).
 DEMOS = [{
-    "messages": [{
-        "role": "user",
-        "content": prompt
-    }, {
-        "role": "assistant",
-        "content": reply
-    }]
+    "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
 } for prompt, reply in (("1 0", "1 0"), ("0 0", "0 0"), ("1 1", "1 1"), ("0 1", "0 1"))]
 
 
@@ -138,8 +132,8 @@ def test_each_stage_is_evaluated_once_and_tabled(checkpoint_dir, tmp_path, monke
   }
   assert all(s["num_tasks"] == 4 and s["k"] == 1 for s in summaries.values())
   # The RL stage is the exported policy, played as launch/evaluate.py plays it.
-  direct, _ = pipeline.evaluate_policy(
-      run.Settings.from_config(c), str(tmp_path / "run" / "export"), 4)
+  direct, _ = pipeline.evaluate_policy(run.Settings.from_config(c),
+                                       str(tmp_path / "run" / "export"), 4)
   assert direct == summaries["RL"]
   table = (evaluated / "table.txt").read_text()
   assert table.strip() == pipeline.stage_table(summaries)
@@ -152,30 +146,17 @@ def test_each_stage_is_evaluated_once_and_tabled(checkpoint_dir, tmp_path, monke
 
 def _summary(avg, pass_, by_category):
   return {
-      "k": 2,
-      "num_tasks": sum(n for n, _, _ in by_category.values()),
-      "avg@k": avg,
-      "pass@k": pass_,
-      "categories": {
-          name: {
-              "num_tasks": n,
-              "avg@k": a,
-              "pass@k": p
-          } for name, (n, a, p) in by_category.items()
+      "k": 2, "num_tasks": sum(n for n, _, _ in by_category.values()), "avg@k": avg,
+      "pass@k": pass_, "categories": {
+          name: {"num_tasks": n, "avg@k": a, "pass@k": p} for name, (n, a, p) in by_category.items()
       }
   }
 
 
 def test_the_stage_table_has_a_row_per_category_and_a_column_pair_per_stage():
   table = pipeline.stage_table({
-      "initial": _summary(0.0, 0.0, {
-          "depth1": (2, 0.0, 0.0),
-          "depth2": (2, 0.0, 0.0)
-      }),
-      "RL": _summary(0.375, 0.5, {
-          "depth1": (2, 0.75, 1.0),
-          "depth2": (2, 0.0, 0.0)
-      }),
+      "initial": _summary(0.0, 0.0, {"depth1": (2, 0.0, 0.0), "depth2": (2, 0.0, 0.0)}),
+      "RL": _summary(0.375, 0.5, {"depth1": (2, 0.75, 1.0), "depth2": (2, 0.0, 0.0)}),
   })
   lines = table.splitlines()
   assert lines[0].startswith("k = 2 samples per task")
@@ -185,8 +166,8 @@ def test_the_stage_table_has_a_row_per_category_and_a_column_pair_per_stage():
   rows = {line.split()[0]: line.split()[1:] for line in lines[3:]}
   # depth1 under RL: 3 of 4 samples, both tasks at least once.
   assert rows == {
-      "depth1": ["2", "0.0%", "0.0%", "75.0%", "100.0%"],
-      "depth2": ["2", "0.0%", "0.0%", "0.0%", "0.0%"],
+      "depth1": ["2", "0.0%", "0.0%", "75.0%",
+                 "100.0%"], "depth2": ["2", "0.0%", "0.0%", "0.0%", "0.0%"],
       "all": ["4", "0.0%", "0.0%", "37.5%", "50.0%"]
   }
 
@@ -194,10 +175,7 @@ def test_the_stage_table_has_a_row_per_category_and_a_column_pair_per_stage():
 def test_a_stage_without_a_category_shows_dashes():
   table = pipeline.stage_table({
       "initial": _summary(0.0, 0.0, {"depth1": (2, 0.0, 0.0)}),
-      "RL": _summary(0.5, 0.5, {
-          "depth1": (1, 1.0, 1.0),
-          "depth2": (1, 0.0, 0.0)
-      }),
+      "RL": _summary(0.5, 0.5, {"depth1": (1, 1.0, 1.0), "depth2": (1, 0.0, 0.0)}),
   })
   depth2 = next(line for line in table.splitlines() if line.startswith("depth2"))
   assert depth2.split() == ["depth2", "1", "-", "-", "0.0%", "0.0%"]

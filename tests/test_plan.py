@@ -78,8 +78,8 @@ def test_train_step_compiles_with_donated_sharded_state():
   assert memory.output_bytes - memory.alias_bytes < 1024
   # The f32 gradients (as large as the parameters' shards) live in the step's scratch space.
   assert memory.param_bytes < memory.temp_bytes
-  assert memory.peak_bytes == (
-      memory.argument_bytes + memory.output_bytes - memory.alias_bytes + memory.temp_bytes)
+  assert memory.peak_bytes == (memory.argument_bytes + memory.output_bytes - memory.alias_bytes +
+                               memory.temp_bytes)
 
 
 def test_cli_prints_a_table_per_mesh(capsys):
@@ -102,11 +102,8 @@ def test_cli_rejects_meshes_it_cannot_build():
 
 # A 2-layer Qwen2 with the 7B's structure (GQA, q/k/v biases): compiles in seconds.
 SMALL = ModelConfig.from_hf({
-    **plan.HF_CONFIGS["qwen2.5-7b-instruct"], "vocab_size": 1024,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
+    **plan.HF_CONFIGS["qwen2.5-7b-instruct"], "vocab_size": 1024, "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2
 })
 
@@ -119,8 +116,8 @@ def test_sampler_plan_holds_the_cache_shard_and_updates_it_in_place():
   # split over data x fsdp (4-way), kv heads over tensor (2-way).
   assert memory.cache_bytes == 2 * (2 * 8 * 2 * 256 * 64 * 2) // 8
   assert memory.param_bytes == plan.plan(SMALL, mesh, 8, 32, compile=False).param_bytes
-  assert memory.peak_bytes == (
-      memory.param_bytes + memory.cache_bytes + max(memory.prefill_bytes, memory.decode_bytes))
+  assert memory.peak_bytes == (memory.param_bytes + memory.cache_bytes +
+                               max(memory.prefill_bytes, memory.decode_bytes))
   prefill, decode = (
       lowered.compile().memory_analysis()
       for lowered in plan.lower_sampler(SMALL, mesh, 8, 256, prefill_tokens=32, max_new_tokens=16))
@@ -132,8 +129,8 @@ def test_sampler_plan_holds_the_cache_shard_and_updates_it_in_place():
   # and adds a [2, 32] shard of tokens and 2 counts.
   state_bytes = memory.cache_bytes + 2 * 4 + 2 * 256 * 4
   assert decode.argument_size_in_bytes == memory.param_bytes + state_bytes + 64 + 2 * 4 + 32
-  assert prefill.argument_size_in_bytes == (
-      memory.param_bytes - 262144 + state_bytes + 2 * 32 * 4 + 2 * 4)
+  assert prefill.argument_size_in_bytes == (memory.param_bytes - 262144 + state_bytes + 2 * 32 * 4 +
+                                            2 * 4)
 
 
 def test_cli_plans_a_sampler_on_the_requested_devices(capsys):

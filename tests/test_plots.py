@@ -45,37 +45,16 @@ def test_smooth_rejects_weights_outside_unit_interval():
 
 
 def test_metric_series_skips_missing_and_null_and_keeps_last_repeat_of_a_step():
-  rows = [{
-      "step": 0,
-      "kl": 0.1
-  }, {
-      "step": 1
-  }, {
-      "step": 2,
-      "kl": None
-  }, {
-      "step": 3,
-      "kl": 0.5
-  }, {
-      "step": 3,
-      "kl": 0.7
-  }, {
-      "step": 4,
-      "kl": True
-  }]
+  rows = [{"step": 0, "kl": 0.1}, {"step": 1}, {"step": 2, "kl": None}, {"step": 3, "kl": 0.5},
+          {"step": 3, "kl": 0.7}, {"step": 4, "kl": True}]
   assert plots.metric_series(rows, "kl") == ([0, 3], [0.1, 0.7])
   assert plots.metric_series(rows, "absent") == ([], [])
 
 
 def test_matching_keys_takes_exact_names_then_prefixes_without_repeats():
   rows = [{
-      "step": 0,
-      "time": 1.0,
-      "time/update": 2.0,
-      "time/rollout": 3.0,
-      "eval/success": 1,
-      "eval/success/b": 0,
-      "eval/success/a": 1
+      "step": 0, "time": 1.0, "time/update": 2.0, "time/rollout": 3.0, "eval/success": 1,
+      "eval/success/b": 0, "eval/success/a": 1
   }]
   assert plots.matching_keys(rows, ("time/",)) == ["time/rollout", "time/update"]
   assert plots.matching_keys(rows, ("eval/success", "eval/success/")) == [

@@ -62,8 +62,7 @@ def test_gspo_clips_one_length_normalised_ratio_per_trajectory():
   assert float(metrics["ratio_max"]) == pytest.approx(1.5, abs=1e-6)
   # d loss / d logp_1,t = (1/2 rows) (1/2 tokens) (-A_1 s_1) = 0.25; row 0 is clipped: 0.
   grad = jax.grad(lambda logp: gspo_loss(logp, _GSPO_OLD, _GSPO_ADVANTAGES, _GSPO_MASK,
-                                         clip_eps_low=0.2, clip_eps_high=0.2)[0])(
-                                             _GSPO_NEW)
+                                         clip_eps_low=0.2, clip_eps_high=0.2)[0])(_GSPO_NEW)
   np.testing.assert_allclose(grad, [[0.0, 0.0], [0.25, 0.25]], atol=1e-6)
 
 
@@ -128,8 +127,7 @@ def test_cispo_clips_a_stop_gradient_weight_and_keeps_every_token_gradient():
   assert float(loss) == pytest.approx(expected, abs=1e-6)
   assert float(metrics["clip_fraction"]) == pytest.approx(2 / 3)
   grad = jax.grad(lambda logp: cispo_loss(logp, _CISPO_OLD, _CISPO_ADVANTAGES, mask,
-                                          clip_eps_low=0.2, clip_eps_high=0.2)[0])(
-                                              _CISPO_NEW)
+                                          clip_eps_low=0.2, clip_eps_high=0.2)[0])(_CISPO_NEW)
   np.testing.assert_allclose(grad, [[-0.9 / 3, 1.2 / 3, -1.2 / 3]], rtol=1e-5)
   ppo_grad = jax.grad(lambda logp: policy_gradient_loss(logp, _CISPO_OLD, _CISPO_ADVANTAGES, mask,
                                                         clip_eps_low=0.2, clip_eps_high=0.2)[0])(
@@ -159,8 +157,7 @@ def test_importance_weights_scale_each_token_loss_and_are_not_trained():
   assert float(loss) == pytest.approx(-0.18, abs=1e-6)
   for loss_fn in (policy_gradient_loss, gspo_loss, cispo_loss):
     weight_grad = jax.grad(
-        lambda w, f=loss_fn: f(new, old, advantages, mask, importance_weights=w)[0])(
-            weights)
+        lambda w, f=loss_fn: f(new, old, advantages, mask, importance_weights=w)[0])(weights)
     np.testing.assert_array_equal(weight_grad, 0.0)
 
 

@@ -125,10 +125,7 @@ def test_training_rides_out_an_http_server_dying(checkpoint_dir, tmp_path, monke
   c = echo_config(checkpoint_dir, steps=5)
   c.env.name = "http"
   c.env.options = {
-      "base_url": f"http://127.0.0.1:{port}",
-      "env": "echo",
-      "retries": 3,
-      "backoff_s": 0.05
+      "base_url": f"http://127.0.0.1:{port}", "env": "echo", "retries": 3, "backoff_s": 0.05
   }
   c.env.step_timeout = 30.0
   c.rollout.tasks_per_step = 4
@@ -248,8 +245,7 @@ def test_a_full_context_ends_episodes_as_context(room, checkpoint_dir, tmp_path,
   chat = Tokenizer.from_pretrained(checkpoint_dir).chat
   env = environments.make("echo", turns=2)
   first = [{
-      "role": "user",
-      "content": f"{env.instruction}\n\n{env.reset(env.task_ids('train')[0])}"
+      "role": "user", "content": f"{env.instruction}\n\n{env.reset(env.task_ids('train')[0])}"
   }]
   prompt = len(chat.render(first, add_generation_prompt=True))
   # "one turn": the first reply fits, the next user turn (>= 3 tokens) plus a reply does not.
@@ -329,13 +325,12 @@ def _checkpoint_steps(workdir: pathlib.Path) -> list[int]:
 def test_a_killed_run_resumes_to_the_uninterrupted_result(checkpoint_dir, tmp_path):
   """Three launches of ~30-60 s each: straight, killed after checkpoint 2, restarted."""
   steps = 5
-  straight = subprocess.Popen(
-      _launch_command(checkpoint_dir, tmp_path / "straight", steps), env=_ONE_DEVICE,
-      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  straight = subprocess.Popen(_launch_command(checkpoint_dir, tmp_path / "straight",
+                                              steps), env=_ONE_DEVICE, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
   workdir = tmp_path / "killed"
-  killed = subprocess.Popen(
-      _launch_command(checkpoint_dir, workdir, steps), env=_ONE_DEVICE, stdout=subprocess.DEVNULL,
-      stderr=subprocess.DEVNULL)
+  killed = subprocess.Popen(_launch_command(checkpoint_dir, workdir, steps), env=_ONE_DEVICE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   deadline = time.monotonic() + 900
   # A step directory appears under its final name only once Orbax has finalized it.
   while 2 not in _checkpoint_steps(workdir):
@@ -350,9 +345,8 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(checkpoint_dir, tmp_pa
   (partial / "state").mkdir(parents=True)
   (partial / "state" / "garbage").write_bytes(b"\x00" * 100)
 
-  resumed = subprocess.run(
-      _launch_command(checkpoint_dir, workdir, steps), env=_ONE_DEVICE, capture_output=True,
-      text=True, timeout=900)
+  resumed = subprocess.run(_launch_command(checkpoint_dir, workdir, steps), env=_ONE_DEVICE,
+                           capture_output=True, text=True, timeout=900)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"resumed from step {completed[-1]}" in resumed.stderr
   assert straight.wait(timeout=900) == 0, straight.stderr.read()[-3000:]

@@ -79,19 +79,9 @@ def test_logprobs_equal_the_forward_pass_over_a_multi_turn_episode(model, forwar
   generated = [[] for _ in sequences]  # (position, token, logprob, sampling logprob)
   state = sampler.start(sequences)
   appends = [
-      {
-          0: [7, 8, 9],
-          1: [3] * 13,
-          2: [4, 5]
-      },
-      {
-          0: [10] * 6,
-          2: [11]
-      },  # row 1's episode is over: it appends nothing...
-      {
-          0: [12],
-          2: [13] * 9
-      }
+      {0: [7, 8, 9], 1: [3] * 13, 2: [4, 5]},
+      {0: [10] * 6, 2: [11]},  # row 1's episode is over: it appends nothing...
+      {0: [12], 2: [13] * 9}
   ]
   for turn in range(4):
     rows = [0, 2] if turn >= 2 else None  # ...and generates nothing from turn 2 on.
@@ -136,8 +126,8 @@ def test_lengths_kept_by_the_caller_replace_reading_them_back(model):
   prompts = _prompts([4, 6, 3])
 
   def run(lengths):
-    _, out = sampler.generate(
-        sampler.start(prompts), jax.random.key(3), max_new_tokens=8, lengths=lengths)
+    _, out = sampler.generate(sampler.start(prompts), jax.random.key(3), max_new_tokens=8,
+                              lengths=lengths)
     return np.asarray(out.tokens), np.asarray(out.logprobs), np.asarray(out.lengths)
 
   read_back, kept = run(None), run([4, 6, 3, 0])
@@ -190,13 +180,13 @@ def test_a_row_does_not_depend_on_the_other_rows(model):
 def test_rows_stop_independently_on_stop_ids_budget_or_a_full_cache(model):
   sampler = Sampler(model, cache_slots=32, max_batch=BATCH, min_window=8)
   prompts = _prompts([4, 4, 28])
-  _, greedy = sampler.generate(
-      sampler.start(prompts), jax.random.key(0), max_new_tokens=8, temperature=0.0)
+  _, greedy = sampler.generate(sampler.start(prompts), jax.random.key(0), max_new_tokens=8,
+                               temperature=0.0)
   row_0 = greedy.token_lists()[0]
   ends = next(i for i in range(1, 8) if row_0[i] not in row_0[:i])
   stop = row_0[ends]
-  state, out = sampler.generate(
-      sampler.start(prompts), jax.random.key(0), max_new_tokens=8, temperature=0.0, stop_ids=[stop])
+  state, out = sampler.generate(sampler.start(prompts), jax.random.key(0), max_new_tokens=8,
+                                temperature=0.0, stop_ids=[stop])
   tokens = out.token_lists()
   # Row 0 ends on the first occurrence of the stop id, kept as its last token; row 1 runs to
   # its budget unless it meets the stop id; row 2 has 32 - 28 = 4 free slots.
@@ -216,10 +206,10 @@ def test_rows_stop_independently_on_stop_ids_budget_or_a_full_cache(model):
 def test_top_k_1_equals_greedy(model):
   sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
   prompts = _prompts([5, 7, 2, 3])
-  _, greedy = sampler.generate(
-      sampler.start(prompts), jax.random.key(0), max_new_tokens=10, temperature=0.0)
-  _, top1 = sampler.generate(
-      sampler.start(prompts), jax.random.key(5), max_new_tokens=10, temperature=1.3, top_k=1)
+  _, greedy = sampler.generate(sampler.start(prompts), jax.random.key(0), max_new_tokens=10,
+                               temperature=0.0)
+  _, top1 = sampler.generate(sampler.start(prompts), jax.random.key(5), max_new_tokens=10,
+                             temperature=1.3, top_k=1)
   np.testing.assert_array_equal(np.asarray(top1.tokens), np.asarray(greedy.tokens))
   np.testing.assert_allclose(np.asarray(top1.logprobs), np.asarray(greedy.logprobs), atol=1e-6)
   np.testing.assert_array_equal(np.asarray(top1.sampling_logprobs), 0.0)
@@ -243,9 +233,8 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
   counts = np.bincount(np.asarray(tokens), minlength=5)
   assert counts[2:].sum() == 0
   assert abs(counts[0] / 4000 - 0.5 / 0.7) < 0.03
-  np.testing.assert_allclose(
-      np.exp(np.asarray(sampling_logprobs)),
-      np.where(np.asarray(tokens) == 0, 0.5 / 0.7, 0.2 / 0.7), rtol=1e-5)
+  np.testing.assert_allclose(np.exp(np.asarray(sampling_logprobs)),
+                             np.where(np.asarray(tokens) == 0, 0.5 / 0.7, 0.2 / 0.7), rtol=1e-5)
 
 
 def test_temperature_scales_the_sampling_logprobs_only():
@@ -299,8 +288,8 @@ def test_sharded_sampler_matches_the_unsharded_one(model, instruction, monkeypat
   # With a 19-token instruction opening every prompt, 16 of its tokens are a shared prefix.
   monkeypatch.setattr(sampling, "SHARED_PREFIX_MULTIPLE", 8)
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-  sharded_model = weights.load_params(
-      weights.abstract_model(CONFIG), weights.to_hf_state_dict(model), mesh)
+  sharded_model = weights.load_params(weights.abstract_model(CONFIG),
+                                      weights.to_hf_state_dict(model), mesh)
   opening = _prompts([instruction], seed=7)[0]
   prompts = [opening + prompt for prompt in _prompts([4, 9, 2, 6, 5, 3, 7, 1])]
   assert sampling.shared_prefix(prompts) == (16 if instruction else 0)
@@ -321,9 +310,8 @@ def test_sharded_sampler_matches_the_unsharded_one(model, instruction, monkeypat
   for out, ref in zip(outputs, reference):
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     # Sharded over 8 devices: partial sums added in another order (reordering error model).
-    np.testing.assert_allclose(
-        np.asarray(out.logprobs), np.asarray(ref.logprobs), rtol=0,
-        atol=_logprob_tolerance(np.asarray(ref.logprobs)))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), rtol=0,
+                               atol=_logprob_tolerance(np.asarray(ref.logprobs)))
 
 
 def test_draws_follow_the_sampling_distribution():
@@ -333,8 +321,8 @@ def test_draws_follow_the_sampling_distribution():
   tokens, _, _ = jax.jit(sample_tokens, static_argnums=2)(keys, logits, SamplingParams())
   frequencies = np.bincount(np.asarray(tokens), minlength=5) / 20000
   # Within 4 standard errors of each probability; the token of probability 0 never appears.
-  np.testing.assert_array_less(
-      np.abs(frequencies - probs), 4 * np.sqrt(probs * (1 - probs) / 20000) + 1e-12)
+  np.testing.assert_array_less(np.abs(frequencies - probs),
+                               4 * np.sqrt(probs * (1 - probs) / 20000) + 1e-12)
 
 
 def test_bf16_sampler_matches_the_bf16_forward_pass(model):
@@ -377,19 +365,16 @@ def test_greedy_matches_transformers_on_smollm2(tmp_path):
   reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path,
                                                                 dtype=torch.float32).eval()
   prompts = [
-      tokenizer.chat.render([{
-          "role": "user",
-          "content": content
-      }]) for content in ("What is 2+2?", "Write a poem about the sea.", "List colors.")
+      tokenizer.chat.render([{"role": "user", "content": content}])
+      for content in ("What is 2+2?", "Write a poem about the sea.", "List colors.")
   ]
   sampler = Sampler(model, cache_slots=256, max_batch=4)
-  _, out = sampler.generate(
-      sampler.start(prompts), jax.random.key(0), max_new_tokens=40, temperature=0.0)
+  _, out = sampler.generate(sampler.start(prompts), jax.random.key(0), max_new_tokens=40,
+                            temperature=0.0)
   for row, prompt in enumerate(prompts):
     with torch.inference_mode():
-      expected = reference.generate(
-          torch.tensor([prompt]), max_new_tokens=40, do_sample=False, pad_token_id=0,
-          eos_token_id=None)[0, len(prompt):]
+      expected = reference.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                                    pad_token_id=0, eos_token_id=None)[0, len(prompt):]
     assert out.token_lists()[row] == expected.tolist()
 
 
@@ -460,8 +445,8 @@ def test_rows_sharing_a_prompt_prefill_it_once_and_continue_as_their_own(model, 
   shared, other = _prompts([9, 4], seed=5)
   prefilled = []
   prefill = sampler._prefill_shared
-  sampler._prefill_shared = lambda params, state, prefix, tokens, *a, **k: (
-      prefilled.append(tokens.shape[0]) or prefill(params, state, prefix, tokens, *a, **k))
+  sampler._prefill_shared = lambda params, state, prefix, tokens, *a, **k: (prefilled.append(
+      tokens.shape[0]) or prefill(params, state, prefix, tokens, *a, **k))
   state = sampler.start([shared, shared, other, shared])
   assert prefilled == [2]  # Two distinct prompts, two rows prefilled.
   assert np.asarray(state.lengths).tolist() == [9, 9, 4, 9]
@@ -494,8 +479,8 @@ def test_prompts_prefill_their_common_prefix_once_and_decode_as_if_alone(
   prompts.append(prompts[1])
   calls = []
   prefill = sampler._prefill_shared
-  sampler._prefill_shared = lambda params, state, prefix, tokens, *a, **k: (
-      calls.append((prefix.shape, tokens.shape)) or prefill(params, state, prefix, tokens, *a, **k))
+  sampler._prefill_shared = lambda params, state, prefix, tokens, *a, **k: (calls.append(
+      (prefix.shape, tokens.shape)) or prefill(params, state, prefix, tokens, *a, **k))
   state = sampler.start(prompts)
   # 16 of the 19 common tokens once, then the three distinct rests (3 + 5, 3 + 9, 3 + 1 tokens).
   assert calls == [((16,), (3, 12))]

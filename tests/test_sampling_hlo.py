@@ -53,14 +53,13 @@ def _loop_instructions(text: str) -> list[tuple[str, str, str]]:
   conditionals, calls), but not the inside of a fusion, which is one instruction."""
   computations, entry = _computations(text)
   bodies = [
-      re.search(r"body=%?([\w.\-]+)", line).group(1)
-      for line in computations[entry]
+      re.search(r"body=%?([\w.\-]+)", line).group(1) for line in computations[entry]
       if " while(" in line
   ]
   assert len(bodies) == 1, bodies  # The decode loop.
   roots = {
-      name: _INSTRUCTION.match(line).group(3)
-      for name, lines in computations.items() for line in lines if line.lstrip().startswith("ROOT")
+      name: _INSTRUCTION.match(line).group(3) for name, lines in computations.items()
+      for line in lines if line.lstrip().startswith("ROOT")
   }
   instructions, seen, todo = [], set(), [bodies[0]]
   while todo:
@@ -102,8 +101,7 @@ def decode_hlo() -> str:
 
 def test_the_decode_loop_updates_each_layer_cache_in_place(decode_hlo):
   layer_cache = (BATCH, CONFIG.num_kv_heads, SLOTS, CONFIG.head_dim)
-  made = [(op, root)
-          for op, shape, root in _loop_instructions(decode_hlo)
+  made = [(op, root) for op, shape, root in _loop_instructions(decode_hlo)
           if _dims(shape) == layer_cache and op not in ("parameter", "get-tuple-element", "bitcast")
          ]
   # One in-place scatter of the new keys and one of the values per layer, and nothing else of
@@ -124,8 +122,7 @@ def test_the_decode_loop_reads_the_weights_without_copying_them(decode_hlo):
       e * h * d, e * k * d, e * f, CONFIG.vocab_size * e, e * (h + 2 * k) * d, 2 * e * f
   }
   loop = _loop_instructions(decode_hlo)
-  made = [(op, shape)
-          for op, shape, _ in loop
+  made = [(op, shape) for op, shape, _ in loop
           if op not in ("parameter", "get-tuple-element", "bitcast",
                         "dot") and _size(shape) in weight_sizes]
   assert made == [], made

@@ -63,8 +63,7 @@ def _java_children() -> set[int]:
   """Process ids of the live `java` processes this test process started."""
   if psutil is not None:
     return {
-        p.pid
-        for p in psutil.Process().children(recursive=True)
+        p.pid for p in psutil.Process().children(recursive=True)
         if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and p.name() == "java"
     }
   pids = set()
@@ -93,16 +92,11 @@ def _lines(observation: str) -> list[str]:
 def test_task_ids_name_task_index_and_variation():
   # 140225 = 10_000 * 14 + 225: find-animal (paper task 4-4), variation 225, its first test one.
   assert tasks_lib.task_info(140225) == {
-      "category": "find-animal",
-      "task": "4-4",
-      "variation": 225,
-      "split": "test"
+      "category": "find-animal", "task": "4-4", "variation": 225, "split": "test"
   }
   assert tasks_lib.task_info(0)["category"] == "boil"
   assert tasks_lib.task_info(290479) == {  # the last variation of the last task
-      "category": "mendelian-genetics-unknown-plant",
-      "task": "10-2",
-      "variation": 479,
+      "category": "mendelian-genetics-unknown-plant", "task": "10-2", "variation": 479,
       "split": "test"
   }
   for bad in (-1, 300_000, 30, 140300, 1.5, True, "21"):  # boil has 30, find-animal 300
@@ -137,9 +131,7 @@ def test_task_ids_are_the_same_in_another_process_and_hash_seed(env):
   code = ("import json; from environments.sciworld import tasks; "
           "print(json.dumps([tasks.split_ids('train'), tasks.split_ids('test')]))")
   result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          check=True, env={
-                              **os.environ, "PYTHONHASHSEED": "123"
-                          })
+                          check=True, env={**os.environ, "PYTHONHASHSEED": "123"})
   train, test = json.loads(result.stdout)
   assert tuple(train) == tuple(env.task_ids("train"))
   assert tuple(test) == tuple(env.task_ids("test"))

@@ -240,8 +240,7 @@ def test_world_facts_worked_examples():
   assert world.combinations()[("gunpowder", "sand")][0] == "tnt"
   assert ("coal", "stick") in world.combinations()  # torch; campfire also takes logs
   # Storage recipes that TextCraft drops are back: 9 iron nuggets make an ingot.
-  assert any(r.count == 1 and [(i.item, i.count)
-                               for i in r.ingredients] == [("iron_nugget", 9)]
+  assert any(r.count == 1 and [(i.item, i.count) for i in r.ingredients] == [("iron_nugget", 9)]
              for r in world.recipes["iron_ingot"])
 
 
@@ -448,51 +447,30 @@ def _write_jsonl(path, records):
 def flashrag_dir(tmp_path):
   _write_jsonl(tmp_path / "nq" / "test.jsonl", [
       {
-          "id": "test_0",
-          "question": "what is the capital of france",
-          "golden_answers": ["Paris"],
-          "metadata": {
-              "source": "wiki"
-          }
+          "id": "test_0", "question": "what is the capital of france", "golden_answers": ["Paris"],
+          "metadata": {"source": "wiki"}
       },
-      {
-          "id": "test_1",
-          "question": "Who wrote Hamlet?",
-          "golden_answers": "William Shakespeare"
-      },
+      {"id": "test_1", "question": "Who wrote Hamlet?", "golden_answers": "William Shakespeare"},
   ])
-  _write_jsonl(tmp_path / "nq" / "train.jsonl", [{
-      "id": "train_0",
-      "question": "Where is the Eiffel Tower?",
-      "golden_answers": ["Paris"]
-  }])
+  _write_jsonl(
+      tmp_path / "nq" / "train.jsonl",
+      [{"id": "train_0", "question": "Where is the Eiffel Tower?", "golden_answers": ["Paris"]}])
   # Bamboogle ships a test file in FlashRAG; a dev file is read when there is no test file.
   _write_jsonl(tmp_path / "bamboogle" / "dev.jsonl", [{
-      "id": "dev_0",
-      "question": "Which river flows through Paris?",
+      "id": "dev_0", "question": "Which river flows through Paris?",
       "golden_answers": ["Seine", "the Seine", "River Seine"]
   }])
   _write_jsonl(tmp_path / "corpus.jsonl", [
-      {
-          "id": "0",
-          "contents": '"Paris"\nParis is the capital and largest city of France.'
-      },
-      {
-          "id": "1",
-          "contents": '"Hamlet"\nHamlet is a tragedy written by William Shakespeare.'
-      },
-      {
-          "id": "2",
-          "title": "Seine",
-          "text": "The Seine is a river that flows through Paris."
-      },
+      {"id": "0", "contents": '"Paris"\nParis is the capital and largest city of France.'},
+      {"id": "1", "contents": '"Hamlet"\nHamlet is a tragedy written by William Shakespeare.'},
+      {"id": "2", "title": "Seine", "text": "The Seine is a river that flows through Paris."},
   ])
   return tmp_path
 
 
 def test_flashrag_questions_load_with_agentgym_ids_and_paper_categories(flashrag_dir):
-  env = SearchQAEnv(
-      data_dir=str(flashrag_dir), test_sources=("nq", "bamboogle"), train_sources=("nq",))
+  env = SearchQAEnv(data_dir=str(flashrag_dir), test_sources=("nq", "bamboogle"),
+                    train_sources=("nq",))
   assert list(env.task_ids("test")) == [0, 1, 2] and list(env.task_ids("train")) == [3]
   infos = [env.task_info(i) for i in range(4)]
   assert [i["category"] for i in infos] == ["NQ", "NQ", "Bamboogle", "NQ"]
@@ -545,9 +523,9 @@ def test_dense_retrieval_through_the_env(flashrag_dir):
     return np.array([[t.lower().count(w) for w in vocabulary] for t in texts], np.float32)
 
   np.save(flashrag_dir / "embeddings.npy", embed([f"{d.title} {d.text}" for d in docs]))
-  env = SearchQAEnv(
-      data_dir=str(flashrag_dir), retriever="dense", top_k=1, embed_fn=embed,
-      embeddings_path=str(flashrag_dir / "embeddings.npy"), test_sources=("nq",), train_sources=())
+  env = SearchQAEnv(data_dir=str(flashrag_dir), retriever="dense", top_k=1, embed_fn=embed,
+                    embeddings_path=str(flashrag_dir / "embeddings.npy"), test_sources=("nq",),
+                    train_sources=())
   env.reset(0)
   assert env.step("<search>which river</search>").observation == (
       "<information>Doc 1(Title: Seine) The Seine is a river that flows through Paris."

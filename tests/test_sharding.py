@@ -54,14 +54,13 @@ def unsharded(checkpoint):
 
 @pytest.fixture(scope="module")
 def sharded(checkpoint, mesh):
-  return weights.load_params(
-      weights.abstract_model(CONFIG), weights.SafetensorsReader(checkpoint), mesh)
+  return weights.load_params(weights.abstract_model(CONFIG), weights.SafetensorsReader(checkpoint),
+                             mesh)
 
 
 def _params(model: Decoder) -> dict[str, jax.Array]:
   return {
-      ".".join(str(k)
-               for k in path): v[...]
+      ".".join(str(k) for k in path): v[...]
       for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
   }
 
@@ -93,9 +92,8 @@ def test_load_params_places_each_parameter_with_its_logical_sharding(sharded, un
     assert len(array.addressable_shards) == 8
     for shard in array.addressable_shards:
       assert shard.data.shape == shard_shape, name
-      np.testing.assert_array_equal(
-          np.asarray(shard.data),
-          np.asarray(reference[name])[shard.index])
+      np.testing.assert_array_equal(np.asarray(shard.data),
+                                    np.asarray(reference[name])[shard.index])
   # q_proj [2, 256, 8, 32] is split 2-way on embed (fsdp) and heads (tensor), replicated on data.
   assert params["layers.q_proj"].addressable_shards[0].data.shape == (2, 128, 4, 32)
 
@@ -129,18 +127,16 @@ def test_sharded_forward_and_backward_equal_unsharded(sharded, unsharded, mesh):
   # gradients' sums over the batch's 4 x 16 tokens are shorter.
   layers, widest = CONFIG.num_layers, CONFIG.intermediate_size
   logits_scale = float(jnp.abs(logits).max())
-  np.testing.assert_allclose(
-      np.asarray(sharded_logits), np.asarray(logits), rtol=0,
-      atol=tolerances.reordered_logits(layers, widest, logits_scale))
-  np.testing.assert_allclose(
-      float(sharded_loss), float(loss), rtol=0,
-      atol=tolerances.reordered_logprobs(layers, widest, logits_scale))
-  for (path,
-       grad), (_, sharded_grad) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(sharded_grads)):
+  np.testing.assert_allclose(np.asarray(sharded_logits), np.asarray(logits), rtol=0,
+                             atol=tolerances.reordered_logits(layers, widest, logits_scale))
+  np.testing.assert_allclose(float(sharded_loss), float(loss), rtol=0,
+                             atol=tolerances.reordered_logprobs(layers, widest, logits_scale))
+  for (path, grad), (_, sharded_grad) in zip(nnx.to_flat_state(grads),
+                                             nnx.to_flat_state(sharded_grads)):
     scale = float(jnp.abs(grad[...]).max())
-    np.testing.assert_allclose(
-        np.asarray(sharded_grad[...]), np.asarray(grad[...]), rtol=0,
-        atol=tolerances.reordered_logits(layers, widest, scale), err_msg=str(path))
+    np.testing.assert_allclose(np.asarray(sharded_grad[...]), np.asarray(grad[...]), rtol=0,
+                               atol=tolerances.reordered_logits(layers, widest,
+                                                                scale), err_msg=str(path))
 
 
 def test_heads_the_tensor_axis_does_not_divide_stay_whole_and_the_forward_matches(mesh):
@@ -149,8 +145,8 @@ def test_heads_the_tensor_axis_does_not_divide_stay_whole_and_the_forward_matche
                        num_layers=2, num_heads=9, num_kv_heads=3, head_dim=16,
                        tie_word_embeddings=True)
   model = nnx.jit(lambda: Decoder(config, rngs=nnx.Rngs(0)))()
-  sharded = weights.load_params(
-      weights.abstract_model(config), weights.to_hf_state_dict(model), mesh)
+  sharded = weights.load_params(weights.abstract_model(config), weights.to_hf_state_dict(model),
+                                mesh)
   assert sharded.layers.q_proj[...].sharding.spec == P(None, "fsdp", None, None)
   assert sharded.layers.k_proj[...].sharding.spec == P(None, "fsdp", None, None)
   assert sharded.layers.gate_proj[...].sharding.spec == P(None, "fsdp", "tensor")

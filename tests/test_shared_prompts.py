@@ -182,10 +182,9 @@ def _trajectories(seed: int = 0) -> list[rollout.Trajectory]:
       _trajectory(rng, 0, prompts[0], [(5, 3), (7, 4), (4, 0)]),
       _trajectory(rng, 0, prompts[0], [(1, 0)]),
       _trajectory(rng, 0, prompts[0], [(9, 6), (3, 0)]),
-      _trajectory(rng, 1, prompts[1], [(6, 2), (8, 0)]),
-      failed,
+      _trajectory(rng, 1, prompts[1], [(6, 2), (8, 0)]), failed,
       _trajectory(rng, 1, other, [(12, 0)]),
-      _trajectory(rng, 2, prompts[2], [(4, 5), (2, 3), (6, 0)]),
+      _trajectory(rng, 2, prompts[2], [(4, 5), (2, 3), (6, 0)])
   ]
 
 
@@ -237,7 +236,7 @@ gradients = jax.jit(learner._gradients, static_argnums=(1, 2, 5))
 @pytest.mark.parametrize("changes", [
     dict(aggregation="token-mean", rollout_correction="sequence_mask"),
     dict(aggregation="seq-mean-token-sum-norm", policy_loss="cispo", loss_scale_tokens=30.0),
-    dict(advantage_estimator="gae", value_coef=0.5, aggregation="seq-mean-token-mean"),
+    dict(advantage_estimator="gae", value_coef=0.5, aggregation="seq-mean-token-mean")
 ])
 def test_gradients_equal_the_unshared_rows_with_excluded_rows(policy, changes):
   graphdef, params = policy

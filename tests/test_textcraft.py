@@ -54,8 +54,8 @@ def test_tag_variants_are_merged_into_agentgym_style_generic_ingredients(book):
   assert [r.command for r in book.recipes["crafting_table"]
          ] == ["craft 1 crafting table using 4 planks"]
   assert book.generics["planks"] == {
-      f"{wood}_planks" for wood in ("oak", "spruce", "birch", "jungle", "acacia", "dark_oak",
-                                    "crimson", "warped")
+      f"{wood}_planks"
+      for wood in ("oak", "spruce", "birch", "jungle", "acacia", "dark_oak", "crimson", "warped")
   }
   assert sorted(book.generics) == sorted(
       ["planks", "wool", "wooden_slabs", "logs", "crimson_stems", "warped_stems"] +
@@ -96,16 +96,8 @@ def test_crafting_depth_worked_examples(book):
   # lodestone: stone (0) -> stone bricks 1 -> stone brick slab 2 -> chiseled stone bricks 3
   # -> lodestone 4 (its netherite ingot, from scrap and gold, is only 1).
   expected = {
-      "stick": 1,
-      "iron_block": 1,
-      "planks": 1,
-      "crafting_table": 2,
-      "painting": 2,
-      "wooden_slabs": 2,
-      "composter": 3,
-      "chiseled_stone_bricks": 3,
-      "lodestone": 4,
-      "logs": 0,
+      "stick": 1, "iron_block": 1, "planks": 1, "crafting_table": 2, "painting": 2,
+      "wooden_slabs": 2, "composter": 3, "chiseled_stone_bricks": 3, "lodestone": 4, "logs": 0,
       "oak_log": 0
   }
   assert {item: book.depth[item] for item in expected} == expected
@@ -178,13 +170,8 @@ def test_agentgym_goal_set_is_the_originals_544_in_a_fixed_order():
 def test_agentgym_spot_ids_hold_the_originals_goal_items():
   env = environments.make("textcraft", goals="agentgym")
   spots = {
-      0: "acacia_planks",
-      143: "yellow_dye",
-      144: "acacia_boat",
-      417: "activator_rail",
-      533: "cyan_banner",
-      538: "lodestone",
-      543: "purple_banner"
+      0: "acacia_planks", 143: "yellow_dye", 144: "acacia_boat", 417: "activator_rail",
+      533: "cyan_banner", 538: "lodestone", 543: "purple_banner"
   }
   assert {i: env.task_info(i)["goal"] for i in spots} == spots
   assert [env.task_info(i)["goal"] for i in range(533, 544)] == list(_AGENTGYM_DEPTH_4)
@@ -198,12 +185,8 @@ def test_agentgym_split_is_picked_as_the_default_split():
   default, agentgym = TextCraftEnv(), TextCraftEnv(goals="agentgym")
   train, test = agentgym.task_ids("train"), agentgym.task_ids("test")
   assert len(test) == 100 and len(train) == 444 and sorted(train + test) == list(range(544))
-  assert collections.Counter(agentgym.task_info(i)["depth"] for i in test) == {
-      1: 31,
-      2: 41,
-      3: 25,
-      4: 3
-  }
+  assert collections.Counter(
+      agentgym.task_info(i)["depth"] for i in test) == {1: 31, 2: 41, 3: 25, 4: 3}
   # The same ranking: every default test goal the set holds is a test goal here.
   default_test = {default.task_info(i)["goal"] for i in default.task_ids("test")}
   agentgym_test = {agentgym.task_info(i)["goal"] for i in test}
@@ -275,9 +258,8 @@ def test_tasks_are_identical_across_processes_and_hash_seeds():
   for seed in ("0", "4242"):
     result = subprocess.run(
         [sys.executable, "-c", _FINGERPRINT + "import json; print(json.dumps(fingerprint()))"],
-        cwd=_REPO, env={
-            **os.environ, "PYTHONHASHSEED": seed
-        }, capture_output=True, text=True, check=True, timeout=120)
+        cwd=_REPO, env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True,
+        check=True, timeout=120)
     outputs.append(json.loads(result.stdout))
   namespace = {}
   exec(_FINGERPRINT, namespace)
@@ -314,20 +296,15 @@ def test_every_error_text():
       "craft 4 oak planks using 1 oak log",
       "craft 1 crafting table using 3 oak planks",  # wrong count
       "craft 1 furnace using 4 oak planks",  # not a recipe of the target
-      "craft 1 unobtainium using 1 oak planks",
-  ) == [
-      "Could not find enough items to craft minecraft:crafting_table",
-      "Could not find enough items to craft minecraft:crafting_table",
-      "Wrong item format: oak planks",
-      "Could not execute dance",
-      "Could not execute ",
-      "Could not execute Get 1 oak log",
-      "Got 1 oak log",
-      "Crafted 4 minecraft:oak_planks",
-      "Could not find a valid recipe for minecraft:crafting_table",
-      "Could not find a valid recipe for minecraft:furnace",
-      "Could not find a valid recipe for minecraft:unobtainium",
-  ]
+      "craft 1 unobtainium using 1 oak planks") == [
+          "Could not find enough items to craft minecraft:crafting_table",
+          "Could not find enough items to craft minecraft:crafting_table",
+          "Wrong item format: oak planks", "Could not execute dance", "Could not execute ",
+          "Could not execute Get 1 oak log", "Got 1 oak log", "Crafted 4 minecraft:oak_planks",
+          "Could not find a valid recipe for minecraft:crafting_table",
+          "Could not find a valid recipe for minecraft:furnace",
+          "Could not find a valid recipe for minecraft:unobtainium"
+      ]
   # Failed crafts consume nothing.
   assert _observations(env, "inventory") == ["Inventory: [oak planks] (4)"]
 
@@ -425,9 +402,8 @@ _ACTIONISH = st.builds(
     st.sampled_from(["get", "craft", "inventory", "Action: craft", "craft 1 stick using"]),
     st.one_of(st.integers(min_value=0, max_value=10**30), st.text(max_size=5)),
     st.sampled_from(["oak log", "oak planks", "planks", "logs", "stick", "bamboo", ""]),
-    st.one_of(
-        st.just(""), st.text(max_size=40), st.just(" using 2 oak planks, 1"),
-        st.just(" using ,,, 3 , x")))
+    st.one_of(st.just(""), st.text(max_size=40), st.just(" using 2 oak planks, 1"),
+              st.just(" using ,,, 3 , x")))
 
 
 @hypothesis.settings(max_examples=200, deadline=None)
@@ -456,16 +432,13 @@ def test_huge_replies_get_bounded_observations():
 @pytest.mark.parametrize("goal_set", env_lib.GOAL_SETS)
 def test_oracle_solves_every_goal_of_both_splits_from_the_text_alone(goal_set):
   env = TextCraftEnv(goals=goal_set)
-  assert len(env.task_ids("train") + env.task_ids("test")) == {
-      "default": 551,
-      "agentgym": 544
-  }[goal_set]
+  assert len(env.task_ids("train") + env.task_ids("test")) == {"default": 551,
+                                                               "agentgym": 544}[goal_set]
   lengths = []
   for task_id in env.task_ids("train") + env.task_ids("test"):
     actions = solve(env.reset(task_id))
     results = [env.step(_reply(action)) for action in actions]
-    failures = [(a, r.observation)
-                for a, r in zip(actions, results)
+    failures = [(a, r.observation) for a, r in zip(actions, results)
                 if not r.observation.startswith(("Got ", "Crafted "))]
     assert not failures, (env.task_info(task_id), failures)
     assert results[-1].done and results[-1].reward == 1.0, env.task_info(task_id)

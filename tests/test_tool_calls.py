@@ -24,31 +24,19 @@ def _call(name, arguments, thought="Thinking."):
 
 def test_a_tool_is_an_openai_style_function_schema():
   assert CRAFT.schema() == {
-      "type": "function",
-      "function": {
-          "name": "craft",
-          "description": CRAFT.description,
-          "parameters": {
-              "type": "object",
-              "properties": {
+      "type": "function", "function": {
+          "name": "craft", "description": CRAFT.description, "parameters": {
+              "type": "object", "properties": {
                   "count": {
-                      "type": "integer",
-                      "description": "How many targets the command makes."
+                      "type": "integer", "description": "How many targets the command makes."
                   },
-                  "target": {
-                      "type": "string",
-                      "description": 'The item to craft, e.g. "stick".'
-                  },
+                  "target": {"type": "string", "description": 'The item to craft, e.g. "stick".'},
                   "ingredients": {
-                      "type": "array",
-                      "items": {
-                          "type": "string"
-                      },
+                      "type": "array", "items": {"type": "string"},
                       "description": 'Each ingredient with its count, as the command lists '
                                      'it, e.g. ["2 oak planks"].'
                   }
-              },
-              "required": ["count", "target", "ingredients"]
+              }, "required": ["count", "target", "ingredients"]
           }
       }
   }
@@ -59,24 +47,16 @@ def test_a_tool_is_an_openai_style_function_schema():
 
 
 def test_a_call_spells_the_environment_action():
-  assert CRAFT.action_text({
-      "count": 4,
-      "target": "stick",
-      "ingredients": ["2 oak planks"]
-  }) == ("craft 4 stick using 2 oak planks")
-  assert CRAFT.action_text({
-      "target": "bed",
-      "count": 1,
-      "ingredients": ["3 white wool", "3 planks"]
-  }) == ("craft 1 bed using 3 white wool, 3 planks")
+  assert CRAFT.action_text({"count": 4, "target": "stick", "ingredients": ["2 oak planks"]
+                           }) == ("craft 4 stick using 2 oak planks")
+  assert CRAFT.action_text(
+      {"target": "bed", "count": 1,
+       "ingredients": ["3 white wool", "3 planks"]}) == ("craft 1 bed using 3 white wool, 3 planks")
   # An optional argument left out takes its attached text with it.
   type_tool = webarena_env.TOOLS[1]
   assert type_tool.action_text({"element_id": 3, "text": "kettle"}) == "type [3] [kettle]"
-  assert type_tool.action_text({
-      "element_id": 3,
-      "text": "k",
-      "press_enter_after": 0
-  }) == ("type [3] [k] [0]")
+  assert type_tool.action_text({"element_id": 3, "text": "k",
+                                "press_enter_after": 0}) == ("type [3] [k] [0]")
   pick_up = babyai_env.TOOLS[4]
   assert (pick_up.action_text({}), pick_up.action_text({"object": "red ball 1"
                                                        })) == ("pick up", "pick up red ball 1")
@@ -136,10 +116,7 @@ def test_react_format_leaves_replies_as_they_are():
 @pytest.mark.parametrize(
     "reply,react",
     [
-        (_call("get", {
-            "count": 2,
-            "item": "oak logs"
-        }), "Thought: \n\nAction: get 2 oak logs"),
+        (_call("get", {"count": 2, "item": "oak logs"}), "Thought: \n\nAction: get 2 oak logs"),
         ('<think>hmm</think><tool_call>{"name": "inventory"}</tool_call>',
          "Thought: \n\nAction: inventory"),
         # Llama 3.1's template asks for a bare object with "parameters".
@@ -158,24 +135,12 @@ def test_a_tool_call_becomes_the_react_reply_with_its_action(reply, react):
     ('<tool_call>{"name": "get", "arguments": [2]}</tool_call>', '"arguments" must be a JSON'),
     (_call("fly", {}), "there is no tool 'fly'"),
     (_call("get", {"count": 2}), "get needs the argument 'item'"),
-    (_call("get", {
-        "count": "2",
-        "item": "sand"
-    }), "'count' must be an integer, got '\"2\"'"),
-    (_call("get", {
-        "count": True,
-        "item": "sand"
-    }), "'count' must be an integer, got 'true'"),
-    (_call("get", {
-        "count": 2,
-        "item": "sand",
-        "quality": "fine"
-    }), "get has no argument 'quality'"),
-    (_call("craft", {
-        "count": 1,
-        "target": "bed",
-        "ingredients": [3, "wool"]
-    }), "'ingredients' must be an array of strings"),
+    (_call("get", {"count": "2", "item": "sand"}), "'count' must be an integer, got '\"2\"'"),
+    (_call("get", {"count": True, "item": "sand"}), "'count' must be an integer, got 'true'"),
+    (_call("get",
+           {"count": 2, "item": "sand", "quality": "fine"}), "get has no argument 'quality'"),
+    (_call("craft", {"count": 1, "target": "bed", "ingredients": [3, "wool"]}),
+     "'ingredients' must be an array of strings"),
     (_call("inventory", {}) + _call("inventory", {}), "a reply calls one tool, this one calls 2"),
     ("<tool_call>" + "9" * 5000 + "</tool_call>", "not usable JSON"),
 ])

@@ -155,9 +155,8 @@ def test_launch_train_smoke_writes_checkpoint_metrics_trajectories(checkpoint_di
       "--config.mesh.data=-1"
   ]
   result = subprocess.run(
-      command, capture_output=True, text=True, timeout=600, env={
-          **os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"
-      })
+      command, capture_output=True, text=True, timeout=600,
+      env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
   assert result.returncode == 0, result.stderr[-3000:]
   # Off a terminal: one plain line a step on stdout; no library INFO logs (Orbax's checkpoint
   # manager, JAX's search for a TPU backend) on stderr.

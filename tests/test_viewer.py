@@ -91,8 +91,7 @@ def test_sparse_records_from_other_writers_still_render(tmp_path):
 
 def test_charts_follow_metrics_and_evaluations_per_category(run_dir):
   rows = [
-      json.loads(line)
-      for line in open(os.path.join(run_dir, "metrics.jsonl"))
+      json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))
       if line.endswith("\n")
   ]
   charts = {chart["title"]: chart for chart in viewer.load_run(run_dir)["charts"]}

@@ -28,21 +28,9 @@ def test_offline_run_holds_config_metrics_and_viewer(tmp_path, monkeypatch):
     for step in range(3):
       writer.write(step, {"reward": step / 4, "loss": float("nan") if step == 1 else 1.0})
   # Rows at their steps (the NaN left out, as in TensorBoard), then the viewer page.
-  assert [(data, kw) for data, kw in logged[:3]] == [({
-      "reward": 0.0,
-      "loss": 1.0
-  }, {
-      "step": 0
-  }), ({
-      "reward": 0.25
-  }, {
-      "step": 1
-  }), ({
-      "reward": 0.5,
-      "loss": 1.0
-  }, {
-      "step": 2
-  })]
+  assert [(data, kw) for data, kw in logged[:3]] == [({"reward": 0.0, "loss": 1.0}, {"step": 0}),
+                                                     ({"reward": 0.25}, {"step": 1}),
+                                                     ({"reward": 0.5, "loss": 1.0}, {"step": 2})]
   assert isinstance(logged[3][0]["viewer"], wandb.Html) and len(logged) == 4
   [run] = (tmp_path / "wandb").glob("offline-run-*")
   [page] = (run / "files" / "media" / "html").glob("viewer_*.html")

@@ -22,9 +22,8 @@ from environments.webarena import AgentGymWebArenaClient, WebArenaEnv
 from environments.webarena.actions import Action, ActionParseError
 import webarena_site
 
-HAS_BROWSER = (
-    os.access(browser.DEFAULT_EXECUTABLE, os.X_OK)
-    and importlib.util.find_spec("playwright") is not None)
+HAS_BROWSER = (os.access(browser.DEFAULT_EXECUTABLE, os.X_OK)
+               and importlib.util.find_spec("playwright") is not None)
 needs_browser = pytest.mark.skipif(
     not HAS_BROWSER, reason=f"needs Chromium at {browser.DEFAULT_EXECUTABLE} (apt-get install "
     "-y chromium) and the playwright package (pip install playwright)")
@@ -98,9 +97,8 @@ _fragments = st.sampled_from(
 
 @settings(max_examples=300, deadline=None)
 @given(
-    st.one_of(
-        st.text(max_size=80),
-        st.lists(st.one_of(_fragments, st.text(max_size=8)), max_size=8).map("".join)))
+    st.one_of(st.text(max_size=80),
+              st.lists(st.one_of(_fragments, st.text(max_size=8)), max_size=8).map("".join)))
 def test_any_reply_parses_or_raises_action_parse_error(reply):
   try:
     action = actions.parse_reply(reply)
@@ -120,8 +118,7 @@ _actions = st.one_of(
     st.builds(Action, st.just("tab_focus"), tab_index=st.integers(0, 99)),
     st.builds(Action, st.just("goto"), url=_stripped),
     st.builds(Action, st.just("stop"), answer=st.one_of(st.just(""), _stripped)),
-    st.builds(Action, st.sampled_from(["new_tab", "close_tab", "go_back", "go_forward"])),
-)
+    st.builds(Action, st.sampled_from(["new_tab", "close_tab", "go_back", "go_forward"])))
 
 
 @settings(max_examples=200, deadline=None)
@@ -135,20 +132,9 @@ def test_actions_written_back_parse_to_themselves(action):
 
 def _node(node_id, role, name, backend=None, children=(), properties=(), ignored=False):
   node = {
-      "nodeId": node_id,
-      "ignored": ignored,
-      "role": {
-          "type": "role",
-          "value": role
-      },
-      "childIds": list(children),
-      "properties": [{
-          "name": k,
-          "value": {
-              "type": "x",
-              "value": v
-          }
-      } for k, v in properties]
+      "nodeId": node_id, "ignored": ignored, "role": {"type": "role",
+                                                      "value": role}, "childIds": list(children),
+      "properties": [{"name": k, "value": {"type": "x", "value": v}} for k, v in properties]
   }
   if name is not None:
     node["name"] = {"type": "computedString", "value": name}
@@ -173,7 +159,7 @@ _NODES = [
     # Builds differ in the whitespace they keep around a label ("Quantity " for
     # `<label>Quantity <input>`): names are stripped and their runs of whitespace collapsed.
     _node("10", "textbox", " Quantity \n\t per  item ", 10),
-    _node("11", "generic", " \n ", 11),  # blank once normalised: hidden
+    _node("11", "generic", " \n ", 11)  # blank once normalised: hidden
 ]
 
 
@@ -193,13 +179,8 @@ def test_tree_renders_as_webarena_does():
 
 def test_viewport_keeps_elements_mostly_inside_the_window():
   bounds = {
-      1: (0, 0, 1280, 720),
-      2: (8, 8, 50, 17),
-      3: (0, 30, 1280, 20),
-      7: (8, 30, 40, 17),
-      4: (8, 60, 100, 20),
-      8: (110, 700, 30, 40),
-      9: (8, 2000, 50, 17)
+      1: (0, 0, 1280, 720), 2: (8, 8, 50, 17), 3: (0, 30, 1280, 20), 7: (8, 30, 40, 17),
+      4: (8, 60, 100, 20), 8: (110, 700, 30, 40), 9: (8, 2000, 50, 17)
   }
   # Button 8 shows 20 of its 40 pixel rows: a fraction of 0.5 < 0.6. (WebArena's formula,
   # overlap * height / width = 600 * 40 / 30 = 800, would keep it.)
@@ -215,15 +196,9 @@ def test_viewport_keeps_elements_mostly_inside_the_window():
 def test_layout_bounds_are_viewport_rectangles():
   snapshot = {
       "documents": [{
-          "nodes": {
-              "backendNodeId": [10, 11, 12]
-          },
-          "layout": {
-              "nodeIndex": [0, 2],
-              "bounds": [[0, 0, 1280, 2000], [8, 900, 50, 17]]
-          },
-          "scrollOffsetX": 0,
-          "scrollOffsetY": 720
+          "nodes": {"backendNodeId": [10, 11, 12]},
+          "layout": {"nodeIndex": [0, 2], "bounds": [[0, 0, 1280, 2000], [8, 900, 50, 17]]},
+          "scrollOffsetX": 0, "scrollOffsetY": 720
       }]
   }
   # Document y 900 less the 720 scrolled = viewport y 180; node 11 has no layout.
@@ -286,25 +261,17 @@ class _FakePage:
 def test_program_html_checks_the_located_contents():
   targets = [
       {
-          "url": "last",
-          "locator": "document.title",
-          "prep_actions": ["document.x = 1"],
-          "required_contents": {
-              "exact_match": "Cart"
-          }
+          "url": "last", "locator": "document.title", "prep_actions": ["document.x = 1"],
+          "required_contents": {"exact_match": "Cart"}
       },
       {
-          "url": "http://h/post/2",
-          "locator": "document.body.outerText",
-          "required_contents": {
-              "must_include": ["count me in |OR| count me out", "A & B"]
-          }
+          "url": "http://h/post/2", "locator": "document.body.outerText",
+          "required_contents": {"must_include": ["count me in |OR| count me out", "A & B"]}
       },
   ]
   page = _FakePage(
       "http://h/cart", {
-          "document.x = 1": None,
-          "document.title": "Cart",
+          "document.x = 1": None, "document.title": "Cart",
           "document.body.outerText": "Count me in! A &amp; B"
       })
   assert evaluators.program_html(targets, page) == (1.0, [])
@@ -312,8 +279,7 @@ def test_program_html_checks_the_located_contents():
                         ("goto", "http://h/post/2"), ("evaluate", "document.body.outerText")]
   page = _FakePage(
       "http://h/cart", {
-          "document.x = 1": None,
-          "document.title": TypeError("null"),
+          "document.x = 1": None, "document.title": TypeError("null"),
           "document.body.outerText": "Count me in! A &amp; B"
       })
   assert evaluators.program_html(targets, page)[0] == 0.0  # a throwing locator selects ""
@@ -326,21 +292,15 @@ def test_program_html_helpers_of_webarena():
       "http://r/f/books/12/")
   assert evaluators.reddit_post_url("http://r/forums") == "http://r/forums"
   target = {
-      "url": "func:reddit_get_post_url('__last_url__')",
-      "locator": "",
-      "required_contents": {
-          "must_include": ["x"]
-      }
+      "url": "func:reddit_get_post_url('__last_url__')", "locator": "",
+      "required_contents": {"must_include": ["x"]}
   }
   page = _FakePage("http://r/f/books/12/title", {}, "x")
   assert evaluators.program_html([target], page) == (1.0, [])
   assert page.calls == [("goto", "http://r/f/books/12/")]
   member = {
-      "url": "last",
-      "locator": "func:gitlab_get_project_memeber_role(__page__, 'koush')",
-      "required_contents": {
-          "must_include": ["Developer"]
-      }
+      "url": "last", "locator": "func:gitlab_get_project_memeber_role(__page__, 'koush')",
+      "required_contents": {"must_include": ["Developer"]}
   }
   page = _FakePage("http://g/members", {})
   page.evaluate = lambda expression: "Developer" if '"@koush"' in expression else ""
@@ -350,10 +310,7 @@ def test_program_html_helpers_of_webarena():
 def test_evaluation_multiplies_the_evaluators():
   config = {
       "eval": {
-          "eval_types": ["string_match", "url_match"],
-          "reference_answers": {
-              "must_include": ["2"]
-          },
+          "eval_types": ["string_match", "url_match"], "reference_answers": {"must_include": ["2"]},
           "reference_url": "http://h/cart"
       }
   }
@@ -400,11 +357,8 @@ def test_configs_load_from_list_files_or_per_task_files(tmp_path):
 def test_tasks_needing_webarenas_site_credentials_are_skipped(tmp_path):
   order = _config(
       1, eval_types=["program_html"], program_html=[{
-          "url": "func:shopping_get_latest_order_url()",
-          "locator": "",
-          "required_contents": {
-              "must_include": ["x"]
-          }
+          "url": "func:shopping_get_latest_order_url()", "locator": "",
+          "required_contents": {"must_include": ["x"]}
       }])
   (tmp_path / "t.json").write_text(json.dumps([order, _config(2)]))
   assert list(tasks.load_tasks(tmp_path)) == [2]
@@ -412,27 +366,17 @@ def test_tasks_needing_webarenas_site_credentials_are_skipped(tmp_path):
 
 @pytest.mark.parametrize("config, message", [
     (_config(-1), "task_id must be a non-negative integer"),
-    ({
-        **_config(1), "intent": ""
-    }, "'intent' must be a non-empty string"),
+    ({**_config(1), "intent": ""}, "'intent' must be a non-empty string"),
     (_config(1, eval_types=["llm_judge"]), "unknown eval type"),
     (_config(1, reference_answers=None), "string_match needs"),
     (_config(1, reference_answers={"exact_match": ["x"]}), "malformed reference_answers"),
     (_config(1, eval_types=["url_match"]), "needs a non-empty eval.reference_url"),
     (_config(
         1, eval_types=["program_html"], program_html=[{
-            "url": "last",
-            "locator": "window.x",
-            "required_contents": {
-                "must_include": ["x"]
-            }
+            "url": "last", "locator": "window.x", "required_contents": {"must_include": ["x"]}
         }]), "unknown program_html locator"),
     (_config(1, eval_types=["program_html"], program_html=[{
-        "url": "last",
-        "locator": "",
-        "required_contents": {
-            "exact_match": 2
-        }
+        "url": "last", "locator": "", "required_contents": {"exact_match": 2}
     }]), "required_contents must be"),
 ])
 def test_malformed_configs_are_rejected_with_the_reason(config, message):
@@ -464,9 +408,8 @@ def test_registry_builds_the_env_without_starting_a_browser():
 
 @pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="needs playwright")
 def test_a_missing_chromium_is_reported_at_reset():
-  env = WebArenaEnv(
-      str(webarena_site.CONFIG_DIR), site_urls={"SHOPPING": "http://s"},
-      executable="/nonexistent/chromium")
+  env = WebArenaEnv(str(webarena_site.CONFIG_DIR), site_urls={"SHOPPING": "http://s"},
+                    executable="/nonexistent/chromium")
   try:
     with pytest.raises(EnvError, match="Chromium is not installed at /nonexistent/chromium"):
       env.reset(0)
@@ -527,11 +470,8 @@ class _AgentGymHandler(http.server.BaseHTTPRequestHandler):
       # score when the episode ends.
       self._answer(
           200, {
-              "observation": f"step {self.server.steps}",
-              "reward": 1.0,
-              "terminated": final,
-              "truncated": False,
-              "info": None
+              "observation": f"step {self.server.steps}", "reward": 1.0, "terminated": final,
+              "truncated": False, "info": None
           })
     elif self.path == "/close":
       self._answer(200, "closed", text=True)
@@ -561,32 +501,19 @@ def test_remote_client_speaks_agentgyms_webarena_protocol(agentgym_server):
   env.close()
   assert agentgym_server.requests == [
       ("POST", "/create", {}),
-      ("POST", "/reset", {
-          "env_idx": 3,
-          "seed": 0,
-          "idx": 3
-      }),
+      ("POST", "/reset", {"env_idx": 3, "seed": 0, "idx": 3}),
       ("GET", "/observation?env_idx=3", None),
-      ("POST", "/step", {
-          "env_idx": 3,
-          "action": "In summary, the next action I will perform "
-                    "is ```click [1]```"
-      }),
-      ("POST", "/step", {
-          "env_idx": 3,
-          "action": "```stop [done]```"
-      }),
-      ("POST", "/close", {
-          "env_idx": 3
-      }),
+      ("POST", "/step",
+       {"env_idx": 3, "action": "In summary, the next action I will perform "
+                                "is ```click [1]```"}),
+      ("POST", "/step", {"env_idx": 3, "action": "```stop [done]```"}),
+      ("POST", "/close", {"env_idx": 3}),
   ]
 
 
 def test_remote_client_retries_what_is_safe_to_retry(agentgym_server):
-  env = AgentGymWebArenaClient(agentgym_server.url, task_ids={
-      "train": [1],
-      "test": [2]
-  }, backoff_s=0.01)
+  env = AgentGymWebArenaClient(agentgym_server.url, task_ids={"train": [1], "test": [2]},
+                               backoff_s=0.01)
   agentgym_server.faults = {"/reset": [500, 503], "/step": [500]}
   assert env.reset(2).startswith("OBSERVATION:")  # /reset is repeated past both faults
   assert sum(path == "/reset" for _, path, _ in agentgym_server.requests) == 3
@@ -601,10 +528,8 @@ def test_remote_client_reports_an_unreachable_server():
   with socket.socket() as probe:  # a port nobody listens on
     probe.bind(("127.0.0.1", 0))
     port = probe.getsockname()[1]
-  env = AgentGymWebArenaClient(f"http://127.0.0.1:{port}", task_ids={
-      "train": [],
-      "test": []
-  }, retries=2, backoff_s=0.01)
+  env = AgentGymWebArenaClient(f"http://127.0.0.1:{port}", task_ids={"train": [], "test": []},
+                               retries=2, backoff_s=0.01)
   with pytest.raises(EnvError, match=r"POST /create failed after 3 attempt"):
     env.reset(0)
   with pytest.raises(ValueError, match="exactly one of config_dir"):
@@ -694,8 +619,8 @@ def test_oracle_solves_the_task(env, task_id):
 
 @needs_browser
 def test_oracle_solves_a_task_with_tool_calls(sites):
-  web = WebArenaEnv(
-      str(webarena_site.CONFIG_DIR), site_urls=sites, num_test=2, action_format="tool_call")
+  web = WebArenaEnv(str(webarena_site.CONFIG_DIR), site_urls=sites, num_test=2,
+                    action_format="tool_call")
   try:
     assert environments.base.TOOL_CALL_INSTRUCTION in web.instruction
     results = _run(web, 3, ORACLES[3])  # click, type [..] [Count me in!] [0], click, stop []
@@ -784,10 +709,8 @@ def test_invalid_replies_get_an_error_observation(env):
   observation = env.reset(2)
   assert env.step("I would click the meetup post.") == environments.StepResult(
       "Invalid action: no action found between triple backticks. "
-      f"{actions.FORMAT_HINT}", 0.0, False, {
-          "success": False,
-          "invalid_action": "no action found between triple backticks"
-      })
+      f"{actions.FORMAT_HINT}", 0.0, False,
+      {"success": False, "invalid_action": "no action found between triple backticks"})
   assert env.step("```click [999999]```").observation.endswith(
       "PREVIOUS ACTION: click [999999] (failed: there is no element [999999] in the current "
       "observation)")
@@ -795,14 +718,11 @@ def test_invalid_replies_get_an_error_observation(env):
 
 
 _replies = st.one_of(
-    st.text(max_size=40),
-    st.builds("```{}```".format, st.text(max_size=30)),
+    st.text(max_size=40), st.builds("```{}```".format, st.text(max_size=30)),
     st.builds(
         "```{} [{}]```".format,
         st.sampled_from(["click", "hover", "type", "press", "scroll", "tab_focus", "goto", "stop"]),
-        st.text(max_size=12)),
-    st.builds("```click [{}]```".format, st.integers(0, 10**6)),
-)
+        st.text(max_size=12)), st.builds("```click [{}]```".format, st.integers(0, 10**6)))
 
 _fuzzing = {"in_episode": False}
 
@@ -848,9 +768,7 @@ def _chromium_profiles():
 def test_pool_episode_in_full_page_mode_and_close_leaves_no_chromium(sites):
   before = _chromium_profiles()
   options = {
-      "config_dir": str(webarena_site.CONFIG_DIR),
-      "site_urls": sites,
-      "viewport_only": False
+      "config_dir": str(webarena_site.CONFIG_DIR), "site_urls": sites, "viewport_only": False
   }
   environments.register("webarena", "environments.webarena:WebArenaEnv")
   with EnvPool("webarena", num_slots=1, options=options) as pool:

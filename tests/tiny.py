@@ -107,19 +107,15 @@ LLAMA3_SPECIAL = [
 # tokens that are not special, tokenizer_config.json's special tokens, the template, the
 # model_type).
 CHATS = {
-    "chatml": (SPECIAL, 2, [], {
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|im_end|>"
-    }, CHATML, "llama"),
-    "qwen3": (SPECIAL, 2, ["<think>", "</think>"], {
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|im_end|>"
-    }, QWEN3_LIKE_TEMPLATE, "qwen3"),
-    "llama3": (LLAMA3_SPECIAL, 4, [], {
-        "bos_token": "<|begin_of_text|>",
-        "eos_token": "<|eot_id|>",
-        "pad_token": "<|eot_id|>"
-    }, LLAMA32_LIKE_TEMPLATE, "llama"),
+    "chatml": (SPECIAL, 2, [], {"eos_token": "<|im_end|>",
+                                "pad_token": "<|im_end|>"}, CHATML, "llama"),
+    "qwen3": (SPECIAL, 2, ["<think>",
+                           "</think>"], {"eos_token": "<|im_end|>",
+                                         "pad_token": "<|im_end|>"}, QWEN3_LIKE_TEMPLATE, "qwen3"),
+    "llama3":
+        (LLAMA3_SPECIAL, 4, [],
+         {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+          "pad_token": "<|eot_id|>"}, LLAMA32_LIKE_TEMPLATE, "llama"),
 }
 
 
@@ -129,17 +125,15 @@ def write_tokenizer(directory: pathlib.Path, chat: str = "chatml") -> int:
   leading, num_special, added, config, template, _ = CHATS[chat]
   vocab = {token: i for i, token in enumerate(leading + WORDS + added)}
   backend = tokenizers.Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-  backend.pre_tokenizer = pre_tokenizers.Split(
-      tokenizers.Regex(r"\s|\w+|[^\w\s]"), behavior="isolated")
+  backend.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r"\s|\w+|[^\w\s]"),
+                                               behavior="isolated")
   backend.decoder = decoders.Fuse()
   backend.add_special_tokens(leading[:num_special])
   backend.add_tokens(
       [tokenizers.AddedToken(token, special=False, normalized=False) for token in added])
   backend.save(str(directory / "tokenizer.json"))
-  (directory / "tokenizer_config.json").write_text(
-      json.dumps({
-          **config, "chat_template": template
-      }))
+  (directory / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                               "chat_template": template}))
   return len(vocab)
 
 

@@ -127,9 +127,8 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: Any = jnp.float32,
   from agentgym_jax.models.tokenizer import Tokenizer
 
   if not paths.is_remote(spec) and lora.is_peft(spec):
-    base, tokenizer = load_model(
-        lora.peft_base(spec), dtype=dtype, param_dtype=param_dtype, remat=remat,
-        attention=attention, mesh=mesh)
+    base, tokenizer = load_model(lora.peft_base(spec), dtype=dtype, param_dtype=param_dtype,
+                                 remat=remat, attention=attention, mesh=mesh)
     return lora.load_peft(spec, base), tokenizer
   directory = resolve(spec)
   if directory is None:

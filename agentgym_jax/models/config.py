@@ -113,8 +113,7 @@ class ModelConfig:
         qk_norm=model_type == "qwen3",
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-    )
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
 
   @classmethod
   def from_json(cls, path: str | pathlib.Path) -> "ModelConfig":
@@ -123,10 +122,9 @@ class ModelConfig:
   def to_hf(self) -> dict[str, Any]:
     """The config.json dict that transformers loads back into the same architecture."""
     architecture = {
-        "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM",
-        "llama": "LlamaForCausalLM"
+        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"
     }[self.model_type]
+    eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
     hf: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": self.model_type,
@@ -144,9 +142,7 @@ class ModelConfig:
         "tie_word_embeddings": self.tie_word_embeddings,
         "max_position_embeddings": self.max_position_embeddings,
         "bos_token_id": self.bos_token_id,
-        "eos_token_id":
-            (list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
-            ),
+        "eos_token_id": eos,
         "torch_dtype": "float32",
     }
     if self.model_type == "llama":

@@ -365,10 +365,9 @@ class Decoder(nnx.Module):
         return (_to_bits(value) if value.dtype.itemsize == 2 else value)[index]
 
       joined = lambda *names: jnp.concatenate([raw(name).reshape(e, -1) for name in names], axis=1)
-      fields = dict(
-          input_norm=raw("input_norm"), post_attention_norm=raw("post_attention_norm"),
-          qkv=joined("q_proj", "k_proj", "v_proj"), o=raw("o_proj").reshape(-1, e),
-          gate_up=joined("gate_proj", "up_proj"), down=raw("down_proj"))
+      fields = dict(input_norm=raw("input_norm"), post_attention_norm=raw("post_attention_norm"),
+                    qkv=joined("q_proj", "k_proj", "v_proj"), o=raw("o_proj").reshape(-1, e),
+                    gate_up=joined("gate_proj", "up_proj"), down=raw("down_proj"))
       if config.attention_bias:
         fields["qkv_bias"] = jnp.concatenate(
             [raw(name).reshape(-1) for name in ("q_bias", "k_bias", "v_bias")])

@@ -132,7 +132,7 @@ def _cached_reader(path: pathlib.Path, mtime_ns: int) -> gguf.GGUFReader:
 
 def _unpermute_rope_rows(
     weight: np.ndarray,  # [n_heads * head_dim, in_features]
-    n_heads: int,
+    n_heads: int
 ) -> np.ndarray:  # [n_heads * head_dim, in_features]
   """Inverts llama.cpp's rope row permutation of a Q or K projection.
 
@@ -156,11 +156,8 @@ def _hf_tensor_name(gguf_name: str, path: str | pathlib.Path) -> str:
       "scaling tables and biases are not supported).")
 
 
-def _hf_config(
-    metadata: dict[str, Any],
-    tensor_names: list[str],
-    path: str | pathlib.Path,
-) -> dict[str, Any]:
+def _hf_config(metadata: dict[str, Any], tensor_names: list[str],
+               path: str | pathlib.Path) -> dict[str, Any]:
   """The Hugging Face Llama `config.json` fields that the `llama.*` metadata states."""
   architecture = metadata.get("general.architecture")
   if architecture != "llama":

@@ -283,8 +283,8 @@ def load_peft(directory: str | pathlib.Path, base: Decoder) -> Decoder:
     raise ValueError(f"{directory} is not a LoRA adapter this project reads: it needs "
                      f"peft_type LORA, target_modules among {TARGETS} (got {targets}), no bias "
                      "and no rsLoRA")
-  settings = LoraSettings(
-      rank=int(peft_config["r"]), alpha=float(peft_config["lora_alpha"]), targets=targets)
+  settings = LoraSettings(rank=int(peft_config["r"]), alpha=float(peft_config["lora_alpha"]),
+                          targets=targets)
   adapters = Adapters(base.config, settings, nnx.Rngs(0))
   reader = weights.SafetensorsReader(directory)
   for target in targets:
@@ -301,7 +301,6 @@ def load_peft(directory: str | pathlib.Path, base: Decoder) -> Decoder:
         jnp.stack([np.asarray(reader[f"{n}.lora_B.weight"]).T.reshape(b_shape) for n in names]))
   base_graphdef, base_params = nnx.split(base)
   graphdef, adapter_params, frozen = split(LoraModel(base, adapters))
-  merge = jax.jit(
-      functools.partial(merged_params, graphdef),
-      out_shardings=jax.tree.map(lambda x: x.sharding, base_params))
+  merge = jax.jit(functools.partial(merged_params, graphdef),
+                  out_shardings=jax.tree.map(lambda x: x.sharding, base_params))
   return nnx.merge(base_graphdef, merge(adapter_params, frozen))

@@ -86,7 +86,7 @@ _GGUF_PRE_TOKENIZERS = {
     "smollm":
         lambda: pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         ]),
 }
 
@@ -94,15 +94,8 @@ _GGUF_PRE_TOKENIZERS = {
 class Tokenizer:
   """Text <-> token ids for one model; `encode` never adds special tokens implicitly."""
 
-  def __init__(
-      self,
-      backend: tokenizers.Tokenizer,
-      *,
-      bos_id: int | None,
-      eos_id: int | None,
-      pad_id: int | None,
-      chat_template_source: str | None = None,
-  ):
+  def __init__(self, backend: tokenizers.Tokenizer, *, bos_id: int | None, eos_id: int | None,
+               pad_id: int | None, chat_template_source: str | None = None):
     """Wraps `backend`.
 
     Args:
@@ -149,21 +142,17 @@ class Tokenizer:
     tokens = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
     backend = tokenizers.Tokenizer(
-        models.BPE(vocab={
-            token: index for index, token in enumerate(tokens)
-        }, merges=merges))
+        models.BPE(vocab={token: index for index, token in enumerate(tokens)}, merges=merges))
     backend.pre_tokenizer = _GGUF_PRE_TOKENIZERS[pre_name]()
     backend.decoder = decoders.ByteLevel()
     token_types = metadata.get("tokenizer.ggml.token_type", [])
     backend.add_special_tokens([
         tokenizers.AddedToken(token, special=True, normalized=False)
-        for token, token_type in zip(tokens, token_types)
-        if token_type == _GGUF_CONTROL
+        for token, token_type in zip(tokens, token_types) if token_type == _GGUF_CONTROL
     ])
     backend.add_tokens([
         tokenizers.AddedToken(token, special=False, normalized=False)
-        for token, token_type in zip(tokens, token_types)
-        if token_type == _GGUF_USER_DEFINED
+        for token, token_type in zip(tokens, token_types) if token_type == _GGUF_USER_DEFINED
     ])
     return cls(backend, bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
                eos_id=metadata.get("tokenizer.ggml.eos_token_id"),
@@ -429,10 +418,8 @@ class ChatTemplate:
       return parsed
 
     lone = turns([_user("Probe question?")], "a lone user message")
-    given = turns([{
-        "role": "system",
-        "content": "Probe system."
-    }, _user("Probe question?")], "a system and a user message")
+    given = turns([{"role": "system", "content": "Probe system."},
+                   _user("Probe question?")], "a system and a user message")
     system = given[0][1] if len(given) == 2 else ""
     if not system.endswith("Probe system."):
       raise ValueError(f"The model's chat template drops or rewrites the system message: it "
@@ -447,10 +434,7 @@ class ChatTemplate:
     template = cls(tokenizer, layout, **options)
 
     exchange = [
-        _user("First question?"), {
-            "role": "assistant",
-            "content": "First answer."
-        },
+        _user("First question?"), {"role": "assistant", "content": "First answer."},
         _user("Second question?")
     ]
     for messages in (exchange, [{"role": "system", "content": "Probe system."}, *exchange]):
@@ -573,10 +557,8 @@ class ChatTemplate:
     if self.source is None:
       raise ValueError("This chat template was not read from a Jinja template; it cannot "
                        "render tools.")
-    probe = [{
-        "role": message["role"],
-        "content": f"{_PLACEHOLDER}{index}"
-    } for index, message in enumerate(opening)]
+    probe = [{"role": message["role"], "content": f"{_PLACEHOLDER}{index}"}
+             for index, message in enumerate(opening)]
     text = _render_jinja(self.source, self.tokenizer, probe, False, tools=tools)
     if text == _render_jinja(self.source, self.tokenizer, probe, False):
       return self._opening_with_tools_text(opening, tools)
@@ -652,8 +634,7 @@ class ChatTemplate:
 
   def _text(self, pieces: list[Piece]) -> str:
     return "".join(
-        self.tokenizer.id_to_token(piece) if isinstance(piece, int) else piece
-        for piece in pieces
+        self.tokenizer.id_to_token(piece) if isinstance(piece, int) else piece for piece in pieces
         if piece is not _CUT)
 
 
@@ -689,8 +670,7 @@ def _render_jinja(source: str, tokenizer: Tokenizer, messages: list[Message],
   special_tokens = {
       f"{name}_token": tokenizer.id_to_token(token_id)
       for name, token_id in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id),
-                             ("pad", tokenizer.pad_id))
-      if token_id is not None
+                             ("pad", tokenizer.pad_id)) if token_id is not None
   }
   try:
     return _compile_jinja(source).render(messages=[dict(message) for message in messages],

@@ -136,8 +136,7 @@ def write_safetensors(path: str | pathlib.Path, tensors: Mapping[str, np.ndarray
   for name in sorted(tensors):
     array = np.ascontiguousarray(tensors[name])
     header[name] = {
-        "dtype": _SAFETENSORS_NAMES[array.dtype],
-        "shape": list(array.shape),
+        "dtype": _SAFETENSORS_NAMES[array.dtype], "shape": list(array.shape),
         "data_offsets": [offset, offset + array.nbytes]
     }
     arrays[name] = array
@@ -225,8 +224,7 @@ def _param_paths(state: nnx.State) -> list[tuple[str, ...]]:
 
 
 def _map_params(fn: Callable[[tuple[str, ...], nnx.Variable], Any], state: nnx.State):
-  flat = [(path, fn(tuple(str(k)
-                          for k in path), variable))
+  flat = [(path, fn(tuple(str(k) for k in path), variable))
           for path, variable in nnx.to_flat_state(state)]
   return nnx.from_flat_state(flat)
 
@@ -277,10 +275,7 @@ def save_hf(model: Decoder, directory: str | pathlib.Path, dtype: Any = jnp.floa
     write_safetensors(directory / filename, shard)
     weight_map.update(dict.fromkeys(shard, filename))
   index = {
-      "metadata": {
-          "total_size": sum(t.nbytes for t in tensors.values())
-      },
-      "weight_map": weight_map
+      "metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map
   }
   (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 

@@ -90,15 +90,9 @@ def group_mean_and_std(rewards: jax.Array, group_ids: jax.Array,
   return mean[group_ids], jnp.sqrt(variance[group_ids]), size[group_ids]
 
 
-def group_scores(
-    values: jax.Array,
-    group_ids: jax.Array,
-    num_groups: int,
-    *,
-    normalize_by_std: bool = True,
-    std: str = "population",
-    eps: float = 1e-6,
-) -> jax.Array:
+def group_scores(values: jax.Array, group_ids: jax.Array, num_groups: int, *,
+                 normalize_by_std: bool = True, std: str = "population",
+                 eps: float = 1e-6) -> jax.Array:
   """Each value scored against its group, as GRPO scores rewards:
 
     s_i = (v_i - mean_g(v)) / (std_g(v) + eps)    if normalize_by_std
@@ -132,16 +126,9 @@ def group_scores(
   return centred / jnp.where(denominator > 0, denominator, 1.0)
 
 
-def grpo_advantages(
-    rewards: jax.Array,
-    loss_mask: jax.Array,
-    group_ids: jax.Array,
-    *,
-    num_groups: int,
-    normalize_by_std: bool = True,
-    std: str = "population",
-    eps: float = 1e-6,
-) -> jax.Array:
+def grpo_advantages(rewards: jax.Array, loss_mask: jax.Array, group_ids: jax.Array, *,
+                    num_groups: int, normalize_by_std: bool = True, std: str = "population",
+                    eps: float = 1e-6) -> jax.Array:
   """Group-relative advantage (GRPO), broadcast over the trajectory's trained tokens.
 
     A_i = (r_i - mean_g(r)) / (std_g(r) + eps)    if normalize_by_std
@@ -188,23 +175,14 @@ def _discounted_returns(token_rewards: jax.Array, loss_mask: jax.Array, gamma: f
     # An untrained token passes the running return through untouched.
     return jnp.where(is_trained, current, next_return), jnp.where(is_trained, current, 0.0)
 
-  _, returns = jax.lax.scan(
-      step,
-      jnp.zeros(token_rewards.shape[0], jnp.float32),
-      (token_rewards.T.astype(jnp.float32), trained.T),
-      reverse=True,
-  )
+  _, returns = jax.lax.scan(step, jnp.zeros(token_rewards.shape[0], jnp.float32),
+                            (token_rewards.T.astype(jnp.float32), trained.T), reverse=True)
   return returns.T
 
 
-def reinforce_plus_plus_advantages(
-    rewards: jax.Array,
-    loss_mask: jax.Array,
-    *,
-    token_rewards: jax.Array | None = None,
-    gamma: float = 1.0,
-    eps: float = 1e-8,
-) -> Advantages:
+def reinforce_plus_plus_advantages(rewards: jax.Array, loss_mask: jax.Array, *,
+                                   token_rewards: jax.Array | None = None, gamma: float = 1.0,
+                                   eps: float = 1e-8) -> Advantages:
   """REINFORCE++: discounted token-level returns, whitened over every trained token in the batch.
 
   Over the trained tokens t_1 < ... < t_K of a row:
@@ -225,16 +203,9 @@ def reinforce_plus_plus_advantages(
   return Advantages(masked.masked_whiten(returns, loss_mask, eps), returns)
 
 
-def gae_advantages(
-    rewards: jax.Array,
-    loss_mask: jax.Array,
-    values: jax.Array,
-    *,
-    token_rewards: jax.Array | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    eps: float = 1e-8,
-) -> Advantages:
+def gae_advantages(rewards: jax.Array, loss_mask: jax.Array, values: jax.Array, *,
+                   token_rewards: jax.Array | None = None, gamma: float = 1.0, lam: float = 1.0,
+                   eps: float = 1e-8) -> Advantages:
   """Generalised advantage estimation (PPO) over each row's trained-token subsequence.
 
   Over the trained tokens t_1 < ... < t_K of a row, with V_k = values[t_k]:
@@ -264,21 +235,16 @@ def gae_advantages(
     delta = reward + gamma * next_value - value
     advantage = delta + gamma * lam * next_advantage
     # Only trained tokens advance the recursion; observation tokens are transparent.
-    carry = (
-        jnp.where(is_trained, value, next_value),
-        jnp.where(is_trained, advantage, next_advantage),
-    )
+    carry = (jnp.where(is_trained, value,
+                       next_value), jnp.where(is_trained, advantage, next_advantage))
     return carry, jnp.where(is_trained, advantage, 0.0)
 
   batch_size = rewards.shape[0]
   zeros = jnp.zeros(batch_size, jnp.float32)
   values = values.astype(jnp.float32)
-  _, raw_advantages = jax.lax.scan(
-      step,
-      (zeros, zeros),
-      (step_rewards.T.astype(jnp.float32), values.T, trained.T),
-      reverse=True,
-  )
+  _, raw_advantages = jax.lax.scan(step, (zeros, zeros),
+                                   (step_rewards.T.astype(jnp.float32), values.T, trained.T),
+                                   reverse=True)
   raw_advantages = raw_advantages.T
   returns = jnp.where(trained, raw_advantages + values, 0.0)
   return Advantages(masked.masked_whiten(raw_advantages, loss_mask, eps), returns)
@@ -304,21 +270,11 @@ def turn_returns(turn_rewards: jax.Array, gamma: float = 1.0) -> jax.Array:
   return returns.T
 
 
-def gigpo_advantages(
-    rewards: jax.Array,
-    loss_mask: jax.Array,
-    group_ids: jax.Array,
-    turn_index: jax.Array,
-    turn_rewards: jax.Array,
-    turn_anchors: jax.Array,
-    *,
-    num_groups: int,
-    step_weight: float = 1.0,
-    gamma: float = 1.0,
-    normalize_by_std: bool = True,
-    std: str = "population",
-    eps: float = 1e-6,
-) -> Advantages:
+def gigpo_advantages(rewards: jax.Array, loss_mask: jax.Array, group_ids: jax.Array,
+                     turn_index: jax.Array, turn_rewards: jax.Array, turn_anchors: jax.Array, *,
+                     num_groups: int, step_weight: float = 1.0, gamma: float = 1.0,
+                     normalize_by_std: bool = True, std: str = "population",
+                     eps: float = 1e-6) -> Advantages:
   """Group-in-Group Policy Optimization (Feng et al. 2025): GRPO's episode-level advantage plus
   a step-level advantage that compares the turns taken from the same state.
 
@@ -416,8 +372,8 @@ def _with_outcome_returns(advantages_fn: Callable[..., jax.Array]) -> Callable[.
   """A group estimator whose critic target is the outcome itself."""
 
   def estimate(rewards: jax.Array, loss_mask: jax.Array, **inputs) -> Advantages:
-    return Advantages(
-        advantages_fn(rewards, loss_mask, **inputs), _outcome_returns(rewards, loss_mask))
+    return Advantages(advantages_fn(rewards, loss_mask, **inputs),
+                      _outcome_returns(rewards, loss_mask))
 
   return estimate
 
@@ -462,9 +418,8 @@ class AdvantageEstimator:
     for key in _BATCH_INPUTS:
       if inputs.get(key) is not None and key not in self.needs + self.accepts:
         raise ValueError(f"Advantage estimator {self.name!r} does not use `{key}`; drop it.")
-    return self.fn(rewards, loss_mask, **{
-        key: value for key, value in inputs.items() if value is not None
-    })
+    return self.fn(rewards, loss_mask,
+                   **{key: value for key, value in inputs.items() if value is not None})
 
 
 _GROUPS = ("group_ids", "num_groups")
@@ -484,8 +439,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
             "gigpo", gigpo_advantages, needs=_GROUPS +
             _TURNS, hyperparameters=(("step_weight", "gigpo_step_weight"), ("gamma", "gamma"),
                                      ("normalize_by_std", "grpo_normalize_by_std"),
-                                     ("std", "grpo_std"), ("eps", "grpo_eps"))),
-    )
+                                     ("std", "grpo_std"), ("eps", "grpo_eps"))))
 }
 
 

@@ -58,14 +58,8 @@ def _k3(log_ratio: jax.Array) -> jax.Array:
   return jnp.expm1(log_ratio) - log_ratio
 
 
-def rollout_correction(
-    old_logprobs: jax.Array,
-    sampler_logprobs: jax.Array,
-    loss_mask: jax.Array,
-    *,
-    method: str = "none",
-    cap: float = 2.0,
-) -> tuple[Correction, Metrics]:
+def rollout_correction(old_logprobs: jax.Array, sampler_logprobs: jax.Array, loss_mask: jax.Array,
+                       *, method: str = "none", cap: float = 2.0) -> tuple[Correction, Metrics]:
   """The correction `method` (one of CORRECTIONS) with cap C, as the module docstring defines.
 
   Args:
@@ -121,13 +115,8 @@ def turn_indices(loss_mask: jax.Array) -> jax.Array:
   return jnp.where(trained, jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1, -1)
 
 
-def mismatch_metrics(
-    old_logprobs: jax.Array,
-    sampler_logprobs: jax.Array,
-    loss_mask: jax.Array,
-    *,
-    num_turns: int = 0,
-) -> Metrics:
+def mismatch_metrics(old_logprobs: jax.Array, sampler_logprobs: jax.Array, loss_mask: jax.Array, *,
+                     num_turns: int = 0) -> Metrics:
   """How far the sampler is from the learner, over trained tokens:
 
     mismatch/log_ratio               mean of log rho_t

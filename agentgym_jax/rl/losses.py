@@ -143,19 +143,11 @@ def _weighted(per_token: jax.Array, importance_weights: jax.Array | None) -> jax
   return per_token * jax.lax.stop_gradient(importance_weights)
 
 
-def policy_gradient_loss(
-    logprobs: jax.Array,
-    old_logprobs: jax.Array,
-    advantages: jax.Array,
-    loss_mask: jax.Array,
-    *,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float | None = None,
-    dual_clip_c: float | None = None,
-    aggregation: str = "token-mean",
-    scale_tokens: float | None = None,
-    importance_weights: jax.Array | None = None,
-) -> tuple[jax.Array, Metrics]:
+def policy_gradient_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
+                         loss_mask: jax.Array, *, clip_eps_low: float = 0.2,
+                         clip_eps_high: float | None = None, dual_clip_c: float | None = None,
+                         aggregation: str = "token-mean", scale_tokens: float | None = None,
+                         importance_weights: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
   """PPO clipped surrogate, with optional clip-higher and dual-clip.
 
     rho_t = exp(logp_t - logp_old_t)
@@ -213,18 +205,11 @@ def policy_gradient_loss(
   return aggregate(per_token, loss_mask, aggregation, scale_tokens=scale_tokens), metrics
 
 
-def gspo_loss(
-    logprobs: jax.Array,
-    old_logprobs: jax.Array,
-    advantages: jax.Array,
-    loss_mask: jax.Array,
-    *,
-    clip_eps_low: float = 3e-4,
-    clip_eps_high: float | None = 4e-4,
-    aggregation: str = "seq-mean-token-mean",
-    scale_tokens: float | None = None,
-    importance_weights: jax.Array | None = None,
-) -> tuple[jax.Array, Metrics]:
+def gspo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
+              loss_mask: jax.Array, *, clip_eps_low: float = 3e-4,
+              clip_eps_high: float | None = 4e-4, aggregation: str = "seq-mean-token-mean",
+              scale_tokens: float | None = None,
+              importance_weights: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
   """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): PPO's clip on one
   length-normalised ratio per trajectory instead of one per token.
 
@@ -263,18 +248,11 @@ def gspo_loss(
   return aggregate(per_token, loss_mask, aggregation, scale_tokens=scale_tokens), metrics
 
 
-def cispo_loss(
-    logprobs: jax.Array,
-    old_logprobs: jax.Array,
-    advantages: jax.Array,
-    loss_mask: jax.Array,
-    *,
-    clip_eps_low: float = 1.0,
-    clip_eps_high: float | None = 5.0,
-    aggregation: str = "token-mean",
-    scale_tokens: float | None = None,
-    importance_weights: jax.Array | None = None,
-) -> tuple[jax.Array, Metrics]:
+def cispo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
+               loss_mask: jax.Array, *, clip_eps_low: float = 1.0,
+               clip_eps_high: float | None = 5.0, aggregation: str = "token-mean",
+               scale_tokens: float | None = None,
+               importance_weights: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
   """CISPO (MiniMax-M1, 2025): REINFORCE with a clipped, stop-gradient importance weight.
 
     rho_t = exp(logp_t - logp_old_t)
@@ -316,11 +294,11 @@ class PolicyLoss:
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {
-    entry.name: entry for entry in (
-        PolicyLoss("ppo", policy_gradient_loss, ("clip_eps_low", "clip_eps_high"), dual_clip=True),
-        PolicyLoss("gspo", gspo_loss, ("gspo_clip_eps_low", "gspo_clip_eps_high")),
-        PolicyLoss("cispo", cispo_loss, ("cispo_clip_eps_low", "cispo_clip_eps_high")),
-    )
+    entry.name: entry
+    for entry in (PolicyLoss("ppo", policy_gradient_loss, ("clip_eps_low",
+                                                           "clip_eps_high"), dual_clip=True),
+                  PolicyLoss("gspo", gspo_loss, ("gspo_clip_eps_low", "gspo_clip_eps_high")),
+                  PolicyLoss("cispo", cispo_loss, ("cispo_clip_eps_low", "cispo_clip_eps_high")))
 }
 
 
@@ -381,30 +359,17 @@ def kl_divergence(logprobs: jax.Array, ref_logprobs: jax.Array,
   return kl_fn(logprobs.astype(jnp.float32) - ref_logprobs.astype(jnp.float32))
 
 
-def kl_loss(
-    logprobs: jax.Array,
-    ref_logprobs: jax.Array,
-    loss_mask: jax.Array,
-    *,
-    estimator: str = "low_var_kl",
-    aggregation: str = "token-mean",
-    scale_tokens: float | None = None,
-) -> tuple[jax.Array, Metrics]:
+def kl_loss(logprobs: jax.Array, ref_logprobs: jax.Array, loss_mask: jax.Array, *,
+            estimator: str = "low_var_kl", aggregation: str = "token-mean",
+            scale_tokens: float | None = None) -> tuple[jax.Array, Metrics]:
   """KL to the frozen reference policy as a loss term: aggregate(kl_divergence(...))."""
-  loss = aggregate(
-      kl_divergence(logprobs, ref_logprobs, estimator), loss_mask, aggregation,
-      scale_tokens=scale_tokens)
+  loss = aggregate(kl_divergence(logprobs, ref_logprobs, estimator), loss_mask, aggregation,
+                   scale_tokens=scale_tokens)
   return loss, {"kl": loss}
 
 
-def kl_penalty_rewards(
-    logprobs: jax.Array,
-    ref_logprobs: jax.Array,
-    loss_mask: jax.Array,
-    *,
-    beta: float,
-    estimator: str = "k1",
-) -> jax.Array:
+def kl_penalty_rewards(logprobs: jax.Array, ref_logprobs: jax.Array, loss_mask: jax.Array, *,
+                       beta: float, estimator: str = "k1") -> jax.Array:
   """Per-token reward penalty -beta * KL_t on trained tokens, for REINFORCE++ and GAE.
 
   It is a reward, not a loss: gradients are stopped so it only enters through the advantages.
@@ -416,13 +381,8 @@ def kl_penalty_rewards(
   return jax.lax.stop_gradient(jnp.where(loss_mask.astype(bool), -beta * kl, 0.0))
 
 
-def entropy_bonus(
-    entropies: jax.Array,
-    loss_mask: jax.Array,
-    *,
-    aggregation: str = "token-mean",
-    scale_tokens: float | None = None,
-) -> tuple[jax.Array, Metrics]:
+def entropy_bonus(entropies: jax.Array, loss_mask: jax.Array, *, aggregation: str = "token-mean",
+                  scale_tokens: float | None = None) -> tuple[jax.Array, Metrics]:
   """Aggregated policy entropy H, to be maximised: subtract coef * H from the loss (coef > 0).
 
   Args:
@@ -435,16 +395,9 @@ def entropy_bonus(
   return entropy, {"entropy": entropy}
 
 
-def value_loss(
-    values: jax.Array,
-    old_values: jax.Array,
-    returns: jax.Array,
-    loss_mask: jax.Array,
-    *,
-    clip_eps: float = 0.2,
-    aggregation: str = "token-mean",
-    scale_tokens: float | None = None,
-) -> tuple[jax.Array, Metrics]:
+def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, loss_mask: jax.Array,
+               *, clip_eps: float = 0.2, aggregation: str = "token-mean",
+               scale_tokens: float | None = None) -> tuple[jax.Array, Metrics]:
   """PPO clipped value loss.
 
     l_t = 0.5 * max((v_t - R_t)^2, (clip(v_t, v_old_t - eps, v_old_t + eps) - R_t)^2)
@@ -492,14 +445,9 @@ def sequence_logprobs(token_logprobs: jax.Array, loss_mask: jax.Array) -> jax.Ar
   return masked.masked_sum(token_logprobs, loss_mask, axis=1)
 
 
-def dpo_loss(
-    policy_chosen_logps: jax.Array,
-    policy_rejected_logps: jax.Array,
-    ref_chosen_logps: jax.Array,
-    ref_rejected_logps: jax.Array,
-    *,
-    beta: float = 0.1,
-) -> tuple[jax.Array, Metrics]:
+def dpo_loss(policy_chosen_logps: jax.Array, policy_rejected_logps: jax.Array,
+             ref_chosen_logps: jax.Array, ref_rejected_logps: jax.Array, *,
+             beta: float = 0.1) -> tuple[jax.Array, Metrics]:
   """Direct preference optimisation from per-sequence summed log-probs (f32[B] each).
 
     r_c  = beta * (log pi(y_c) - log pi_ref(y_c))        implicit reward of the chosen reply
@@ -556,14 +504,10 @@ def token_logprobs_and_entropy(logits: jax.Array, targets: jax.Array, *,
   return jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0], entropies
 
 
-def chunked_token_logprobs_and_entropy(
-    hidden: jax.Array,
-    targets: jax.Array,
-    logits_fn: Callable[[jax.Array], jax.Array],
-    *,
-    chunk_size: int,
-    temperature: float = 1.0,
-) -> tuple[jax.Array, jax.Array]:
+def chunked_token_logprobs_and_entropy(hidden: jax.Array, targets: jax.Array,
+                                       logits_fn: Callable[[jax.Array],
+                                                           jax.Array], *, chunk_size: int,
+                                       temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """`token_logprobs_and_entropy` over sequence chunks, never holding [B, T, V] at once.
 
   The vocabulary projection runs inside a loop over T-chunks of `chunk_size` tokens, so only a
@@ -596,8 +540,8 @@ def chunked_token_logprobs_and_entropy(
   @jax.checkpoint
   def chunk(inputs):
     hidden_chunk, target_chunk = inputs
-    return token_logprobs_and_entropy(
-        logits_fn(hidden_chunk), target_chunk, temperature=temperature)
+    return token_logprobs_and_entropy(logits_fn(hidden_chunk), target_chunk,
+                                      temperature=temperature)
 
   logprobs, entropies = jax.lax.map(chunk, (hidden_chunks, target_chunks))
 

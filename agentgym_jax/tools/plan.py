@@ -189,10 +189,9 @@ def abstract_batch(mesh: Mesh, batch: int, seq: int) -> jax.ShapeDtypeStruct:
 def abstract_minibatch(mesh: Mesh, batch: int, seq: int) -> tuple[Batch, learner.Experience]:
   """One update's inputs: a rollout Batch of [batch, seq] rows and its Experience."""
   rows = functools.partial(_rows, mesh)
-  return (Batch(
-      tokens=rows((batch, seq), jnp.int32), loss_mask=rows((batch, seq), jnp.float32),
-      sampler_logprobs=rows((batch, seq), jnp.float32), rewards=rows(
-          (batch,), jnp.float32), group_ids=rows((batch,), jnp.int32)),
+  return (Batch(tokens=rows((batch, seq), jnp.int32), loss_mask=rows((batch, seq), jnp.float32),
+                sampler_logprobs=rows((batch, seq), jnp.float32), rewards=rows(
+                    (batch,), jnp.float32), group_ids=rows((batch,), jnp.int32)),
           learner.Experience(*(rows((batch, seq - 1), jnp.float32) for _ in range(6)), kept=rows(
               (batch,), jnp.float32)))
 
@@ -234,8 +233,8 @@ def lower_train_step(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
   optimizer = learner.make_optimizer(1e-6)
   trainable = (params, None)
   opt_state = abstract_optimizer_state(optimizer, trainable, mesh)
-  loss = learner.LossConfig(
-      logprob_chunk=min(logits_chunk, seq - 1), micro_batch_rows=micro_batch_rows)
+  loss = learner.LossConfig(logprob_chunk=min(logits_chunk, seq - 1),
+                            micro_batch_rows=micro_batch_rows)
   shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
   step = learner.jit_update_step(shardings(trainable), shardings(opt_state))
   with jax.set_mesh(mesh):
@@ -256,12 +255,11 @@ def plan(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *, dtype: Any = 
     _, trained, params = abstract_lora(config, mesh, lora, dtype=dtype, param_dtype=param_dtype,
                                        remat=remat)
   opt_state = abstract_optimizer_state(learner.make_optimizer(1e-6), (trained, None), mesh)
-  figures = dict(
-      mesh_shape=tuple(mesh.shape[a] for a in sharding.MESH_AXES), batch=batch, seq=seq,
-      num_params=config.num_params, param_bytes=device_bytes(params),
-      adapter_bytes=0 if lora is None else device_bytes(trained),
-      optimizer_bytes=device_bytes(opt_state),
-      batch_bytes=device_bytes(abstract_minibatch(mesh, batch, seq)))
+  figures = dict(mesh_shape=tuple(mesh.shape[a] for a in sharding.MESH_AXES), batch=batch, seq=seq,
+                 num_params=config.num_params, param_bytes=device_bytes(params),
+                 adapter_bytes=0 if lora is None else device_bytes(trained),
+                 optimizer_bytes=device_bytes(opt_state),
+                 batch_bytes=device_bytes(abstract_minibatch(mesh, batch, seq)))
   if compile:
     start = time.perf_counter()
     compiled = lower_train_step(config, mesh, batch, seq, dtype=dtype, param_dtype=param_dtype,
@@ -295,8 +293,8 @@ def remat_preference(backend: str) -> tuple[str, ...]:
   return REMAT_PREFERENCE.get(backend, ACCELERATOR_REMAT)
 
 
-def choose_remat(peak_bytes: Callable[[str], int | None], device_bytes: int,
-                 resident_bytes: int = 0,
+def choose_remat(peak_bytes: Callable[[str],
+                                      int | None], device_bytes: int, resident_bytes: int = 0,
                  preference: Sequence[str] = ACCELERATOR_REMAT) -> tuple[str, str]:
   """(remat, why): the first policy of `preference` (fastest first) whose update step fits in
   MEMORY_HEADROOM of `device_bytes` per device, next to `resident_bytes` that live beside it
@@ -371,12 +369,10 @@ def lower_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, 
   keys = jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=replicated)
   stop_ids = jax.ShapeDtypeStruct((sampling.MAX_STOP_IDS,), jnp.int32, sharding=replicated)
   # The functions Sampler compiles, with its static arguments and donated state.
-  prefill = jax.jit(
-      functools.partial(sampling._prefill, graphdef), static_argnames=("window",),
-      donate_argnums=(1,))
-  decode = jax.jit(
-      functools.partial(sampling._decode, graphdef), static_argnames=("width", "sampling"),
-      donate_argnums=(1,))
+  prefill = jax.jit(functools.partial(sampling._prefill, graphdef), static_argnames=("window",),
+                    donate_argnums=(1,))
+  decode = jax.jit(functools.partial(sampling._decode, graphdef),
+                   static_argnames=("width", "sampling"), donate_argnums=(1,))
   with jax.set_mesh(mesh):
     return (prefill.lower(params, state, per_row(prefill_tokens), per_row(), window=prefill_window
                           or cache_slots),
@@ -391,10 +387,9 @@ def plan_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, *
   """Per-device memory of the sampler; compiles prefill and decode unless `compile` is False."""
   _, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype)
   state = abstract_sampler_state(config, mesh, rows, cache_slots, dtype)
-  figures = dict(
-      mesh_shape=tuple(mesh.shape[a] for a in sharding.MESH_AXES), rows=rows,
-      cache_slots=cache_slots, param_bytes=device_bytes(params), cache_bytes=device_bytes(
-          (state.cache.k, state.cache.v)))
+  figures = dict(mesh_shape=tuple(mesh.shape[a] for a in sharding.MESH_AXES), rows=rows,
+                 cache_slots=cache_slots, param_bytes=device_bytes(params),
+                 cache_bytes=device_bytes((state.cache.k, state.cache.v)))
   if compile:
     start = time.perf_counter()
     programs = [

@@ -41,21 +41,24 @@ class Panel:
   smooth: bool = True
 
 
-PANELS: tuple[Panel, ...] = (
-    Panel("reward", "Reward", ("reward", "eval/reward")),
-    Panel("success", "Success rate", ("success", "eval/success", "eval/success/")),
-    Panel("horizon_cap", "Horizon cap (turns)", ("horizon_cap",), step_function=True, smooth=False),
-    Panel("turns", "Turns per episode", ("turns",)),
-    Panel("kl_to_ref", "KL to the reference policy", ("kl_to_ref",)),
-    Panel("entropy", "Entropy (nats / token)", ("entropy",)),
-    Panel("tokens_per_s", "Generated tokens / s", ("tokens_per_s",)),
-    Panel("phase_times", "Time per phase (s)", ("time/",)),
-    Panel("loss", "Loss", ("loss",)),
-    Panel("grad_norm", "Gradient norm", ("grad_norm",)),
-    Panel("clip_fraction", "Clipped fraction", ("policy/clip_fraction",)),
-    Panel("logprob_gap", "Sampler / learner log-prob gap", ("logprob_gap_mean",)),
-    Panel("termination", "Episode endings (fraction)", ("termination/",), smooth=False),
-)
+PANELS: tuple[Panel,
+              ...] = (Panel("reward", "Reward", ("reward", "eval/reward")),
+                      Panel("success", "Success rate",
+                            ("success", "eval/success", "eval/success/")),
+                      Panel("horizon_cap", "Horizon cap (turns)", ("horizon_cap",),
+                            step_function=True,
+                            smooth=False), Panel("turns", "Turns per episode", ("turns",)),
+                      Panel("kl_to_ref", "KL to the reference policy",
+                            ("kl_to_ref",)), Panel("entropy", "Entropy (nats / token)",
+                                                   ("entropy",)),
+                      Panel("tokens_per_s", "Generated tokens / s", ("tokens_per_s",)),
+                      Panel("phase_times", "Time per phase (s)",
+                            ("time/",)), Panel("loss", "Loss", ("loss",)),
+                      Panel("grad_norm", "Gradient norm", ("grad_norm",)),
+                      Panel("clip_fraction", "Clipped fraction", ("policy/clip_fraction",)),
+                      Panel("logprob_gap", "Sampler / learner log-prob gap", ("logprob_gap_mean",)),
+                      Panel("termination", "Episode endings (fraction)", ("termination/",),
+                            smooth=False))
 
 
 def matching_keys(rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> list[str]:
@@ -152,8 +155,8 @@ def write_plots(workdir: str | os.PathLike[str], out_dir: str | os.PathLike[str]
   os.makedirs(out_dir, exist_ok=True)
 
   num_rows = math.ceil(len(drawn) / _COLUMNS)
-  overview = Figure(
-      figsize=(PANEL_SIZE[0] * _COLUMNS, PANEL_SIZE[1] * num_rows), dpi=DPI, layout="constrained")
+  overview = Figure(figsize=(PANEL_SIZE[0] * _COLUMNS, PANEL_SIZE[1] * num_rows), dpi=DPI,
+                    layout="constrained")
   overview.suptitle(os.path.basename(os.path.abspath(workdir)))
   grid = overview.subplots(num_rows, _COLUMNS, squeeze=False).flatten()
   for axes in grid[len(drawn):]:

@@ -70,8 +70,7 @@ def chart_series(rows: Sequence[Mapping[str, Any]],
       points = [list(point) for point in zip(*plots.metric_series(rows, name))]
       if not points and name in _FROM_TRAJECTORIES:
         field = _FROM_TRAJECTORIES[name]
-        points = [[step, sum(float(t[field] or 0)
-                             for t in group) / len(group)]
+        points = [[step, sum(float(t[field] or 0) for t in group) / len(group)]
                   for step, group in sorted(by_step.items())]
       if points:
         series.append({"name": name, "points": points})
@@ -83,10 +82,8 @@ def chart_series(rows: Sequence[Mapping[str, Any]],
 def _trajectory_view(record: Mapping[str, Any], step: int) -> dict[str, Any]:
   """A logged trajectory with every field the page reads, defaults for missing ones."""
   info = record.get("info") if isinstance(record.get("info"), Mapping) else {}
-  messages = [{
-      "role": str(m.get("role", "")),
-      "content": str(m.get("content", ""))
-  } for m in record.get("messages") or () if isinstance(m, Mapping)]
+  messages = [{"role": str(m.get("role", "")), "content": str(m.get("content", ""))}
+              for m in record.get("messages") or () if isinstance(m, Mapping)]
   turn_rewards = [jsonl.finite(r) for r in record.get("turn_rewards") or ()]
   reward = jsonl.finite(record.get("reward"))
   return {
@@ -130,8 +127,7 @@ def load_run(workdir: str | os.PathLike[str], max_steps: int = 0) -> dict[str, A
                      f"under {metrics.TRAJECTORY_DIR}/: is it a run directory?")
   shown_steps = logged_steps[-max_steps:] if max_steps else logged_steps
   trajectories = [
-      _trajectory_view(record, step)
-      for step in shown_steps
+      _trajectory_view(record, step) for step in shown_steps
       for record in metrics.read_trajectories(workdir, step)
   ]
   return {
@@ -159,10 +155,8 @@ def embed_json(value: Any) -> str:
 def render_html(run: Mapping[str, Any]) -> str:
   """The whole page for `run` (from `load_run`)."""
   fills = {
-      "TITLE": html.escape(f"{run['title']} · agentgym-jax"),
-      "CSS": _asset("viewer.css"),
-      "JS": _asset("viewer.js"),
-      "DATA": embed_json(run)
+      "TITLE": html.escape(f"{run['title']} · agentgym-jax"), "CSS": _asset("viewer.css"),
+      "JS": _asset("viewer.js"), "DATA": embed_json(run)
   }
   # One pass, so a slot name inside the run's text is never filled in turn.
   return _SLOT.sub(lambda match: fills[match.group(1)], _asset("viewer.html"))

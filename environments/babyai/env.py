@@ -63,28 +63,27 @@ Action: <one action>"""
 
 _OBJECT = '"<color> <object> <k>" as the observation names it, e.g. "red ball 1"'
 _DOOR = 'the door as the observation names it, e.g. "blue door 1"'
-TOOLS = (
-    base.Tool("turn_left", "Turn 90 degrees left where you stand.", "turn left"),
-    base.Tool("turn_right", "Turn 90 degrees right where you stand.", "turn right"),
-    base.Tool("move_forward", "Step one cell forward.", "move forward"),
-    base.Tool("go_to", "Walk next to an object or door and face it.", "go to {object}",
-              (base.Parameter("object", "string", f"The object or door: {_OBJECT}."),)),
-    base.Tool(
-        "pick_up", "Walk to an object and pick it up (one at a time); without an "
-        "object, pick up the object right in front of you.", "pick up {object}",
-        (base.Parameter("object", "string", f"The object: {_OBJECT}.", required=False),)),
-    base.Tool("drop", "Put what you carry on the empty cell in front of you.", "drop"),
-    base.Tool(
-        "toggle", "Open or close the door in front of you, or open the box in front of "
-        "you. A locked door opens only while you carry a key of its color.", "toggle"),
-    base.Tool("go_through", "Walk through an open door into the next room.", "go through {door}",
-              (base.Parameter("door", "string", f"The door: {_DOOR}."),)),
-    base.Tool("toggle_and_go_through", "Open a closed or locked door and walk through it.",
-              "toggle and go through {door}",
-              (base.Parameter("door", "string", f"The door: {_DOOR}."),)),
-    base.Tool("check_available_actions", "Look again and list the actions you can take now.",
-              "check available actions"),
-)
+TOOLS = (base.Tool("turn_left", "Turn 90 degrees left where you stand.", "turn left"),
+         base.Tool("turn_right", "Turn 90 degrees right where you stand.",
+                   "turn right"), base.Tool("move_forward", "Step one cell forward.",
+                                            "move forward"),
+         base.Tool("go_to", "Walk next to an object or door and face it.", "go to {object}",
+                   (base.Parameter("object", "string", f"The object or door: {_OBJECT}."),)),
+         base.Tool(
+             "pick_up", "Walk to an object and pick it up (one at a time); without an "
+             "object, pick up the object right in front of you.", "pick up {object}",
+             (base.Parameter("object", "string", f"The object: {_OBJECT}.", required=False),)),
+         base.Tool("drop", "Put what you carry on the empty cell in front of you.", "drop"),
+         base.Tool(
+             "toggle", "Open or close the door in front of you, or open the box in front of "
+             "you. A locked door opens only while you carry a key of its color.", "toggle"),
+         base.Tool("go_through", "Walk through an open door into the next room.",
+                   "go through {door}", (base.Parameter("door", "string", f"The door: {_DOOR}."),)),
+         base.Tool("toggle_and_go_through", "Open a closed or locked door and walk through it.",
+                   "toggle and go through {door}",
+                   (base.Parameter("door", "string", f"The door: {_DOOR}."),)),
+         base.Tool("check_available_actions", "Look again and list the actions you can take now.",
+                   "check available actions"))
 
 # minigrid prints "Sampling rejected: ..." while it generates a level (in reset, never in
 # step). The lock keeps two threads from interleaving redirects, where each would restore the
@@ -188,8 +187,7 @@ class BabyAIEnv:
 
   def _info(self, success: bool, valid_action: bool) -> dict[str, Any]:
     return {
-        "success": success,
-        "valid_action": valid_action,
+        "success": success, "valid_action": valid_action,
         "primitive_steps": self.minigrid_env.step_count
     }
 

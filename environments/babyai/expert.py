@@ -16,12 +16,8 @@ from environments import base
 # minigrid's primitive actions (minigrid.core.actions.Actions) and our text actions for them.
 _LEFT, _RIGHT, _FORWARD, _PICKUP, _DROP, _TOGGLE = range(6)
 _PRIMITIVE_TEXT = {
-    _LEFT: "turn left",
-    _RIGHT: "turn right",
-    _FORWARD: "move forward",
-    _PICKUP: "pick up",
-    _DROP: "drop",
-    _TOGGLE: "toggle"
+    _LEFT: "turn left", _RIGHT: "turn right", _FORWARD: "move forward", _PICKUP: "pick up",
+    _DROP: "drop", _TOGGLE: "toggle"
 }
 _HIGH_LEVEL_VERBS = ("go to", "pick up", "go through", "toggle and go through")
 # Headings as minigrid's agent_dir: 0 = +x, 1 = +y, 2 = -x, 3 = -y.

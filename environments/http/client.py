@@ -41,7 +41,6 @@ from environments.http.endpoint import NOT_DELIVERED, Endpoint, answer_field
 # also says code "unknown_env".
 _LOST_ENV_PHRASES = ("is not valid", "has been deleted")
 
-
 # Which server of `base_urls` the next client starts on.
 _SPREAD = itertools.count()
 _SPREAD_LOCK = threading.Lock()
@@ -150,10 +149,8 @@ class AgentGymClient:
       if self._env_id is None:
         self._create()
       try:
-        payload = self._env_call("/reset", {
-            self.style.id_field: self._env_id,
-            self.style.task_field: task_id
-        })
+        payload = self._env_call(
+            "/reset", {self.style.id_field: self._env_id, self.style.task_field: task_id})
         break
       except _EnvLost:
         if attempt:
@@ -175,10 +172,8 @@ class AgentGymClient:
       raise EnvError("step() without an episode in progress; reset() first")
     action = protocol.extract_action(action_text) if self._extract_action else action_text
     try:
-      payload = self._env_call("/step", {
-          self.style.id_field: self._env_id,
-          "action": action
-      }, retry_statuses=NOT_DELIVERED)
+      payload = self._env_call("/step", {self.style.id_field: self._env_id, "action": action},
+                               retry_statuses=NOT_DELIVERED)
     except _EnvLost:
       self._env_id, self._running = None, False
       raise EnvError(f"{self.base_url} lost env mid-episode (did the server restart or close "
@@ -231,8 +226,8 @@ class AgentGymClient:
     """POSTs to an env route; raises _EnvLost if the server no longer knows our id."""
     status, payload = self._request("POST", route, body, retry_statuses=retry_statuses)
     error = payload.get("error") if isinstance(payload, dict) else None
-    lost = isinstance(error, str) and (payload.get("code") == "unknown_env" or any(
-        phrase in error for phrase in _LOST_ENV_PHRASES))
+    lost = isinstance(error, str) and (payload.get("code") == "unknown_env"
+                                       or any(phrase in error for phrase in _LOST_ENV_PHRASES))
     if status == 200 and lost:
       raise _EnvLost(error)
     self._raise_for_error(f"POST {route}", status, payload)
@@ -289,8 +284,8 @@ class AgentGymClient:
         payload = json.loads(raw) if raw else None
       except ValueError:
         payload = raw.decode(errors="replace")
-      is_retried = (
-          response.status >= 500 if retry_statuses is None else response.status in retry_statuses)
+      is_retried = (response.status >= 500
+                    if retry_statuses is None else response.status in retry_statuses)
       if is_retried and attempt < retries:
         failure = f"HTTP {response.status}: {payload!r}"
         continue

@@ -57,9 +57,8 @@ def serve_in_subprocess(env: str, *, start_timeout_s: float = 120.0,
             ] + [f"--{name}={value}" for name, value in flags.items()]
   python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
   with tempfile.TemporaryFile() as log:
-    server = subprocess.Popen(command, cwd=REPO, env={
-        **os.environ, "PYTHONPATH": python_path
-    }, stdout=subprocess.DEVNULL, stderr=log)
+    server = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": python_path},
+                              stdout=subprocess.DEVNULL, stderr=log)
 
     def failure(what: str) -> RuntimeError:
       log.seek(0)

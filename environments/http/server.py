@@ -163,7 +163,7 @@ class AgentGymServer:
         threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.1},
                          name=f"agentgym-{self.env_name}-http", daemon=True),
         threading.Thread(target=self._close_idle_forever, name=f"agentgym-{self.env_name}-janitor",
-                         daemon=True),
+                         daemon=True)
     ]
     for thread in self._threads:
       thread.start()
@@ -229,11 +229,8 @@ class AgentGymServer:
 
   def _health(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
     return {
-        "env": self.env_name,
-        "protocol": "agentgym",
-        "style": self.style.name,
-        "envs": self.num_envs(),
-        "max_envs": self._max_envs,
+        "env": self.env_name, "protocol": "agentgym", "style": self.style.name,
+        "envs": self.num_envs(), "max_envs": self._max_envs,
         "idle_timeout_s": None if math.isinf(self._idle_timeout_s) else self._idle_timeout_s
     }
 
@@ -312,11 +309,9 @@ class AgentGymServer:
       if not self.style.observation_object:
         return hosted.observation
       return {
-          "observation": hosted.observation,
-          "reward": hosted.reward,
+          "observation": hosted.observation, "reward": hosted.reward,
           "score": self.style.score_scale * hosted.episode_return,
-          "done": hosted.started and not hosted.running,
-          "deleted": False
+          "done": hosted.started and not hosted.running, "deleted": False
       }
 
   def _close(self, query: dict[str, str], body: bytes) -> Any:
@@ -338,10 +333,8 @@ class AgentGymServer:
   def _detail(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
     with self._use(_int_query(query, "id")) as hosted:
       return {
-          "observation": hosted.observation,
-          "reward": hosted.reward,
-          "done": hosted.started and not hosted.running,
-          "deleted": False
+          "observation": hosted.observation, "reward": hosted.reward,
+          "done": hosted.started and not hosted.running, "deleted": False
       }
 
   def _episode_attribute(self, env_id: int, name: str) -> Any:
@@ -378,11 +371,8 @@ class AgentGymServer:
     hosted.running = hosted.started = True
     hosted.observation = observation
     hosted.reward = hosted.episode_return = 0.0
-    payload: dict[str, Any] = {
-        self.style.id_field: env_id,
-        "observation": observation,
-        "done": False
-    }
+    payload: dict[str,
+                  Any] = {self.style.id_field: env_id, "observation": observation, "done": False}
     payload.update(self._reward_fields(0.0, 0.0, {}))
     if self.style.reset_has_task_description:
       # Our adapters return the task inside the first observation.
@@ -666,10 +656,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     whose answers have none)."""
     self.request_version = self.protocol_version
     self.close_connection = True
-    self._send_json(code, {
-        "error": message or self.responses.get(code, ("error",))[0],
-        "code": "bad_request"
-    })
+    self._send_json(
+        code, {"error": message or self.responses.get(code, ("error",))[0], "code": "bad_request"})
 
   def log_message(self, format: str, *args: Any) -> None:
     logging.debug("AgentGymServer: %s %s", self.address_string(), format % args)

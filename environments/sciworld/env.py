@@ -140,48 +140,45 @@ def _tool(name: str, action: str, description: str, *parameters: str,
 
 
 # The tools of the tool_call format, one per action of ACTIONS.
-TOOLS = (
-    _tool("look_around", "look around", "Describe the room you are in."),
-    _tool("look_at", "look at {object}", "Describe an object in detail.", "object",
-          aliases=("examine {object}",)),
-    _tool("look_in", "look in {object}", "List what a container holds.", "object"),
-    _tool("read", "read {object}", "Read a book or a note.", "object"),
-    _tool("go_to", "go to {location}", "Move to a neighbouring location through an open door.",
-          "location"),
-    _tool("open", "open {object}", "Open a door or a container.", "object"),
-    _tool("close", "close {object}", "Close a door or a container.", "object"),
-    _tool("pick_up", "pick up {object}", "Take an object into your inventory.", "object"),
-    _tool("put_down", "put down {object}", "Drop an object from your inventory.", "object",
-          aliases=("drop {object}",)),
-    _tool("move", "move {object} to {destination}", "Put an object in a container or on a surface.",
-          "object", "destination"),
-    _tool("pour", "pour {object} into {destination}", "Pour a liquid into a container.", "object",
-          "destination", aliases=("pour {object} in {destination}",)),
-    _tool("dunk", "dunk {object} into {liquid}", "Dip a container into a liquid.", "object",
-          "liquid", aliases=("dunk {object} in {liquid}",)),
-    _tool("mix", "mix {object}", "Chemically mix the contents of a container.", "object"),
-    _tool("activate", "activate {object}", "Switch a device on.", "object"),
-    _tool("deactivate", "deactivate {object}", "Switch a device off.", "object"),
-    _tool("use_on", "use {object} on {target}", "Use a tool or device on something.", "object",
-          "target"),
-    _tool("use", "use {object}", "Use a device by itself.", "object"),
-    _tool("connect", "connect {object} to {target}", "Wire two electrical components.", "object",
-          "target"),
-    _tool("disconnect", "disconnect {object}", "Unwire an electrical component.", "object"),
-    _tool("eat", "eat {object}", "Eat a food.", "object"),
-    _tool("flush", "flush {object}", "Flush a toilet.", "object"),
-    _tool(
-        "focus_on", "focus on {object}", "Declare the object the task is about; only when the "
-        "task asks for it, since focusing on the wrong object fails the task.", "object"),
-    _tool("wait", "wait", "Let 10 time steps pass."),
-    _tool("wait1", "wait1", "Let 1 time step pass."),
-    _tool("inventory", "inventory", "List what you are carrying."),
-    _tool("task", "task", "Repeat the task description."),
-    base.Tool(
-        "choose", "Answer numbered choices (shown when an action could mean several "
-        "objects) with the number of one.", "{number}",
-        (base.Parameter("number", "integer", "The number of the choice."),)),
-)
+TOOLS = (_tool("look_around", "look around", "Describe the room you are in."),
+         _tool("look_at", "look at {object}", "Describe an object in detail.", "object",
+               aliases=("examine {object}",)),
+         _tool("look_in", "look in {object}", "List what a container holds.",
+               "object"), _tool("read", "read {object}", "Read a book or a note.", "object"),
+         _tool("go_to", "go to {location}", "Move to a neighbouring location through an open door.",
+               "location"), _tool("open", "open {object}", "Open a door or a container.", "object"),
+         _tool("close", "close {object}", "Close a door or a container.", "object"),
+         _tool("pick_up", "pick up {object}", "Take an object into your inventory.", "object"),
+         _tool("put_down", "put down {object}", "Drop an object from your inventory.", "object",
+               aliases=("drop {object}",)),
+         _tool("move", "move {object} to {destination}",
+               "Put an object in a container or on a surface.", "object", "destination"),
+         _tool("pour", "pour {object} into {destination}", "Pour a liquid into a container.",
+               "object", "destination", aliases=("pour {object} in {destination}",)),
+         _tool("dunk", "dunk {object} into {liquid}", "Dip a container into a liquid.", "object",
+               "liquid", aliases=("dunk {object} in {liquid}",)),
+         _tool("mix", "mix {object}", "Chemically mix the contents of a container.",
+               "object"), _tool("activate", "activate {object}", "Switch a device on.", "object"),
+         _tool("deactivate", "deactivate {object}", "Switch a device off.", "object"),
+         _tool("use_on", "use {object} on {target}", "Use a tool or device on something.", "object",
+               "target"), _tool("use", "use {object}", "Use a device by itself.", "object"),
+         _tool("connect", "connect {object} to {target}", "Wire two electrical components.",
+               "object", "target"),
+         _tool("disconnect", "disconnect {object}", "Unwire an electrical component.",
+               "object"), _tool("eat", "eat {object}", "Eat a food.", "object"),
+         _tool("flush", "flush {object}", "Flush a toilet.", "object"),
+         _tool(
+             "focus_on", "focus on {object}", "Declare the object the task is about; only when the "
+             "task asks for it, since focusing on the wrong object fails the task.",
+             "object"), _tool("wait", "wait", "Let 10 time steps pass."),
+         _tool("wait1", "wait1", "Let 1 time step pass."),
+         _tool("inventory", "inventory",
+               "List what you are carrying."), _tool("task", "task",
+                                                     "Repeat the task description."),
+         base.Tool(
+             "choose", "Answer numbered choices (shown when an action could mean several "
+             "objects) with the number of one.", "{number}",
+             (base.Parameter("number", "integer", "The number of the choice."),)))
 
 _ACTION_MARKER = re.compile(r"action\s*:", re.IGNORECASE)
 
@@ -215,8 +212,8 @@ class _Simulator:
                                               javaopts=[*JVM_OPTIONS, f"-Xmx{heap_mb}m"],
                                               die_on_exit=True, cwd=BASEPATH, return_proc=True)
     try:
-      self._gateway = JavaGateway(
-          gateway_parameters=GatewayParameters(port=port), java_process=self._java_process)
+      self._gateway = JavaGateway(gateway_parameters=GatewayParameters(port=port),
+                                  java_process=self._java_process)
       self._server = self._gateway.jvm.scienceworld.runtime.pythonapi.PythonInterface()
     except Exception:
       self._stop_java()

@@ -50,8 +50,7 @@ class Task:
   def variations(self, split: str) -> range:
     """The variations of `split` ("train", "dev" or "test")."""
     bounds = {
-        "train": (0, self.dev_start),
-        "dev": (self.dev_start, self.test_start),
+        "train": (0, self.dev_start), "dev": (self.dev_start, self.test_start),
         "test": (self.test_start, self.num_variations)
     }
     if split not in bounds:
@@ -64,38 +63,36 @@ class Task:
 
 
 # In the package's order (scienceworld/tasks.json). Appending keeps every existing id.
-TASKS: tuple[Task, ...] = (
-    Task("1-1", "boil", 14, 21, 30),
-    Task("1-2", "melt", 14, 21, 30),
-    Task("1-3", "freeze", 14, 21, 30),
-    Task("1-4", "change-the-state-of-matter-of", 14, 21, 30),
-    Task("2-1", "use-thermometer", 270, 405, 540),
-    Task("2-2", "measure-melting-point-known-substance", 218, 327, 436),
-    Task("2-3", "measure-melting-point-unknown-substance", 150, 225, 300),
-    Task("3-1", "power-component", 10, 15, 20),
-    Task("3-2", "power-component-renewable-vs-nonrenewable-energy", 10, 15, 20),
-    Task("3-3", "test-conductivity", 450, 675, 900),
-    Task("3-4", "test-conductivity-of-unknown-substances", 300, 450, 600),
-    Task("4-1", "find-living-thing", 150, 225, 300),
-    Task("4-2", "find-non-living-thing", 150, 225, 300),
-    Task("4-3", "find-plant", 150, 225, 300),
-    Task("4-4", "find-animal", 150, 225, 300),
-    Task("5-1", "grow-plant", 62, 93, 126),
-    Task("5-2", "grow-fruit", 62, 93, 126),
-    Task("6-1", "chemistry-mix", 16, 24, 32),
-    Task("6-2", "chemistry-mix-paint-secondary-color", 18, 27, 36),
-    Task("6-3", "chemistry-mix-paint-tertiary-color", 18, 27, 36),
-    Task("7-1", "lifespan-longest-lived", 62, 93, 125),
-    Task("7-2", "lifespan-shortest-lived", 62, 93, 125),
-    Task("7-3", "lifespan-longest-lived-then-shortest-lived", 62, 93, 125),
-    Task("8-1", "identify-life-stages-1", 6, 9, 14),
-    Task("8-2", "identify-life-stages-2", 4, 6, 10),
-    Task("9-1", "inclined-plane-determine-angle", 84, 126, 168),
-    Task("9-2", "inclined-plane-friction-named-surfaces", 692, 1038, 1386),
-    Task("9-3", "inclined-plane-friction-unnamed-surfaces", 80, 120, 162),
-    Task("10-1", "mendelian-genetics-known-plant", 60, 90, 120),
-    Task("10-2", "mendelian-genetics-unknown-plant", 240, 360, 480),
-)
+TASKS: tuple[Task,
+             ...] = (Task("1-1", "boil", 14, 21, 30), Task("1-2", "melt", 14, 21,
+                                                           30), Task("1-3", "freeze", 14, 21, 30),
+                     Task("1-4", "change-the-state-of-matter-of", 14, 21,
+                          30), Task("2-1", "use-thermometer", 270, 405, 540),
+                     Task("2-2", "measure-melting-point-known-substance", 218, 327,
+                          436), Task("2-3", "measure-melting-point-unknown-substance", 150, 225,
+                                     300), Task("3-1", "power-component", 10, 15, 20),
+                     Task("3-2", "power-component-renewable-vs-nonrenewable-energy", 10, 15,
+                          20), Task("3-3", "test-conductivity", 450, 675, 900),
+                     Task("3-4", "test-conductivity-of-unknown-substances", 300, 450,
+                          600), Task("4-1", "find-living-thing", 150, 225,
+                                     300), Task("4-2", "find-non-living-thing", 150, 225,
+                                                300), Task("4-3", "find-plant", 150, 225, 300),
+                     Task("4-4", "find-animal", 150, 225,
+                          300), Task("5-1", "grow-plant", 62, 93,
+                                     126), Task("5-2", "grow-fruit", 62, 93,
+                                                126), Task("6-1", "chemistry-mix", 16, 24, 32),
+                     Task("6-2", "chemistry-mix-paint-secondary-color", 18, 27,
+                          36), Task("6-3", "chemistry-mix-paint-tertiary-color", 18, 27,
+                                    36), Task("7-1", "lifespan-longest-lived", 62, 93, 125),
+                     Task("7-2", "lifespan-shortest-lived", 62, 93, 125),
+                     Task("7-3", "lifespan-longest-lived-then-shortest-lived", 62, 93,
+                          125), Task("8-1", "identify-life-stages-1", 6, 9,
+                                     14), Task("8-2", "identify-life-stages-2", 4, 6, 10),
+                     Task("9-1", "inclined-plane-determine-angle", 84, 126, 168),
+                     Task("9-2", "inclined-plane-friction-named-surfaces", 692, 1038, 1386),
+                     Task("9-3", "inclined-plane-friction-unnamed-surfaces", 80, 120,
+                          162), Task("10-1", "mendelian-genetics-known-plant", 60, 90, 120),
+                     Task("10-2", "mendelian-genetics-unknown-plant", 240, 360, 480))
 
 
 def task_id(task_index: int, variation: int) -> int:
@@ -117,9 +114,7 @@ def lookup(task_id_: int) -> tuple[Task, int]:
 def task_info(task_id_: int) -> dict[str, Any]:
   task, variation = lookup(task_id_)
   return {
-      "category": task.name,
-      "task": task.number,
-      "variation": variation,
+      "category": task.name, "task": task.number, "variation": variation,
       "split": task.split_of(variation)
   }
 

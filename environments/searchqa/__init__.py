@@ -7,18 +7,7 @@ from environments.searchqa.retrievers import (BM25Retriever, DenseRetriever, Doc
                                               Retriever, TitleFirst)
 
 __all__ = [
-    "Action",
-    "BM25Retriever",
-    "DenseRetriever",
-    "Doc",
-    "JsonlCorpus",
-    "Question",
-    "Retriever",
-    "SearchQAEnv",
-    "TitleFirst",
-    "exact_match",
-    "format_information",
-    "load_flashrag",
-    "normalize_answer",
-    "parse_reply",
+    "Action", "BM25Retriever", "DenseRetriever", "Doc", "JsonlCorpus", "Question", "Retriever",
+    "SearchQAEnv", "TitleFirst", "exact_match", "format_information", "load_flashrag",
+    "normalize_answer", "parse_reply"
 ]

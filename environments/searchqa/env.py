@@ -83,14 +83,12 @@ Base your answer on what the searches return, not on guesses.
 
 {base.TOOL_CALL_INSTRUCTION}"""
 
-TOOLS = (
-    base.Tool("search", "Search the corpus; returns the top documents.",
-              "<search> {query} </search>",
-              (base.Parameter("query", "string", "What to look up."),)),
-    base.Tool("answer", "Give the final answer; it ends the episode.",
-              "<answer> {answer} </answer>",
-              (base.Parameter("answer", "string", "A short phrase, e.g. \"Beijing\"."),)),
-)
+TOOLS = (base.Tool("search", "Search the corpus; returns the top documents.",
+                   "<search> {query} </search>",
+                   (base.Parameter("query", "string", "What to look up."),)),
+         base.Tool("answer", "Give the final answer; it ends the episode.",
+                   "<answer> {answer} </answer>",
+                   (base.Parameter("answer", "string", "A short phrase, e.g. \"Beijing\"."),)))
 
 
 def react_reply(thought: str, action: str) -> str:
@@ -120,10 +118,8 @@ class SearchQAEnv:
     self.action_format = base.ActionFormat(action_format, TOOLS, react_reply)
     if data_dir is None:
       given = {
-          "corpus_path": corpus_path,
-          "bm25_index_dir": bm25_index_dir,
-          "test_sources": test_sources,
-          "train_sources": train_sources
+          "corpus_path": corpus_path, "bm25_index_dir": bm25_index_dir,
+          "test_sources": test_sources, "train_sources": train_sources
       }
       misplaced = sorted(key for key, value in given.items() if value is not None)
       if misplaced:
@@ -165,19 +161,14 @@ class SearchQAEnv:
   def task_info(self, task_id: int) -> dict[str, Any]:
     question = self._lookup(task_id)
     info = {
-        "category": question.category,
-        "id": question.id,
-        "question": question.question,
+        "category": question.category, "id": question.id, "question": question.question,
         "golden_answers": list(question.golden_answers),
         "split": "test" if task_id in self._splits["test"] else "train"
     }
     metadata = dict(question.metadata)
     if "hops" in metadata:  # generated questions: the pages that hold the facts, in order
-      info["hops"] = [{
-          "title": hop.title,
-          "evidence": hop.evidence,
-          "names": list(hop.names)
-      } for hop in metadata.pop("hops")]
+      info["hops"] = [{"title": hop.title, "evidence": hop.evidence, "names": list(hop.names)}
+                      for hop in metadata.pop("hops")]
     if metadata:
       info["metadata"] = metadata
     return info
@@ -203,18 +194,12 @@ class SearchQAEnv:
       except Exception as error:  # a user's retriever or encoder: an env fault, not the agent's
         raise EnvError(f"retriever failed on query {action.text!r}: {error!r}") from error
       self._searches += 1
-      return StepResult(
-          format_information(docs), 0.0, False, {
-              **info, "action": "search",
-              "searches": self._searches
-          })
+      return StepResult(format_information(docs), 0.0, False,
+                        {**info, "action": "search", "searches": self._searches})
     correct = exact_match(action.text, self._question.golden_answers)
     self._question = None
-    return StepResult(CORRECT_OBSERVATION if correct else WRONG_OBSERVATION, float(correct), True, {
-        **info, "action": "answer",
-        "success": correct,
-        "answer": action.text
-    })
+    return StepResult(CORRECT_OBSERVATION if correct else WRONG_OBSERVATION, float(correct), True,
+                      {**info, "action": "answer", "success": correct, "answer": action.text})
 
   def close(self) -> None:
     self._question = None

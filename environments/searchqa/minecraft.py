@@ -134,10 +134,7 @@ class World:
     self.items = {item["name"]: item for item in data.items_list}
     self.groups = dict(book.generics)
     self.recipes: dict[str, tuple[Recipe, ...]] = dict(
-        sorted({
-            **book.recipes,
-            **_storage_recipes(data, book)
-        }.items()))
+        sorted({**book.recipes, **_storage_recipes(data, book)}.items()))
     self.blocks = frozenset(block["name"] for block in data.blocks_list)
     self.food = {food["name"]: food for food in data.foods_list}
     self.block_loot = {
@@ -216,8 +213,8 @@ class World:
   def count(self, name: str, ingredient: str) -> int | None:
     """How many `ingredient` every recipe of `name` takes, when they all take the same."""
     counts = {
-        next((i.count for i in recipe.ingredients if i.item == ingredient),
-             None) for recipe in self.recipes.get(name, ())
+        next((i.count for i in recipe.ingredients if i.item == ingredient), None)
+        for recipe in self.recipes.get(name, ())
     }
     return counts.pop() if len(counts) == 1 and None not in counts else None
 
@@ -253,8 +250,7 @@ class World:
       if not all(item in self.items for item in pair) or pair in found:
         continue
       outputs = {
-          other.output
-          for other in two_slot
+          other.output for other in two_slot
           if self._fill_both(pair, [i.item for i in other.ingredients])
       }
       if outputs == {recipe.output}:
@@ -330,8 +326,7 @@ class World:
       mined = self.mined_sentence(name)
       if mined:
         sentences.append(mined)
-    droppers = sorted(self.mob_titles[mob]
-                      for mob, drops in self.mob_drops.items()
+    droppers = sorted(self.mob_titles[mob] for mob, drops in self.mob_drops.items()
                       if any(drop["item"] == name for drop in drops))
     if droppers:
       sentences.append(f"It is dropped by these mobs: {', '.join(droppers)}.")
@@ -559,10 +554,7 @@ def dataset() -> Dataset:
     by_category[category].setdefault(
         key,
         Question(id=f"minecraft-{key[:16]}", question=text, golden_answers=answers,
-                 category=category, metadata={
-                     "kind": kind,
-                     "hops": tuple(hops)
-                 }))
+                 category=category, metadata={"kind": kind, "hops": tuple(hops)}))
   test, train = [], []
   for category in sorted(by_category):
     if len(by_category[category]) < MIN_CATEGORY_SIZE:

@@ -92,16 +92,14 @@ def question_from_record(record: Mapping[str, Any], source: str, where: str) -> 
   metadata = record.get("metadata")
   if not isinstance(metadata, Mapping):
     metadata = {} if metadata is None else {"metadata": metadata}
-  return Question(
-      id=str(record.get("id", where)), question=text, golden_answers=tuple(answers),
-      category=PAPER_CATEGORIES.get(source, source), metadata=dict(metadata))
+  return Question(id=str(record.get("id", where)), question=text, golden_answers=tuple(answers),
+                  category=PAPER_CATEGORIES.get(source, source), metadata=dict(metadata))
 
 
 def source_file(data_dir: str | os.PathLike, source: str, split: str) -> str:
   """The file a split reads for `source` (see SPLIT_FILES), or a clear error."""
   candidates = [
-      os.path.join(data_dir, source, f"{name}.{ext}")
-      for name in SPLIT_FILES[split]
+      os.path.join(data_dir, source, f"{name}.{ext}") for name in SPLIT_FILES[split]
       for ext in FILE_FORMATS
   ]
   for path in candidates:

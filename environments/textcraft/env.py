@@ -113,23 +113,22 @@ _EXAMPLE = (
      "Crafted 4 minecraft:stick"),
 )
 
-TOOLS = (
-    base.Tool(
-        "get", "Take N of a base ingredient, one that cannot be crafted. The supply is "
-        "unlimited.", "get {count} {item}",
-        (base.Parameter("count", "integer", "How many to take."),
-         base.Parameter("item", "string", 'The ingredient, e.g. "oak logs".'))),
-    base.Tool(
-        "craft", "Craft once with one of the given crafting commands: the target, the "
-        "number of targets the command makes, and exactly the command's ingredients "
-        "and counts. Craft again to make more.", "craft {count} {target} using "
-        "{ingredients}", (base.Parameter("count", "integer", "How many targets the command makes."),
-                          base.Parameter("target", "string", 'The item to craft, e.g. "stick".'),
-                          base.Parameter(
-                              "ingredients", "array", 'Each ingredient with its count, as '
-                              'the command lists it, e.g. ["2 oak planks"].'))),
-    base.Tool("inventory", "List what you are carrying.", "inventory"),
-)
+TOOLS = (base.Tool(
+    "get", "Take N of a base ingredient, one that cannot be crafted. The supply is "
+    "unlimited.", "get {count} {item}",
+    (base.Parameter("count", "integer", "How many to take."),
+     base.Parameter("item", "string", 'The ingredient, e.g. "oak logs".'))),
+         base.Tool(
+             "craft", "Craft once with one of the given crafting commands: the target, the "
+             "number of targets the command makes, and exactly the command's ingredients "
+             "and counts. Craft again to make more.", "craft {count} {target} using "
+             "{ingredients}",
+             (base.Parameter("count", "integer", "How many targets the command makes."),
+              base.Parameter("target", "string", 'The item to craft, e.g. "stick".'),
+              base.Parameter(
+                  "ingredients", "array", 'Each ingredient with its count, as '
+                  'the command lists it, e.g. ["2 oak planks"].'))),
+         base.Tool("inventory", "List what you are carrying.", "inventory"))
 
 _GET = re.compile(r"get ([0-9]+) (.*)")
 _CRAFT = re.compile(r"craft (.*) using (.*)")

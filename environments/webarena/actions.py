@@ -59,9 +59,7 @@ _KEY_NAMES = {
                      "Escape", "ArrowDown", "ArrowUp", "ArrowLeft", "ArrowRight", "End", "Enter",
                      "Home", "Insert", "PageDown", "PageUp", "Space", "Control", "Alt", "Shift")
     },
-    **{
-        f"f{i}": f"F{i}" for i in range(1, 13)
-    },
+    **{f"f{i}": f"F{i}" for i in range(1, 13)},
     "ctrl": "Control",
     "esc": "Escape",
     "return": "Enter",

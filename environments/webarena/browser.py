@@ -161,10 +161,8 @@ class Browser:
     from playwright.sync_api import Error as PlaywrightError
     try:
       self._context = self._browser.new_context(
-          viewport={
-              "width": self.viewport[0],
-              "height": self.viewport[1]
-          }, device_scale_factor=1, storage_state=storage_state, geolocation=geolocation)
+          viewport={"width": self.viewport[0], "height": self.viewport[1]}, device_scale_factor=1,
+          storage_state=storage_state, geolocation=geolocation)
       self._context.set_default_timeout(self._timeout_s * 1000)
       self._context.on("page", self._track)
       for url in start_urls:
@@ -340,10 +338,8 @@ class Browser:
     nodes = session.send("Accessibility.getFullAXTree")["nodes"]
     if not self.viewport_only:
       return nodes, None
-    snapshot = session.send("DOMSnapshot.captureSnapshot", {
-        "computedStyles": [],
-        "includeDOMRects": True
-    })
+    snapshot = session.send("DOMSnapshot.captureSnapshot",
+                            {"computedStyles": [], "includeDOMRects": True})
     return nodes, accessibility.layout_bounds(snapshot)
 
   def _execute(self, action: Action) -> None:

@@ -87,34 +87,32 @@ _TOOL_CALL_FORMAT = ("The commands are also tools, named as above with the argum
                      "brackets as their arguments.")
 
 _ID = base.Parameter("element_id", "integer", "The element's id in the current observation.")
-TOOLS = (
-    base.Tool("click", "Click the element.", "click [{element_id}]", (_ID,)),
-    base.Tool(
-        "type", "Click the element and type the text; Enter is pressed afterwards "
-        "unless press_enter_after is 0.", "type [{element_id}] [{text}] "
-        "[{press_enter_after}]",
-        (_ID, base.Parameter("text", "string", "What to type."),
-         base.Parameter("press_enter_after", "integer", "1 (the default) to press "
-                        "Enter after typing, 0 not to.", required=False, enum=(0, 1)))),
-    base.Tool("hover", "Move the mouse over the element.", "hover [{element_id}]", (_ID,)),
-    base.Tool("press", "Press a key or a key combination.", "press [{key_comb}]",
-              (base.Parameter("key_comb", "string", 'E.g. "Enter" or "Control+a".'),)),
-    base.Tool("scroll", "Scroll the page one window down or up.", "scroll [{direction}]",
-              (base.Parameter("direction", "string", "down or up.", enum=("down", "up")),)),
-    base.Tool("new_tab", "Open a new empty tab and switch to it.", "new_tab"),
-    base.Tool("tab_focus", "Switch to the tab with that number (tabs are numbered from 0).",
-              "tab_focus [{tab_index}]",
-              (base.Parameter("tab_index", "integer", "The tab's number."),)),
-    base.Tool("close_tab", "Close the active tab.", "close_tab"),
-    base.Tool("goto", "Open a web address in the active tab.", "goto [{url}]",
-              (base.Parameter("url", "string", "The address."),)),
-    base.Tool("go_back", "Go to the previous page of the tab's history.", "go_back"),
-    base.Tool("go_forward", "Go to the next page of the tab's history.", "go_forward"),
-    base.Tool(
-        "stop", "Finish the task with the answer (empty if the task asks for none; N/A "
-        "if it cannot be done).", "stop [{answer}]",
-        (base.Parameter("answer", "string", "The answer."),)),
-)
+TOOLS = (base.Tool("click", "Click the element.", "click [{element_id}]", (_ID,)),
+         base.Tool(
+             "type", "Click the element and type the text; Enter is pressed afterwards "
+             "unless press_enter_after is 0.", "type [{element_id}] [{text}] "
+             "[{press_enter_after}]",
+             (_ID, base.Parameter("text", "string", "What to type."),
+              base.Parameter("press_enter_after", "integer", "1 (the default) to press "
+                             "Enter after typing, 0 not to.", required=False, enum=(0, 1)))),
+         base.Tool("hover", "Move the mouse over the element.", "hover [{element_id}]", (_ID,)),
+         base.Tool("press", "Press a key or a key combination.", "press [{key_comb}]",
+                   (base.Parameter("key_comb", "string", 'E.g. "Enter" or "Control+a".'),)),
+         base.Tool("scroll", "Scroll the page one window down or up.", "scroll [{direction}]",
+                   (base.Parameter("direction", "string", "down or up.", enum=("down", "up")),)),
+         base.Tool("new_tab", "Open a new empty tab and switch to it.", "new_tab"),
+         base.Tool("tab_focus", "Switch to the tab with that number (tabs are numbered from 0).",
+                   "tab_focus [{tab_index}]",
+                   (base.Parameter("tab_index", "integer", "The tab's number."),)),
+         base.Tool("close_tab", "Close the active tab.", "close_tab"),
+         base.Tool("goto", "Open a web address in the active tab.", "goto [{url}]",
+                   (base.Parameter("url", "string", "The address."),)),
+         base.Tool("go_back", "Go to the previous page of the tab's history.", "go_back"),
+         base.Tool("go_forward", "Go to the next page of the tab's history.", "go_forward"),
+         base.Tool(
+             "stop", "Finish the task with the answer (empty if the task asks for none; N/A "
+             "if it cannot be done).", "stop [{answer}]",
+             (base.Parameter("answer", "string", "The answer."),)))
 
 
 def react_reply(thought: str, action: str) -> str:
@@ -221,9 +219,8 @@ class WebArenaEnv:
       if at_limit:
         return self._finish("", f"the limit of {self.max_steps} actions was reached",
                             {"invalid_action": str(e)})
-      observation = (
-          str(e)
-          if isinstance(e, base.ToolCallError) else f"Invalid action: {e}. {actions.FORMAT_HINT}")
+      observation = (str(e) if isinstance(e, base.ToolCallError) else
+                     f"Invalid action: {e}. {actions.FORMAT_HINT}")
       return StepResult(observation, 0.0, False, {"success": False, "invalid_action": str(e)})
     if action.kind == "stop":
       return self._finish(action.answer, f"you stopped with the answer [{action.answer}]",

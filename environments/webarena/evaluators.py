@@ -129,8 +129,7 @@ def url_match(reference_url: str, page_url: str) -> float:
     return 0.0
   return float(
       all(
-          any(value in page_query.get(key, ())
-              for value in values)
+          any(value in page_query.get(key, ()) for value in values)
           for key, values in reference_queries.items()))
 
 

@@ -120,10 +120,8 @@ class AgentGymWebArenaClient:
     if not self._running:
       raise EnvError("step() without an episode in progress; reset() first")
     try:
-      payload = self._post("/step", {
-          "env_idx": self._env_idx,
-          "action": action_text
-      }, idempotent=False)
+      payload = self._post("/step", {"env_idx": self._env_idx, "action": action_text},
+                           idempotent=False)
     except EnvError:
       self._running = False
       raise

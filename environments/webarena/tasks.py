@@ -105,10 +105,8 @@ class Task:
   def info(self) -> dict[str, Any]:
     """Metadata for `Env.task_info`; the category is the sites joined by "+"."""
     return {
-        "category": "+".join(self.sites) or "webarena",
-        "sites": list(self.sites),
-        "intent": self.intent,
-        "eval_types": list(self.eval_types),
+        "category": "+".join(self.sites) or "webarena", "sites": list(self.sites),
+        "intent": self.intent, "eval_types": list(self.eval_types),
         "start_url": self.config.get("start_url", "")
     }
 
@@ -196,8 +194,7 @@ def split(task_ids: Iterable[int], num_test: int,
     ranked = sorted(ids, key=lambda i: hashlib.sha256(f"webarena test {i}".encode()).hexdigest())
     test = set(ranked[:num_test])
   return {
-      "test": tuple(i for i in ids if i in test),
-      "train": tuple(i for i in ids if i not in test)
+      "test": tuple(i for i in ids if i in test), "train": tuple(i for i in ids if i not in test)
   }
 
 
@@ -208,9 +205,8 @@ def _check_reference_answers(answers: Any, where: str) -> None:
   for kind, value in answers.items():
     if kind not in STRING_MATCH_KINDS:
       raise TaskConfigError(f"{where}: unknown reference answer kind {kind!r}")
-    valid = (
-        isinstance(value, str) if kind == "exact_match" else
-        _is_str_list(value) if kind == "must_include" else value == "N/A" or _is_str_list(value))
+    valid = (isinstance(value, str) if kind == "exact_match" else _is_str_list(value)
+             if kind == "must_include" else value == "N/A" or _is_str_list(value))
     if not valid:
       raise TaskConfigError(f"{where}: malformed reference_answers.{kind}: {value!r}")
 

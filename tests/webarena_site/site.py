@@ -102,8 +102,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     raise NotImplementedError
 
   def _session(self) -> dict:
-    cookies = dict(part.strip().split("=", 1)
-                   for part in self.headers.get("Cookie", "").split(";")
+    cookies = dict(part.strip().split("=", 1) for part in self.headers.get("Cookie", "").split(";")
                    if "=" in part)
     self._new_sid = None
     sid = cookies.get(self.cookie_name)
