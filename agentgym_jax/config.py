@@ -14,6 +14,7 @@ import ml_collections
 DTYPES = ("float32", "bfloat16", "float16")
 CACHE_DTYPES = ("", "bfloat16", "float32")  # "": the model's matmul dtype.
 EXPORT_FORMATS = ("merged", "peft")
+Variant = Callable[[ml_collections.ConfigDict], None]  # Edits a config in place.
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -547,7 +548,7 @@ def tiny_echo(c: ml_collections.ConfigDict) -> None:
   quiet(c)
 
 
-def fixed_horizon(turns: int) -> Callable[[ml_collections.ConfigDict], None]:
+def fixed_horizon(turns: int) -> Variant:
   """A variant that replaces the staged schedule by a fixed cap (the paper's baselines)."""
 
   def apply(c: ml_collections.ConfigDict) -> None:
@@ -557,10 +558,14 @@ def fixed_horizon(turns: int) -> Callable[[ml_collections.ConfigDict], None]:
   return apply
 
 
-def apply_variants(
-    c: ml_collections.ConfigDict, variant: str,
-    variants: Mapping[str, Callable[[ml_collections.ConfigDict],
-                                    None]]) -> ml_collections.ConfigDict:
+def standard_variants(short: int = 10, long: int = 30) -> dict[str, Variant]:
+  """The variants every RL config offers: `local` (the embedded SmolLM2 on a CPU) and `short` /
+  `long`, fixed caps of `short` / `long` turns (the paper's baselines)."""
+  return {"local": local, "short": fixed_horizon(short), "long": fixed_horizon(long)}
+
+
+def apply_variants(c: ml_collections.ConfigDict, variant: str,
+                   variants: Mapping[str, Variant]) -> ml_collections.ConfigDict:
   """Applies comma-separated variants in order, e.g. `configs/x.py:short,local`."""
   for name in filter(None, (v.strip() for v in variant.split(","))):
     if name not in variants:

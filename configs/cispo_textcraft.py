@@ -10,12 +10,11 @@ no token loses its gradient to a clip; every token weighs the same (token-mean).
 Variants: `local` (embedded SmolLM2 on a CPU), `short` / `long` (fixed 10 / 30 turns).
 """
 
-from agentgym_jax.config import apply_variants, base_config, fixed_horizon, local
+from agentgym_jax.config import apply_variants, base_config, standard_variants
 
 
 def get_config(variant: str = ""):
   c = base_config()
   c.env.name = "textcraft"
   c.algorithm.policy_loss = "cispo"
-  return apply_variants(c, variant,
-                        {"local": local, "short": fixed_horizon(10), "long": fixed_horizon(30)})
+  return apply_variants(c, variant, standard_variants())

@@ -11,7 +11,7 @@ of it: a reply cut by the token limit ends its turn as in every recipe here.
 Variants: `local` (embedded SmolLM2 on a CPU), `short` / `long` (fixed 10 / 30 turns).
 """
 
-from agentgym_jax.config import apply_variants, base_config, fixed_horizon, local
+from agentgym_jax.config import apply_variants, base_config, standard_variants
 
 
 def get_config(variant: str = ""):
@@ -22,5 +22,4 @@ def get_config(variant: str = ""):
   c.algorithm.clip_eps_high = 0.28
   c.algorithm.aggregation = "token-mean"
   c.algorithm.kl_coef = 0.0
-  return apply_variants(c, variant,
-                        {"local": local, "short": fixed_horizon(10), "long": fixed_horizon(30)})
+  return apply_variants(c, variant, standard_variants())

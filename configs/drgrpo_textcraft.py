@@ -11,7 +11,7 @@ turns, the most a trajectory can have trained).
 Variants: `local` (embedded SmolLM2 on a CPU), `short` / `long` (fixed 10 / 30 turns).
 """
 
-from agentgym_jax.config import apply_variants, base_config, fixed_horizon, local
+from agentgym_jax.config import apply_variants, base_config, standard_variants
 
 
 def get_config(variant: str = ""):
@@ -19,5 +19,4 @@ def get_config(variant: str = ""):
   c.env.name = "textcraft"
   c.algorithm.grpo_normalize_by_std = False
   c.algorithm.aggregation = "seq-mean-token-sum-norm"
-  return apply_variants(c, variant,
-                        {"local": local, "short": fixed_horizon(10), "long": fixed_horizon(30)})
+  return apply_variants(c, variant, standard_variants())

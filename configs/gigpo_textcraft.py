@@ -11,7 +11,7 @@ gigpo/anchored_turns and gigpo/step_group_size (how many later turns share a sta
 Variants: `local` (embedded SmolLM2 on a CPU), `short` / `long` (fixed 10 / 30 turns).
 """
 
-from agentgym_jax.config import apply_variants, base_config, fixed_horizon, local
+from agentgym_jax.config import apply_variants, base_config, standard_variants
 
 
 def get_config(variant: str = ""):
@@ -20,5 +20,4 @@ def get_config(variant: str = ""):
   c.algorithm.advantage = "gigpo"
   c.algorithm.gigpo_step_weight = 1.0
   c.algorithm.gamma = 0.95
-  return apply_variants(c, variant,
-                        {"local": local, "short": fixed_horizon(10), "long": fixed_horizon(30)})
+  return apply_variants(c, variant, standard_variants())

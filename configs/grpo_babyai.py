@@ -7,7 +7,7 @@ steps (the paper's BabyAI script), otherwise the TextCraft recipe.
 Variants: `local` (embedded SmolLM2 on a CPU), `short` / `long` (fixed 6 / 20 turns).
 """
 
-from agentgym_jax.config import apply_variants, base_config, fixed_horizon, local
+from agentgym_jax.config import apply_variants, base_config, standard_variants
 
 
 def get_config(variant: str = ""):
@@ -16,5 +16,4 @@ def get_config(variant: str = ""):
   c.rollout.tasks_per_step = 16
   c.horizon.caps = (6, 13, 20)
   c.horizon.turns = 20
-  return apply_variants(c, variant,
-                        {"local": local, "short": fixed_horizon(6), "long": fixed_horizon(20)})
+  return apply_variants(c, variant, standard_variants(6, 20))

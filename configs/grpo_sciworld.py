@@ -7,7 +7,7 @@ the process backend is used: a hung simulator is killed, not abandoned.
 Variants: `local` (embedded SmolLM2 on a CPU), `short` / `long` (fixed 10 / 30 turns).
 """
 
-from agentgym_jax.config import apply_variants, base_config, fixed_horizon, local
+from agentgym_jax.config import apply_variants, base_config, standard_variants
 
 
 def get_config(variant: str = ""):
@@ -16,5 +16,4 @@ def get_config(variant: str = ""):
   c.env.backend = "process"
   c.rollout.tasks_per_step = 16
   c.rollout.max_new_tokens = 200
-  return apply_variants(c, variant,
-                        {"local": local, "short": fixed_horizon(10), "long": fixed_horizon(30)})
+  return apply_variants(c, variant, standard_variants())

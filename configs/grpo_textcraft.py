@@ -35,11 +35,9 @@ from agentgym_jax import config
 def get_config(variant: str = ""):
   c = config.base_config()
   c.env.name = "textcraft"
-  return config.apply_variants(
-      c, variant, {
-          "local": local, "short": config.fixed_horizon(10), "long": config.fixed_horizon(30),
-          "shallow": shallow, "agentgym": agentgym_goals
-      })
+  return config.apply_variants(c, variant, {
+      **config.standard_variants(), "local": local, "shallow": shallow, "agentgym": agentgym_goals
+  })
 
 
 def shallow(c):

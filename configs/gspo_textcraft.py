@@ -10,7 +10,7 @@ same (seq-mean-token-mean).
 Variants: `local` (embedded SmolLM2 on a CPU), `short` / `long` (fixed 10 / 30 turns).
 """
 
-from agentgym_jax.config import apply_variants, base_config, fixed_horizon, local
+from agentgym_jax.config import apply_variants, base_config, standard_variants
 
 
 def get_config(variant: str = ""):
@@ -18,5 +18,4 @@ def get_config(variant: str = ""):
   c.env.name = "textcraft"
   c.algorithm.policy_loss = "gspo"
   c.algorithm.aggregation = "seq-mean-token-mean"
-  return apply_variants(c, variant,
-                        {"local": local, "short": fixed_horizon(10), "long": fixed_horizon(30)})
+  return apply_variants(c, variant, standard_variants())

@@ -15,7 +15,7 @@ it over the base); `--config.checkpoint.export_format=merged` writes the merged 
 Variants: `local` (embedded SmolLM2 on a CPU), `short` / `long` (fixed 10 / 30 turns).
 """
 
-from agentgym_jax.config import apply_variants, base_config, fixed_horizon, local
+from agentgym_jax.config import apply_variants, base_config, standard_variants
 
 
 def get_config(variant: str = ""):
@@ -25,5 +25,4 @@ def get_config(variant: str = ""):
   c.model.lora.alpha = 128.0
   c.optim.learning_rate = 1e-5
   c.checkpoint.export_format = "peft"
-  return apply_variants(c, variant,
-                        {"local": local, "short": fixed_horizon(10), "long": fixed_horizon(30)})
+  return apply_variants(c, variant, standard_variants())

@@ -87,12 +87,8 @@ def _assert_matches_dense(implementation, heads, kv_heads, segment_kind, batch=4
   ref_out, ref_grads = _value_and_grads("dense", q, k, v, cotangent, segments)
   relative = tolerances.reordered_sum(LENGTH)
   assert relative < 1e-5
-  np.testing.assert_allclose(
-      np.asarray(out)[real],
-      np.asarray(ref_out)[real], rtol=0, atol=relative * float(jnp.max(jnp.abs(v))))
-  for name, grad, ref in zip("qkv", grads, ref_grads):
-    np.testing.assert_allclose(grad, ref, rtol=0, atol=relative * float(jnp.max(jnp.abs(ref))),
-                               err_msg=f"d{name}")
+  tolerances.assert_attention_close(out, ref_out, grads, ref_grads, real=real, v=v,
+                                    relative=relative)
 
 
 @pytest.mark.parametrize("segment_kind, block", [("none", 64), ("right_padded", 32),

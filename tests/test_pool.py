@@ -224,6 +224,7 @@ def test_batches_on_disjoint_slots_run_at_once_and_a_shared_slot_waits():
     disjoint = time.monotonic() - start
     assert third.result(timeout=5)[0].observation == "Guess 2: 8 is too high."
     shared = time.monotonic() - start
+    assert first.result(timeout=0)[0].observation == "Guess 1: 9 is too high."
   # One batch after another, `second` would end after 2 x 0.5 s; beside `first`, after 0.5 s.
   assert disjoint < 0.9, disjoint
   assert shared >= 1.0, shared

@@ -107,12 +107,8 @@ def test_shared_prompt_attention_matches_the_dense_masked_reference(implementati
   (_, ref_out), ref_grads = grad(reference)
   # A query sees at most 150 keys (attention's error model in tests/test_attention.py).
   relative = tolerances.reordered_sum(length)
-  np.testing.assert_allclose(
-      np.asarray(out)[real],
-      np.asarray(ref_out)[real], rtol=0, atol=relative * float(jnp.max(jnp.abs(v))))
-  for name, got, want in zip("qkv", grads, ref_grads):
-    np.testing.assert_allclose(got, want, rtol=0, atol=relative * float(jnp.max(jnp.abs(want))),
-                               err_msg=f"d{name}")
+  tolerances.assert_attention_close(out, ref_out, grads, ref_grads, real=real, v=v,
+                                    relative=relative)
   # The mask matters: continuations that saw their siblings would move outputs by ~1/50.
   sibling_blind = attention.causal_attention(q, k, v, jnp.asarray(segments), implementation="dense")
   assert float(jnp.max(jnp.abs(sibling_blind - ref_out)[real])) > 1e-2

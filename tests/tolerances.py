@@ -21,6 +21,8 @@ mask off by one position) moves logits by 1e-2 of their scale or more, far above
 
 import math
 
+import numpy as np
+
 F32_UNIT_ROUNDOFF = 2.0**-24
 SAFETY = 8.0
 
@@ -38,3 +40,16 @@ def reordered_logits(num_layers: int, widest_dot: int, logit_scale: float) -> fl
 def reordered_logprobs(num_layers: int, widest_dot: int, logit_scale: float) -> float:
   """The same for log-softmax outputs: logit_t - logsumexp(logits) carries two logits' errors."""
   return 2.0 * reordered_logits(num_layers, widest_dot, logit_scale)
+
+
+def assert_attention_close(out, ref_out, grads, ref_grads, *, real, v, relative: float) -> None:
+  """Attention outputs at the `real` (non-padding) queries within `relative` x max|v| of the
+  reference, and each gradient within `relative` x its reference's largest entry: an output is
+  a convex combination of values, and each gradient a sum of as many terms as the sum it
+  differentiates."""
+  np.testing.assert_allclose(
+      np.asarray(out)[real],
+      np.asarray(ref_out)[real], rtol=0, atol=relative * float(np.max(np.abs(v))))
+  for name, got, want in zip("qkv", grads, ref_grads):
+    np.testing.assert_allclose(got, want, rtol=0, atol=relative * float(np.max(np.abs(want))),
+                               err_msg=f"d{name}")
