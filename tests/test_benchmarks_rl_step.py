@@ -13,6 +13,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 def test_a_commit_and_this_tree_run_the_same_recipe_side_by_side(tmp_path):
   checkpoint = tiny.make_checkpoint(tmp_path / "tiny")
+  worktrees_before = _worktrees()
   completed = subprocess.run([
       sys.executable,
       str(REPO / "benchmarks" / "rl_step.py"), "--vs=HEAD",
@@ -30,4 +31,10 @@ def test_a_commit_and_this_tree_run_the_same_recipe_side_by_side(tmp_path):
                  re.MULTILINE))
   assert set(speedups) == {"step", "rollout", "update"}, out
   assert all(float(x) > 0 for x in speedups.values()), out
-  assert not list((REPO / ".git" / "worktrees").glob("baseline*")), "the worktree is removed"
+  assert _worktrees() == worktrees_before, "the commit's worktree is removed"
+
+
+def _worktrees() -> set[str]:
+  listing = subprocess.run(["git", "worktree", "list", "--porcelain"], cwd=REPO, check=True,
+                           capture_output=True, text=True).stdout
+  return {line for line in listing.splitlines() if line.startswith("worktree ")}

@@ -31,7 +31,15 @@ def echo_config(checkpoint_dir: str, advantage: str = "grpo", steps: int = 60):
   return c
 
 
-@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_plus_plus", "gae", "gigpo"])
+# About a minute each: GRPO and GAE (values, remat) run by default, the other estimators (each
+# with worked-value tests in test_advantages.py) with `-m slow`.
+@pytest.mark.parametrize("advantage", [
+    "grpo",
+    "gae",
+    pytest.param("rloo", marks=pytest.mark.slow),
+    pytest.param("reinforce_plus_plus", marks=pytest.mark.slow),
+    pytest.param("gigpo", marks=pytest.mark.slow),
+])
 def test_tiny_policy_learns_echo(advantage, checkpoint_dir, tmp_path, monkeypatch):
   tiny.one_device(monkeypatch)
   c = echo_config(checkpoint_dir, advantage)
