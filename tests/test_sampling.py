@@ -440,15 +440,25 @@ def _assert_greedy_as_if_alone(forward, prompts, out):
         atol=_logprob_tolerance(np.asarray(out.logprobs)))
 
 
+def _record_shared_prefills(sampler: Sampler) -> list[tuple]:
+  """The (prefix, tokens) of each start's shared-prefix prefill, appended as the sampler runs."""
+  calls, prefill = [], sampler._prefill_shared
+
+  def record(params, state, prefix, tokens, *args, **kwargs):
+    calls.append((prefix, tokens))
+    return prefill(params, state, prefix, tokens, *args, **kwargs)
+
+  sampler._prefill_shared = record
+  return calls
+
+
 def test_rows_sharing_a_prompt_prefill_it_once_and_continue_as_their_own(model, forward):
   sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
   shared, other = _prompts([9, 4], seed=5)
-  prefilled = []
-  prefill = sampler._prefill_shared
-  sampler._prefill_shared = lambda params, state, prefix, tokens, *a, **k: (prefilled.append(
-      tokens.shape[0]) or prefill(params, state, prefix, tokens, *a, **k))
+  calls = _record_shared_prefills(sampler)
   state = sampler.start([shared, shared, other, shared])
-  assert prefilled == [2]  # Two distinct prompts, two rows prefilled.
+  # Two distinct prompts, two rows prefilled.
+  assert [tokens.shape[0] for _, tokens in calls] == [2]
   assert np.asarray(state.lengths).tolist() == [9, 9, 4, 9]
   # Each row then decodes as if it had been prefilled alone: greedy equals the argmax
   # continuation of plain forward passes over its own sequence.
@@ -456,7 +466,7 @@ def test_rows_sharing_a_prompt_prefill_it_once_and_continue_as_their_own(model, 
   _assert_greedy_as_if_alone(forward, [shared, shared, other, shared], out)
   # Appending to rows that hold tokens takes the plain prefill, attending to what they hold.
   state = sampler.append(state, {0: [5, 6], 1: [5, 6]})
-  assert prefilled == [2] and np.asarray(state.lengths).tolist() == [17, 17, 10, 15]
+  assert len(calls) == 1 and np.asarray(state.lengths).tolist() == [17, 17, 10, 15]
 
 
 def test_the_shared_prefix_is_the_common_prefix_short_of_a_token_cut_to_the_multiple(monkeypatch):
@@ -477,13 +487,10 @@ def test_prompts_prefill_their_common_prefix_once_and_decode_as_if_alone(
   instruction = _prompts([19], seed=7)[0]
   prompts = [instruction + tail for tail in _prompts([5, 9, 1], seed=8)]
   prompts.append(prompts[1])
-  calls = []
-  prefill = sampler._prefill_shared
-  sampler._prefill_shared = lambda params, state, prefix, tokens, *a, **k: (calls.append(
-      (prefix.shape, tokens.shape)) or prefill(params, state, prefix, tokens, *a, **k))
+  calls = _record_shared_prefills(sampler)
   state = sampler.start(prompts)
   # 16 of the 19 common tokens once, then the three distinct rests (3 + 5, 3 + 9, 3 + 1 tokens).
-  assert calls == [((16,), (3, 12))]
+  assert [(prefix.shape, tokens.shape) for prefix, tokens in calls] == [((16,), (3, 12))]
   assert np.asarray(state.lengths).tolist() == [24, 28, 20, 28]
   state, out = sampler.generate(state, jax.random.key(0), max_new_tokens=6, temperature=0.0)
   _assert_greedy_as_if_alone(forward, prompts, out)
