@@ -182,6 +182,31 @@ def test_flash_keeps_no_length_squared_array_forward_or_backward(implementation)
     assert (2, 2, 2, length, length) in in_jaxpr and (2, 2, 2, length, length) in in_hlo
 
 
+def test_flash_gradient_scratch_grows_linearly_with_the_row():
+  """What the compiled program keeps live at once, not only which shapes it names: one block
+  diagonal's tiles at a time, never all of them (XLA:CPU drops optimization barriers, so the
+  diagonals are ordered by data).
+
+  Error model, bytes of the gradient's scratch at T tokens, H heads, tile b: O(T * H * D) for
+  the blocked q, k, v, their cotangents and the output, plus a few [T / b, H, b, b] f32 tile
+  batches of one diagonal, 4 * T * H * b bytes each: linear in T at a fixed tile. Computing
+  every diagonal's tiles before reducing them adds the whole triangle, T^2 / 2 * H * 4 bytes:
+  at T = 4096 that is 128 MiB, twice the linear terms' total, and it grows 16x from T = 1024.
+  """
+
+  def scratch(length: int) -> int:
+    q = jax.ShapeDtypeStruct((1, length, 4, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, length, 2, 16), jnp.float32)
+    loss = lambda q, k, v: jnp.sum(attention.flash_attention(q, k, v, block=128))
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    return step.lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
+
+  short, long = scratch(1024), scratch(4096)
+  triangle = 4096**2 // 2 * 4 * 4
+  assert long < triangle, (long, triangle)
+  assert long < 8 * short, (short, long)  # linear: 4x, the triangle: 16x
+
+
 # --- the whole model
 
 CONFIG = ModelConfig(model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=96,

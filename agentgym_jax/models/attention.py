@@ -308,6 +308,20 @@ def _diagonal_scores(q: Array, k: Array, segment_ids: Array | None, d: int, dtyp
   return scores if visible is None else jnp.where(visible, scores, MASK_VALUE)
 
 
+def _after(x: Any, *probes: Array) -> Any:
+  """x (arrays [n, B, K, G, ...]), made to wait for the arrays the previous block diagonal wrote
+  by adding an exact zero read from `probes`, one element of each per (row, head): [B, K, G]
+  or [B, K, 1], taken where that diagonal wrote.
+
+  The diagonals' score tiles do not depend on each other, and XLA:CPU drops optimization
+  barriers before it schedules: without a data dependency it computes every diagonal's tiles
+  (the whole T x T) before reducing any. isnan(.) * 0 is 0 whatever the probes hold, and reads
+  only this device's rows and heads (no collective on a mesh).
+  """
+  zero = sum(jnp.isnan(probe).astype(jnp.float32) for probe in probes) * 0.0
+  return jax.tree.map(lambda a: a + zero[None, :, :, :, None, None].astype(a.dtype), x)
+
+
 def _pv(p: Array, v: Array, dtype: Any) -> Array:
   """p [m, B, K, G, bq, bk] times v [m, B, K, bk, D]: [m, B, K, G, bq, D] in f32."""
   return dot("nbkgqs,nbksd->nbkgqd", p, v, dtype)
@@ -320,23 +334,21 @@ def _flash_forward(q: Array, k: Array, v: Array, segment_ids: Array | None, dtyp
   qb, kb, vb = _block_q(q, kv_heads, block), _block_kv(k, block), _block_kv(v, block)
   sb = None if segment_ids is None else _blocks(segment_ids, block).transpose(1, 0, 2)
   n = qb.shape[0]
-  for d in range(n):
-    s = _diagonal_scores(qb, kb, sb, d, dtype, shared_prompt)
-    if d == 0:
-      m = jnp.max(s, axis=-1)
-      p = jnp.exp(s - m[..., None])
-      denominator = jnp.sum(p, axis=-1)
-      acc = _pv(p, vb, dtype)
-    else:
-      m_new = jnp.maximum(m[d:], jnp.max(s, axis=-1))
-      alpha = jnp.exp(m[d:] - m_new)
-      p = jnp.exp(s - m_new[..., None])
-      denominator = denominator.at[d:].set(alpha * denominator[d:] + jnp.sum(p, axis=-1))
-      acc = acc.at[d:].set(alpha[..., None] * acc[d:] + _pv(p, vb[:n - d], dtype))
-      m = m.at[d:].set(m_new)
-    # The diagonals' score tiles do not depend on each other: without the barrier XLA may
-    # compute several (all of them: the whole T x T) before reducing any.
-    m, denominator, acc, kb, vb = jax.lax.optimization_barrier((m, denominator, acc, kb, vb))
+  s = _diagonal_scores(qb, kb, sb, 0, dtype, shared_prompt)
+  m = jnp.max(s, axis=-1)
+  p = jnp.exp(s - m[..., None])
+  denominator = jnp.sum(p, axis=-1)
+  acc = _pv(p, vb, dtype)
+  for d in range(1, n):
+    # The previous diagonal wrote query blocks d - 1.., the last one among them.
+    queries = _after(qb, acc[-1, ..., 0, 0], denominator[-1, ..., 0])
+    s = _diagonal_scores(queries, kb, sb, d, dtype, shared_prompt)
+    m_new = jnp.maximum(m[d:], jnp.max(s, axis=-1))
+    alpha = jnp.exp(m[d:] - m_new)
+    p = jnp.exp(s - m_new[..., None])
+    denominator = denominator.at[d:].set(alpha * denominator[d:] + jnp.sum(p, axis=-1))
+    acc = acc.at[d:].set(alpha[..., None] * acc[d:] + _pv(p, vb[:n - d], dtype))
+    m = m.at[d:].set(m_new)
   out = acc / denominator[..., None]
   lse = m + jnp.log(denominator)
   return _unblock_q(out, length), (qb, kb, vb, sb, out, lse)
@@ -357,13 +369,15 @@ def _flash_backward(dtype: Any, block: int, shared_prompt: bool, residuals, d_ou
   dk = jnp.zeros(kb.shape, jnp.float32)
   dv = jnp.zeros(vb.shape, jnp.float32)
   for d in range(n):
-    p = jnp.exp(_diagonal_scores(qb, kb, sb, d, dtype, shared_prompt) - lse[d:][..., None])
-    dv = dv.at[:n - d].add(dot("nbkgqs,nbkgqd->nbksd", p, do[d:], dtype))
-    dp = dot("nbkgqd,nbksd->nbkgqs", do[d:], vb[:n - d], dtype)
+    # The previous diagonal wrote dq's query blocks d - 1.. and dk's, dv's key blocks ..n - d.
+    queries, d_queries = (qb, do) if d == 0 else _after(
+        (qb, do), dq[-1, ..., 0, 0], dk[0, ..., None, 0, 0], dv[0, ..., None, 0, 0])
+    p = jnp.exp(_diagonal_scores(queries, kb, sb, d, dtype, shared_prompt) - lse[d:][..., None])
+    dv = dv.at[:n - d].add(dot("nbkgqs,nbkgqd->nbksd", p, d_queries[d:], dtype))
+    dp = dot("nbkgqd,nbksd->nbkgqs", d_queries[d:], vb[:n - d], dtype)
     ds = p * (dp - delta[d:][..., None]) / math.sqrt(head_dim)
     dq = dq.at[d:].add(_pv(ds, kb[:n - d], dtype))
-    dk = dk.at[:n - d].add(dot("nbkgqs,nbkgqd->nbksd", ds, qb[d:], dtype))
-    dq, dk, dv, qb, kb = jax.lax.optimization_barrier((dq, dk, dv, qb, kb))
+    dk = dk.at[:n - d].add(dot("nbkgqs,nbkgqd->nbksd", ds, queries[d:], dtype))
   return (_unblock_q(dq, length).astype(qb.dtype), _unblock_kv(dk, length).astype(kb.dtype),
           _unblock_kv(dv, length).astype(vb.dtype), None)
 
