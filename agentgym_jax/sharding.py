@@ -40,6 +40,11 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # Activations.
     ("batch", BATCH),
     ("seq", None),
+    # The residual stream between blocks (what full remat keeps of every layer) is split along
+    # the sequence over `tensor`, whose devices would otherwise each hold the same copy: XLA
+    # gathers it before the projections and scatters their reduced outputs back (Megatron's
+    # sequence parallelism).
+    ("residual_seq", "tensor"),
     ("activation_embed", None),
     ("activation_heads", "tensor"),
     ("activation_kv_heads", "tensor"),
@@ -50,6 +55,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("cache_seq", None),
 )
 _RULES = dict(LOGICAL_AXIS_RULES)
+# Axes split even where the mesh does not divide them (XLA pads the last shard): a row of
+# bucket - 1 tokens, inside jit only.
+PADDED_AXES = frozenset({"residual_seq"})
 
 
 def on_cloud_tpu_vm() -> bool:
@@ -120,7 +128,8 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int] | None = No
     mesh_axes = tuple(a for a in mesh_axes if a not in used)
     if mesh is not None:
       mesh_axes = tuple(a for a in mesh_axes if mesh.shape[a] > 1)
-      if shape is not None and shape[i] % math.prod(mesh.shape[a] for a in mesh_axes):
+      if (shape is not None and name not in PADDED_AXES
+          and shape[i] % math.prod(mesh.shape[a] for a in mesh_axes)):
         mesh_axes = ()
     used.update(mesh_axes)
     spec.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))

@@ -113,8 +113,10 @@ def _forward_and_grads(model: Decoder, input_ids: jax.Array):
   return logits, loss, grads
 
 
-def test_sharded_forward_and_backward_equal_unsharded(sharded, unsharded, mesh):
-  input_ids = np.random.RandomState(0).randint(0, CONFIG.vocab_size, (4, 16))
+# 15 tokens: the residual stream's sequence split over tensor=2 pads the last shard.
+@pytest.mark.parametrize("length", [16, 15])
+def test_sharded_forward_and_backward_equal_unsharded(sharded, unsharded, mesh, length):
+  input_ids = np.random.RandomState(0).randint(0, CONFIG.vocab_size, (4, length))
   logits, loss, grads = _forward_and_grads(unsharded, jnp.asarray(input_ids))
   with jax.set_mesh(mesh):
     batch = jax.device_put(input_ids, sharding.batch_sharding(mesh, 2))
@@ -137,6 +139,21 @@ def test_sharded_forward_and_backward_equal_unsharded(sharded, unsharded, mesh):
     np.testing.assert_allclose(np.asarray(sharded_grad[...]), np.asarray(grad[...]), rtol=0,
                                atol=tolerances.reordered_logits(layers, widest,
                                                                 scale), err_msg=str(path))
+
+
+def test_full_remat_keeps_each_device_s_slice_of_the_residual_stream(mesh):
+  """The [layers, rows, tokens, hidden] stack the backward keeps is split along the tokens over
+  tensor (padded: 15 tokens make shards of 8), so each tensor device holds half of it."""
+  model = nnx.eval_shape(lambda: Decoder(CONFIG, remat="full", rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(model)
+  params = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), state,
+                        sharding.state_shardings(state, mesh))
+  input_ids = jax.ShapeDtypeStruct((4, 15), jnp.int32, sharding=sharding.batch_sharding(mesh, 2))
+  loss = lambda params, input_ids: nnx.merge(graphdef, params)(input_ids).mean()
+  with jax.set_mesh(mesh):
+    text = jax.jit(jax.grad(loss)).lower(params, input_ids).compile().as_text()
+  # Per device: 2 layers, 4 rows over data x fsdp = 4, 15 tokens over tensor = 2, hidden 256.
+  assert set(re.findall(r"f32\[2,1,\d+,256\]", text)) == {"f32[2,1,8,256]"}
 
 
 def test_heads_the_tensor_axis_does_not_divide_stay_whole_and_the_forward_matches(mesh):
@@ -177,6 +194,9 @@ def test_logical_rules_fall_back_to_replication_where_the_mesh_does_not_divide(m
   # A batch of 6 does not split over data * fsdp = 4.
   assert sharding.logical_to_spec(("batch", "seq"), (6, 16), mesh) == P(None, None)
   assert sharding.logical_to_spec(("batch", "seq"), (8, 16), mesh) == P(("data", "fsdp"), None)
+  # The residual stream's tokens split even where the mesh does not divide them (padded).
+  assert sharding.logical_to_spec(("batch", "residual_seq", "activation_embed"), (8, 15, 256),
+                                  mesh) == P(("data", "fsdp"), "tensor", None)
   # Mesh axes of size 1 are dropped: on (1, 8, 1) a batch splits over fsdp alone.
   fsdp_only = sharding.make_mesh(data=1, fsdp=8, tensor=1)
   assert sharding.logical_to_spec(("batch", "vocab"), (8, 512), fsdp_only) == P("fsdp", None)

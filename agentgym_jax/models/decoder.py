@@ -61,6 +61,13 @@ PROJECTIONS = {
     "down_proj": "btf,fe->bte",
 }
 
+
+def _residual_axes(cached: bool) -> tuple[str, str, str]:
+  """The residual stream's logical axes: split along the sequence in the learner, whose full
+  remat keeps it for every layer; whole in the sampler, whose decode steps are one token long."""
+  return ("batch", "seq" if cached else "residual_seq", "activation_embed")
+
+
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -307,7 +314,7 @@ class Decoder(nnx.Module):
       positions = slots
 
     x = jnp.take(self.embed_tokens.value, input_ids, axis=0).astype(jnp.float32)
-    x = sharding.constrain(x, ("batch", "seq", "activation_embed"))
+    x = sharding.constrain(x, _residual_axes(cached=cache is not None))
     inv_freq = rope_frequencies(config)
     layer_graph, layer_params = nnx.split(self.layers)
     adapter_graph, adapter_params = nnx.split(adapters) if adapters is not None else (None, None)
@@ -454,7 +461,7 @@ class Decoder(nnx.Module):
       x = x + dot("btf,fe->bte", hidden, p.down, dtype)
     else:
       x = x + project("down_proj", hidden)
-    x = sharding.constrain(x, ("batch", "seq", "activation_embed"))
+    x = sharding.constrain(x, _residual_axes(cached=cache_update is not None))
     return x, caches
 
   def _qkv(self, p: Layers | DecodeLayer, h: Array,
