@@ -289,8 +289,7 @@ def train_offline(c: ml_collections.ConfigDict,
   batches = make_batches(settings, records, chat)
   policy = settings.policy(model, mesh)
   graphdef, params, frozen = policy.graphdef, policy.params, policy.frozen
-  # A copy: the update donates the policy's buffers (with LoRA, of the initial adapters).
-  ref_params = jax.tree.map(jnp.copy, params) if mode == "dpo" else None
+  ref_params = policy.reference(model.dtype) if mode == "dpo" else None
   init, update = make_update(settings, graphdef, params, mesh)
   # Resume from the newest complete checkpoint; step k's checkpoint follows k updates.
   checkpointer = settings.checkpointer(workdir)

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from agentgym_jax import checkpoint, config as config_lib, horizon, learner, metrics, rl, rollout
 from agentgym_jax import hardware, multihost, paths, sharding
 from agentgym_jax.batch import bucket
-from agentgym_jax.models import Decoder, attention, load_model, lora as lora_lib, weights
+from agentgym_jax.models import Decoder, attention, decoder, load_model, lora as lora_lib, weights
 from agentgym_jax.models.tokenizer import ChatTemplate, Tokenizer
 from agentgym_jax.sampling import Sampler
 from environments.pool import EnvPool
@@ -249,19 +249,20 @@ class Settings:
 
   def auto_remat(self, model: Decoder, mesh: Mesh) -> tuple[str, str]:
     """(policy, why) for model.remat=auto: tools/plan.py's `choose_remat` over the backend's
-    policies (`plan.remat_preference`) on the update step of `update_shape`, beside what stays resident through it (a reference copy of the policy; an
-    RL step's whole batch and experience). A device's memory is the smallest any process
-    reports, so every process picks the same policy."""
+    policies (`plan.remat_preference`) on the update step of `update_shape`, beside what stays
+    resident through it (the reference policy; an RL step's whole batch and experience). A
+    device's memory is the smallest any process reports, so every process picks the same
+    policy."""
     from agentgym_jax.tools import plan  # pylint: disable=import-outside-toplevel
 
     rows, tokens = self.update_shape()
     param_dtype = jnp.dtype(self.config.model.param_dtype)
     _, params = plan.abstract_params(model.config, mesh, dtype=model.dtype, param_dtype=param_dtype)
     resident = 0
-    # The reference is a copy of the trained parameters: of the whole model, or of LoRA's
-    # adapters, left out here as small beside the step.
+    # The reference (Policy.reference): of the whole model, or of LoRA's adapters, left out
+    # here as small beside the step.
     if (self.loss.uses_reference or self.mode == "dpo") and self.lora is None:
-      resident += plan.device_bytes(params)
+      resident += plan.reference_bytes(params, model.dtype)
     if self.mode == "rl":
       resident += plan.device_bytes(plan.abstract_minibatch(mesh, self.rows, tokens))
     device_bytes, source = hardware.device_memory()
@@ -399,6 +400,15 @@ class Policy:
   decoder_graphdef: nnx.GraphDef
   merge: Callable[[nnx.State, nnx.State], nnx.State] | None
   export_format: str
+
+  def reference(self, dtype: Any) -> nnx.State:
+    """The frozen reference of a KL loss or DPO: the trained parameters as the run starts, in
+    buffers of its own (the update donates the policy's). A model's copy keeps its matmul weights in the matmul `dtype` (`decoder.matmul_copy`: the
+    same log-probs, half the bytes in bf16); LoRA's is the initial adapters, whose zero B
+    leaves the base exactly (no second copy of the model)."""
+    if self.frozen is not None:
+      return jax.tree.map(jnp.copy, self.params)
+    return decoder.matmul_copy(self.params, dtype)
 
   def sampler_params(self, params: nnx.State) -> nnx.State:
     """The decoder's parameters of the policy whose trained parameters are `params`."""

@@ -185,9 +185,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   # What is trained: the model's parameters, or with LoRA adapters over the frozen model.
   policy = settings.policy(model, mesh)
   graphdef, params, frozen = policy.graphdef, policy.params, policy.frozen
-  # The KL's reference is the initial policy: a copy of the model, or with LoRA of the initial
-  # adapters, whose zero B leaves the base exactly (no second copy of the model).
-  ref_params = jax.tree.map(jnp.copy, params) if loss.uses_reference else None
+  ref_params = policy.reference(model.dtype) if loss.uses_reference else None
   value_graphdef = value_params = None
   if loss.uses_critic:
     value_graphdef, value_params = nnx.split(learner.ValueHead(model.config.hidden_size))

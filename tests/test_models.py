@@ -19,7 +19,7 @@ import transformers
 from flax import nnx
 
 from agentgym_jax import models
-from agentgym_jax.models import weights
+from agentgym_jax.models import decoder, weights
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import Decoder
 
@@ -150,6 +150,26 @@ def test_bf16_checkpoint_loads_exactly(family, tmp_path):
   np.testing.assert_array_equal(
       np.asarray(stored_bf16.final_norm[...]).view(np.uint16),
       np.asarray(reader["model.norm.weight"]).view(np.uint16))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # untied LM head; tied embeddings
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_matmul_copy_gives_the_same_logits_from_new_buffers(family, dtype, tmp_path):
+  """A KL or DPO reference (run.Policy.reference) stores the matmul weights in the matmul
+  dtype, which every matmul casts them to anyway: the logits are equal to the last bit."""
+  random_hf_model(family).save_pretrained(tmp_path)
+  graphdef, params = nnx.split(_load(tmp_path, dtype=dtype))
+  copy = decoder.matmul_copy(params, dtype)
+  stored = {".".join(map(str, path)): v.dtype for path, v in nnx.to_flat_state(copy)}
+  assert stored["layers.q_proj"] == stored["layers.down_proj"] == dtype
+  assert stored["embed_tokens"] == stored["layers.input_norm"] == jnp.float32
+  if family == "qwen2":
+    assert stored["lm_head"] == dtype and stored["layers.q_bias"] == jnp.float32
+  # New buffers: the update may donate the policy's.
+  for original, copied in zip(jax.tree.leaves(params), jax.tree.leaves(copy)):
+    assert copied.unsafe_buffer_pointer() != original.unsafe_buffer_pointer()
+  forward = jax.jit(lambda params: nnx.merge(graphdef, params)(jnp.asarray(INPUT_IDS)))
+  np.testing.assert_array_equal(np.asarray(forward(copy)), np.asarray(forward(params)))
 
 
 def test_export_loads_in_transformers_with_the_same_logits(hf_checkpoint, tmp_path):

@@ -62,6 +62,21 @@ PROJECTIONS = {
 }
 
 
+def matmul_copy(params: nnx.State, dtype: Any) -> nnx.State:
+  """A copy (new buffers: a donated update cannot touch it) of a Decoder's parameters whose projections and LM head, which the model reads only
+  as matmul inputs cast to its matmul dtype (`attention.dot`), are stored in that `dtype`: the
+  forward pass reads the same values (f32 accumulation of the same bf16 products) from half
+  the bytes when the matmuls run in bf16. The embedding (also looked up), norms and biases stay
+  as they are."""
+  matmul_only = {*PROJECTIONS, "lm_head"}
+
+  def copy(path, x):
+    cast = any(getattr(key, "key", None) in matmul_only for key in path)
+    return jnp.array(x, dtype=dtype if cast else x.dtype, copy=True)
+
+  return jax.tree_util.tree_map_with_path(copy, params)
+
+
 def _residual_axes(cached: bool) -> tuple[str, str, str]:
   """The residual stream's logical axes: split along the sequence in the learner, whose full
   remat keeps it for every layer; whole in the sampler, whose decode steps are one token long."""

@@ -17,6 +17,9 @@ chunked log-probs, forward + backward, AdamW after clipping) on a [batch, seq] m
               activations the backward keeps under the remat policy, the gradients, one chunk of
               logits at a time, and the fusions' working space
   peak        arguments + outputs that do not reuse a donated argument + temp
+  reference   a KL loss's (or DPO's) frozen reference, resident beside the step: the
+              parameters with their matmul weights in the matmul dtype (run.Policy.reference);
+              + ref = peak + reference
 
 With LoRA (`--lora_rank=r`, `--lora_targets`) the step trains adapters over the frozen
 parameters (agentgym_jax/models/lora.py): params are then the frozen base, adapters the
@@ -63,7 +66,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentgym_jax import learner, run, sampling, sharding
 from agentgym_jax.batch import Batch
-from agentgym_jax.models import attention, lora as lora_lib, weights
+from agentgym_jax.models import attention, decoder, lora as lora_lib, weights
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import KVCache
 
@@ -114,6 +117,7 @@ class MemoryPlan:
   optimizer_bytes: int
   batch_bytes: int
   adapter_bytes: int = 0  # LoRA's trained adapters (the optimizer's moments are of these).
+  reference_bytes: int = 0  # A KL loss's or DPO's frozen reference (run.Policy.reference).
   temp_bytes: int | None = None
   argument_bytes: int | None = None
   output_bytes: int | None = None
@@ -134,6 +138,17 @@ def device_bytes(tree: Any) -> int:
     shard_shape = leaf.sharding.shard_shape(leaf.shape)
     total += math.prod(shard_shape) * jnp.dtype(leaf.dtype).itemsize
   return total
+
+
+def reference_bytes(trained: nnx.State, dtype: Any, lora: bool = False) -> int:
+  """Bytes one device holds of the frozen reference (run.Policy.reference) of the `trained`
+  parameters: LoRA's adapters as they are, a model's with its matmul weights in `dtype`."""
+  if lora:
+    return device_bytes(trained)
+  copy = jax.eval_shape(lambda params: decoder.matmul_copy(params, dtype), trained)
+  return sum(
+      math.prod(leaf.sharding.shard_shape(leaf.shape)) * jnp.dtype(stored.dtype).itemsize
+      for leaf, stored in zip(jax.tree.leaves(trained), jax.tree.leaves(copy)))
 
 
 def abstract_params(config: ModelConfig, mesh: Mesh, *, dtype: Any = jnp.bfloat16,
@@ -258,6 +273,7 @@ def plan(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *, dtype: Any = 
   figures = dict(mesh_shape=tuple(mesh.shape[a] for a in sharding.MESH_AXES), batch=batch, seq=seq,
                  num_params=config.num_params, param_bytes=device_bytes(params),
                  adapter_bytes=0 if lora is None else device_bytes(trained),
+                 reference_bytes=reference_bytes(trained, dtype, lora is not None),
                  optimizer_bytes=device_bytes(opt_state),
                  batch_bytes=device_bytes(abstract_minibatch(mesh, batch, seq)))
   if compile:
@@ -414,7 +430,7 @@ def format_table(model: str, plans: Sequence[MemoryPlan]) -> str:
   lora = any(p.adapter_bytes for p in plans)
   header = (f"{'mesh (d,f,t)':>13} {'batch x seq':>12} {'params':>8} " +
             (f"{'adapters':>8} " if lora else "") + f"{'optimizer':>9} "
-            f"{'temp':>8} {'peak':>8} {'compile s':>9}")
+            f"{'temp':>8} {'peak':>8} {'reference':>9} {'+ ref':>8} {'compile s':>9}")
   lines = [
       f"{model}: {plans[0].num_params / 1e9:.2f}B parameters; GiB per device", header,
       "-" * len(header)
@@ -424,7 +440,9 @@ def format_table(model: str, plans: Sequence[MemoryPlan]) -> str:
     lines.append(f"{','.join(map(str, p.mesh_shape)):>13} {f'{p.batch} x {p.seq}':>12} "
                  f"{gib(p.param_bytes):>8} " + (f"{gib(p.adapter_bytes):>8} " if lora else "") +
                  f"{gib(p.optimizer_bytes):>9} {gib(p.temp_bytes):>8} "
-                 f"{gib(p.peak_bytes):>8} {compile_seconds:>9}")
+                 f"{gib(p.peak_bytes):>8} {gib(p.reference_bytes):>9} "
+                 f"{gib(p.peak_bytes and p.peak_bytes + p.reference_bytes):>8} "
+                 f"{compile_seconds:>9}")
   return "\n".join(lines)
 
 
