@@ -158,6 +158,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.optim.eps = 1e-8  # Adam's denominator floor: update = lr m / (sqrt(v) + eps)
   c.optim.grad_clip = 1.0
   c.optim.max_consecutive_nonfinite = 5
+  # RL: between updates the optimizer state waits in the host memory of its devices (pinned),
+  # which leaves their memory to the rollout's sampler copy and KV cache (docs/scaling.md).
+  c.optim.offload_state = False
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 10
@@ -390,6 +393,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(o.eps > 0, f"optim.eps={o.eps} must be > 0")
   _check(o.grad_clip > 0, f"optim.grad_clip={o.grad_clip} must be > 0")
   _check(o.max_consecutive_nonfinite >= 1, "optim.max_consecutive_nonfinite must be >= 1")
+  _check(isinstance(o.offload_state, bool),
+         f"optim.offload_state={o.offload_state!r} must be True or False")
   _check(c.checkpoint.export_dtype in DTYPES,
          f"checkpoint.export_dtype={c.checkpoint.export_dtype!r} is not one of {DTYPES}")
   _check(c.checkpoint.export_format in EXPORT_FORMATS,

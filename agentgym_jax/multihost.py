@@ -8,7 +8,8 @@ it. Rollouts are played per process:
                samples trajectories, with its own env pool of R / P slots
   local_mesh   on a sampler over the block of the training mesh made of its own devices
   local_copy   holding a full copy of the policy there (an all-gather over the processes that
-               share a parameter shard, then the local shards re-wrapped as process-local arrays)
+               share a parameter shard, then the local shards re-wrapped as process-local arrays);
+               the sampler's (sampler_copy) keeps its matmul weights in the matmul dtype
   gather       the trajectories then go to every process, so each packs the same global batch
                and logs the same metrics; placing that host batch with `jax.device_put` on the
                global mesh copies to each device only its own rows.
@@ -34,6 +35,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from agentgym_jax import rollout, sharding
+from agentgym_jax.models import decoder
 
 T = TypeVar("T")
 
@@ -87,6 +89,15 @@ class Processes:
                                  env_hidden_s=min(s.env_hidden_s for s in every),
                                  generated_tokens=sum(s.generated_tokens for s in every))
     return [t for played, _ in parts for t in played], total
+
+  def sampler_copy(self, params: Any, dtype: Any) -> Any:
+    """The policy as this process's sampler reads it: `params` themselves on one process; on
+    a pod a `local_copy` whose matmul weights are in the matmul `dtype`
+    (decoder.matmul_copy: the same tokens and log-probs, from half the bytes in bf16), cast
+    before the gather so that the gather moves half the bytes too. A collective."""
+    if self.count == 1:
+      return params
+    return self.local_copy(decoder.matmul_copy(params, dtype))
 
   def local_copy(self, params: Any) -> Any:
     """The parameters as arrays on `local_mesh` only, laid out by the logical axis rules.

@@ -107,6 +107,7 @@ class Settings:
   sampling: rollout.TurnSampling
   evaluation: Evaluation
   optimizer: optax.GradientTransformation
+  offload_optimizer: bool
   loss: learner.LossConfig
   rows: int
   tasks_per_step: int
@@ -143,8 +144,9 @@ class Settings:
                             or schedule.max_turns)
     data = Data(path=c.data.path, min_reward=c.data.min_reward, batch_size=c.data.batch_size,
                 max_length=c.data.max_length)
-    return cls(config=c, mode=c.mode, seed=c.seed, steps=c.steps, schedule=schedule, sampling=turn(
-        temperature=r.temperature), evaluation=evaluation, optimizer=make_optimizer(c),
+    return cls(config=c, mode=c.mode, seed=c.seed, steps=c.steps, schedule=schedule,
+               sampling=turn(temperature=r.temperature), evaluation=evaluation,
+               optimizer=make_optimizer(c), offload_optimizer=c.optim.offload_state,
                loss=_loss_config(c), rows=r.tasks_per_step * r.samples_per_task,
                tasks_per_step=r.tasks_per_step, samples_per_task=r.samples_per_task,
                dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
@@ -509,6 +511,16 @@ def state_shardings(trainable: Any, opt_state: Any, mesh: Mesh) -> tuple[Any, An
   opt_shardings = jax.tree.map(lambda x: trainable_shardings if like_trainable(x) else replicated,
                                opt_state, is_leaf=like_trainable)
   return trainable_shardings, opt_shardings
+
+
+def place_optimizer_state(opt_state: optax.OptState, shardings: Any, *,
+                          on_host: bool) -> optax.OptState:
+  """The optimizer state on `shardings`' devices, in their memory or (`on_host`) in the host
+  memory pinned for them (memory kind pinned_host): an RL run with optim.offload_state keeps
+  it there between updates, leaving device memory to the rollout, at the cost of one transfer
+  each way per step. The values do not change."""
+  kind = "pinned_host" if on_host else "device"
+  return jax.device_put(opt_state, jax.tree.map(lambda s: s.with_memory_kind(kind), shardings))
 
 
 def resume(checkpointer: checkpoint.Checkpointer,

@@ -201,6 +201,9 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   # checkpoint, metrics row and trajectory file of step k are written after k updates.
   checkpointer = settings.checkpointer(workdir)
   state, start_step, meta = run.resume(checkpointer, run.RunState(params, value_params, opt_state))
+  offload = functools.partial(run.place_optimizer_state, shardings=opt_shardings,
+                              on_host=settings.offload_optimizer)
+  state.opt_state = offload(state.opt_state)
   # The position in the task stream: tasks_per_step a step, more with dynamic sampling.
   cursor = int(meta.get("task_cursor", start_step * settings.tasks_per_step))
   metrics_writer = settings.metrics_writer(workdir, start_step)
@@ -241,7 +244,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
 
       with timer("rollout"):
         # The policy as the sampler runs it (with LoRA, merged once here), alive for the rollout.
-        sampler_params = processes.local_copy(policy.sampler_params(state.params))
+        sampler_params = processes.sampler_copy(policy.sampler_params(state.params), model.dtype)
         step_rollout, cursor = play_step(
             functools.partial(play, sampler_params), task_orders[min(schedule.stage(step),
                                                                      len(task_orders) - 1)], cursor,
@@ -269,7 +272,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
 
       # 3. Update: ppo_epochs passes of num_minibatches optimizer steps.
       with timer("update"):
-        trainable, opt_state = (state.params, state.value_params), state.opt_state
+        trainable = (state.params, state.value_params)
+        opt_state = run.place_optimizer_state(state.opt_state, opt_shardings, on_host=False)
         rng = np.random.default_rng([settings.seed, step])
         update_metrics = []
         for update, rows in enumerate(
@@ -281,7 +285,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
                                                 optimizer=optimizer, loss=loss, frozen=frozen,
                                                 dropout_key=settings.dropout_key(step, update))
           update_metrics.append(m)
-        state = run.RunState(*jax.block_until_ready((trainable[0], trainable[1], opt_state)))
+        state = run.RunState(*jax.block_until_ready((trainable[0], trainable[1],
+                                                     offload(opt_state))))
 
       done = step + 1
       step_metrics = _step_metrics(step_rollout.played, step_rollout.stats, experience_metrics,
@@ -297,7 +302,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         with timer("eval"):
           task_ids = settings.evaluation.tasks(pool)
           _, played = evaluation.evaluate(
-              sampler, processes.local_copy(policy.sampler_params(state.params)), pool, chat,
+              sampler,
+              processes.sampler_copy(policy.sampler_params(state.params), model.dtype), pool, chat,
               processes.share(task_ids), samples_per_task=settings.evaluation.samples_per_task,
               horizon=settings.evaluation.horizon, sampling=settings.evaluation.sampling,
               max_context=settings.max_context, key=jax.random.fold_in(eval_key, done),

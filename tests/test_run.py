@@ -1,4 +1,4 @@
-"""What both training loops share: the state's shardings."""
+"""What both training loops share: the state's shardings and placement, the loss settings."""
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,15 @@ def test_optimizer_moments_shard_like_their_arrays_and_counters_replicate():
     assert moment.addressable_shards[0].data.shape == (2, 4)
   counters = [leaf for path, leaf in leaves if leaf.ndim == 0]
   assert counters and all(leaf.sharding.spec == P() for leaf in counters)
+
+  # optim.offload_state: between updates each device's shard waits in its host memory.
+  offloaded = run.place_optimizer_state(opt_state, opt_shardings, on_host=True)
+  back = run.place_optimizer_state(offloaded, opt_shardings, on_host=False)
+  for stored, original, returned in zip(*map(jax.tree.leaves, (offloaded, opt_state, back))):
+    assert stored.sharding.memory_kind == "pinned_host"
+    assert stored.sharding.spec == original.sharding.spec
+    assert returned.sharding == original.sharding
+    np.testing.assert_array_equal(np.asarray(returned), np.asarray(original))
 
 
 def test_the_loss_settings_carry_what_the_estimator_reads_from_the_config():

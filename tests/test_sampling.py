@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from agentgym_jax import sampling, sharding
-from agentgym_jax.models import weights
+from agentgym_jax.models import decoder, weights
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import Decoder
 from agentgym_jax.sampling import Sampler, SamplingParams, sample_tokens, sampling_logits
@@ -508,3 +508,29 @@ def test_a_shared_start_leaves_rows_not_given_a_prompt_untouched(model):
     np.testing.assert_array_equal(layer_after[:3], layer_before[:3])
   np.testing.assert_array_equal(after[2][:3], before[2][:3])
   assert after[1].tolist() == [3, 3, 5, 6]
+
+
+def test_a_matmul_copy_samples_what_the_parameters_sample():
+  """A pod host's sampler reads a local copy whose matmul weights are in the matmul dtype
+  (multihost.Processes.sampler_copy): with bf16 matmuls it samples the same tokens with the
+  same log-probs over two turns, the f32 biases and norms beside bf16 projections included."""
+  config = ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=64,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, attention_bias=True)
+  model = nnx.jit(lambda: Decoder(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))()
+  model.layers.q_bias[...] = jax.random.normal(jax.random.key(1), model.layers.q_bias.shape)
+  params = nnx.state(model)
+  copy = decoder.matmul_copy(params, jnp.bfloat16)
+  assert copy["layers"]["q_proj"].dtype == jnp.bfloat16
+  assert copy["layers"]["q_bias"].dtype == jnp.float32
+  sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
+  sampling = dict(max_new_tokens=8, temperature=0.9, top_k=40)
+
+  def episode(params):
+    state = sampler.start(_prompts([5, 9, 3]), params)
+    state, first = sampler.generate(state, jax.random.key(0), params=params, **sampling)
+    state = sampler.append(state, {0: [4, 5], 1: [6], 2: [7, 8, 9]}, params)
+    _, second = sampler.generate(state, jax.random.key(1), params=params, **sampling)
+    return [np.asarray(x) for out in (first, second) for x in (out.tokens, out.logprobs)]
+
+  for ours, theirs in zip(episode(copy), episode(params)):
+    np.testing.assert_array_equal(ours, theirs)

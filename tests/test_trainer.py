@@ -97,6 +97,9 @@ def test_resumed_run_matches_uninterrupted_run(checkpoint_dir, tmp_path, monkeyp
   c.checkpoint.every = 2
   c.checkpoint.export_hf = True
   straight = trainer.train(c, tmp_path / "straight")
+  # The resumed run keeps its optimizer state in host memory between updates (checkpointed and
+  # restored from there), which moves it without changing it.
+  c.optim.offload_state = True
   c.steps = 2
   trainer.train(c, tmp_path / "resumed")
   c.steps = 4

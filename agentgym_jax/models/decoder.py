@@ -386,18 +386,22 @@ class Decoder(nnx.Module):
         value = getattr(stacked, name).value
         return (_to_bits(value) if value.dtype.itemsize == 2 else value)[index]
 
-      joined = lambda *names: jnp.concatenate([raw(name).reshape(e, -1) for name in names], axis=1)
-      fields = dict(input_norm=raw("input_norm"), post_attention_norm=raw("post_attention_norm"),
-                    qkv=joined("q_proj", "k_proj", "v_proj"), o=raw("o_proj").reshape(-1, e),
-                    gate_up=joined("gate_proj", "up_proj"), down=raw("down_proj"))
+      def joined(*names: str, shape: tuple[int, ...] = (e, -1)) -> Array:
+        """The named weights, each reshaped to `shape`, side by side along the last axis, in
+        their dtype (one for the names joined: `matmul_copy` casts all projections or none)."""
+        bits = jnp.concatenate([raw(name).reshape(shape) for name in names], axis=-1)
+        return jax.lax.bitcast_convert_type(bits, getattr(stacked, names[0]).value.dtype)
+
+      vector = (-1,)
+      fields = dict(input_norm=joined("input_norm", shape=vector),
+                    post_attention_norm=joined("post_attention_norm", shape=vector),
+                    qkv=joined("q_proj", "k_proj", "v_proj"), o=joined("o_proj", shape=(-1, e)),
+                    gate_up=joined("gate_proj", "up_proj"), down=joined("down_proj", shape=(-1, e)))
       if config.attention_bias:
-        fields["qkv_bias"] = jnp.concatenate(
-            [raw(name).reshape(-1) for name in ("q_bias", "k_bias", "v_bias")])
+        fields["qkv_bias"] = joined("q_bias", "k_bias", "v_bias", shape=vector)
       if config.qk_norm:
-        fields.update(q_norm=raw("q_norm"), k_norm=raw("k_norm"))
-      # Every weight of a layer shares the parameters' dtype, which the bits go back to.
-      dtype = stacked.q_proj.value.dtype
-      return DecodeLayer(**jax.tree.map(lambda x: jax.lax.bitcast_convert_type(x, dtype), fields))
+        fields.update(q_norm=joined("q_norm", shape=vector), k_norm=joined("k_norm", shape=vector))
+      return DecodeLayer(**fields)
 
     return [layer(index) for index in range(config.num_layers)]
 

@@ -140,15 +140,17 @@ def device_bytes(tree: Any) -> int:
   return total
 
 
+def abstract_matmul_copy(params: nnx.State, dtype: Any) -> nnx.State:
+  """`decoder.matmul_copy` of abstract `params`, on their shardings."""
+  copy = jax.eval_shape(lambda params: decoder.matmul_copy(params, dtype), params)
+  return jax.tree.map(lambda x, c: jax.ShapeDtypeStruct(x.shape, c.dtype, sharding=x.sharding),
+                      params, copy)
+
+
 def reference_bytes(trained: nnx.State, dtype: Any, lora: bool = False) -> int:
   """Bytes one device holds of the frozen reference (run.Policy.reference) of the `trained`
   parameters: LoRA's adapters as they are, a model's with its matmul weights in `dtype`."""
-  if lora:
-    return device_bytes(trained)
-  copy = jax.eval_shape(lambda params: decoder.matmul_copy(params, dtype), trained)
-  return sum(
-      math.prod(leaf.sharding.shard_shape(leaf.shape)) * jnp.dtype(stored.dtype).itemsize
-      for leaf, stored in zip(jax.tree.leaves(trained), jax.tree.leaves(copy)))
+  return device_bytes(trained if lora else abstract_matmul_copy(trained, dtype))
 
 
 def abstract_params(config: ModelConfig, mesh: Mesh, *, dtype: Any = jnp.bfloat16,
@@ -366,15 +368,18 @@ def abstract_sampler_state(config: ModelConfig, mesh: Mesh, rows: int, cache_slo
 
 def lower_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, *,
                   prefill_tokens: int, max_new_tokens: int, prefill_window: int | None = None,
-                  dtype: Any = jnp.bfloat16,
-                  param_dtype: Any = jnp.float32) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
+                  dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
+                  copy: bool = False) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
   """The sampler's prefill and decode programs, as `Sampler` jits them, on abstract inputs.
 
   Decode reads the rows' live slots, whatever their number (no window);
   prefill reads `prefill_window` slots (default: all), e.g. the first prompt's own bucket.
+  With `copy` the sampler reads a pod host's copy of the policy, its matmul weights in `dtype`
+  (multihost.Processes.sampler_copy), instead of the parameters in `param_dtype`.
   """
   graphdef, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype,
                                      remat="none")
+  params = abstract_matmul_copy(params, dtype) if copy else params
   state = abstract_sampler_state(config, mesh, rows, cache_slots, dtype)
   per_row = lambda *shape: jax.ShapeDtypeStruct(
       (rows,) + shape, jnp.int32, sharding=sharding.named_sharding(mesh, ("batch",) +
@@ -399,9 +404,12 @@ def lower_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, 
 def plan_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, *,
                  prefill_tokens: int = 1024, max_new_tokens: int = 512,
                  prefill_window: int | None = None, dtype: Any = jnp.bfloat16,
-                 param_dtype: Any = jnp.float32, compile: bool = True) -> SamplerPlan:
-  """Per-device memory of the sampler; compiles prefill and decode unless `compile` is False."""
+                 param_dtype: Any = jnp.float32, copy: bool = False,
+                 compile: bool = True) -> SamplerPlan:
+  """Per-device memory of the sampler (with `copy`, reading a pod host's copy of the policy:
+  `lower_sampler`); compiles prefill and decode unless `compile` is False."""
   _, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype)
+  params = abstract_matmul_copy(params, dtype) if copy else params
   state = abstract_sampler_state(config, mesh, rows, cache_slots, dtype)
   figures = dict(mesh_shape=tuple(mesh.shape[a] for a in sharding.MESH_AXES), rows=rows,
                  cache_slots=cache_slots, param_bytes=device_bytes(params),
@@ -412,7 +420,7 @@ def plan_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, *
         lowered.compile()
         for lowered in lower_sampler(config, mesh, rows, cache_slots, prefill_tokens=prefill_tokens,
                                      max_new_tokens=max_new_tokens, prefill_window=prefill_window,
-                                     dtype=dtype, param_dtype=param_dtype)
+                                     dtype=dtype, param_dtype=param_dtype, copy=copy)
     ]
     figures["compile_seconds"] = time.perf_counter() - start
     stats = [program.memory_analysis() for program in programs]
@@ -504,6 +512,10 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--prefill_window", type=int,
                       help="cache slots a prefill attends to (default: all of them)")
   parser.add_argument("--max_new_tokens", type=int, default=512, help="tokens per decode call")
+  parser.add_argument(
+      "--sampler_copy", action="store_true",
+      help="the sampler reads a pod host's copy of the policy, its matmul weights "
+      "in --dtype (multihost.Processes.sampler_copy), not the parameters")
   parser.add_argument("--devices", type=int,
                       help="virtual CPU devices (default: as many as the largest mesh needs)")
   parser.add_argument("--no_compile", action="store_true",
@@ -546,8 +558,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         format_sampler_table(args.model, [
             plan_sampler(config, make_mesh(shape), args.rows, args.cache_slots,
                          prefill_tokens=args.prefill, max_new_tokens=args.max_new_tokens,
-                         prefill_window=args.prefill_window, compile=not args.no_compile, **dtypes)
-            for shape in sampler_meshes
+                         prefill_window=args.prefill_window, copy=args.sampler_copy,
+                         compile=not args.no_compile, **dtypes) for shape in sampler_meshes
         ]))
   print("\n\n".join(tables))
 
