@@ -15,7 +15,8 @@ plan() {
 }
 cd "$(dirname "$0")/.."
 # Update step: one optimizer step on 10,240-token rows (4,096 in the last two), flash attention,
-# full remat; --micro_batch_rows: rows per forward/backward pass, gradients accumulated.
+# full remat; --micro_batch_rows: rows per forward/backward pass, gradients accumulated. The
+# reference column is the KL's frozen reference (matmul weights in bf16).
 plan 4 --mesh=1,4,1 --mesh=1,2,2 --mesh=1,1,4 --batch=4 --seq=10240
 plan 4 --mesh=1,4,1 --batch=8 --seq=10240 --micro_batch_rows=4
 plan 16 --mesh=1,16,1 --batch=16 --seq=10240
@@ -31,8 +32,18 @@ plan 4 --sampler_mesh=1,4,1 --sampler_mesh=1,1,4 --rows=256 --cache_slots=10240 
 plan 4 --sampler_mesh=1,4,1 --rows=256 --cache_slots=10240 --prefill=1024 --prefill_window=1024
 plan 4 --sampler_mesh=1,4,1 --sampler_mesh=1,1,4 --rows=64 --cache_slots=10240 --prefill=64
 plan 4 --sampler_mesh=1,1,4 --rows=64 --cache_slots=10240 --prefill=1024 --prefill_window=1024
-plan 4 --sampler_mesh=1,1,4 --rows=64 --cache_slots=4096 --prefill=64
-plan 4 --sampler_mesh=1,1,4 --rows=64 --cache_slots=4096 --prefill=1024 --prefill_window=1024
+# In waves (rollout.wave_rows): v5p-8's one host in waves of 128 rows, reading the training
+# parameters; a pod host's copy (--sampler_copy: matmul weights in bf16) in waves of 32 rows
+# (v4-32) and 16 rows (v5e-16).
+plan 4 --sampler_mesh=1,4,1 --rows=128 --cache_slots=10240 --prefill=64
+plan 4 --sampler_mesh=1,4,1 --rows=128 --cache_slots=10240 --prefill=1024 --prefill_window=1024
+plan 4 --sampler_mesh=1,1,4 --rows=64 --cache_slots=10240 --prefill=64 --sampler_copy
+plan 4 --sampler_mesh=1,1,4 --rows=32 --cache_slots=10240 --prefill=64 --sampler_copy
+plan 4 --sampler_mesh=1,1,4 --rows=32 --cache_slots=10240 --prefill=1024 --prefill_window=1024 \
+    --sampler_copy
+plan 4 --sampler_mesh=1,1,4 --rows=16 --cache_slots=10240 --prefill=64 --sampler_copy
+plan 4 --sampler_mesh=1,1,4 --rows=16 --cache_slots=10240 --prefill=1024 --prefill_window=1024 \
+    --sampler_copy
 # LoRA on v5e-8 (one host, 8 chips of 16 GiB): rank-64 adapters on every projection, against
 # full fine-tuning at the same size.
 plan 8 --mesh=1,8,1 --mesh=1,4,2 --batch=8 --seq=4096 --lora_rank=64
