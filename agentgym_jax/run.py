@@ -405,9 +405,10 @@ class Policy:
 
   def reference(self, dtype: Any) -> nnx.State:
     """The frozen reference of a KL loss or DPO: the trained parameters as the run starts, in
-    buffers of its own (the update donates the policy's). A model's copy keeps its matmul weights in the matmul `dtype` (`decoder.matmul_copy`: the
-    same log-probs, half the bytes in bf16); LoRA's is the initial adapters, whose zero B
-    leaves the base exactly (no second copy of the model)."""
+    buffers of its own (the update donates the policy's). A model's copy keeps its matmul
+    weights in the matmul `dtype` (`decoder.matmul_copy`: the same log-probs, half the bytes
+    in bf16); LoRA's is the initial adapters, whose zero B leaves the base exactly (no second
+    copy of the model)."""
     if self.frozen is not None:
       return jax.tree.map(jnp.copy, self.params)
     return decoder.matmul_copy(self.params, dtype)

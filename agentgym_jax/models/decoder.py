@@ -63,11 +63,11 @@ PROJECTIONS = {
 
 
 def matmul_copy(params: nnx.State, dtype: Any) -> nnx.State:
-  """A copy (new buffers: a donated update cannot touch it) of a Decoder's parameters whose projections and LM head, which the model reads only
-  as matmul inputs cast to its matmul dtype (`attention.dot`), are stored in that `dtype`: the
-  forward pass reads the same values (f32 accumulation of the same bf16 products) from half
-  the bytes when the matmuls run in bf16. The embedding (also looked up), norms and biases stay
-  as they are."""
+  """A copy (new buffers: a donated update cannot touch it) of a Decoder's parameters whose
+  projections and LM head, which the model reads only as matmul inputs cast to its matmul dtype
+  (`attention.dot`), are stored in that `dtype`: the forward pass reads the same values (f32
+  accumulation of the same bf16 products) from half the bytes when the matmuls run in bf16.
+  The embedding (also looked up), norms and biases stay as they are."""
   matmul_only = {*PROJECTIONS, "lm_head"}
 
   def copy(path, x):

@@ -30,8 +30,9 @@ trained A and B, and optimizer AdamW's moments of the adapters only.
 params, adapters and optimizer are exact: they follow from the shardings alone. temp is the XLA:CPU
 compiler's schedule of the same SPMD program; a TPU's differs (other fusions and layouts, and
 `--attention=auto` is the Pallas splash kernel there, flash attention here), so read it as an
-estimate. `choose_remat` reads the same estimate to resolve model.remat=auto. The compiled step's argument bytes are checked against params +
-optimizer + batch, which catches a sharding the compiler did not honour.
+estimate. `choose_remat` reads the same estimate to resolve model.remat=auto. The compiled
+step's argument bytes are checked against params + optimizer + batch, which catches a sharding
+the compiler did not honour.
 
 The sampler (`--sampler_mesh`) is planned the same way: the two programs `Sampler` compiles,
 prefill (appending `--prefill` tokens to every row, attending to `--prefill_window` cache slots,
