@@ -168,6 +168,10 @@ def test_matmul_copy_gives_the_same_logits_from_new_buffers(family, dtype, tmp_p
   # New buffers: the update may donate the policy's.
   for original, copied in zip(jax.tree.leaves(params), jax.tree.leaves(copy)):
     assert copied.unsafe_buffer_pointer() != original.unsafe_buffer_pointer()
+  # Never wider than the parameters: bf16 ones stay bf16 beside f32 matmuls.
+  bf16_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  widened = jax.tree.leaves(decoder.matmul_copy(bf16_params, jnp.float32))
+  assert {x.dtype for x in widened} == {jnp.dtype(jnp.bfloat16)}
   forward = jax.jit(lambda params: nnx.merge(graphdef, params)(jnp.asarray(INPUT_IDS)))
   np.testing.assert_array_equal(np.asarray(forward(copy)), np.asarray(forward(params)))
 

@@ -65,13 +65,15 @@ PROJECTIONS = {
 def matmul_copy(params: nnx.State, dtype: Any) -> nnx.State:
   """A copy (new buffers: a donated update cannot touch it) of a Decoder's parameters whose
   projections and LM head, which the model reads only as matmul inputs cast to its matmul dtype
-  (`attention.dot`), are stored in that `dtype`: the forward pass reads the same values (f32
-  accumulation of the same bf16 products) from half the bytes when the matmuls run in bf16.
-  The embedding (also looked up), norms and biases stay as they are."""
+  (`attention.dot`), are stored in that `dtype` where it is narrower than theirs: the forward
+  pass reads the same values (f32 accumulation of the same bf16 products) from half the bytes
+  when f32 parameters meet bf16 matmuls. The embedding (also looked up), norms and biases stay
+  as they are."""
   matmul_only = {*PROJECTIONS, "lm_head"}
+  narrower = lambda x: jnp.dtype(dtype).itemsize < x.dtype.itemsize
 
   def copy(path, x):
-    cast = any(getattr(key, "key", None) in matmul_only for key in path)
+    cast = narrower(x) and any(getattr(key, "key", None) in matmul_only for key in path)
     return jnp.array(x, dtype=dtype if cast else x.dtype, copy=True)
 
   return jax.tree_util.tree_map_with_path(copy, params)
