@@ -213,6 +213,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   # Each process plays its rows of the step on its own devices (all of them on one process).
   processes = multihost.Processes.of(mesh)
   settings.check_layout(mesh, processes.count)
+  # The policy as this process's sampler runs it (with LoRA, merged): once per rollout or eval.
+  sampler_policy = lambda params: processes.sampler_copy(policy.sampler_params(params), model.dtype)
   process_rows = processes.rows(num_rows)
   wave = settings.wave(len(process_rows))
   sampler = settings.sampler(model, processes.local_mesh, wave)
@@ -244,7 +246,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
 
       with timer("rollout"):
         # The policy as the sampler runs it (with LoRA, merged once here), alive for the rollout.
-        sampler_params = processes.sampler_copy(policy.sampler_params(state.params), model.dtype)
+        sampler_params = sampler_policy(state.params)
         step_rollout, cursor = play_step(
             functools.partial(play, sampler_params), task_orders[min(schedule.stage(step),
                                                                      len(task_orders) - 1)], cursor,
@@ -301,13 +303,14 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
       if settings.evaluation.every and done % settings.evaluation.every == 0:
         with timer("eval"):
           task_ids = settings.evaluation.tasks(pool)
-          _, played = evaluation.evaluate(
-              sampler,
-              processes.sampler_copy(policy.sampler_params(state.params), model.dtype), pool, chat,
-              processes.share(task_ids), samples_per_task=settings.evaluation.samples_per_task,
-              horizon=settings.evaluation.horizon, sampling=settings.evaluation.sampling,
-              max_context=settings.max_context, key=jax.random.fold_in(eval_key, done),
-              rows_per_batch=wave, groups=settings.pipeline_groups)
+          _, played = evaluation.evaluate(sampler, sampler_policy(state.params), pool, chat,
+                                          processes.share(task_ids),
+                                          samples_per_task=settings.evaluation.samples_per_task,
+                                          horizon=settings.evaluation.horizon,
+                                          sampling=settings.evaluation.sampling,
+                                          max_context=settings.max_context,
+                                          key=jax.random.fold_in(eval_key, done),
+                                          rows_per_batch=wave, groups=settings.pipeline_groups)
           summary = evaluation.summarize(processes.gather(played),
                                          evaluation.task_categories(pool, task_ids))
         step_metrics.update(evaluation.as_metrics(summary))

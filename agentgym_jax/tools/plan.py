@@ -367,6 +367,15 @@ def abstract_sampler_state(config: ModelConfig, mesh: Mesh, rows: int, cache_slo
   return sampling._map_state(place, state)
 
 
+def abstract_sampler_params(config: ModelConfig, mesh: Mesh, *, dtype: Any, param_dtype: Any,
+                            copy: bool) -> tuple[nnx.GraphDef, nnx.State]:
+  """The sampler's graph and what it reads: the parameters in `param_dtype`, or with `copy` a
+  pod host's copy of them, its matmul weights in `dtype` (multihost.Processes.sampler_copy)."""
+  graphdef, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype,
+                                     remat="none")
+  return graphdef, abstract_matmul_copy(params, dtype) if copy else params
+
+
 def lower_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, *,
                   prefill_tokens: int, max_new_tokens: int, prefill_window: int | None = None,
                   dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
@@ -378,9 +387,8 @@ def lower_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, 
   With `copy` the sampler reads a pod host's copy of the policy, its matmul weights in `dtype`
   (multihost.Processes.sampler_copy), instead of the parameters in `param_dtype`.
   """
-  graphdef, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype,
-                                     remat="none")
-  params = abstract_matmul_copy(params, dtype) if copy else params
+  graphdef, params = abstract_sampler_params(config, mesh, dtype=dtype, param_dtype=param_dtype,
+                                             copy=copy)
   state = abstract_sampler_state(config, mesh, rows, cache_slots, dtype)
   per_row = lambda *shape: jax.ShapeDtypeStruct(
       (rows,) + shape, jnp.int32, sharding=sharding.named_sharding(mesh, ("batch",) +
@@ -409,8 +417,7 @@ def plan_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, *
                  compile: bool = True) -> SamplerPlan:
   """Per-device memory of the sampler (with `copy`, reading a pod host's copy of the policy:
   `lower_sampler`); compiles prefill and decode unless `compile` is False."""
-  _, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype)
-  params = abstract_matmul_copy(params, dtype) if copy else params
+  _, params = abstract_sampler_params(config, mesh, dtype=dtype, param_dtype=param_dtype, copy=copy)
   state = abstract_sampler_state(config, mesh, rows, cache_slots, dtype)
   figures = dict(mesh_shape=tuple(mesh.shape[a] for a in sharding.MESH_AXES), rows=rows,
                  cache_slots=cache_slots, param_bytes=device_bytes(params),
