@@ -245,7 +245,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         return processes.gather_rollout(played, stats)
 
       with timer("rollout"):
-        # The policy as the sampler runs it (with LoRA, merged once here), alive for the rollout.
+        # Alive for the rollout.
         sampler_params = sampler_policy(state.params)
         step_rollout, cursor = play_step(
             functools.partial(play, sampler_params), task_orders[min(schedule.stage(step),
