@@ -64,6 +64,15 @@ def matmul_dtype(name: str) -> str:
   return auto_dtype()[0] if name == "auto" else name
 
 
+def logits_block_tokens(backend: str | None = None) -> int:
+  """Tokens per block of the learner's vocabulary projection (rl.chunked_token_logprobs_and_
+  entropy, learner.LossConfig.logprob_block_tokens) on `backend` (default: JAX's): on a CPU
+  ~64, whose f32 logits (12 MiB at a 49k vocabulary) stay in cache from the matmul through the
+  exp and the reductions (a whole chunk's, 0.8 GB at 8 x 512 tokens, took 3x as long); 0
+  elsewhere, one block per chunk (an accelerator fuses them into the matmul's output tiles)."""
+  return 64 if (backend or jax.default_backend()) == "cpu" else 0
+
+
 def describe() -> str:
   """One line for benchmark headers: the CPU, and what model.dtype=auto picks here and why."""
   dtype, why = auto_dtype()

@@ -41,7 +41,7 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
-from agentgym_jax import rl
+from agentgym_jax import hardware, rl
 from agentgym_jax.batch import Batch, SharedPrompts
 from agentgym_jax.models.decoder import Decoder
 
@@ -84,6 +84,8 @@ class LossConfig:
   value_clip_eps: float = 0.2
   temperature: float = 1.0
   logprob_chunk: int = 512
+  # Tokens per block within a chunk (0: one block); the hardware's choice by default.
+  logprob_block_tokens: int = dataclasses.field(default_factory=hardware.logits_block_tokens)
   micro_batch_rows: int = 0
 
   @property
@@ -137,8 +139,12 @@ def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, loss
     inputs, targets = shared.tokens, shared.targets
     hidden, _ = model.hidden_states(inputs, shared.positions, segment_ids=shared.segments,
                                     shared_prompt=True, dropout_key=dropout_key)
+  head = model.unembedding()
+  rows = inputs.shape[0]
   logprobs, entropies = rl.chunked_token_logprobs_and_entropy(
-      hidden, targets, model.logits, chunk_size=min(loss.logprob_chunk, inputs.shape[1]),
+      hidden, targets, head.weight, vocab_major=head.vocab_major, dtype=head.dtype,
+      chunk_size=min(loss.logprob_chunk, inputs.shape[1]),
+      block_size=max(1, loss.logprob_block_tokens // rows) if loss.logprob_block_tokens else None,
       temperature=loss.temperature)
   values = value_head(hidden) if value_head is not None else jnp.zeros_like(logprobs)
   if shared is None:

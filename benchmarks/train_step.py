@@ -17,7 +17,8 @@ loss). The PyTorch step is the same computation written for transformers'
 AutoModelForCausalLM, loaded from our weights exported with `weights.save_hf` (f32): a
 no-grad forward of the policy and of a reference copy, then forward + backward + clipping +
 torch.optim.AdamW; log-probs come from the lm_head applied per chunk of `--logprob_chunk`
-positions, as ours do.
+positions (ours: per chunk, in blocks of hardware.logits_block_tokens within it, with its own
+VJP: rl.chunked_token_logprobs_and_entropy).
 
 Dtypes (--dtypes for ours, --torch_dtypes for PyTorch; one row each):
   bfloat16  ours: matmul inputs bf16, f32 parameters and accumulation (the trainer's default);

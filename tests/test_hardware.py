@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 import tiny
-from agentgym_jax import config as config_lib, hardware, run
+from agentgym_jax import config as config_lib, hardware, learner, run
 
 
 @pytest.mark.parametrize(
@@ -36,6 +36,14 @@ def test_this_machines_flags_are_read():
   # Every x86-64 CPU this runs on has SSE2; a machine without /proc/cpuinfo reports none.
   flags = hardware.cpu_flags()
   assert not flags or "sse2" in flags
+
+
+def test_the_vocabulary_projection_blocks_follow_the_backend():
+  """Cache-sized blocks on a CPU, one block per chunk on an accelerator; the learner's loss
+  settings take the running backend's."""
+  assert hardware.logits_block_tokens("cpu") == 64
+  assert hardware.logits_block_tokens("tpu") == hardware.logits_block_tokens("gpu") == 0
+  assert learner.LossConfig().logprob_block_tokens == hardware.logits_block_tokens()
 
 
 def test_an_explicit_dtype_is_kept_and_auto_is_resolved():

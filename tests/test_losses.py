@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from agentgym_jax.rl import losses
+import tolerances
 
 # Exercised under jit throughout: proves static shapes and keeps the file fast.
 aggregate = jax.jit(losses.aggregate, static_argnames=("aggregation",))
@@ -277,10 +278,9 @@ def test_token_logprobs_and_entropy_match_log_softmax():
     np.testing.assert_allclose(actual, expected, atol=1e-5)
 
 
-def _chunked(hidden, unembedding, targets, chunk_size):
-  return losses.chunked_token_logprobs_and_entropy(hidden, targets,
-                                                   lambda chunk: chunk @ unembedding,
-                                                   chunk_size=chunk_size)
+def _chunked(hidden, unembedding, targets, chunk_size, **options):
+  return losses.chunked_token_logprobs_and_entropy(hidden, targets, unembedding, vocab_major=False,
+                                                   chunk_size=chunk_size, **options)
 
 
 def _objective(logprobs_and_entropy):
@@ -290,26 +290,65 @@ def _objective(logprobs_and_entropy):
   return jnp.sum(weights * logprobs) + 0.3 * jnp.sum(weights[::-1] * entropies)
 
 
-def test_chunked_logprobs_match_unchunked_values_and_gradients():
+# (chunk, block, temperature, the weight as a tied embedding [V, E] or as an lm_head [E, V])
+@pytest.mark.parametrize("chunk_size, block_size, temperature, vocab_major", [(4, None, 1.0, False),
+                                                                              (4, 1, 1.0, True),
+                                                                              (6, 4, 0.7, False),
+                                                                              (11, 3, 1.3, True)])
+def test_chunked_logprobs_match_unchunked_values_and_gradients(chunk_size, block_size, temperature,
+                                                               vocab_major):
   hidden, unembedding, targets = _problem()
+
+  def chunked(h, w):
+    # T = 11 is not a multiple of 4 or 6: the last chunk is padded and the padding dropped. A
+    # block_size that does not divide the chunk becomes the largest divisor below it.
+    return losses.chunked_token_logprobs_and_entropy(h, targets, w.T if vocab_major else w,
+                                                     vocab_major=vocab_major, chunk_size=chunk_size,
+                                                     block_size=block_size, temperature=temperature)
 
   @jax.jit
   def compare(hidden, unembedding):
-    # T = 11 is not a multiple of 4: the last chunk is padded and the padding dropped.
-    chunked = _chunked(hidden, unembedding, targets, 4)
-    unchunked = losses.token_logprobs_and_entropy(hidden @ unembedding, targets)
-    chunked_grads = jax.grad(lambda h, w: _objective(_chunked(h, w, targets, 4)),
-                             argnums=(0, 1))(hidden, unembedding)
+    unchunked = losses.token_logprobs_and_entropy(hidden @ unembedding, targets,
+                                                  temperature=temperature)
+    chunked_grads = jax.grad(lambda h, w: _objective(chunked(h, w)), argnums=(0, 1))(hidden,
+                                                                                     unembedding)
     reference_grads = jax.grad(
-        lambda h, w: _objective(_reference_logprobs_and_entropy(h @ w, targets)),
+        lambda h, w: _objective(_reference_logprobs_and_entropy(h @ w / temperature, targets)),
         argnums=(0, 1))(hidden, unembedding)
-    return chunked, unchunked, chunked_grads, reference_grads
+    return chunked(hidden, unembedding), unchunked, chunked_grads, reference_grads
 
-  chunked, unchunked, chunked_grads, reference_grads = compare(hidden, unembedding)
-  for actual, expected in zip(chunked, unchunked):
+  values, unchunked, chunked_grads, reference_grads = compare(hidden, unembedding)
+  for actual, expected in zip(values, unchunked):
     assert float(jnp.max(jnp.abs(actual - expected))) < 1e-5
   for actual, expected in zip(chunked_grads, reference_grads):
     np.testing.assert_allclose(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_chunked_logprobs_differentiate_with_bf16_matmuls():
+  """With bf16 matmul inputs, the values are those of bf16-input logits, and the gradient is
+  the exact gradient of that function up to the rounding of the logits' cotangent dz to bf16
+  before its two matmuls: each gradient entry is a sum over the V (or B T) entries of dz times
+  bf16 weights (or hidden states), each term off by at most u = 2^-9 relative, and these
+  roundings add as a random walk, so an entry moves by ~sqrt(V) u max|dz| max|w| (tolerance:
+  tolerances.SAFETY times that)."""
+  hidden, unembedding, targets = _problem()
+  bf16 = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
+  f = lambda h, w: _chunked(h, w, targets, 4, dtype=jnp.bfloat16)
+  reference = lambda h, w: _reference_logprobs_and_entropy(bf16(h) @ bf16(w), targets)
+
+  for actual, expected in zip(f(hidden, unembedding), reference(hidden, unembedding)):
+    np.testing.assert_allclose(actual, expected, atol=1e-5)
+  grad = jax.jit(jax.grad(lambda h, w: _objective(f(h, w)), (0, 1)))
+  d_hidden, d_weight = grad(hidden, unembedding)
+  ref_hidden, ref_weight = jax.grad(lambda h, w: _objective(reference(h, w)), (0, 1))(hidden,
+                                                                                      unembedding)
+  dz = jax.grad(lambda z: _objective(_reference_logprobs_and_entropy(z, targets)))(
+      bf16(hidden) @ bf16(unembedding))
+  scale = float(jnp.max(jnp.abs(dz)))
+  for actual, expected, other, terms in ((d_hidden, ref_hidden, unembedding, _V),
+                                         (d_weight, ref_weight, hidden, _B * _T)):
+    bound = tolerances.SAFETY * math.sqrt(terms) * 2.0**-9 * scale * float(jnp.max(jnp.abs(other)))
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=bound)
 
 
 def _largest_intermediate(closed_jaxpr) -> int:

@@ -9,6 +9,7 @@ moves the logits well above the 1e-4 tolerance: a wrong layout or a missed bias 
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ import torch
 import transformers
 from flax import nnx
 
-from agentgym_jax import models
+from agentgym_jax import batch as batch_lib, learner, models
 from agentgym_jax.models import decoder, weights
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import Decoder
@@ -174,6 +175,35 @@ def test_matmul_copy_gives_the_same_logits_from_new_buffers(family, dtype, tmp_p
   assert {x.dtype for x in widened} == {jnp.dtype(jnp.bfloat16)}
   forward = jax.jit(lambda params: nnx.merge(graphdef, params)(jnp.asarray(INPUT_IDS)))
   np.testing.assert_array_equal(np.asarray(forward(copy)), np.asarray(forward(params)))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # untied LM head; tied embeddings
+@pytest.mark.parametrize("attention", ["flash", "dense"])
+def test_bf16_learner_gradient_runs_every_matmul_on_bf16_inputs(family, attention, tmp_path):
+  """With bf16 matmuls the backward pass's matmuls take bf16 inputs too (attention.dot's VJP and
+  the vocabulary projection's own, rl.chunked_token_logprobs_and_entropy). JAX's own transpose
+  of a bf16 x bf16 -> f32 dot multiplies the f32 cotangent by upcast weights: f32 matmuls, at a
+  quarter of a bf16 matmul's rate on AMX. The gradient stays f32 where the parameters are."""
+  random_hf_model(family).save_pretrained(tmp_path)
+  graphdef, params = nnx.split(_load(tmp_path, dtype=jnp.bfloat16, attention=attention))
+  tokens = np.asarray(INPUT_IDS, np.int32)
+  batch = batch_lib.Batch(tokens=tokens, loss_mask=np.ones(tokens.shape, np.float32),
+                          sampler_logprobs=np.zeros(tokens.shape, np.float32),
+                          rewards=np.zeros(2, np.float32), group_ids=np.zeros(2, np.int32))
+
+  def loss(params):
+    logprobs, entropies, _ = learner.token_logprobs(graphdef, params, batch,
+                                                    learner.LossConfig(logprob_chunk=4))
+    return jnp.sum(logprobs) + jnp.sum(entropies)
+
+  gradient = jax.jit(jax.grad(loss))
+  lowered = gradient.lower(params).as_text()
+  operands = re.findall(r"stablehlo\.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\)", lowered)
+  assert len(operands) > 3 * _TINY["num_hidden_layers"]
+  assert {t.rsplit("x", 1)[-1] for pair in operands for t in pair} == {"bf16>"}, operands
+  grads = gradient(params)
+  assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(grads))
 
 
 def test_export_loads_in_transformers_with_the_same_logits(hf_checkpoint, tmp_path):

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -241,6 +241,15 @@ class DecodeLayer:
   k_norm: Array | None = None  # [D]
 
 
+class Unembedding(NamedTuple):
+  """The vocabulary projection: its weight, [V, E] when `vocab_major` (a tied embedding) else
+  [E, V], and the matmul dtype of its inputs."""
+
+  weight: Array
+  vocab_major: bool
+  dtype: Any
+
+
 class Decoder(nnx.Module):
   """A causal LM: token ids -> next-token logits.
 
@@ -407,12 +416,17 @@ class Decoder(nnx.Module):
 
     return [layer(index) for index in range(config.num_layers)]
 
+  def unembedding(self) -> Unembedding:
+    """The vocabulary projection: the tied embedding [V, E] or lm_head [E, V]."""
+    if self.config.tie_word_embeddings:
+      return Unembedding(self.embed_tokens.value, True, self.dtype)
+    return Unembedding(self.lm_head.value, False, self.dtype)
+
   def logits(self, hidden: Array) -> Array:
     """Logits [..., V] in f32 from final hidden states [..., E]."""
-    if self.config.tie_word_embeddings:
-      logits = dot("...e,ve->...v", hidden, self.embed_tokens.value, self.dtype)
-    else:
-      logits = dot("...e,ev->...v", hidden, self.lm_head.value, self.dtype)
+    head = self.unembedding()
+    logits = dot("...e,ve->...v" if head.vocab_major else "...e,ev->...v", hidden, head.weight,
+                 self.dtype)
     return sharding.constrain(logits, ("batch", "seq", "activation_vocab")) \
         if logits.ndim == 3 else logits
 

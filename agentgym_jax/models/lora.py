@@ -50,7 +50,7 @@ from agentgym_jax import sharding
 from agentgym_jax.models import weights
 from agentgym_jax.models.attention import dot
 from agentgym_jax.models.config import ModelConfig
-from agentgym_jax.models.decoder import PROJECTIONS, Decoder
+from agentgym_jax.models.decoder import PROJECTIONS, Decoder, Unembedding
 
 Array = jax.Array
 TARGETS = tuple(PROJECTIONS)
@@ -168,6 +168,9 @@ class LoraModel(nnx.Module):
     return self.decoder.hidden_states(input_ids, positions, attention_mask, segment_ids=segment_ids,
                                       shared_prompt=shared_prompt, adapters=self.adapters,
                                       dropout_key=dropout_key)
+
+  def unembedding(self) -> Unembedding:
+    return self.decoder.unembedding()
 
   def logits(self, hidden: Array) -> Array:
     return self.decoder.logits(hidden)

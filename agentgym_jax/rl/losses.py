@@ -28,7 +28,9 @@ A trainer combines them as, e.g. for GRPO,
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -504,23 +506,39 @@ def token_logprobs_and_entropy(logits: jax.Array, targets: jax.Array, *,
   return jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0], entropies
 
 
-def chunked_token_logprobs_and_entropy(hidden: jax.Array, targets: jax.Array,
-                                       logits_fn: Callable[[jax.Array],
-                                                           jax.Array], *, chunk_size: int,
+def chunked_token_logprobs_and_entropy(hidden: jax.Array, targets: jax.Array, weight: jax.Array, *,
+                                       vocab_major: bool = True, dtype: Any = jnp.float32,
+                                       chunk_size: int, block_size: int | None = None,
                                        temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
-  """`token_logprobs_and_entropy` over sequence chunks, never holding [B, T, V] at once.
+  """`token_logprobs_and_entropy` of the logits hidden @ weight, never holding [B, T, V] at once.
 
-  The vocabulary projection runs inside a loop over T-chunks of `chunk_size` tokens, so only a
-  [B, chunk_size, V] block of logits exists at a time. The loop body is rematerialised
-  (jax.checkpoint): the backward pass recomputes each chunk's logits instead of storing all of
-  them, so the gradient does not materialise [B, T, V] either.
+  The vocabulary projection (inputs cast to `dtype`, f32 accumulation) runs block by block over
+  the sequence, `block_size` positions of every row at a time (default: `chunk_size`), and each
+  block is reduced to its statistics at once, in one pass over exp(z - max z):
+
+    S = sum_v exp(z_v - m),   A = sum_v exp(z_v - m) (z_v - m),   m = max_v z_v
+    logsumexp z = m + log S,   logp_t = (z_y - m) - log S,   H_t = log S - A / S
+
+  (both terms of H are >= 0, so no precision is lost to cancellation). The gradient has its own
+  VJP: with p = exp(z - logsumexp z), the cotangents g of the log-probs and gH of the entropies
+  give
+
+    dL/dz_v = g (1[v = y] - p_v) - gH p_v (log p_v + H)
+
+  computed block by block from recomputed logits and cast to `dtype`; then, one chunk of
+  `chunk_size` positions at a time, dL/dhidden = dz weight^T and dL/dweight += hidden^T dz are
+  two matmuls with `dtype` inputs and f32 accumulation. Only a [B, chunk_size, V] block of
+  `dtype` cotangents (and a [B, block_size, V] block of f32 logits) exists at a time. Small
+  blocks keep the exp and the reductions in cache on a CPU; `block_size` defaults to
+  `hardware.logits_block`'s choice in the learner.
 
   Args:
-    hidden: [B, T, D] final hidden states.
+    hidden: [B, T, E] final hidden states.
     targets: int[B, T].
-    logits_fn: maps a [B, chunk_size, D] hidden chunk to [B, chunk_size, V] logits (e.g. the
-      final norm's output times the unembedding); it may close over parameters.
-    chunk_size: tokens per chunk; T is padded up to a multiple of it.
+    weight: the unembedding, [V, E] (`vocab_major`, a tied embedding) or [E, V].
+    dtype: the matmuls' input dtype.
+    chunk_size: positions per chunk of the backward pass; T is padded up to a multiple of it.
+    block_size: positions per block (a divisor of chunk_size is used: the largest <= it).
     temperature: > 0, as in `token_logprobs_and_entropy`.
 
   Returns:
@@ -528,24 +546,113 @@ def chunked_token_logprobs_and_entropy(hidden: jax.Array, targets: jax.Array,
   """
   if chunk_size <= 0:
     raise ValueError(f"chunk_size must be > 0, got {chunk_size}.")
-  batch_size, num_tokens, hidden_size = hidden.shape
-  num_chunks = -(-num_tokens // chunk_size)
-  padding = num_chunks * chunk_size - num_tokens
+  if temperature <= 0:
+    raise ValueError(f"temperature must be > 0, got {temperature}.")
+  block = min(block_size or chunk_size, chunk_size)
+  if block <= 0:
+    raise ValueError(f"block_size must be > 0, got {block_size}.")
+  while chunk_size % block:
+    block -= 1
+  num_tokens = hidden.shape[1]
+  padding = -num_tokens % chunk_size
   hidden = jnp.pad(hidden, ((0, 0), (0, padding), (0, 0)))
   targets = jnp.pad(targets, ((0, 0), (0, padding)))
-  # [num_chunks, B, chunk_size, ...] so lax.map walks the chunks.
-  hidden_chunks = hidden.reshape(batch_size, num_chunks, chunk_size, hidden_size).swapaxes(0, 1)
-  target_chunks = targets.reshape(batch_size, num_chunks, chunk_size).swapaxes(0, 1)
+  head = _LinearHead("ve" if vocab_major else "ev", jnp.dtype(dtype), chunk_size, block,
+                     float(temperature))
+  logprobs, entropies = _linear_logprobs(head, hidden, weight, targets)
+  return logprobs[:, :num_tokens], entropies[:, :num_tokens]
 
-  @jax.checkpoint
-  def chunk(inputs):
-    hidden_chunk, target_chunk = inputs
-    return token_logprobs_and_entropy(logits_fn(hidden_chunk), target_chunk,
-                                      temperature=temperature)
 
-  logprobs, entropies = jax.lax.map(chunk, (hidden_chunks, target_chunks))
+@dataclasses.dataclass(frozen=True)
+class _LinearHead:
+  """The static settings of `_linear_logprobs` (see chunked_token_logprobs_and_entropy)."""
+  weight_spec: str  # "ve" or "ev"
+  dtype: Any
+  chunk: int
+  block: int
+  temperature: float
 
-  def unchunk(per_chunk):
-    return per_chunk.swapaxes(0, 1).reshape(batch_size, -1)[:, :num_tokens]
+  def statistics(self, hidden_block: jax.Array, weight: jax.Array, target_block: jax.Array):
+    """(z - m, exp(z - m), S, log S, log-probs, entropies) of a block's logits z [B, s, V]."""
+    z = jnp.einsum(f"bse,{self.weight_spec}->bsv", hidden_block.astype(self.dtype),
+                   weight.astype(self.dtype), preferred_element_type=jnp.float32)
+    z = z / self.temperature
+    centred = z - jnp.max(z, axis=-1, keepdims=True)
+    e = jnp.exp(centred)
+    s = jnp.sum(e, axis=-1)
+    log_s = jnp.log(s)
+    target = jnp.take_along_axis(centred, target_block[..., None], axis=-1)[..., 0]
+    entropy = log_s - jnp.sum(e * centred, axis=-1) / s
+    return centred, e, s, log_s, target - log_s, entropy
 
-  return unchunk(logprobs), unchunk(entropies)
+  def blocks(self, x: jax.Array) -> jax.Array:
+    """[B, T, ...] -> [T / block, B, block, ...]."""
+    return x.reshape(x.shape[0], -1, self.block, *x.shape[2:]).swapaxes(0, 1)
+
+  def unblocks(self, x: jax.Array) -> jax.Array:
+    """The inverse of `blocks`."""
+    return x.swapaxes(0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _linear_logprobs(head: _LinearHead, hidden: jax.Array, weight: jax.Array,
+                     targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return _linear_logprobs_forward(head, hidden, weight, targets)[0]
+
+
+def _linear_logprobs_forward(head: _LinearHead, hidden: jax.Array, weight: jax.Array,
+                             targets: jax.Array):
+  # The backward pass recomputes each block's statistics with its logits rather than keeping
+  # them: the forward pass is then the same computation with or without a gradient (a DPO
+  # reference and the policy it starts as give equal log-probs to the last bit).
+  block = lambda inputs: head.statistics(inputs[0], weight, inputs[1])[-2:]
+  logprobs, entropies = map(head.unblocks,
+                            jax.lax.map(block, (head.blocks(hidden), head.blocks(targets))))
+  residuals = (hidden, weight, targets)
+  return (logprobs, entropies), residuals
+
+
+def _linear_logprobs_backward(head: _LinearHead, residuals, cotangents):
+  hidden, weight, targets = residuals
+  g_logprobs, g_entropies = cotangents
+  vocab = weight.shape[head.weight_spec.index("v")]
+  per_chunk = head.chunk // head.block
+
+  def block(inputs):
+    hidden_block, target_block, g, g_h = inputs
+    centred, e, s, log_s, _, entropy = head.statistics(hidden_block, weight, target_block)
+    p = e / s[..., None]
+    hit = jnp.arange(vocab, dtype=target_block.dtype) == target_block[..., None]
+    dz = (g[..., None] * (hit - p) - g_h[..., None] * p *
+          (centred - log_s[..., None] + entropy[..., None]))
+    # As raw bits: XLA:CPU would convert the whole stacked bf16 output to f32 and back around
+    # each block's write.
+    return _to_bits((dz / head.temperature).astype(head.dtype))
+
+  def chunk(d_weight, inputs):
+    hidden_chunk = inputs[0]
+    dz = jax.lax.bitcast_convert_type(jax.lax.map(block, inputs), head.dtype)  # [n, B, s, V]
+    d_hidden = jnp.einsum(f"nbsv,{head.weight_spec}->nbse", dz, weight.astype(head.dtype),
+                          preferred_element_type=jnp.float32)
+    # Summed as [E, V] whatever the weight's layout: the dot then reads dz as it lies,
+    # [tokens, V] (a [V, E] result would transpose all of dz first).
+    d_weight = d_weight + jnp.einsum("nbse,nbsv->ev", hidden_chunk.astype(head.dtype), dz,
+                                     preferred_element_type=jnp.float32)
+    return d_weight, d_hidden
+
+  per_block = [head.blocks(x) for x in (hidden, targets, g_logprobs, g_entropies)]
+  chunks = [x.reshape(-1, per_chunk, *x.shape[1:]) for x in per_block]
+  d_weight, d_hidden = jax.lax.scan(chunk, jnp.zeros((hidden.shape[-1], vocab), jnp.float32),
+                                    chunks)
+  if head.weight_spec == "ve":
+    # Behind a barrier: folded into the dot, the transpose would make XLA:CPU transpose dz.
+    d_weight = jax.lax.optimization_barrier(d_weight).T
+  d_hidden = head.unblocks(d_hidden.reshape(-1, *d_hidden.shape[2:]))
+  return d_hidden.astype(hidden.dtype), d_weight.astype(weight.dtype), None
+
+
+_linear_logprobs.defvjp(_linear_logprobs_forward, _linear_logprobs_backward)
+
+
+def _to_bits(x: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
