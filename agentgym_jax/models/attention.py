@@ -260,11 +260,33 @@ def _narrow_dot_backward(spec: str, dtype: Any, residuals, g: Array):
   (x_spec, w_spec), out_spec = spec.split("->")[0].split(","), spec.split("->")[1]
   g = g.astype(dtype)
   dx = jnp.einsum(f"{out_spec},{w_spec}->{x_spec}", g, narrow_w, preferred_element_type=jnp.float32)
-  dw = jnp.einsum(f"{x_spec},{out_spec}->{w_spec}", narrow_x, g, preferred_element_type=jnp.float32)
+  dw = smaller_first(f"{x_spec},{out_spec}->{w_spec}", narrow_x, g)
   return dx.astype(x_kind.dtype), dw.astype(w_kind.dtype)
 
 
 _narrow_dot.defvjp(_narrow_dot_forward, _narrow_dot_backward)
+
+
+def smaller_first(spec: str, a: Array, b: Array) -> Array:
+  """einsum(spec, a, b) with f32 accumulation, the smaller operand passed first.
+
+  When both operands hold the indices summed over ahead of their kept ones (a weight gradient
+  sums over the tokens of its input and its output's cotangent; attention's dv and dk over the
+  query rows), XLA:CPU copies the dot's first operand into a transposed layout: let that be the
+  smaller one. The result, in the dot's order, goes to `spec`'s behind an optimization
+  barrier: folded into the dot, the transpose would bring the larger operand's copy back (and
+  XLA:CPU would hand the dot to a kernel without bf16).
+  """
+  (a_spec, b_spec), out_spec = spec.split("->")[0].split(","), spec.split("->")[1]
+  if a.size <= b.size:
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+  batch = [c for c in b_spec if c in a_spec and c in out_spec]
+  kept = lambda operand: [c for c in operand if c in out_spec and c not in batch]
+  natural = "".join(batch + kept(b_spec) + kept(a_spec))
+  result = jnp.einsum(f"{b_spec},{a_spec}->{natural}", b, a, preferred_element_type=jnp.float32)
+  if natural == out_spec:
+    return result
+  return jnp.einsum(f"{natural}->{out_spec}", jax.lax.optimization_barrier(result))
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -420,11 +442,13 @@ def _flash_backward(dtype: Any, block: int, shared_prompt: bool, residuals, d_ou
     queries, d_queries = (qb, do) if d == 0 else _after(
         (qb, do), dq[-1, ..., 0, 0], dk[0, ..., None, 0, 0], dv[0, ..., None, 0, 0])
     p = jnp.exp(_diagonal_scores(queries, kb, sb, d, dtype, shared_prompt) - lse[d:][..., None])
-    dv = dv.at[:n - d].add(dot("nbkgqs,nbkgqd->nbksd", p, d_queries[d:], dtype))
+    dv = dv.at[:n - d].add(
+        smaller_first("nbkgqs,nbkgqd->nbksd", p.astype(dtype), d_queries[d:].astype(dtype)))
     dp = dot("nbkgqd,nbksd->nbkgqs", d_queries[d:], vb[:n - d], dtype)
     ds = p * (dp - delta[d:][..., None]) / math.sqrt(head_dim)
     dq = dq.at[d:].add(_pv(ds, kb[:n - d], dtype))
-    dk = dk.at[:n - d].add(dot("nbkgqs,nbkgqd->nbksd", ds, queries[d:], dtype))
+    dk = dk.at[:n - d].add(
+        smaller_first("nbkgqs,nbkgqd->nbksd", ds.astype(dtype), queries[d:].astype(dtype)))
   return (_unblock_q(dq, length).astype(qb.dtype), _unblock_kv(dk, length).astype(kb.dtype),
           _unblock_kv(dv, length).astype(vb.dtype), None)
 
