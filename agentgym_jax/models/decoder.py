@@ -43,7 +43,7 @@ from flax import nnx, struct
 
 from agentgym_jax import sharding
 from agentgym_jax.models import attention as attention_lib
-from agentgym_jax.models.attention import dot
+from agentgym_jax.models.attention import bits_dtype, dot, to_bits
 from agentgym_jax.models.config import ModelConfig
 
 Array = jax.Array
@@ -121,22 +121,13 @@ class KVCache:
   def zeros(cls, config: ModelConfig, batch: int, slots: int, dtype: Any) -> "KVCache":
     dtype = jnp.dtype(dtype)
     shape = (batch, config.num_kv_heads, slots, config.head_dim)
-    bits = _bits_dtype(dtype)
+    bits = bits_dtype(dtype)
     layers = lambda: tuple(jnp.zeros(shape, bits) for _ in range(config.num_layers))
     return cls(k=layers(), v=layers(), lengths=jnp.zeros((batch,), jnp.int32), dtype=dtype)
 
   @property
   def slots(self) -> int:
     return self.k[0].shape[2]
-
-
-def _bits_dtype(dtype: Any) -> Any:
-  """The unsigned integer type as wide as `dtype`."""
-  return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
-
-
-def _to_bits(x: Array) -> Array:
-  return jax.lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
 
 
 def _array(weight: nnx.Variable | Array) -> Array:
@@ -395,7 +386,7 @@ class Decoder(nnx.Module):
 
       def raw(name: str) -> Array:
         value = getattr(stacked, name).value
-        return (_to_bits(value) if value.dtype.itemsize == 2 else value)[index]
+        return (to_bits(value) if value.dtype.itemsize == 2 else value)[index]
 
       def joined(*names: str, shape: tuple[int, ...] = (e, -1)) -> Array:
         """The named weights, each reshaped to `shape`, side by side along the last axis, in
