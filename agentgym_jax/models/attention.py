@@ -245,7 +245,7 @@ def _explicit(spec: str, x_ndim: int, w_ndim: int) -> str:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _narrow_dot(spec: str, dtype: Any, x: Array, w: Array) -> Array:
-  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+  return _narrow_dot_forward(spec, dtype, x, w)[0]
 
 
 def _narrow_dot_forward(spec: str, dtype: Any, x: Array, w: Array):
@@ -254,8 +254,8 @@ def _narrow_dot_forward(spec: str, dtype: Any, x: Array, w: Array):
   # The narrow inputs are kept as raw bits: a layer scan stacks its residuals, and XLA:CPU
   # converts a stacked bf16 array to f32 and back around each layer's write (remat=none ran
   # 1.8x slower than full). Zero-size arrays carry the primal dtypes to the backward pass.
-  return out, (to_bits(narrow_x), to_bits(narrow_w), jnp.zeros((0,),
-                                                               x.dtype), jnp.zeros((0,), w.dtype))
+  kinds = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+  return out, (to_bits(narrow_x), to_bits(narrow_w), *kinds)
 
 
 def _narrow_dot_backward(spec: str, dtype: Any, residuals, g: Array):

@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from agentgym_jax.models.attention import to_bits
 from agentgym_jax.rl import masked
 from agentgym_jax.rl import registry
 
@@ -529,8 +530,8 @@ def chunked_token_logprobs_and_entropy(hidden: jax.Array, targets: jax.Array, we
   `chunk_size` positions at a time, dL/dhidden = dz weight^T and dL/dweight += hidden^T dz are
   two matmuls with `dtype` inputs and f32 accumulation. Only a [B, chunk_size, V] block of
   `dtype` cotangents (and a [B, block_size, V] block of f32 logits) exists at a time. Small
-  blocks keep the exp and the reductions in cache on a CPU; `block_size` defaults to
-  `hardware.logits_block`'s choice in the learner.
+  blocks keep the exp and the reductions in cache on a CPU; the learner's blocks hold
+  LossConfig.logprob_block_tokens tokens, by default hardware.logits_block_tokens.
 
   Args:
     hidden: [B, T, E] final hidden states.
@@ -627,7 +628,7 @@ def _linear_logprobs_backward(head: _LinearHead, residuals, cotangents):
           (centred - log_s[..., None] + entropy[..., None]))
     # As raw bits: XLA:CPU would convert the whole stacked bf16 output to f32 and back around
     # each block's write.
-    return _to_bits((dz / head.temperature).astype(head.dtype))
+    return to_bits((dz / head.temperature).astype(head.dtype))
 
   def chunk(d_weight, inputs):
     hidden_chunk = inputs[0]
@@ -652,7 +653,3 @@ def _linear_logprobs_backward(head: _LinearHead, residuals, cotangents):
 
 
 _linear_logprobs.defvjp(_linear_logprobs_forward, _linear_logprobs_backward)
-
-
-def _to_bits(x: jax.Array) -> jax.Array:
-  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
