@@ -136,17 +136,22 @@ def sample_tokens(keys: Array, logits: Array, params: SamplingParams) -> tuple[A
   """Draws one token per row. keys [B] (typed PRNG keys), logits [B, V] f32.
 
   Returns the tokens [B] int32, log p(token) under softmax(logits) and log q(token) under the
-  sampling distribution (`sampling_logits`).
+  sampling distribution (`sampling_logits`). The draw's sums give log q's normaliser, which is
+  log p's too when q is the model's distribution (temperature 1, no top-k or top-p): then the
+  49k-way exponentials are taken once a step, not three times.
   """
   logits = logits.astype(jnp.float32)
   sample_logits = sampling_logits(logits, params)
-  if params.greedy:
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  else:
-    tokens = inverse_cdf(keys, sample_logits)
   pick = lambda values: jnp.take_along_axis(values, tokens[:, None], axis=-1)[:, 0]
   logprob = lambda values: pick(values) - jax.nn.logsumexp(values, axis=-1)
-  return tokens, logprob(logits), logprob(sample_logits)
+  if params.greedy:
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return tokens, logprob(logits), logprob(sample_logits)
+  tokens, log_normaliser = _inverse_cdf(_uniform(keys), sample_logits)
+  sampling_logprobs = pick(sample_logits) - log_normaliser
+  if params.temperature == 1 and params.top_k == 0 and params.top_p == 1:
+    return tokens, sampling_logprobs, sampling_logprobs
+  return tokens, logprob(logits), sampling_logprobs
 
 
 def inverse_cdf(keys: Array, logits: Array) -> Array:
@@ -163,15 +168,26 @@ def inverse_cdf(keys: Array, logits: Array) -> Array:
   scan is short; a rounding difference between the two levels can leave the threshold past the
   chosen block's last in-block sum, so the draw is kept at the block's last positive weight.
   """
+  return inverse_cdf_at(_uniform(keys), logits)
+
+
+def _uniform(keys: Array) -> Array:
+  """One uniform [B] in [0, 1) on a 2^-23 grid per key [B]."""
   bits = jax.vmap(lambda key: jax.random.bits(key, (), jnp.uint32))(keys)
-  return inverse_cdf_at((bits >> 9).astype(jnp.float32) * 2.0**-23, logits)
+  return (bits >> 9).astype(jnp.float32) * 2.0**-23
 
 
 def inverse_cdf_at(uniform: Array, logits: Array) -> Array:
   """The tokens [B] at which each row's cumulative distribution passes uniform [B] in [0, 1)
   (see `inverse_cdf`)."""
+  return _inverse_cdf(uniform, logits)[0]
+
+
+def _inverse_cdf(uniform: Array, logits: Array) -> tuple[Array, Array]:
+  """`inverse_cdf_at`'s tokens [B] and each row's logsumexp(logits) [B], from the same sums."""
   batch, vocab = logits.shape
-  weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+  peak = jnp.max(logits, axis=-1)
+  weights = jnp.exp(logits - peak[:, None])
   block = INVERSE_CDF_BLOCK
   blocks = jnp.pad(weights, ((0, 0), (0, -vocab % block))).reshape(batch, -1, block)
   block_sums = jnp.cumsum(jnp.sum(blocks, axis=-1), axis=-1)  # [B, blocks]
@@ -181,7 +197,8 @@ def inverse_cdf_at(uniform: Array, logits: Array) -> Array:
   inner = jnp.take_along_axis(blocks, chosen[:, None, None], axis=1)[:, 0]  # [B, block]
   within = jnp.sum(before + jnp.cumsum(inner, axis=-1) <= threshold, axis=-1)
   last_positive = block - 1 - jnp.argmax((inner > 0)[:, ::-1], axis=-1)
-  return (chosen * block + jnp.minimum(within, last_positive)).astype(jnp.int32)
+  tokens = (chosen * block + jnp.minimum(within, last_positive)).astype(jnp.int32)
+  return tokens, peak + jnp.log(block_sums[:, -1])
 
 
 @struct.dataclass
