@@ -99,6 +99,11 @@ class SamplingParams:
   def greedy(self) -> bool:
     return self.temperature == 0
 
+  @property
+  def unfiltered(self) -> bool:
+    """No top-k or top-p: every token keeps its (temperature-scaled) probability."""
+    return self.top_k == 0 and self.top_p == 1
+
 
 def sampling_logits(logits: Array, params: SamplingParams) -> Array:
   """Logits [..., V] of the sampling distribution q: scaled, with dropped tokens at -inf.
@@ -113,7 +118,7 @@ def sampling_logits(logits: Array, params: SamplingParams) -> Array:
     return jnp.where(jnp.arange(logits.shape[-1]) == best[..., None], 0.0, -jnp.inf)
   scaled = logits / params.temperature
   vocab = scaled.shape[-1]
-  if params.top_k == 0 and params.top_p == 1:
+  if params.unfiltered:
     return scaled
   if params.top_k:
     # The k largest in descending order; everything below the k-th is dropped.
@@ -149,7 +154,7 @@ def sample_tokens(keys: Array, logits: Array, params: SamplingParams) -> tuple[A
     return tokens, logprob(logits), logprob(sample_logits)
   tokens, log_normaliser = _inverse_cdf(_uniform(keys), sample_logits)
   sampling_logprobs = pick(sample_logits) - log_normaliser
-  if params.temperature == 1 and params.top_k == 0 and params.top_p == 1:
+  if params.temperature == 1 and params.unfiltered:
     return tokens, sampling_logprobs, sampling_logprobs
   return tokens, logprob(logits), sampling_logprobs
 
