@@ -1,10 +1,7 @@
 """BabyAI text environment: observations, action expansion, rewards, tasks, and solved episodes."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import gymnasium
 import hypothesis
@@ -19,21 +16,11 @@ from environments import base
 from environments.babyai import BabyAIEnv, LEVELS
 from environments.babyai import actions as actions_lib
 from environments.babyai import scene as scene_lib
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from env_helpers import env_fixture, react_reply, run_python
 
 UP, RIGHT = 3, 0  # minigrid headings
 
-
-@pytest.fixture(scope="module")
-def env():
-  adapter = base.make("babyai")
-  yield adapter
-  adapter.close()
-
-
-def _reply(action: str) -> str:
-  return f"Thought: I know what to do.\n\nAction: {action}"
+env = env_fixture("babyai")
 
 
 def _room(agent, heading, things):
@@ -90,9 +77,7 @@ def test_reset_is_the_same_in_another_process_with_another_hash_seed(env):
   ids = [10, 38, 77]
   script = ("from environments.babyai import BabyAIEnv; import json; e = BabyAIEnv(); "
             f"print(json.dumps([e.reset(t) for t in {ids}]))")
-  other = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
-                         check=True, env={**os.environ, "PYTHONHASHSEED": "12345"})
-  assert json.loads(other.stdout) == [env.reset(t) for t in ids]
+  assert json.loads(run_python("-c", script, hash_seed="12345")) == [env.reset(t) for t in ids]
 
 
 def test_level_generation_prints_nothing_to_stdout(env, capfd):
@@ -101,7 +86,7 @@ def test_level_generation_prints_nothing_to_stdout(env, capfd):
   level.reset(seed=env.task_info(10)["seed"])
   assert "Sampling rejected" in capfd.readouterr().out
   env.reset(10)
-  env.step(_reply("turn left"))
+  env.step(react_reply("turn left"))
   assert capfd.readouterr().out == ""
 
 
@@ -234,10 +219,10 @@ def test_parser_rejects_actions_outside_the_grammar(reply):
 @pytest.mark.parametrize("reply,message", [
     ("Thought: hmm\n\nAction: jump", '"jump" is not a valid action'),
     ("I will go left", 'no "Action:" line'),
-    (_reply("go to red ball 9"), "You do not see a red ball 9."),
-    (_reply("drop"), "not carrying anything"),
-    (_reply("toggle"), "nothing in front of you to toggle"),
-    (_reply("go through yellow door 1"), "You do not see a yellow door 1."),
+    (react_reply("go to red ball 9"), "You do not see a red ball 9."),
+    (react_reply("drop"), "not carrying anything"),
+    (react_reply("toggle"), "nothing in front of you to toggle"),
+    (react_reply("go through yellow door 1"), "You do not see a yellow door 1."),
 ])
 def test_invalid_actions_get_an_error_and_take_no_step(env, reply, message):
   env.reset(1)
@@ -251,9 +236,9 @@ def test_invalid_actions_get_an_error_and_take_no_step(env, reply, message):
 def test_moving_into_a_wall_is_refused(env):
   env.reset(1)
   for _ in range(5):
-    assert env.step(_reply("move forward")).info["valid_action"]
+    assert env.step(react_reply("move forward")).info["valid_action"]
   # "You are facing a wall, 6 steps away." at the start: the sixth step is refused.
-  result = env.step(_reply("move forward"))
+  result = env.step(react_reply("move forward"))
   assert result.observation.startswith("You cannot move forward: there is a wall")
   assert env.minigrid_env.step_count == 5
 
@@ -263,7 +248,7 @@ def test_every_listed_action_is_accepted(env, task_id):
   listed = json.loads(env.reset(task_id).rsplit("Available actions: ", 1)[1])
   for action in listed:
     env.reset(task_id)
-    assert env.step(_reply(action)).info["valid_action"], action
+    assert env.step(react_reply(action)).info["valid_action"], action
 
 
 _WORDS = [
@@ -291,11 +276,11 @@ def test_any_reply_gets_an_observation_never_an_exception(env, task_id, reply):
 def test_step_outside_an_episode_raises(env):
   fresh = BabyAIEnv()
   with pytest.raises(RuntimeError, match="reset"):
-    fresh.step(_reply("turn left"))
+    fresh.step(react_reply("turn left"))
   env.reset(1)
-  assert env.step(_reply("go to red ball 1")).done
+  assert env.step(react_reply("go to red ball 1")).done
   with pytest.raises(RuntimeError, match="over"):
-    env.step(_reply("turn left"))
+    env.step(react_reply("turn left"))
 
 
 # --- rewards -------------------------------------------------------------------------------
@@ -307,7 +292,7 @@ def test_reward_is_minigrids_one_minus_point_nine_steps_over_max_steps(env):
   # forward and 3 right; facing it from 3 forward, 3 right takes turn right, 3 x forward,
   # turn left, 3 x forward = 8 primitives, so r = 1 - 0.9 * 8 / 64 = 0.8875.
   assert env.minigrid_env.max_steps == 64
-  result = env.step(_reply("go to red ball 1"))
+  result = env.step(react_reply("go to red ball 1"))
   assert result.info == {"success": True, "valid_action": True, "primitive_steps": 8}
   assert result.done and result.reward == pytest.approx(0.8875)
   assert result.observation.endswith("The task is completed.")
@@ -316,7 +301,7 @@ def test_reward_is_minigrids_one_minus_point_nine_steps_over_max_steps(env):
 def test_running_out_of_steps_ends_the_episode_without_reward(env):
   env.reset(1)
   env.minigrid_env.max_steps = 3
-  rewards = [env.step(_reply("turn left")) for _ in range(3)]
+  rewards = [env.step(react_reply("turn left")) for _ in range(3)]
   assert [r.done for r in rewards] == [False, False, True]
   assert sum(r.reward for r in rewards) == 0.0 and not rewards[-1].info["success"]
   assert rewards[-1].observation.endswith("You ran out of steps; the episode is over.")
@@ -338,7 +323,7 @@ def test_expert_bot_solves_test_tasks_through_text_actions(env, task_id):
   env.reset(task_id)
   bot = BabyAIBot(env.minigrid_env)
   for _ in range(300):
-    result = env.step(_reply(_BOT_TEXT[bot.replan()]))
+    result = env.step(react_reply(_BOT_TEXT[bot.replan()]))
     assert result.info["valid_action"], result.observation
     if result.done:
       break
@@ -364,7 +349,7 @@ def _play_high_level(env, task_id):
       action, turns = "turn left", turns + 1
     else:
       action, turns = "move forward", 0
-    result = env.step(_reply(action))
+    result = env.step(react_reply(action))
     observation = result.observation
     if result.done:
       return result

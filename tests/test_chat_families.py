@@ -3,6 +3,7 @@ and Qwen3-layout checkpoints (Qwen3 in each thinking mode), and TextCraft and Se
 in the tool_call format, tokens checked against the chat template turn by turn."""
 
 import datetime
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,14 +23,8 @@ from environments.pool import EnvPool
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
   """chat family -> the directory of a tiny checkpoint with that template, made once."""
-  made = {}
-
-  def get(chat):
-    if chat not in made:
-      made[chat] = str(tiny.make_checkpoint(tmp_path_factory.mktemp(chat), chat=chat))
-    return made[chat]
-
-  return get
+  return functools.cache(
+      lambda chat: str(tiny.make_checkpoint(tmp_path_factory.mktemp(chat), chat=chat)))
 
 
 def _runs(trajectory):

@@ -13,6 +13,13 @@ import tiny
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LOCAL = f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:local"
 
+
+def _launch(script, *flags, **kwargs):
+  """launch/<script> with `flags`, its output captured as text."""
+  return subprocess.run([sys.executable, str(REPO / "launch" / script), *flags],
+                        capture_output=True, text=True, timeout=300, **kwargs)
+
+
 # (script, flags, what the one line says)
 MISTAKES = {
     "unknown key": ("train.py", [LOCAL, "--config.rollout.temprature=0.5"],
@@ -50,11 +57,9 @@ MISTAKES = {
 def test_a_mistake_is_one_line(mistake, tmp_path):
   script, flags, message = MISTAKES[mistake]
   models = tmp_path / "models"
-  command = [sys.executable, str(REPO / "launch" / script), *flags]
   if script == "train.py":
-    command.append(f"--workdir={tmp_path / 'run'}")
-  result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, "AGENTGYM_MODELS": str(models)})
+    flags = [*flags, f"--workdir={tmp_path / 'run'}"]
+  result = _launch(script, *flags, cwd=REPO, env={**os.environ, "AGENTGYM_MODELS": str(models)})
   assert result.returncode != 0
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
@@ -68,8 +73,7 @@ def test_thinking_off_without_a_thinking_switch_is_one_line(script, tmp_path):
       LOCAL, f"--config.model.name={checkpoint}", "--config.model.thinking=off",
       f"--workdir={tmp_path / 'run'}"
   ] if script == "train.py" else [f"--model={checkpoint}", "--nothinking", "--prompt=hi"])
-  result = subprocess.run([sys.executable, str(REPO / "launch" / script), *flags],
-                          capture_output=True, text=True, timeout=300)
+  result = _launch(script, *flags)
   assert result.returncode != 0
   (line,) = result.stderr.strip().splitlines()
   name = (f"invalid config: model.name='{checkpoint}', model.thinking='off'"
@@ -81,10 +85,7 @@ def test_thinking_off_without_a_thinking_switch_is_one_line(script, tmp_path):
 def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
   workdir = tmp_path / "run"
   workdir.write_text("not a directory")
-  result = subprocess.run(
-      [sys.executable,
-       str(REPO / "launch" / "train.py"), LOCAL, f"--workdir={workdir}"], capture_output=True,
-      text=True, timeout=300)
+  result = _launch("train.py", LOCAL, f"--workdir={workdir}")
   assert result.returncode != 0
   assert result.stderr.strip() == f"error: --workdir={workdir} is a file, not a directory"
   assert workdir.read_text() == "not a directory"
@@ -94,13 +95,9 @@ def test_generate_streams_the_reply_it_would_print_at_once(tmp_path):
   checkpoint = tiny.make_checkpoint(tmp_path / "tiny")
 
   def reply(stream_tokens):
-    command = [
-        sys.executable,
-        str(REPO / "launch" / "generate.py"), f"--model={checkpoint}", "--prompt=hello",
-        "--temperature=0", "--max_new_tokens=12", "--param_dtype=float32",
-        f"--stream_tokens={stream_tokens}"
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = _launch("generate.py", f"--model={checkpoint}", "--prompt=hello", "--temperature=0",
+                     "--max_new_tokens=12", "--param_dtype=float32",
+                     f"--stream_tokens={stream_tokens}")
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -111,17 +108,12 @@ def test_generate_streams_the_reply_it_would_print_at_once(tmp_path):
 
 def test_evaluate_shows_its_progress_and_says_what_k_is(tmp_path):
   checkpoint = tiny.make_checkpoint(tmp_path / "tiny")
-  command = [
-      sys.executable,
-      str(REPO / "launch" / "evaluate.py"),
-      f"--config={REPO / 'configs' / 'ablation_echo.py'}:long", f"--config.model.name={checkpoint}",
-      "--config.eval.max_tasks=6", "--config.eval.samples_per_task=2",
-      "--config.rollout.max_new_tokens=4", "--config.rollout.max_context=128",
-      "--config.mesh.fsdp=1", "--rows=4", f"--out={tmp_path / 'new' / 'eval.json'}"
-  ]
-  result = subprocess.run(
-      command, capture_output=True, text=True, timeout=300,
-      env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+  result = _launch("evaluate.py", f"--config={REPO / 'configs' / 'ablation_echo.py'}:long",
+                   f"--config.model.name={checkpoint}", "--config.eval.max_tasks=6",
+                   "--config.eval.samples_per_task=2", "--config.rollout.max_new_tokens=4",
+                   "--config.rollout.max_context=128", "--config.mesh.fsdp=1", "--rows=4",
+                   f"--out={tmp_path / 'new' / 'eval.json'}",
+                   env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.splitlines()
   assert lines[0] == "6 echo tasks of the test split, k = 2 sample(s) each, up to 4 turns"

@@ -17,7 +17,7 @@ from jax import monitoring
 
 from agentgym_jax import metrics, rollout, run, sharding, trainer
 from agentgym_jax.sampling import Sampler
-from test_trainer import echo_config
+from rl_helpers import echo_config
 
 LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 

@@ -1,10 +1,7 @@
 """Demonstrations: experts' conversations verified by replay, rollout filtering, JSONL files."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -15,23 +12,13 @@ from environments.babyai import expert as babyai_expert
 from environments.sciworld import expert as sciworld_expert
 from environments.textcraft import expert as textcraft_expert
 from environments.textcraft import oracle, parse_action
+from env_helpers import env_fixture, run_python
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _REPLY = re.compile(r"Thought: [^\n]+\n\nAction: [^\n]+")
 
-
-@pytest.fixture(scope="module")
-def textcraft():
-  env = base.make("textcraft")
-  yield env
-  env.close()
-
-
-@pytest.fixture(scope="module")
-def babyai():
-  env = base.make("babyai")
-  yield env
-  env.close()
+textcraft = env_fixture("textcraft")
+babyai = env_fixture("babyai")
+babyai_tools = env_fixture("babyai", action_format="tool_call")
 
 
 def _replies(record):
@@ -145,18 +132,22 @@ def test_tasks_the_bot_cannot_solve_are_rejected_with_the_reason(babyai):
 
 
 @pytest.mark.slow
-def test_sciworld_gold_demos_succeed_on_replay():
+@pytest.mark.parametrize("action_format", base.ACTION_FORMATS)
+def test_sciworld_gold_demos_succeed_on_replay(action_format):
   try:
     demos_lib.expert_for("sciworld")
   except ValueError as error:
     pytest.skip(str(error))
-  with base.make("sciworld") as env:
-    task_id = env.task_ids("train")[0]  # boil, variation 0
+  with base.make("sciworld", action_format=action_format) as env:
+    task_id = env.task_ids("train")[0]  # boil, variation 0: "examine" and "pour" as tool calls
     result = demos_lib.collect(env, [task_id])
   assert result.rejected == []
   (demo,) = result.demos
   assert demo["success"] and demo["reward"] == pytest.approx(1.0)
-  assert all(_REPLY.fullmatch(r) for r in _replies(demo))
+  if action_format == "tool_call":
+    assert {"look_at", "focus_on"} <= {name for name, _ in _tool_calls(demo)}
+  else:
+    assert all(_REPLY.fullmatch(r) for r in _replies(demo))
 
 
 def test_sciworld_thoughts_follow_the_verb():
@@ -263,17 +254,14 @@ def test_jsonl_round_trip_and_bad_lines(tmp_path, textcraft):
     jsonl.read(path)
 
 
-def test_make_demos_writes_verified_textcraft_demos(tmp_path):
+def test_make_demos_writes_verified_textcraft_demos(tmp_path, textcraft):
   out = tmp_path / "demos.jsonl"
-  subprocess.run([
-      sys.executable, "launch/make_demos.py", "--env=textcraft", "--split=train", f"--out={out}",
-      "--max_depth=1", "--limit=5"
-  ], cwd=REPO, check=True, capture_output=True, text=True)
+  run_python("launch/make_demos.py", "--env=textcraft", "--split=train", f"--out={out}",
+             "--max_depth=1", "--limit=5")
   demos = jsonl.read(out)
   assert len(demos) == 5
   assert all(d["success"] and d["category"] == "depth1" for d in demos)
-  env = base.make("textcraft")
-  assert all(d["task_id"] in env.task_ids("train") for d in demos)
+  assert all(d["task_id"] in textcraft.task_ids("train") for d in demos)
 
 
 # --- The tool_call action format -----------------------------------------------------------
@@ -342,29 +330,10 @@ def test_searchqa_has_no_expert_for_questions_without_hops():
     demos_lib.EXPERTS["searchqa"][1](Flashrag(), 0)
 
 
-def test_bot_demos_succeed_in_the_tool_call_format():
-  env = base.make("babyai", action_format="tool_call")
-  try:
-    result = demos_lib.collect(env, _BABYAI_TASKS[:4])
-  finally:
-    env.close()
+def test_bot_demos_succeed_in_the_tool_call_format(babyai_tools):
+  result = demos_lib.collect(babyai_tools, _BABYAI_TASKS[:4])
   assert result.rejected == []
   for demo in result.demos:
     calls = _tool_calls(demo)
-    assert {name for name, _ in calls} <= set(env.action_format.tools)
+    assert {name for name, _ in calls} <= set(babyai_tools.action_format.tools)
     assert _replies(demo)[0].startswith("My mission is to ")
-
-
-@pytest.mark.slow
-def test_sciworld_gold_demos_succeed_in_the_tool_call_format():
-  try:
-    demos_lib.expert_for("sciworld")
-  except ValueError as error:
-    pytest.skip(str(error))
-  with base.make("sciworld", action_format="tool_call") as env:
-    task_id = env.task_ids("train")[0]  # boil, variation 0: "examine" and "pour" spellings
-    result = demos_lib.collect(env, [task_id])
-  assert result.rejected == []
-  (demo,) = result.demos
-  assert demo["success"] and demo["reward"] == pytest.approx(1.0)
-  assert {"look_at", "focus_on"} <= {name for name, _ in _tool_calls(demo)}

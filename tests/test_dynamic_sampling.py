@@ -3,13 +3,10 @@ a resumed run that continues exactly as an uninterrupted one."""
 
 import dataclasses
 
-import numpy as np
-import pytest
-
-import tiny
 from agentgym_jax import config as config_lib
 from agentgym_jax import checkpoint, metrics, rollout, trainer
 from environments.base import ENV_ERROR
+from rl_helpers import assert_resumed_run_matches, check_config, echo_config
 
 
 def _trajectory(task_id, reward, termination="done"):
@@ -118,48 +115,32 @@ def test_dynamic_sampling_keys_are_validated_at_start_up():
   c.rollout.dynamic_sampling = True
   config_lib.validate(c)
   c.rollout.max_sampling_rounds = 0
-  with pytest.raises(config_lib.ConfigError, match=r"rollout.max_sampling_rounds=0 must be >= 1"):
-    config_lib.validate(c)
+  check_config(c, r"rollout.max_sampling_rounds=0 must be >= 1")
   c.rollout.max_sampling_rounds = 2
   c.rollout.samples_per_task = 1
   c.algorithm.advantage = "reinforce_plus_plus"
-  with pytest.raises(config_lib.ConfigError, match=r"rollout.dynamic_sampling keeps the groups "
-                     r"whose rewards differ"):
-    config_lib.validate(c)
+  check_config(c, r"rollout.dynamic_sampling keeps the groups whose rewards differ")
 
 
 def test_a_resumed_dynamic_sampling_run_matches_an_uninterrupted_one(checkpoint_dir, tmp_path,
-                                                                     monkeypatch):
+                                                                     single_device):
   # The tiny random policy on 2-turn echo: most groups of 8 fail every episode (no signal), so
   # steps need several rounds, the task cursor runs ahead of steps x tasks_per_step, and with
   # at most 2 rounds the first step trains on fewer than 4 groups.
-  tiny.one_device(monkeypatch)
-  c = config_lib.base_config()
-  c.steps = 4
-  c.model.name = checkpoint_dir
-  config_lib.tiny_echo(c)
-  c.env.options.turns = 2
-  c.rollout.max_context = 64
+  c = echo_config(checkpoint_dir, steps=4)
   c.rollout.tasks_per_step = 4
   c.rollout.dynamic_sampling = True
   c.rollout.max_sampling_rounds = 2
-  c.horizon.kind = "fixed"
-  c.horizon.turns = 2
   c.checkpoint.every = 2
   c.log.trajectories = True
   straight = trainer.train(c, tmp_path / "straight")
-  c.steps = 2
-  trainer.train(c, tmp_path / "resumed")
-  c.steps = 4
-  resumed = trainer.train(c, tmp_path / "resumed")
+  assert_resumed_run_matches(
+      straight, c, tmp_path / "resumed",
+      ("reward", "loss", "grad_norm", "policy/ratio_mean", "dynamic_sampling/rounds",
+       "dynamic_sampling/kept_fraction", "dynamic_sampling/filled_groups"))
   rounds = [row["dynamic_sampling/rounds"] for row in straight]
   assert rounds[0] > 1  # Extra tasks were drawn before the checkpoint at step 2.
   assert straight[0]["dynamic_sampling/filled_groups"] > 0
-  keys = ("reward", "loss", "grad_norm", "policy/ratio_mean", "dynamic_sampling/rounds",
-          "dynamic_sampling/kept_fraction", "dynamic_sampling/filled_groups")
-  for a, b in zip(straight[2:], resumed):
-    for key in keys:
-      np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=key)
   # The checkpoints keep the cursor: 4 tasks a round played.
   with checkpoint.Checkpointer(tmp_path / "straight" / "checkpoints") as saved:
     assert [saved.read_meta(step)["task_cursor"] for step in (2, 4)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from agentgym_jax.models import gguf as gguf_io
+from model_helpers import load_hf_smollm2
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +20,7 @@ def smollm2():
 def transformers_smollm2():
   """transformers' own GGUF loading of the same file: (config, state_dict as numpy)."""
   transformers = pytest.importorskip("transformers")
-  path = gguf_io.smollm2_gguf_path()
-  model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
+  model = load_hf_smollm2(transformers.AutoModelForCausalLM)
   state_dict = {name: tensor.detach().numpy() for name, tensor in model.state_dict().items()}
   return model.config, state_dict
 
@@ -92,68 +92,47 @@ def _llamacpp_permute(weight, n_heads):
                          in_features).swapaxes(1, 2).reshape(out_features, in_features))
 
 
-def test_synthetic_untied_file_round_trips(tmp_path):
-  """A tiny llama file written the llama.cpp way (permuted Q/K, separate output) reads back."""
-  rng = np.random.default_rng(0)
-  hidden, heads, kv_heads, head_dim, ffn, vocab = 8, 2, 1, 4, 12, 10
-  hf = {
-      "model.embed_tokens.weight": rng.normal(size=(vocab, hidden)),
-      "model.layers.0.self_attn.q_proj.weight": rng.normal(size=(heads * head_dim, hidden)),
-      "model.layers.0.self_attn.k_proj.weight": rng.normal(size=(kv_heads * head_dim, hidden)),
-      "model.layers.0.self_attn.v_proj.weight": rng.normal(size=(kv_heads * head_dim, hidden)),
-      "model.layers.0.self_attn.o_proj.weight": rng.normal(size=(hidden, heads * head_dim)),
-      "model.layers.0.mlp.gate_proj.weight": rng.normal(size=(ffn, hidden)),
-      "model.layers.0.mlp.up_proj.weight": rng.normal(size=(ffn, hidden)),
-      "model.layers.0.mlp.down_proj.weight": rng.normal(size=(hidden, ffn)),
-      "model.layers.0.input_layernorm.weight": rng.normal(size=(hidden,)),
-      "model.layers.0.post_attention_layernorm.weight": rng.normal(size=(hidden,)),
-      "model.norm.weight": rng.normal(size=(hidden,)),
-      "lm_head.weight": rng.normal(size=(vocab, hidden)),
-  }
-  hf = {name: weight.astype(np.float32) for name, weight in hf.items()}
-  stored = {
-      "token_embd.weight":
-          hf["model.embed_tokens.weight"],
-      "blk.0.attn_q.weight":
-          _llamacpp_permute(hf["model.layers.0.self_attn.q_proj.weight"], heads),
-      "blk.0.attn_k.weight":
-          _llamacpp_permute(hf["model.layers.0.self_attn.k_proj.weight"], kv_heads),
-      "blk.0.attn_v.weight":
-          hf["model.layers.0.self_attn.v_proj.weight"],
-      "blk.0.attn_output.weight":
-          hf["model.layers.0.self_attn.o_proj.weight"],
-      "blk.0.ffn_gate.weight":
-          hf["model.layers.0.mlp.gate_proj.weight"],
-      "blk.0.ffn_up.weight":
-          hf["model.layers.0.mlp.up_proj.weight"],
-      "blk.0.ffn_down.weight":
-          hf["model.layers.0.mlp.down_proj.weight"],
-      "blk.0.attn_norm.weight":
-          hf["model.layers.0.input_layernorm.weight"],
-      "blk.0.ffn_norm.weight":
-          hf["model.layers.0.post_attention_layernorm.weight"],
-      "output_norm.weight":
-          hf["model.norm.weight"],
-      "output.weight":
-          hf["lm_head.weight"],
-  }
-  path = tmp_path / "tiny.gguf"
-  writer = gguf.GGUFWriter(str(path), arch="llama")
-  writer.add_block_count(1)
-  writer.add_context_length(64)
-  writer.add_embedding_length(hidden)
-  writer.add_feed_forward_length(ffn)
-  writer.add_head_count(heads)
-  writer.add_head_count_kv(kv_heads)
-  writer.add_layer_norm_rms_eps(1e-6)
-  writer.add_rope_freq_base(5e5)
-  writer.add_vocab_size(vocab)
-  for name, weight in stored.items():
+def _write_gguf(path, arch, tensors, **metadata):
+  """A GGUF file of `tensors` with each `writer.add_<key>(value)` of `metadata`."""
+  writer = gguf.GGUFWriter(str(path), arch=arch)
+  for key, value in metadata.items():
+    getattr(writer, f"add_{key}")(value)
+  for name, weight in tensors.items():
     writer.add_tensor(name, weight)
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
   writer.close()
+  return path
+
+
+def test_synthetic_untied_file_round_trips(tmp_path):
+  """A tiny llama file written the llama.cpp way (permuted Q/K, separate output) reads back."""
+  rng = np.random.default_rng(0)
+  hidden, heads, kv_heads, head_dim, ffn, vocab = 8, 2, 1, 4, 12, 10
+  layer = "model.layers.0."
+  tensors = [  # (llama.cpp name, Hugging Face name, shape)
+      ("token_embd", "model.embed_tokens", (vocab, hidden)),
+      ("blk.0.attn_q", layer + "self_attn.q_proj", (heads * head_dim, hidden)),
+      ("blk.0.attn_k", layer + "self_attn.k_proj", (kv_heads * head_dim, hidden)),
+      ("blk.0.attn_v", layer + "self_attn.v_proj", (kv_heads * head_dim, hidden)),
+      ("blk.0.attn_output", layer + "self_attn.o_proj", (hidden, heads * head_dim)),
+      ("blk.0.ffn_gate", layer + "mlp.gate_proj", (ffn, hidden)),
+      ("blk.0.ffn_up", layer + "mlp.up_proj", (ffn, hidden)),
+      ("blk.0.ffn_down", layer + "mlp.down_proj", (hidden, ffn)),
+      ("blk.0.attn_norm", layer + "input_layernorm", (hidden,)),
+      ("blk.0.ffn_norm", layer + "post_attention_layernorm", (hidden,)),
+      ("output_norm", "model.norm", (hidden,)),
+      ("output", "lm_head", (vocab, hidden)),
+  ]
+  hf = {f"{name}.weight": rng.normal(size=shape).astype(np.float32) for _, name, shape in tensors}
+  stored = {f"{name}.weight": hf[f"{hf_name}.weight"] for name, hf_name, _ in tensors}
+  stored["blk.0.attn_q.weight"] = _llamacpp_permute(stored["blk.0.attn_q.weight"], heads)
+  stored["blk.0.attn_k.weight"] = _llamacpp_permute(stored["blk.0.attn_k.weight"], kv_heads)
+  path = _write_gguf(tmp_path / "tiny.gguf", "llama", stored, block_count=1, context_length=64,
+                     embedding_length=hidden, feed_forward_length=ffn, head_count=heads,
+                     head_count_kv=kv_heads, layer_norm_rms_eps=1e-6, rope_freq_base=5e5,
+                     vocab_size=vocab)
 
   config, state_dict = gguf_io.read_gguf(path)
   assert set(state_dict) == set(hf)
@@ -166,13 +145,8 @@ def test_synthetic_untied_file_round_trips(tmp_path):
 
 
 def test_non_llama_file_is_refused(tmp_path):
-  path = tmp_path / "qwen.gguf"
-  writer = gguf.GGUFWriter(str(path), arch="qwen2")
-  writer.add_tensor("token_embd.weight", np.zeros((4, 2), np.float32))
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
+  path = _write_gguf(tmp_path / "qwen.gguf", "qwen2",
+                     {"token_embd.weight": np.zeros((4, 2), np.float32)})
   with pytest.raises(ValueError, match="only 'llama'"):
     gguf_io.read_gguf(path)
 

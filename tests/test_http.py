@@ -6,7 +6,6 @@ import json
 import socket
 import struct
 import threading
-import time
 
 import psutil
 import pytest
@@ -18,27 +17,16 @@ from environments.http.endpoint import Endpoint
 from environments.http.served import free_port, serve_in_subprocess
 from environments.pool import EnvPool
 from environments.textcraft import TextCraftEnv, solve
+from http_helpers import play, wait_until
 import toy_env
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _register_toy():
-  toy_env.register()
+toy_env.register()
 
 
 @pytest.fixture
 def server():
   with AgentGymServer("toy") as server:
     yield server
-
-
-def _wait_until(condition, timeout_s=10.0):
-  deadline = time.monotonic() + timeout_s
-  while not condition():
-    if time.monotonic() > deadline:
-      return False
-    time.sleep(0.02)
-  return True
 
 
 def _request(port, method, path, body=None, headers=None):
@@ -59,20 +47,9 @@ _EPISODES = {
     3: [
         "Thought: low.\n\nAction: guess 1", "Action: guess 9", "Action: jump", "Action: guess 5",
         "Action: guess 4"
-    ], 5: [
-        "Action: guess 0", "Action: guess 1", "Action: guess 2", "Action: guess 3",
-        "Action: guess 4"
-    ]
+    ],
+    5: [f"Action: guess {n}" for n in range(5)],
 }
-
-
-def _play(env, task_id, replies):
-  results = [env.reset(task_id)]
-  for reply in replies:
-    results.append(env.step(reply))
-    if results[-1].done:
-      break
-  return results
 
 
 @pytest.mark.parametrize("style", ["textcraft", "babyai", "sciworld"])
@@ -81,8 +58,8 @@ def test_a_remote_episode_matches_the_in_process_adapter(style):
   with AgentGymServer("toy", style=style) as server:
     remote = environments.make("http", base_url=server.url, env="toy", style=style)
     for task_id, replies in _EPISODES.items():
-      expected = _play(local, task_id, replies)
-      got = _play(remote, task_id, replies)
+      expected = play(local, task_id, replies)
+      got = play(remote, task_id, replies)
       assert [r if isinstance(r, str) else (r.observation, r.reward, r.done) for r in got] == [
           r if isinstance(r, str) else (r.observation, r.reward, r.done) for r in expected
       ]
@@ -104,7 +81,7 @@ def test_payloads_follow_the_environment_style():
     task_ids = toy_env.TRAIN_IDS + toy_env.TEST_IDS
     task_id = task_ids[created["id"] % 30]
     assert created["observation"].startswith(f"Task {task_id}:")
-    hidden = (7 * task_id + 3) % 10
+    hidden = toy_env.secret(task_id)
     status, stepped = _request(server.port, "POST", "/step",
                                {"id": created["id"], "action": f"Action: guess {hidden}"})
     assert stepped["reward"] == 1.0 and stepped["done"] and "score" not in stepped
@@ -183,16 +160,6 @@ def test_bad_requests_get_json_4xx_answers(shared_server, method, path, body, he
   assert _request(shared_server.port, "GET", "/")[0] == 200
 
 
-def test_the_server_survives_a_malformed_request_line(server):
-  with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
-    raw.sendall(b"GET / extra HTTP/1.1\r\n\r\n")
-    answer = raw.makefile("rb").read()  # The server closes the connection after answering.
-  head, _, body = answer.partition(b"\r\n\r\n")
-  assert head.split(b"\r\n")[0] == b"HTTP/1.1 400 Bad Request"
-  assert "Bad request syntax" in json.loads(body)["error"]
-  assert _request(server.port, "GET", "/")[0] == 200
-
-
 def test_a_failing_adapter_gets_500_for_its_env_only(server):
   broken, healthy = (AgentGymClient(server.url, "toy", retries=0) for _ in range(2))
   broken.reset(0)
@@ -213,7 +180,7 @@ def test_concurrent_clients_never_mix_up_states(server):
   num_clients, num_steps = 16, 50
   failures = []
 
-  def play(client_index):
+  def play_client(client_index):
     remote = AgentGymClient(server.url, "toy")
     local = toy_env.ToyEnv()
     task_id = client_index
@@ -232,7 +199,7 @@ def test_concurrent_clients_never_mix_up_states(server):
     finally:
       remote.close()
 
-  threads = [threading.Thread(target=play, args=(i,)) for i in range(num_clients)]
+  threads = [threading.Thread(target=play_client, args=(i,)) for i in range(num_clients)]
   for thread in threads:
     thread.start()
   for thread in threads:
@@ -276,8 +243,8 @@ def _play_oracle_episodes(url, client_index, num_clients, num_steps, task_ids):
       for action in solve(first):
         if steps == num_steps:  # The budget ends this episode early.
           return solved
-        got, expected = remote.step(_LOAD_REPLY.format(action)), local.step(
-            _LOAD_REPLY.format(action))
+        reply = _LOAD_REPLY.format(action)
+        got, expected = remote.step(reply), local.step(reply)
         steps += 1
         assert (got.observation, got.reward, got.done) == (expected.observation, expected.reward,
                                                            expected.done), (client_index, task_id,
@@ -373,14 +340,13 @@ def _check_load(num_clients, num_steps, rounds):
       peaks = _load_round(served, num_clients, num_steps, task_ids)
       # One handler thread and one socket per connection: one per player, the junk client's
       # (two while a refused one closes), and a few spare for connections still closing.
-      assert peaks["threads"] <= idle["threads"] + num_clients + 6, (peaks, idle)
-      assert peaks["fds"] <= idle["fds"] + num_clients + 6, (peaks, idle)
+      for resource in ("threads", "fds"):
+        assert peaks[resource] <= idle[resource] + num_clients + 6, (peaks, idle)
       # Every client closed its env and its connection: the server is back to idle.
       assert _request(served.port, "GET", "/")[1]["envs"] == 0
-      assert _wait_until(lambda: _server_resources(served)["threads"] <= idle["threads"]), (
-          _server_resources(served), idle)
-      assert _wait_until(lambda: _server_resources(served)["fds"] <= idle["fds"]), (
-          _server_resources(served), idle)
+      for resource in ("threads", "fds"):
+        assert wait_until(lambda: _server_resources(served)[resource] <= idle[resource]), (
+            _server_resources(served), idle)
       rss_after_rounds.append(_server_resources(served)["rss_mb"])
   return rss_after_rounds
 
@@ -398,7 +364,7 @@ def test_idle_envs_are_closed_and_a_reset_recreates_them():
     client = AgentGymClient(server.url, "toy")
     client.reset(0)
     closed = toy_env.ToyEnv.closed
-    assert _wait_until(lambda: server.num_envs() == 0, timeout_s=5)
+    assert wait_until(lambda: server.num_envs() == 0, timeout_s=5)
     assert toy_env.ToyEnv.closed == closed + 1
     with pytest.raises(EnvError, match="lost env mid-episode"):
       client.step("Action: guess 3")
@@ -427,14 +393,10 @@ def test_the_client_rides_out_a_server_restart():
   servers = []
 
   def restart(delay_s):
-
-    def start():
-      time.sleep(delay_s)
-      servers.append(AgentGymServer("toy", port=port).start())
-
-    thread = threading.Thread(target=start)
-    thread.start()
-    return thread
+    starter = threading.Timer(delay_s,
+                              lambda: servers.append(AgentGymServer("toy", port=port).start()))
+    starter.start()
+    return starter
 
   try:
     servers.append(AgentGymServer("toy", port=port).start())
@@ -629,7 +591,7 @@ def test_shutdown_leaves_no_threads_behind():
     clients = [AgentGymClient(server.url, "toy") for _ in range(4)]
     for client in clients:
       client.reset(0)  # Keep-alive connections stay open until shutdown drops them.
-  assert _wait_until(lambda: set(threading.enumerate()) == threads), threading.enumerate()
+  assert wait_until(lambda: set(threading.enumerate()) == threads), threading.enumerate()
   for client in clients:
     client.close()
 
@@ -650,13 +612,17 @@ def test_hostile_inputs_get_400_not_500(server, method, path, body, message):
   assert _request(server.port, "GET", "/")[0] == 200
 
 
-@pytest.mark.parametrize("line", [b"GARBAGE", b"GET", b"\x16\x03\x01\x02\x00"])
+@pytest.mark.parametrize("line",
+                         [b"GET / extra HTTP/1.1", b"GARBAGE", b"GET", b"\x16\x03\x01\x02\x00"])
 def test_an_unparseable_request_line_is_answered_under_a_status_line(server, line):
   with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
     raw.sendall(line + b"\r\n\r\n")
-    answer = raw.makefile("rb").read()
-  assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
-  assert json.loads(answer.partition(b"\r\n\r\n")[2])["code"] == "bad_request"
+    answer = raw.makefile("rb").read()  # The server closes the connection after answering.
+  head, _, body = answer.partition(b"\r\n\r\n")
+  assert head.split(b"\r\n")[0] == b"HTTP/1.1 400 Bad Request", answer[:200]
+  assert json.loads(body)["code"] == "bad_request"
+  assert "Bad request syntax" in json.loads(body)["error"]
+  assert _request(server.port, "GET", "/")[0] == 200  # The server keeps serving.
 
 
 def test_a_client_gone_mid_request_is_one_log_line_not_a_traceback(server, capfd):
@@ -667,5 +633,5 @@ def test_a_client_gone_mid_request_is_one_log_line_not_a_traceback(server, capfd
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     raw.sendall(b"POST /create HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
     raw.close()
-  _wait_until(lambda: _request(server.port, "GET", "/")[0] == 200)
+  wait_until(lambda: _request(server.port, "GET", "/")[0] == 200)
   assert "Traceback" not in capfd.readouterr().err

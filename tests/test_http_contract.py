@@ -8,7 +8,6 @@ answer fields it reads. They use `requests`, as the original clients do.
 
 import re
 
-import pytest
 import requests
 
 from environments.babyai import expert as babyai_expert
@@ -18,12 +17,9 @@ from environments.textcraft import TextCraftEnv, solve
 import environments
 import toy_env
 
+toy_env.register()
+
 _TIMEOUT_S = 30
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _register_toy():
-  toy_env.register()
 
 
 def _action(reply):

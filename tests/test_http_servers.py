@@ -7,10 +7,7 @@ from environments import EnvError
 from environments.http import AgentGymServer
 import toy_env
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _register_toy():
-  toy_env.register()
+toy_env.register()
 
 
 def test_slots_spread_over_servers_and_leave_a_dead_one():

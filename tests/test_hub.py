@@ -6,14 +6,13 @@ import hashlib
 import os
 import pathlib
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 from huggingface_hub import constants
 
 import tiny
 from agentgym_jax import models
 from agentgym_jax.models import weights
+from model_helpers import assert_loads_the_same
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -46,12 +45,7 @@ def test_hub_id_loads_from_the_cache_offline(tmp_path, offline_cache):
   checkpoint = tiny.make_checkpoint(tmp_path / "tiny", seed=3)
   snapshot = _hub_cache(offline_cache, "acme/tiny-agent", checkpoint)
   assert models.resolve("acme/tiny-agent") == snapshot
-
-  from_hub, hub_tokenizer = models.load_model("acme/tiny-agent")
-  from_dir, dir_tokenizer = models.load_model(str(checkpoint))
-  ids = jnp.array([[0, 4, 2, 5, 1]])
-  np.testing.assert_array_equal(np.asarray(from_hub(ids)), np.asarray(from_dir(ids)))
-  assert hub_tokenizer.encode("user 0 1") == dir_tokenizer.encode("user 0 1")
+  assert_loads_the_same("acme/tiny-agent", str(checkpoint))
 
 
 def test_hub_id_absent_from_the_cache_is_one_line_naming_the_fetch(offline_cache):

@@ -12,9 +12,9 @@ import pytest
 import torch
 from flax import nnx
 
+import rl_helpers
 import test_models
 import test_offline
-import test_trainer
 import tiny
 import tolerances
 from agentgym_jax import checkpoint, config as config_lib, learner, offline, run
@@ -66,10 +66,17 @@ def test_fresh_adapters_leave_the_base_exactly(tiny_model):
   assert adapted.adapters.o_proj.b.get_value().shape == (2, 4, 64)
 
 
-def test_rank_zero_trains_the_whole_model(checkpoint_dir, tiny_model):
+def _lora_config(checkpoint_dir, rank=4, **algorithm):
+  """The tiny model's config with rank-`rank` adapters and the given algorithm keys."""
   c = config_lib.base_config()
   c.model.name = checkpoint_dir
-  settings = run.Settings.from_config(c)
+  c.model.lora.rank = rank
+  c.algorithm.update(algorithm)
+  return c
+
+
+def test_rank_zero_trains_the_whole_model(checkpoint_dir, tiny_model):
+  settings = run.Settings.from_config(_lora_config(checkpoint_dir, rank=0))
   assert settings.lora is None
   policy = settings.policy(tiny_model, None)
   assert policy.frozen is None and policy.graphdef == policy.decoder_graphdef
@@ -140,12 +147,8 @@ def _rollout_batch(rows: int = 4, length: int = 12) -> Batch:
 
 def test_update_trains_only_the_adapters_whose_state_alone_the_optimizer_holds(
     checkpoint_dir, tiny_model):
-  c = config_lib.base_config()
-  c.model.name = checkpoint_dir
-  c.model.lora.rank = 4
+  c = _lora_config(checkpoint_dir, logprob_chunk=8, kl_coef=1e-2)
   c.model.lora.dropout = 0.1
-  c.algorithm.logprob_chunk = 8
-  c.algorithm.kl_coef = 1e-2
   c.optim.learning_rate = 1e-2
   settings = run.Settings.from_config(c)
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
@@ -188,12 +191,7 @@ def test_update_trains_only_the_adapters_whose_state_alone_the_optimizer_holds(
 
 
 def test_lora_gradients_accumulate_over_micro_batches(checkpoint_dir, tiny_model):
-  c = config_lib.base_config()
-  c.model.name = checkpoint_dir
-  c.model.lora.rank = 4
-  c.algorithm.logprob_chunk = 8
-  c.algorithm.kl_coef = 0.0
-  settings = run.Settings.from_config(c)
+  settings = run.Settings.from_config(_lora_config(checkpoint_dir, logprob_chunk=8, kl_coef=0.0))
   policy = settings.policy(tiny_model, None)
   adapters = _random_b(policy.params)  # Away from B = 0, where A gets no gradient.
   batch = jax.tree.map(jnp.asarray, _rollout_batch())
@@ -212,10 +210,7 @@ def test_lora_gradients_accumulate_over_micro_batches(checkpoint_dir, tiny_model
 
 def test_a_lora_checkpoint_holds_and_restores_the_adapters_alone(checkpoint_dir, tiny_model,
                                                                  tmp_path):
-  c = config_lib.base_config()
-  c.model.name = checkpoint_dir
-  c.model.lora.rank = 4
-  settings = run.Settings.from_config(c)
+  settings = run.Settings.from_config(_lora_config(checkpoint_dir))
   policy = settings.policy(tiny_model, None)
   adapters = _random_b(policy.params)
   state = run.RunState(adapters, None, settings.optimizer.init((adapters, None)))
@@ -236,8 +231,8 @@ def test_a_lora_checkpoint_holds_and_restores_the_adapters_alone(checkpoint_dir,
 
 
 def echo_config(checkpoint_dir: str, steps: int):
-  """The trainer tests' echo run (tests/test_trainer.py) with rank-8 adapters."""
-  c = test_trainer.echo_config(checkpoint_dir, steps=steps)
+  """The trainer tests' echo run (tests/rl_helpers.py) with rank-8 adapters."""
+  c = rl_helpers.echo_config(checkpoint_dir, steps=steps)
   c.model.lora.rank = 8
   c.model.lora.alpha = 16.0
   return c
@@ -253,13 +248,9 @@ def test_lora_resume_continues_exactly_and_checkpoints_only_adapters(checkpoint_
   c.checkpoint.export_hf = True
   c.checkpoint.export_format = "peft"
   straight = trainer.train(c, tmp_path / "straight")
-  c.steps = 2
-  trainer.train(c, tmp_path / "resumed")
-  c.steps = 4
-  resumed = trainer.train(c, tmp_path / "resumed")
-  for a, b in zip(straight[2:], resumed):
-    for key in ("reward", "loss", "grad_norm", "entropy", "kl_to_ref", "policy/ratio_mean"):
-      np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=key)
+  rl_helpers.assert_resumed_run_matches(
+      straight, c, tmp_path / "resumed",
+      ("reward", "loss", "grad_norm", "entropy", "kl_to_ref", "policy/ratio_mean"))
   assert straight[-1]["kl_to_ref"] > 0  # The adapters moved the policy off the base.
   # The checkpoint holds the adapters and AdamW's state of them, nothing of the base.
   with checkpoint.Checkpointer(tmp_path / "resumed" / "checkpoints") as checkpointer:
@@ -270,11 +261,9 @@ def test_lora_resume_continues_exactly_and_checkpoints_only_adapters(checkpoint_
       f"params/adapters/{t}/{ab}/value" for t in lora.TARGETS for ab in "ab"), params
   assert not any("embed_tokens" in p or p.endswith("q_proj/value") for p in saved)
   # The PEFT exports of both runs agree.
-  straight_peft = weights.SafetensorsReader(tmp_path / "straight" / "export")
-  resumed_peft = weights.SafetensorsReader(tmp_path / "resumed" / "export")
+  straight_peft = rl_helpers.assert_same_tensors(tmp_path / "straight" / "export",
+                                                 tmp_path / "resumed" / "export")
   assert len(straight_peft) == 2 * 7 * 2
-  for name in straight_peft:
-    np.testing.assert_allclose(straight_peft[name], resumed_peft[name], rtol=1e-5, atol=1e-6)
   config = json.loads((tmp_path / "straight" / "export" / lora.PEFT_CONFIG).read_text())
   assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (8, 16.0, 0.1)
 
@@ -305,9 +294,8 @@ def test_lora_alone_learns_echo(pretrained_like_dir, tmp_path, single_device):
 
 def test_lora_sft_trains_adapters_and_exports_the_merged_model(pretrained_like_dir, tmp_path,
                                                                single_device):
-  demos = tmp_path / "demos.jsonl"
-  conversation = [{"role": "user", "content": "1 0"}, {"role": "assistant", "content": "0 1 1"}]
-  demos.write_text("".join(json.dumps({"messages": conversation}) + "\n" for _ in range(2)))
+  demos = rl_helpers.jsonl_file(tmp_path / "demos.jsonl",
+                                [{"messages": rl_helpers.conversation("1 0", "0 1 1")}] * 2)
   c = test_offline.offline_config(pretrained_like_dir, demos, "sft", steps=8)
   c.model.lora.rank = 4
   c.optim.learning_rate = 1e-2
@@ -324,15 +312,8 @@ def test_lora_sft_trains_adapters_and_exports_the_merged_model(pretrained_like_d
 
 
 def test_lora_dpo_scores_against_the_base(checkpoint_dir, tmp_path, single_device):
-  records = []
-  for task, (prompt, chosen, rejected) in enumerate([("1 0", "0 1", "1 1"), ("0 0", "1", "0")]):
-    for reply, success in ((chosen, True), (rejected, False)):
-      records.append({
-          "task_id": task, "env": "echo", "reward": float(success), "success": success,
-          "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
-      })
-  data = tmp_path / "pairs.jsonl"
-  data.write_text("".join(json.dumps(r) + "\n" for r in records))
+  # Two tasks, each with a preferred and a rejected reply.
+  data = rl_helpers.jsonl_file(tmp_path / "pairs.jsonl", test_offline.PAIR_RECORDS[:4])
   c = test_offline.offline_config(checkpoint_dir, data, "dpo", steps=3)
   c.model.lora.rank = 4
   c.model.dtype = "float32"
@@ -409,25 +390,16 @@ def test_lora_config_errors_are_one_line_at_start_up(key, value, message):
   c = config_lib.base_config()
   c.model.lora.rank = 8
   config_lib.validate(c)
-  section, *rest = key.split(".")
-  target = c[section]
-  for name in rest[:-1]:
-    target = target[name]
-  target[rest[-1]] = value
-  with pytest.raises(config_lib.ConfigError, match=message) as error:
-    config_lib.validate(c)
-  assert "\n" not in str(error.value)
+  rl_helpers.set_key(c, key, value)
+  assert "\n" not in str(rl_helpers.check_config(c, message))
 
 
 def test_peft_export_needs_lora_and_stage_evaluations_need_a_merged_export():
   c = config_lib.base_config()
   c.checkpoint.export_format = "peft"
-  with pytest.raises(
-      config_lib.ConfigError, match=r"export_format='peft' writes LoRA adapters: it needs "
-      r"model.lora.rank > 0"):
-    config_lib.validate(c)
+  rl_helpers.check_config(
+      c, r"export_format='peft' writes LoRA adapters: it needs model.lora.rank > 0")
   c.model.lora.rank = 8
   config_lib.validate(c)
   c.eval.stages = True
-  with pytest.raises(config_lib.ConfigError, match=r"checkpoint.export_format='merged'"):
-    config_lib.validate(c)
+  rl_helpers.check_config(c, r"checkpoint.export_format='merged'")

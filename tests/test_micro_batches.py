@@ -14,6 +14,7 @@ from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import Decoder
 
 import tolerances
+from rl_helpers import check_config
 
 CONFIG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -128,5 +129,4 @@ def test_micro_batch_rows_that_do_not_divide_a_minibatch_fail_at_start_up(rows, 
   c.rollout.tasks_per_step, c.rollout.samples_per_task = 4, 4
   c.algorithm.num_minibatches = 2
   c.algorithm.micro_batch_rows = rows
-  with pytest.raises(config_lib.ConfigError, match=message):
-    config_lib.validate(c)
+  check_config(c, message)

@@ -25,6 +25,7 @@ from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import Decoder
 
 import tolerances
+from model_helpers import load_hf_smollm2
 
 _TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -312,14 +313,9 @@ GENERATED_TOKENS = 20
 @pytest.fixture(scope="module")
 def smollm2():
   """(our model, our tokenizer, transformers' model) of the embedded GGUF file."""
-  from agentgym_jax.models import gguf
-
   model, tokenizer = models.load_model("smollm2-135m-instruct")
-  path = gguf.smollm2_gguf_path()
-  hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent),
-                                                               gguf_file=path.name,
-                                                               dtype=torch.float32).eval()
-  return model, tokenizer, hf_model
+  return model, tokenizer, load_hf_smollm2(transformers.AutoModelForCausalLM,
+                                           dtype=torch.float32).eval()
 
 
 def _right_padded(rows: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:

@@ -3,7 +3,6 @@ its own env pool and sampler rows, trains as one process does with the same glob
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 
 import tolerances
 from agentgym_jax import metrics
+from environments.http.served import free_port
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -47,12 +47,6 @@ SETTINGS = [
 TIMEOUT_S = 300
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 def _launch(name: str, workdir: pathlib.Path, checkpoint_dir: str, devices: int, *flags:
             str) -> tuple[subprocess.Popen, pathlib.Path]:
   """Starts launch/train.py; returns the process and the file that gets its stderr."""
@@ -70,7 +64,7 @@ def _launch(name: str, workdir: pathlib.Path, checkpoint_dir: str, devices: int,
 def _two_processes(workdir: pathlib.Path, checkpoint_dir: str, *flags:
                    str) -> list[tuple[subprocess.Popen, pathlib.Path]]:
   """launch/train.py as processes 0 and 1 of one run, 2 devices each."""
-  port = _free_port()
+  port = free_port()
   return [
       _launch(f"{workdir.name}_process_{i}", workdir, checkpoint_dir, 2, *flags,
               f"--coordinator=localhost:{port}", "--num_processes=2", f"--process_id={i}")
@@ -139,10 +133,10 @@ def test_two_processes_train_as_one_process(checkpoint_dir, tmp_path):
   # Rewards vary within groups, so the updates move the parameters.
   assert all(0 < row["reward"] < 1 and row["grad_norm"] > 0 for row in single)
   for step in range(1, STEPS + 1):
-    conversations = lambda workdir: [(t["task_id"], t["group"], t["messages"])
-                                     for t in metrics.read_trajectories(workdir, step)]
-    assert conversations(tmp_path / "two") == conversations(tmp_path / "one")
-    assert len(conversations(tmp_path / "two")) == 16
+    two, one = ([(t["task_id"], t["group"], t["messages"])
+                 for t in metrics.read_trajectories(workdir, step)]
+                for workdir in (tmp_path / "two", tmp_path / "one"))
+    assert two == one and len(two) == 16
 
   _assert_same_parameters(tmp_path / "two", tmp_path / "one")
 

@@ -1,11 +1,6 @@
 """SFT and DPO end to end on a tiny model: learning, the loss mask, exact resume, the launcher."""
 
-import importlib.util
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,53 +12,37 @@ from agentgym_jax import checkpoint, config as config_lib, demonstrations, learn
 from agentgym_jax import offline, offline_data, run, sharding
 from agentgym_jax.models import load_model
 from environments import base
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _conversation(*turns):
-  """user, assistant, user, ... from the given contents."""
-  return [{"role": "user" if i % 2 == 0 else "assistant", "content": c} for i, c in enumerate(turns)
-         ]
-
+from rl_helpers import conversation, jsonl_file, launch_train
+from test_configs import load
 
 # Replies that depend on the prompt, of different lengths, one with two turns.
 DEMOS = [
-    {"messages": _conversation("1 0", "0 1 1")},
-    {"messages": _conversation("0 0", "1")},
-    {"messages": _conversation("1 1", "0 0", "1", "1 0 1")},
-    {"messages": _conversation("0 1", "1 1 0 0")},
+    {"messages": conversation("1 0", "0 1 1")},
+    {"messages": conversation("0 0", "1")},
+    {"messages": conversation("1 1", "0 0", "1", "1 0 1")},
+    {"messages": conversation("0 1", "1 1 0 0")},
 ]
 
 
 def _record(task_id, prompt, reply, success):
   return {
-      "task_id": task_id, "env": "echo", "messages": _conversation(prompt, reply),
+      "task_id": task_id, "env": "echo", "messages": conversation(prompt, reply),
       "reward": float(success), "success": success, "num_turns": 1
   }
 
 
-# Per task a preferred (successful) and a rejected reply.
+# Per task (prompt, a preferred (successful) reply, a rejected one).
+PAIRS = [("1 0", "0 1", "1 1"), ("0 0", "1", "0"), ("1 1", "0 0 1", "1 0 0"), ("0 1", "1 0", "0 1")]
 PAIR_RECORDS = [
-    _record(0, "1 0", "0 1", True),
-    _record(0, "1 0", "1 1", False),
-    _record(1, "0 0", "1", True),
-    _record(1, "0 0", "0", False),
-    _record(2, "1 1", "0 0 1", True),
-    _record(2, "1 1", "1 0 0", False),
-    _record(3, "0 1", "1 0", True),
-    _record(3, "0 1", "0 1", False)
+    _record(task_id, prompt, reply, success)
+    for task_id, (prompt, chosen, rejected) in enumerate(PAIRS)
+    for reply, success in ((chosen, True), (rejected, False))
 ]
 
 
 @pytest.fixture(scope="module")
 def tiny_model(checkpoint_dir):
   return load_model(checkpoint_dir)
-
-
-def _write_jsonl(path, records):
-  path.write_text("".join(json.dumps(r) + "\n" for r in records))
-  return str(path)
 
 
 def offline_config(checkpoint_dir, data_path, mode="sft", steps=40):
@@ -98,7 +77,7 @@ def _trained_params(c, workdir):
 
 def test_sft_learns_the_demonstrations_and_greedy_decoding_reproduces_them(
     checkpoint_dir, tiny_model, tmp_path, single_device):
-  c = offline_config(checkpoint_dir, _write_jsonl(tmp_path / "demos.jsonl", DEMOS), steps=40)
+  c = offline_config(checkpoint_dir, jsonl_file(tmp_path / "demos.jsonl", DEMOS), steps=40)
   c.checkpoint.every = 40
   history = offline.train_offline(c, tmp_path / "run")
   losses = [h["loss"] for h in history]
@@ -151,16 +130,13 @@ def test_sft_loss_is_the_token_mean_over_reply_tokens_only(checkpoint_dir, tiny_
     written = observation[:perturbed.shape[1] - end]
     perturbed[row, end:end + len(written)] = written
   assert not np.array_equal(perturbed, batch.tokens)
-  perturbed_loss, _ = offline.sft_loss(params, graphdef, batch.replace(tokens=perturbed),
-                                       loss_config)
-  np.testing.assert_allclose(perturbed_loss, loss, rtol=1e-6)
+  loss_of = lambda **changes: offline.sft_loss(params, graphdef, batch.replace(**changes),
+                                               loss_config)[0]
+  np.testing.assert_allclose(loss_of(tokens=perturbed), loss, rtol=1e-6)
   # ... though a loss over every position would.
   unmasked = np.ones_like(batch.loss_mask)
-  loss_all, _ = offline.sft_loss(params, graphdef, batch.replace(loss_mask=unmasked), loss_config)
-  loss_all_perturbed, _ = offline.sft_loss(params, graphdef,
-                                           batch.replace(tokens=perturbed, loss_mask=unmasked),
-                                           loss_config)
-  assert abs(float(loss_all_perturbed) - float(loss_all)) > 1e-3
+  loss_all = loss_of(loss_mask=unmasked)
+  assert abs(float(loss_of(tokens=perturbed, loss_mask=unmasked)) - float(loss_all)) > 1e-3
 
 
 def test_sft_on_echo_demonstrations_solves_the_test_split(checkpoint_dir, tmp_path, single_device):
@@ -170,7 +146,7 @@ def test_sft_on_echo_demonstrations_solves_the_test_split(checkpoint_dir, tmp_pa
       env,
       env.task_ids("train")[:16], source="echo",
       expert=lambda env, task_id: list(env.task_info(task_id)["sequence"])).demos
-  c = offline_config(checkpoint_dir, _write_jsonl(tmp_path / "demos.jsonl", demos), steps=50)
+  c = offline_config(checkpoint_dir, jsonl_file(tmp_path / "demos.jsonl", demos), steps=50)
   c.data.batch_size = 8
   c.data.max_length = 64
   c.env.options.turns = 2
@@ -178,8 +154,7 @@ def test_sft_on_echo_demonstrations_solves_the_test_split(checkpoint_dir, tmp_pa
   c.rollout.samples_per_task = 2
   c.rollout.max_new_tokens = 2
   c.rollout.max_context = 64
-  c.horizon.kind = "fixed"
-  c.horizon.turns = 2
+  config_lib.fixed_horizon(2)(c)
   c.eval.every = 50  # Greedy, on the first 16 test tasks, after the last step.
   c.eval.max_tasks = 16
   history = offline.train_offline(c, tmp_path / "run")
@@ -205,8 +180,8 @@ def test_update_compiles_once_per_batch_length(checkpoint_dir, tmp_path):
 
 
 def test_dpo_prefers_the_chosen_replies(checkpoint_dir, tmp_path, single_device):
-  c = offline_config(checkpoint_dir, _write_jsonl(tmp_path / "pairs.jsonl", PAIR_RECORDS),
-                     mode="dpo", steps=20)
+  c = offline_config(checkpoint_dir, jsonl_file(tmp_path / "pairs.jsonl", PAIR_RECORDS), mode="dpo",
+                     steps=20)
   history = offline.train_offline(c, tmp_path / "run")
   # Step 1 scores the initial policy against itself as the reference: every implicit reward is
   # 0, so the loss is -log sigmoid(0) = ln 2.
@@ -220,7 +195,7 @@ def test_dpo_prefers_the_chosen_replies(checkpoint_dir, tmp_path, single_device)
 
 
 def test_resumed_sft_equals_an_uninterrupted_run(checkpoint_dir, tmp_path, single_device):
-  data = _write_jsonl(tmp_path / "demos.jsonl", DEMOS)
+  data = jsonl_file(tmp_path / "demos.jsonl", DEMOS)
   c = offline_config(checkpoint_dir, data, steps=4)  # Two batches per epoch: order matters.
   c.checkpoint.every = 2
   uninterrupted = offline.train_offline(c, tmp_path / "whole")
@@ -246,14 +221,14 @@ def test_run_workdir_data_filtered_for_sft_and_paired_for_dpo(checkpoint_dir, ti
   c.data.min_reward = 1.0
   records = offline.load_records(tmp_path)
   assert len(records) == 8
-  assert offline.make_batches(run.Settings.from_config(c), records,
-                              tokenizer.chat).num_examples == 4  # The successes.
+  batches = lambda: offline.make_batches(run.Settings.from_config(c), records, tokenizer.chat)
+  assert batches().num_examples == 4  # The successes.
   c.mode = "dpo"
-  assert offline.make_batches(run.Settings.from_config(c), records, tokenizer.chat).num_pairs == 4
+  assert batches().num_pairs == 4
   # No pair has a chosen side with reward >= 2.
   c.data.min_reward = 2.0
   with pytest.raises(ValueError, match="give 0 preference pairs"):
-    offline.make_batches(run.Settings.from_config(c), records, tokenizer.chat)
+    batches()
 
 
 def test_bad_data_and_batch_settings_fail_with_a_clear_message(checkpoint_dir, tmp_path):
@@ -261,23 +236,19 @@ def test_bad_data_and_batch_settings_fail_with_a_clear_message(checkpoint_dir, t
     offline.load_records(tmp_path / "missing.jsonl")
   with pytest.raises(ValueError, match="without logged trajectories"):
     offline.load_records(tmp_path)
-  c = offline_config(checkpoint_dir, _write_jsonl(tmp_path / "demos.jsonl", DEMOS))
+  c = offline_config(checkpoint_dir, jsonl_file(tmp_path / "demos.jsonl", DEMOS))
   c.data.batch_size = 3  # conftest makes 8 devices; the rows are split over all of them.
   with pytest.raises(ValueError, match="data.batch_size=3 must be a multiple of mesh"):
     offline.train_offline(c, tmp_path / "run")
 
 
 def test_launch_train_runs_sft_from_the_config_file(checkpoint_dir, tmp_path):
-  data = _write_jsonl(tmp_path / "demos.jsonl", DEMOS)
+  data = jsonl_file(tmp_path / "demos.jsonl", DEMOS)
   workdir = tmp_path / "run"
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-  result = subprocess.run([
-      sys.executable, "launch/train.py", "--config=configs/sft_textcraft.py:local",
-      "--config.steps=2", "--config.optim.warmup_steps=1", f"--config.model.name={checkpoint_dir}",
-      f"--config.data.path={data}", "--config.data.batch_size=2", "--config.data.max_length=32",
-      "--config.log.progress_bar=False", f"--workdir={workdir}"
-  ], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
+  launch_train("sft_textcraft.py:local", "--config.steps=2", "--config.optim.warmup_steps=1",
+               f"--config.model.name={checkpoint_dir}", f"--config.data.path={data}",
+               "--config.data.batch_size=2", "--config.data.max_length=32",
+               "--config.log.progress_bar=False", f"--workdir={workdir}")
   rows = metrics.read_metrics(workdir)
   assert [r["step"] for r in rows] == [1, 2]
   assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
@@ -289,10 +260,7 @@ def test_launch_train_runs_sft_from_the_config_file(checkpoint_dir, tmp_path):
 @pytest.mark.parametrize("variant", ["", "local"])
 @pytest.mark.parametrize("name", ["sft_textcraft", "dpo_textcraft"])
 def test_offline_configs_validate(name, variant):
-  spec = importlib.util.spec_from_file_location(name, REPO / "configs" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = config_lib.validate(module.get_config(variant))
+  c = config_lib.validate(load(name)(variant))
   assert c.mode == name.split("_")[0] and c.env.name == "textcraft"
   if c.mode == "sft":
     assert c.data.path == "data/textcraft_train_demos.jsonl"

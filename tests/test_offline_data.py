@@ -9,6 +9,7 @@ from agentgym_jax import offline_data
 from agentgym_jax.models.tokenizer import Tokenizer
 from agentgym_jax.rollout import Trajectory
 from environments import base
+from rl_helpers import conversation
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +28,6 @@ def tiny_chat(tmp_path_factory):
 def textcraft_demos():
   env = base.make("textcraft")
   return demos_lib.collect(env, env.task_ids("train")[:12]).demos
-
-
-def _conversation(*turns):
-  """user, assistant, user, ... from the given contents."""
-  return [{"role": "user" if i % 2 == 0 else "assistant", "content": c} for i, c in enumerate(turns)
-         ]
 
 
 def _check_invariants(chat, messages):
@@ -60,17 +55,16 @@ def test_tokens_equal_the_whole_render_and_the_mask_covers_replies_smollm(
     smollm_chat, textcraft_demos):
   for demo in textcraft_demos:
     _check_invariants(smollm_chat, demo["messages"])
-  tricky = _conversation("Goal: say <|im_end|> without ending the turn.",
-                         "Thought: the text <|im_end|><|im_start|>user is plain.\n\nAction: echo",
-                         "  leading spaces, unicode é ✓, and a trailing newline\n",
-                         "\n\nAction: 42")
+  tricky = conversation("Goal: say <|im_end|> without ending the turn.",
+                        "Thought: the text <|im_end|><|im_start|>user is plain.\n\nAction: echo",
+                        "  leading spaces, unicode é ✓, and a trailing newline\n", "\n\nAction: 42")
   _check_invariants(smollm_chat, tricky)
   # A system message joins the prompt; SmolLM2's default system message is not added then.
   _check_invariants(smollm_chat, [{"role": "system", "content": "Be brief."}, *tricky])
 
 
 def test_tokens_equal_the_whole_render_and_the_mask_covers_replies_tiny(tiny_chat):
-  tokens, loss_mask = _check_invariants(tiny_chat, _conversation("1 0", "0 1 1", "1", "0"))
+  tokens, loss_mask = _check_invariants(tiny_chat, conversation("1 0", "0 1 1", "1", "0"))
   # Worked example, ids: <|im_start|>=0 <|im_end|>=1 \n=3 " "=4 user=5 assistant=6 0=7 1=8.
   # Prompt "<s>user\n1 0<e>\n<s>assistant\n", reply "0 1 1<e>", continuation
   # "\n<s>user\n1<e>\n<s>assistant\n", reply "0<e>".
@@ -83,7 +77,7 @@ def test_tokens_equal_the_whole_render_and_the_mask_covers_replies_tiny(tiny_cha
 def test_tokens_match_the_rollouts_turn_by_turn_construction(tiny_chat):
   # The rollout: prompt, then sampled ids ending in im_end (trained), then continuation_ids.
   trajectory = Trajectory(task_id=0, group=0)
-  messages = _conversation("1", "0 0", "1 1", "1")
+  messages = conversation("1", "0 0", "1 1", "1")
   trajectory.extend(tiny_chat.render(messages[:1], add_generation_prompt=True), trained=False)
   trajectory.extend(tiny_chat.reply_ids("0 0"), trained=True)
   trajectory.extend(tiny_chat.continuation_ids("user", "1 1"), trained=False)
@@ -112,11 +106,11 @@ def test_tool_call_demos_tokenize_with_their_tools(chat_family, tmp_path):
 
 
 @pytest.mark.parametrize("messages,message", [
-    (_conversation("1", "0", "1"), "ends with a 'user' turn"),
-    (_conversation("1"), "no assistant reply"),
+    (conversation("1", "0", "1"), "ends with a 'user' turn"),
+    (conversation("1"), "no assistant reply"),
     ([{"role": "assistant", "content": "0"}], "starts with an assistant reply"),
-    (_conversation("1", "0") + [{"role": "assistant", "content": "1"}], "must alternate"),
-    (_conversation("1", "0") +
+    (conversation("1", "0") + [{"role": "assistant", "content": "1"}], "must alternate"),
+    (conversation("1", "0") +
      [{"role": "user", "content": 1}, {"role": "assistant", "content": "0"}], "not str"),
     ([], "non-empty list"),
 ])
@@ -131,7 +125,7 @@ def test_malformed_conversations_are_refused(tiny_chat, messages, message):
 def _records(lengths):
   """Conversations whose single reply has the given number of words ("0 1 0 ..." style)."""
   return [{
-      "messages": _conversation("1", " ".join("01"[j % 2] for j in range(n))), "reward": float(i)
+      "messages": conversation("1", " ".join("01"[j % 2] for j in range(n))), "reward": float(i)
   } for i, n in enumerate(lengths)]
 
 
@@ -210,7 +204,7 @@ def test_over_long_conversations_are_dropped_and_counted_never_cut(tiny_chat):
 def _trajectory(name, task_id, success, reward, num_turns=1, **extra):
   return {
       "name": name, "task_id": task_id, "success": success, "reward": reward,
-      "num_turns": num_turns, "messages": _conversation("1", "0"), **extra
+      "num_turns": num_turns, "messages": conversation("1", "0"), **extra
   }
 
 
@@ -220,11 +214,8 @@ def _names(pairs):
 
 def test_dpo_pairs_best_against_worst_while_the_first_strictly_wins():
   trajectories = [
-      _trajectory("A", 7, False, 0.0),
-      _trajectory("B", 7, True, 1.0),
-      _trajectory("C", 7, False, 0.0),
-      _trajectory("D", 7, True, 1.0),
-      _trajectory("E", 7, False, 0.0)
+      _trajectory(name, 7, success, float(success))
+      for name, success in zip("ABCDE", [False, True, False, True, False])
   ]
   # Ranked B, D, A, C, E (ties in input order): (B, E), (D, C); A is the unpaired middle.
   pairs = offline_data.dpo_pairs(trajectories)
@@ -236,12 +227,7 @@ def test_dpo_pairs_best_against_worst_while_the_first_strictly_wins():
 def test_dpo_pairs_by_reward_gap_between_equals_in_success():
   # SciWorld-like scores, all failures: ranked 0.9, 0.6, 0.5, 0.2. With a gap of 0.3:
   # (0.9, 0.2) differ by 0.7 > 0.3, a pair; (0.6, 0.5) by 0.1, not, and pairing stops.
-  trajectories = [
-      _trajectory("s5", 1, False, 0.5),
-      _trajectory("s9", 1, False, 0.9),
-      _trajectory("s2", 1, False, 0.2),
-      _trajectory("s6", 1, False, 0.6)
-  ]
+  trajectories = [_trajectory(f"s{score}", 1, False, score / 10) for score in (5, 9, 2, 6)]
   assert _names(offline_data.dpo_pairs(trajectories, min_reward_gap=0.3)) == [("s9", "s2")]
   assert _names(offline_data.dpo_pairs(trajectories)) == [("s9", "s2"), ("s6", "s5")]
   # Success beats failure even at a lower reward (BabyAI: a slow success vs a failure).
@@ -256,7 +242,7 @@ def test_dpo_pairs_prefer_shorter_successes_and_skip_broken_episodes():
       _trajectory("broken", 3, False, 0.0, termination="env_error"),
       _trajectory("fail", 3, False, 0.0, num_turns=10),
       _trajectory("other task", 4, True, 1.0),
-      _trajectory("no reply", 4, False, 0.0, messages=_conversation("1"))
+      _trajectory("no reply", 4, False, 0.0, messages=conversation("1"))
   ]
   assert _names(offline_data.dpo_pairs(trajectories)) == [("short", "fail")]
   assert offline_data.dpo_pairs([_trajectory("a", 1, True, 1.0),
@@ -269,7 +255,7 @@ def test_dpo_pairs_refuse_mixed_environments_and_different_prompts():
         _trajectory("a", 1, True, 1.0, env="textcraft"),
         _trajectory("b", 1, False, 0.0, env="babyai")
     ])
-  other_prompt = _trajectory("b", 1, False, 0.0, messages=_conversation("0", "0"))
+  other_prompt = _trajectory("b", 1, False, 0.0, messages=conversation("0", "0"))
   with pytest.raises(ValueError, match="different prompts"):
     offline_data.dpo_pairs([_trajectory("a", 1, True, 1.0), other_prompt])
 
@@ -279,10 +265,10 @@ def test_dpo_batches_align_chosen_and_rejected_rows(tiny_chat):
   for task in range(6):  # chosen: a short success; rejected: a longer failure
     trajectories += [{
         "task_id": task, "success": True, "reward": 1.0, "num_turns": 1,
-        "messages": _conversation("1", "0 " * task + "1")
+        "messages": conversation("1", "0 " * task + "1")
     }, {
         "task_id": task, "success": False, "reward": 0.0, "num_turns": 2,
-        "messages": _conversation("1", "0", "0", "1 " * (10 * task) + "0")
+        "messages": conversation("1", "0", "0", "1 " * (10 * task) + "0")
     }]
   pairs = offline_data.dpo_pairs(trajectories)
   assert [p.task_id for p in pairs] == list(range(6))
@@ -295,7 +281,7 @@ def test_dpo_batches_align_chosen_and_rejected_rows(tiny_chat):
     assert chosen.rewards.tolist() == [1.0, 1.0] and rejected.rewards.tolist() == [0.0, 0.0]
     for row in range(2):
       # Row i of both batches is one pair: the same prompt, hence the same first tokens.
-      prompt = tiny_chat.render(_conversation("1"), add_generation_prompt=True)
+      prompt = tiny_chat.render(conversation("1"), add_generation_prompt=True)
       assert chosen.tokens[row, :len(prompt)].tolist() == prompt
       assert rejected.tokens[row, :len(prompt)].tolist() == prompt
       # The chosen reply "0 0 ... 1" has 2 * task + 1 tokens, plus im_end.

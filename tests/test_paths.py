@@ -9,8 +9,6 @@ import sys
 import types
 
 import fsspec
-import jax.numpy as jnp
-import numpy as np
 import pytest
 from etils.epath import backend as epath_backend
 from fsspec.implementations.memory import MemoryFileSystem
@@ -21,6 +19,7 @@ from agentgym_jax import metrics, models, offline, paths, pipeline
 from agentgym_jax.models import weights
 from environments import jsonl
 from environments.textcraft import TextCraftEnv
+from model_helpers import assert_loads_the_same
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -42,21 +41,18 @@ class ForbiddenBucket(MemoryFileSystem):
     raise PermissionError("403 caller does not have storage.objects.list access")
 
 
-def _register(filesystem, monkeypatch):
+@pytest.fixture
+def bucket(request, monkeypatch, tmp_path):
+  """gs:// is FakeBucket, or the class a test passes as its parameter."""
   epath_backend.fsspec_backend._get_filesystem.cache_clear()
   registry = sys.modules["fsspec.registry"]  # Restored after the test: gs:// is ours only here.
   classes = dict(registry._registry)
   monkeypatch.setattr(registry, "_registry", classes)
   monkeypatch.setattr(registry, "registry", types.MappingProxyType(classes))
   for scheme in ("gs", "gcs"):
-    fsspec.register_implementation(scheme, filesystem, clobber=True)
+    fsspec.register_implementation(scheme, getattr(request, "param", FakeBucket), clobber=True)
   monkeypatch.setattr(FakeBucket, "store", {})
   monkeypatch.setattr(FakeBucket, "pseudo_dirs", [""])
-
-
-@pytest.fixture
-def bucket(monkeypatch, tmp_path):
-  _register(FakeBucket, monkeypatch)
   monkeypatch.chdir(tmp_path)  # Anything written as a local "gs:" folder would land here.
   monkeypatch.setenv("HOME", str(tmp_path / "home"))
   yield FakeBucket.store
@@ -72,19 +68,19 @@ def test_workdir_in_the_bucket_is_checked_by_writing_there(bucket):
 
 def test_metrics_and_trajectories_resume_in_the_bucket(bucket):
   workdir = "gs://runs/grpo"
+
+  def logged():
+    return [(row["step"], row["reward"]) for row in metrics.read_metrics(workdir)]
+
   with metrics.MetricsWriter(workdir, tensorboard=False) as writer:
     for step in range(3):
       writer.write(step, {"reward": step / 2})
   assert "gs://runs/grpo/metrics.jsonl" in bucket
-  assert [(row["step"], row["reward"]) for row in metrics.read_metrics(workdir)] == [(0, 0.0),
-                                                                                     (1, 0.5),
-                                                                                     (2, 1.0)]
+  assert logged() == [(0, 0.0), (1, 0.5), (2, 1.0)]
   # Resumed from the step-1 checkpoint: step 2 is dropped, then logged again.
   with metrics.MetricsWriter(workdir, tensorboard=False, resume_step=1) as writer:
     writer.write(2, {"reward": 0.25})
-  assert [(row["step"], row["reward"]) for row in metrics.read_metrics(workdir)] == [(0, 0.0),
-                                                                                     (1, 0.5),
-                                                                                     (2, 0.25)]
+  assert logged() == [(0, 0.0), (1, 0.5), (2, 0.25)]
 
   trajectories = metrics.TrajectoryWriter(workdir)
   for step in range(3):
@@ -100,10 +96,7 @@ def test_model_directory_in_the_bucket_loads_as_the_local_one(bucket, tmp_path):
   checkpoint = tiny.make_checkpoint(tmp_path / "tiny", seed=5)
   paths.copy_tree(checkpoint, "gs://models/tiny")
   assert "gs://models/tiny/model.safetensors" in bucket
-  from_bucket, _ = models.load_model("gs://models/tiny")
-  from_disk, _ = models.load_model(str(checkpoint))
-  ids = jnp.array([[0, 4, 2, 5, 1]])
-  np.testing.assert_array_equal(np.asarray(from_bucket(ids)), np.asarray(from_disk(ids)))
+  assert_loads_the_same("gs://models/tiny", str(checkpoint))
   with pytest.raises(weights.WeightsNotFoundError,
                      match="^model directory gs://models/absent cannot be read"):
     models.resolve("gs://models/absent")
@@ -141,16 +134,13 @@ def test_demonstrations_made_by_the_expert_are_kept_in_the_bucket(bucket):
   assert all(r["success"] for r in records)
 
 
-def test_forbidden_bucket_is_one_line(monkeypatch, tmp_path):
-  _register(ForbiddenBucket, monkeypatch)
-  monkeypatch.chdir(tmp_path)
+@pytest.mark.parametrize("bucket", [ForbiddenBucket], indirect=True)
+def test_forbidden_bucket_is_one_line(bucket):
   with pytest.raises(paths.UnreachablePathError) as error:
     paths.check_directory("gs://theirs/run", "--workdir=gs://theirs/run")
   message = str(error.value)
   assert message.startswith("--workdir=gs://theirs/run cannot be reached (PermissionError: 403")
   assert len(message.splitlines()) == 1
-  epath_backend.fsspec_backend._get_filesystem.cache_clear()
-  assert not (tmp_path / "gs:").exists()
 
 
 def test_train_with_an_unreachable_bucket_stops_at_start_up(tmp_path):

@@ -7,30 +7,28 @@ import pytest
 
 from agentgym_jax import config as config_lib
 from agentgym_jax import demonstrations, metrics, pipeline, run, trainer
-from environments import jsonl
+from rl_helpers import check_config, conversation, jsonl_file, set_key
 
 # The runs use one device, as on a workstation.
 pytestmark = pytest.mark.usefixtures("single_device")
 
 # Echo conversations (a prompt of symbols, the reply repeating them).
-DEMOS = [{
-    "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
-} for prompt, reply in (("1 0", "1 0"), ("0 0", "0 0"), ("1 1", "1 1"), ("0 1", "0 1"))]
+DEMOS = [{"messages": conversation(symbols, symbols)} for symbols in ("1 0", "0 0", "1 1", "0 1")]
 
 
-def config(checkpoint_dir, demos_path):
+def config(checkpoint_dir, tmp_path):
+  """A 2-step RL run of 1-turn echo after 4 SFT steps on DEMOS, written to `tmp_path`."""
   c = config_lib.base_config()
   c.model.name = checkpoint_dir
   config_lib.tiny_echo(c)
   c.steps = 2
   c.env.options.turns = 1
-  c.horizon.kind = "fixed"
-  c.horizon.turns = 1
+  config_lib.fixed_horizon(1)(c)
   c.rollout.tasks_per_step = 2
   c.rollout.samples_per_task = 2
   c.rollout.max_context = 64
   c.warm_start.steps = 4
-  c.warm_start.demonstrations = str(demos_path)
+  c.warm_start.demonstrations = str(jsonl_file(tmp_path / "demos.jsonl", DEMOS))
   c.warm_start.batch_size = 2
   c.checkpoint.every = 2
   return c
@@ -38,9 +36,7 @@ def config(checkpoint_dir, demos_path):
 
 def test_rl_starts_from_the_warm_started_policy_and_a_stopped_warm_start_resumes(
     checkpoint_dir, tmp_path, monkeypatch):
-  demos = tmp_path / "demos.jsonl"
-  jsonl.write(demos, DEMOS)
-  c = config(checkpoint_dir, demos)
+  c = config(checkpoint_dir, tmp_path)
   # Stop the first attempt after the SFT's last checkpoint, before its export.
   export, stops = run.Settings.export_policy, []
 
@@ -110,16 +106,12 @@ def test_warm_start_settings_are_checked_at_start_up(key, value, message):
   c = config_lib.base_config()
   c.warm_start.steps = 10
   c.data.path = "demos.jsonl"
-  section, name = key.rsplit(".", 1) if "." in key else ("", key)
-  (c[section] if section else c)[name] = value
-  with pytest.raises(config_lib.ConfigError, match=message):
-    config_lib.validate(c)
+  set_key(c, key, value)
+  check_config(c, message)
 
 
 def test_each_stage_is_evaluated_once_and_tabled(checkpoint_dir, tmp_path, monkeypatch, capsys):
-  demos = tmp_path / "demos.jsonl"
-  jsonl.write(demos, DEMOS)
-  c = config(checkpoint_dir, demos)
+  c = config(checkpoint_dir, tmp_path)
   c.checkpoint.export_hf = True
   c.eval.stages = True
   c.eval.max_tasks = 4

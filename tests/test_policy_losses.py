@@ -9,6 +9,8 @@ import pytest
 
 from agentgym_jax import config as config_lib
 from agentgym_jax.rl import losses
+from rl_helpers import check_config
+from test_losses import _ADVANTAGES, _MASK, _NEW, _OLD, _ONES, _PER_TOKEN
 
 aggregate = jax.jit(losses.aggregate, static_argnames=("aggregation", "scale_tokens"))
 _STATIC = ("clip_eps_low", "clip_eps_high", "aggregation", "scale_tokens")
@@ -16,12 +18,9 @@ gspo_loss = jax.jit(losses.gspo_loss, static_argnames=_STATIC)
 cispo_loss = jax.jit(losses.cispo_loss, static_argnames=_STATIC)
 policy_gradient_loss = jax.jit(losses.policy_gradient_loss, static_argnames=_STATIC)
 
-# Row 0: four trained tokens; row 1: one trained token; row 2: padding (no trained token).
-_PER_TOKEN = jnp.array([[1.0, 2.0, 3.0, 4.0], [6.0, 50.0, 50.0, 50.0], [99.0, 99.0, 99.0, 99.0]])
-_MASK = jnp.array([[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]], jnp.float32)
-
 
 def test_seq_mean_token_sum_norm_divides_by_a_constant():
+  # test_losses' rows of 4 and 1 trained tokens and a padding row.
   # seq-mean-token-sum: (10 + 6) / 2 = 8; divided by L = 10: 0.8; by default L = T = 4: 2.0.
   assert float(aggregate(_PER_TOKEN, _MASK, "seq-mean-token-sum-norm",
                          scale_tokens=10.0)) == pytest.approx(0.8)
@@ -147,17 +146,12 @@ def test_importance_weights_scale_each_token_loss_and_are_not_trained():
   # The five tokens of test_losses' clip example, per-token PPO losses
   # [-0.5, -1.2, 0.8, 1.5, -2.0]; weights [2, 1, 1, 1, 0.5] -> [-1.0, -1.2, 0.8, 1.5, -1.0],
   # token-mean -0.9 / 5 = -0.18.
-  ratios = jnp.array([[0.5, 1.5, 0.5, 1.5, 1.0]])
-  old = jnp.full((1, 5), -2.0)
-  new = old + jnp.log(ratios)
-  advantages = jnp.array([[1.0, 1.0, -1.0, -1.0, 2.0]])
   weights = jnp.array([[2.0, 1.0, 1.0, 1.0, 0.5]])
-  mask = jnp.ones((1, 5))
-  loss, _ = policy_gradient_loss(new, old, advantages, mask, importance_weights=weights)
+  loss, _ = policy_gradient_loss(_NEW, _OLD, _ADVANTAGES, _ONES, importance_weights=weights)
   assert float(loss) == pytest.approx(-0.18, abs=1e-6)
   for loss_fn in (policy_gradient_loss, gspo_loss, cispo_loss):
     weight_grad = jax.grad(
-        lambda w, f=loss_fn: f(new, old, advantages, mask, importance_weights=w)[0])(weights)
+        lambda w, f=loss_fn: f(_NEW, _OLD, _ADVANTAGES, _ONES, importance_weights=w)[0])(weights)
     np.testing.assert_array_equal(weight_grad, 0.0)
 
 
@@ -188,8 +182,7 @@ def test_policy_loss_keys_are_validated_at_start_up(key, value, message):
   c.algorithm.policy_loss = "gspo"
   config_lib.validate(c)
   c.algorithm[key] = value
-  with pytest.raises(config_lib.ConfigError, match=message):
-    config_lib.validate(c)
+  check_config(c, message)
 
 
 def test_loss_settings_take_the_chosen_loss_clip_range_and_divisor():

@@ -10,35 +10,10 @@ import pytest
 
 from environments import StepResult, base
 from environments.pool import EnvPool
+from http_helpers import play, wait_until
 import toy_env
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _register_toy():
-  toy_env.register()
-
-
-def _wait_until(condition, timeout_s=10.0):
-  """Polls `condition` until it holds; returns whether it did within `timeout_s`."""
-  deadline = time.monotonic() + timeout_s
-  while not condition():
-    if time.monotonic() > deadline:
-      return False
-    time.sleep(0.02)
-  return True
-
-
-def _play_alone(task_id, replies):
-  """What one in-process adapter answers: [first observation, StepResult, ...]."""
-  env = toy_env.ToyEnv()
-  results = [env.reset(task_id)]
-  for reply in replies:
-    results.append(env.step(reply))
-    if results[-1].done:
-      break
-  env.close()
-  return results
-
+toy_env.register()
 
 # Task t hides (7t + 3) mod 10: task 0 -> 3, task 1 -> 0, task 2 -> 7, task 3 -> 4.
 _SCRIPT = [
@@ -50,7 +25,8 @@ _SCRIPT = [
 @pytest.mark.parametrize("backend", ["thread", "process"])
 def test_pool_episodes_match_one_adapter_played_alone(backend):
   tasks = [0, 1, 2, 3]
-  expected = {task: _play_alone(task, _SCRIPT) for task in tasks}
+  # What one in-process adapter played alone answers.
+  expected = {task: play(toy_env.ToyEnv(), task, _SCRIPT) for task in tasks}
   factory = functools.partial(toy_env.ToyEnv)
   with EnvPool(factory, num_slots=len(tasks), backend=backend) as pool:
     first = pool.reset(list(enumerate(tasks)))
@@ -94,7 +70,7 @@ def test_a_raising_adapter_ends_only_its_episode_and_is_replaced():
     assert "RuntimeError: the toy env crashed on purpose" in crashed.info["error"]
     assert solved == StepResult("Guess 1: 0 is correct.", 1.0, True, {"success": True})
     assert wrong == StepResult("Guess 1: 1 is too low.", 0.0, False, {})
-    assert _wait_until(lambda: toy_env.ToyEnv.closed == closed + 1)  # The broken one.
+    assert wait_until(lambda: toy_env.ToyEnv.closed == closed + 1)  # The broken one.
 
     with pytest.raises(ValueError, match="slot 0 has no episode in progress"):
       pool.step([(0, "Action: guess 1")])
@@ -151,7 +127,7 @@ def test_the_process_backend_kills_a_hung_adapter_process():
     assert hung.info["termination"] == "env_timeout"
     assert fine.reward == 1.0
     # The hung child is killed and reaped, not left sleeping.
-    assert _wait_until(lambda: len(_child_pids()) == 1)
+    assert wait_until(lambda: len(_child_pids()) == 1)
     survivor = _child_pids()
     assert survivor < before
     [first] = pool.reset([(0, 2)])
@@ -169,7 +145,7 @@ def test_a_process_still_starting_when_its_reset_times_out_never_runs_the_reset(
     assert result.info["termination"] == "env_timeout"
   # The discarded worker finishes starting its process, then closes it instead of sending it
   # the 60 s reset.
-  assert _wait_until(lambda: set(threading.enumerate()) == threads)
+  assert wait_until(lambda: set(threading.enumerate()) == threads)
   assert not multiprocessing.active_children()
 
 
@@ -191,7 +167,7 @@ def test_killing_a_hung_adapter_process_also_kills_its_helper_processes():
     assert _is_running(helper_pid)
     [hung] = pool.step([(0, "Action: hang")])
     assert hung.info["termination"] == "env_timeout"
-    assert _wait_until(lambda: not _is_running(helper_pid))
+    assert wait_until(lambda: not _is_running(helper_pid))
 
 
 def test_the_process_backend_reports_adapter_errors_by_name():
@@ -269,10 +245,9 @@ def test_the_pool_answers_the_tools_of_its_adapters(backend):
                backend=backend) as pool:
     assert pool.tools == schemas
   # An adapter in the react format, or without an action format at all, has no tools.
-  with EnvPool("textcraft", num_slots=1, backend=backend) as pool:
-    assert pool.tools is None
-  with EnvPool(toy_env.ToyEnv, num_slots=1, backend=backend) as pool:
-    assert pool.tools is None
+  for factory in ("textcraft", toy_env.ToyEnv):
+    with EnvPool(factory, num_slots=1, backend=backend) as pool:
+      assert pool.tools is None
 
 
 def test_a_closed_pool_refuses_calls_and_closes_twice_quietly():
@@ -308,6 +283,6 @@ def test_close_leaves_no_threads_processes_or_file_descriptors():
     pool.reset([(0, 0), (1, 1)])
 
   # The abandoned thread exits when its 0.5 s hang ends.
-  assert _wait_until(lambda: set(threading.enumerate()) == threads), threading.enumerate()
+  assert wait_until(lambda: set(threading.enumerate()) == threads), threading.enumerate()
   assert not multiprocessing.active_children()
-  assert _wait_until(lambda: _open_fds() == fds), (_open_fds() - fds, fds - _open_fds())
+  assert wait_until(lambda: _open_fds() == fds), (_open_fds() - fds, fds - _open_fds())

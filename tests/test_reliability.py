@@ -27,8 +27,9 @@ from agentgym_jax.models import weights
 from agentgym_jax.models.tokenizer import Tokenizer
 from environments.base import StepResult
 from environments.http import AgentGymServer
+from environments.http.served import free_port
 from environments.pool import EnvPool
-from test_trainer import echo_config
+from rl_helpers import echo_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -109,18 +110,11 @@ def test_env_errors_and_timeouts_end_only_their_episodes(failed_episodes, checkp
 # 2. An HTTP env server dying mid-run.
 
 
-def _free_port() -> int:
-  import socket
-  with socket.socket() as probe:
-    probe.bind(("127.0.0.1", 0))
-    return probe.getsockname()[1]
-
-
 def test_training_rides_out_an_http_server_dying(checkpoint_dir, tmp_path, monkeypatch):
   """Step 2: the server dies mid-episode and is back 0.3 s later; step 4: it is down for the
   whole rollout. Both steps' episodes end as env_error and the next step recovers."""
   tiny.one_device(monkeypatch)
-  port = _free_port()
+  port = free_port()
   servers = [AgentGymServer("echo", options={"turns": 2}, port=port).start()]
   c = echo_config(checkpoint_dir, steps=5)
   c.env.name = "http"
@@ -180,41 +174,25 @@ BAD_REPLIES = {
     "only a marker": "Action:",
 }
 
-ENV_OPTIONS = {"textcraft": {}, "babyai": {}, "searchqa": {}, "echo": {}}
 
-
-@pytest.fixture(scope="module")
-def adapters():
-  built = {}
-  yield lambda name: built.setdefault(name, environments.make(name, **ENV_OPTIONS.get(name, {})))
-  for adapter in built.values():
-    adapter.close()
-
-
-def _check_bad_replies(adapter):
-  task_id = adapter.task_ids("test")[0]
-  for what, reply in BAD_REPLIES.items():
-    adapter.reset(task_id)
-    result = adapter.step(reply)
-    assert isinstance(result, StepResult), what
-    assert isinstance(result.observation, str) and result.observation, what
-    assert np.isfinite(result.reward), what
-    # The observation goes back into the conversation: it must encode, and it must not echo
-    # a 100k-character reply whole.
-    result.observation.encode("utf-8", "surrogatepass")
-    assert len(result.observation) < 20_000, (what, len(result.observation))
-
-
-@pytest.mark.parametrize("name", ["textcraft", "babyai", "searchqa", "echo"])
-def test_bad_replies_get_an_observation_never_an_exception(name, adapters):
-  _check_bad_replies(adapters(name))
-
-
-@pytest.mark.slow
-def test_bad_replies_to_sciworld_get_an_observation():  # starts a JVM, ~20 s
-  adapter = environments.make("sciworld")
+@pytest.mark.parametrize(
+    "name",
+    ["textcraft", "babyai", "searchqa", "echo",
+     pytest.param("sciworld", marks=pytest.mark.slow)])  # sciworld starts a JVM, ~20 s
+def test_bad_replies_get_an_observation_never_an_exception(name):
+  adapter = environments.make(name)
   try:
-    _check_bad_replies(adapter)
+    task_id = adapter.task_ids("test")[0]
+    for what, reply in BAD_REPLIES.items():
+      adapter.reset(task_id)
+      result = adapter.step(reply)
+      assert isinstance(result, StepResult), what
+      assert isinstance(result.observation, str) and result.observation, what
+      assert np.isfinite(result.reward), what
+      # The observation goes back into the conversation: it must encode, and it must not echo
+      # a 100k-character reply whole.
+      result.observation.encode("utf-8", "surrogatepass")
+      assert len(result.observation) < 20_000, (what, len(result.observation))
   finally:
     adapter.close()
 

@@ -4,54 +4,31 @@ One adapter (one JVM) serves the module; tests that need a JVM of their own say 
 """
 
 import json
-import os
-import subprocess
-import sys
 import threading
 
+import psutil
 import pytest
 import scienceworld
-
-try:
-  import psutil
-except ImportError:  # fall back to reading /proc (Linux)
-  psutil = None
 
 from environments import base
 from environments.sciworld import INVALID_ACTION, SciWorldEnv, parse_action
 from environments.sciworld import env as env_lib
 from environments.sciworld import tasks as tasks_lib
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from env_helpers import env_fixture, react_reply, run_python
 
 FIND_ANIMAL = 14  # index of find-animal in TASKS; its gold path is short and physics-free
 # Test-split tasks whose gold paths are short (7-16 actions) and quick to generate.
 QUICK_GOLD_TASKS = ("power-component", "find-animal", "chemistry-mix-paint-secondary-color")
 
-
-@pytest.fixture(scope="module")
-def env():
-  adapter = base.make("sciworld")
-  yield adapter
-  adapter.close()
+env = env_fixture("sciworld")
+# The package's own Python environment, the reference our steps must agree with.
+package_env = env_fixture(scienceworld.ScienceWorldEnv)
 
 
 @pytest.fixture(scope="module")
 def find_animal_gold(env):
   """The gold actions of find-animal variation 225: doors and rooms, the animal, the box."""
   return env.gold_actions(tasks_lib.task_id(FIND_ANIMAL, 225))
-
-
-@pytest.fixture(scope="module")
-def package_env():
-  """The package's own Python environment, the reference our steps must agree with."""
-  reference = scienceworld.ScienceWorldEnv()
-  yield reference
-  reference.close()
-
-
-def _reply(action: str) -> str:
-  return f"Thought: I know what to do.\n\nAction: {action}"
 
 
 def _first_test_id(task_name: str) -> int:
@@ -61,23 +38,10 @@ def _first_test_id(task_name: str) -> int:
 
 def _java_children() -> set[int]:
   """Process ids of the live `java` processes this test process started."""
-  if psutil is not None:
-    return {
-        p.pid for p in psutil.Process().children(recursive=True)
-        if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and p.name() == "java"
-    }
-  pids = set()
-  for entry in filter(str.isdigit, os.listdir("/proc")):
-    try:
-      with open(f"/proc/{entry}/stat") as f:
-        stat = f.read()
-    except OSError:
-      continue  # the process ended meanwhile
-    name = stat[stat.index("(") + 1:stat.rindex(")")]
-    state, parent = stat[stat.rindex(")") + 2:].split()[:2]
-    if name == "java" and int(parent) == os.getpid() and state != "Z":
-      pids.add(int(entry))
-  return pids
+  return {
+      p.pid for p in psutil.Process().children(recursive=True)
+      if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and p.name() == "java"
+  }
 
 
 def _lines(observation: str) -> list[str]:
@@ -130,9 +94,7 @@ def test_split_sizes_and_test_spread(env):
 def test_task_ids_are_the_same_in_another_process_and_hash_seed(env):
   code = ("import json; from environments.sciworld import tasks; "
           "print(json.dumps([tasks.split_ids('train'), tasks.split_ids('test')]))")
-  result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          check=True, env={**os.environ, "PYTHONHASHSEED": "123"})
-  train, test = json.loads(result.stdout)
+  train, test = json.loads(run_python("-c", code, hash_seed="123"))
   assert tuple(train) == tuple(env.task_ids("train"))
   assert tuple(test) == tuple(env.task_ids("test"))
   with pytest.raises(ValueError):
@@ -204,7 +166,7 @@ def test_gold_actions_reach_full_score(env, task_name):
   assert first.startswith("Your task is to ")
   rewards, result = [], None
   for action in gold:
-    result = env.step(_reply(action))
+    result = env.step(react_reply(action))
     rewards.append(result.reward)
     assert result.info["action"] == action
     if result.done:
@@ -213,7 +175,7 @@ def test_gold_actions_reach_full_score(env, task_name):
   assert all(r >= 0 for r in rewards)
   assert sum(rewards) == pytest.approx(1.0)
   with pytest.raises(RuntimeError, match="reset"):
-    env.step(_reply("look around"))
+    env.step(react_reply("look around"))
 
 
 def test_steps_agree_with_package_and_failure_takes_back_progress(env, package_env,
@@ -227,7 +189,7 @@ def test_steps_agree_with_package_and_failure_takes_back_progress(env, package_e
   package_env.step("look around")
   rewards = []
   for action in actions:
-    ours = env.step(_reply(action))
+    ours = env.step(react_reply(action))
     observation, _, done, info = package_env.step(action)
     assert _lines(ours.observation) == _lines(observation), action
     assert (ours.info["score"], ours.done) == (info["score"], done), action
@@ -239,9 +201,9 @@ def test_steps_agree_with_package_and_failure_takes_back_progress(env, package_e
 
 def test_partial_progress_sums_to_score(env, find_animal_gold):
   env.reset(tasks_lib.task_id(FIND_ANIMAL, 225))
-  total = sum(env.step(_reply(action)).reward for action in find_animal_gold[:9])
+  total = sum(env.step(react_reply(action)).reward for action in find_animal_gold[:9])
   # Doors and rooms (17), focus on the animal (+50), pick it up (+8): 75 of 100.
-  assert env.step(_reply("look around")).info["score"] == 75
+  assert env.step(react_reply("look around")).info["score"] == 75
   assert total == pytest.approx(0.75)
 
 
@@ -250,36 +212,36 @@ def test_invalid_replies_get_the_simulators_error(env, package_env):
   package_env.load("find-animal", 225)
   assert package_env.step("jump over the moon")[0] == INVALID_ACTION
   env.reset(tasks_lib.task_id(FIND_ANIMAL, 225))
-  unknown = env.step(_reply("jump over the moon"))
+  unknown = env.step(react_reply("jump over the moon"))
   assert (unknown.observation, unknown.reward, unknown.done) == (INVALID_ACTION, 0.0, False)
   for reply in ("I will open the door.", "Thought: hmm\n\nAction:", ""):
     result = env.step(reply)
     assert (result.observation, result.reward, result.done) == (INVALID_ACTION, 0.0, False)
     assert result.info == {"score": 0, "success": False, "action": None}
-  opened = env.step(_reply("open door to hallway"))
+  opened = env.step(react_reply("open door to hallway"))
   assert opened.observation == "The door is now open." and opened.info["score"] == 8
 
 
 def test_ambiguous_action_offers_numbered_choices(env):
   # From the hallway, "door" names six doors; the agent answers with a number.
   env.reset(tasks_lib.task_id(FIND_ANIMAL, 225))
-  env.step(_reply("open door to hallway"))
-  env.step(_reply("go to hallway"))
-  choices = env.step(_reply("look at door"))
+  env.step(react_reply("open door to hallway"))
+  env.step(react_reply("go to hallway"))
+  choices = env.step(react_reply("look at door"))
   assert choices.observation.startswith("Ambiguous request: Please enter the number")
   assert not choices.done
-  chosen = env.step(_reply("0"))
+  chosen = env.step(react_reply("0"))
   assert chosen.observation.startswith("A door to the ")
 
 
 def test_reset_rewinds_the_same_world(env):
   task_id = tasks_lib.task_id(FIND_ANIMAL, 225)
   first = env.reset(task_id)
-  env.step(_reply("open door to hallway"))
-  env.step(_reply("go to hallway"))
+  env.step(react_reply("open door to hallway"))
+  env.step(react_reply("go to hallway"))
   again = env.reset(task_id)  # the same task: rewound, not reloaded
   assert _lines(again) == _lines(first)
-  assert env.step(_reply("look around")).info["score"] == 0
+  assert env.step(react_reply("look around")).info["score"] == 0
   other = env.reset(tasks_lib.task_id(FIND_ANIMAL, 226))
   assert other != first
   assert _lines(env.reset(task_id)) == _lines(first)
@@ -290,7 +252,7 @@ def test_many_resets_reuse_one_jvm(env):
   pid, threads = env.jvm_pid, threading.active_count()
   for task_id in tasks_lib.split_ids("test")[::10]:  # 20 resets over 20 different tasks
     env.reset(task_id)
-    env.step(_reply("look around"))
+    env.step(react_reply("look around"))
   assert env.jvm_pid == pid
   assert pid in _java_children()
   assert threading.active_count() == threads
@@ -301,10 +263,10 @@ def test_step_limit_ends_the_episode(env):
   try:
     env.reset(tasks_lib.task_id(FIND_ANIMAL, 225))
     # Moves 1 and 2 are within the limit; the package ends the episode once moves > limit.
-    assert not env.step(_reply("open door to hallway")).done
-    assert not env.step(_reply("go to hallway")).done
-    assert not env.step(_reply("look around")).done  # looking is not a move
-    assert env.step(_reply("open door to kitchen")).done
+    assert not env.step(react_reply("open door to hallway")).done
+    assert not env.step(react_reply("go to hallway")).done
+    assert not env.step(react_reply("look around")).done  # looking is not a move
+    assert env.step(react_reply("open door to kitchen")).done
   finally:
     env.step_limit = env_lib.DEFAULT_STEP_LIMIT
 
@@ -332,8 +294,6 @@ def test_close_stops_the_jvm_and_its_threads():  # starts a JVM of its own, ~2 s
 def test_the_jvm_keeps_its_memory_over_many_episodes():  # a JVM of its own, ~15 s
   """With Java's default heap the JVM grew ~20 MB per episode (past 1 GB within 50 episodes);
   with ours it stays near its start-up size, the heap given back after collections."""
-  if psutil is None:
-    pytest.skip("needs psutil to read the JVM's memory")
   with SciWorldEnv(jvm_heap_mb=256) as adapter:
     adapter.reset(0)
     jvm = psutil.Process(adapter.jvm_pid)
@@ -343,7 +303,7 @@ def test_the_jvm_keeps_its_memory_over_many_episodes():  # a JVM of its own, ~15
     for episode in range(60):
       adapter.reset(task_ids[(37 * episode) % len(task_ids)])  # a new world each time
       for action in ("look around", "open door to hallway", "go to hallway", "inventory"):
-        adapter.step(_reply(action))
+        adapter.step(react_reply(action))
       rss_mb.append(jvm.memory_info().rss / 2**20)
   assert max(rss_mb) < 256, rss_mb
   # After start-up it grows only with the JIT's compiled code, 0.3-0.6 MB an episode until
@@ -368,7 +328,7 @@ def test_gold_actions_solve_every_task():
       adapter.reset(task_id)
       total, result = 0.0, None
       for action in gold:
-        result = adapter.step(_reply(action))
+        result = adapter.step(react_reply(action))
         total += result.reward
         if result.done:
           break
@@ -388,5 +348,5 @@ def test_tool_calls_reach_the_simulator_as_their_actions(find_animal_gold):
         for action in find_animal_gold[:9])
   with SciWorldEnv() as react:
     react.reset(tasks_lib.task_id(FIND_ANIMAL, 225))
-    assert total == sum(react.step(_reply(action)).reward for action in find_animal_gold[:9])
+    assert total == sum(react.step(react_reply(action)).reward for action in find_animal_gold[:9])
   assert total > 0

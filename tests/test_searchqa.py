@@ -1,10 +1,7 @@
 """SearchQA: scoring, reply parsing, retrievers, the generated Minecraft set, FlashRAG data."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 from hypothesis import given, settings, strategies as st
 import numpy as np
@@ -17,16 +14,9 @@ from environments.searchqa import minecraft
 from environments.searchqa.env import CORRECT_OBSERVATION, WRONG_OBSERVATION
 from environments.searchqa.reply import INVALID_OBSERVATION, Action
 from environments.searchqa.retrievers import s_stem, top_k_indices
+from env_helpers import env_fixture, run_python
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def env():
-  env = SearchQAEnv()
-  yield env
-  env.close()
-
+env = env_fixture(SearchQAEnv)
 
 # Answer normalisation and exact match.
 
@@ -298,12 +288,9 @@ print(hashlib.sha256(blob.encode()).hexdigest())
 
 
 def test_generation_is_deterministic_across_hash_seeds():
-  digests = []
-  for seed in ("0", "4242"):
-    environ = dict(os.environ, PYTHONHASHSEED=seed)
-    output = subprocess.run([sys.executable, "-c", _DETERMINISM_SCRIPT], cwd=REPO_ROOT, env=environ,
-                            capture_output=True, text=True, check=True)
-    digests.append(output.stdout.strip())
+  digests = [
+      run_python("-c", _DETERMINISM_SCRIPT, hash_seed=seed).strip() for seed in ("0", "4242")
+  ]
   assert digests[0] == digests[1] and len(digests[0]) == 64
 
 
@@ -395,7 +382,6 @@ def test_oracle_solves_every_test_question_from_search_results(env):
 
 def test_env_implements_the_protocol_and_registers(env):
   assert isinstance(env, base.Env)
-  base.register("searchqa", "environments.searchqa:SearchQAEnv")
   made = base.make("searchqa")
   assert made.task_info(0) == env.task_info(0)
   for tag in ("<search>", "</search>", "<information>", "<answer>", "</answer>"):

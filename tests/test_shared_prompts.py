@@ -28,6 +28,7 @@ from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import Decoder
 
 import tolerances
+from rl_helpers import check_config
 
 CONFIG = ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=64,
                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4,
@@ -131,18 +132,13 @@ def test_share_prompts_packs_a_worked_example():
                          length=12, rows_multiple=4)
   # Shared prompt: the common prefix before the first reply, [5, 6, 7], less its last token,
   # which starts each continuation at position 2.
-  np.testing.assert_array_equal(
-      shared.tokens[:2],
-      [[5, 6, 7, 8, 9, 7, 8, 2, 3, 0, 0, 0], [1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 0, 0]])
-  np.testing.assert_array_equal(
-      shared.segments[:2],
-      [[0, 0, 1, 1, 1, 2, 2, 2, 2, -1, -1, -1], [0, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1]])
-  np.testing.assert_array_equal(
-      shared.positions[:2],
-      [[0, 1, 2, 3, 4, 2, 3, 4, 5, 0, 0, 0], [0, 1, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0]])
-  np.testing.assert_array_equal(
-      shared.targets[:2],
-      [[6, 7, 8, 9, 0, 8, 2, 3, 0, 0, 0, 0], [2, 3, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0]])
+  for field, rows in {
+      "tokens": [[5, 6, 7, 8, 9, 7, 8, 2, 3, 0, 0, 0], [1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 0, 0]],
+      "segments": [[0, 0, 1, 1, 1, 2, 2, 2, 2, -1, -1, -1], [0, 1, 1, 1] + [-1] * 8],
+      "positions": [[0, 1, 2, 3, 4, 2, 3, 4, 5, 0, 0, 0], [0, 1, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0]],
+      "targets": [[6, 7, 8, 9, 0, 8, 2, 3, 0, 0, 0, 0], [2, 3, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0]],
+  }.items():
+    np.testing.assert_array_equal(getattr(shared, field)[:2], rows, err_msg=field)
   # Padded to 4 packed rows with empty ones.
   assert shared.tokens.shape == (4, 12) and (shared.segments[2:] == -1).all()
   np.testing.assert_array_equal(shared.rows, [0, 1, 0, 1])
@@ -229,6 +225,17 @@ def test_logprobs_entropies_and_values_equal_the_unshared_rows(policy):
 gradients = jax.jit(learner._gradients, static_argnums=(1, 2, 5))
 
 
+def _assert_gradients_close(got, want, unshared: Batch, context: str = "") -> None:
+  """Entry by entry within a reordered sum over the unshared batch's tokens (the module's error
+  model) of the largest entry of `want`."""
+  tokens = int(_valid(unshared).sum())
+  relative = tolerances.reordered_sum(CONFIG.num_layers * 6 * LENGTH * tokens)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want))
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=0, atol=relative * scale,
+                               err_msg=context + jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("changes", [
     dict(aggregation="token-mean", rollout_correction="sequence_mask"),
     dict(aggregation="seq-mean-token-sum-norm", policy_loss="cispo", loss_scale_tokens=30.0),
@@ -259,12 +266,7 @@ def test_gradients_equal_the_unshared_rows_with_excluded_rows(policy, changes):
                                  experience, loss)
   got, metrics = gradients((params, value_params), graphdef, value_graphdef, shared, experience,
                            loss)
-  tokens = int(_valid(unshared).sum())
-  relative = tolerances.reordered_sum(CONFIG.num_layers * 6 * LENGTH * tokens)
-  scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want))
-  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(g, w, rtol=0, atol=relative * scale,
-                               err_msg=jax.tree_util.keystr(path))
+  _assert_gradients_close(got, want, unshared)
   for key in metrics:
     np.testing.assert_allclose(metrics[key], want_metrics[key], rtol=1e-4, atol=_tolerance(),
                                err_msg=key)
@@ -353,11 +355,7 @@ def test_a_minibatch_of_groups_and_its_micro_batches_give_the_unshared_gradient(
     got, _ = gradients((params, None), graphdef, None, minibatch,
                        learner.take_rows(experience, rows),
                        dataclasses.replace(loss, micro_batch_rows=micro_batch_rows))
-    tokens = int(_valid(unshared).sum())
-    relative = tolerances.reordered_sum(CONFIG.num_layers * 6 * LENGTH * tokens)
-    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want))
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      np.testing.assert_allclose(g, w, rtol=0, atol=relative * scale, err_msg=str(micro_batch_rows))
+    _assert_gradients_close(got, want, unshared, f"micro_batch_rows={micro_batch_rows} ")
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -370,9 +368,7 @@ def test_layouts_that_split_a_task_fail_at_start_up(changes, message):
   c.rollout.tasks_per_step, c.rollout.samples_per_task = 6, 4  # 24 rows: 4 minibatches of 6.
   c.algorithm.num_minibatches = 2
   c.algorithm.shared_prompts = True
-  for key, value in changes.items():
-    c.algorithm[key] = value
-  with pytest.raises(config_lib.ConfigError, match=message):
-    config_lib.validate(c)
+  c.algorithm.update(changes)
+  check_config(c, message)
   c.algorithm.shared_prompts = False  # Row by row, each of these splits is fine.
   config_lib.validate(c)

@@ -5,10 +5,7 @@ parser that never raises."""
 import collections
 import hashlib
 import json
-import os
 import re
-import subprocess
-import sys
 
 import hypothesis
 import pytest
@@ -19,8 +16,7 @@ from environments.base import Env
 from environments.textcraft import RecipeBook, TextCraftEnv, parse_action, solve
 from environments.textcraft import env as env_lib
 from environments.textcraft.recipes import kind_word
-
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from env_helpers import run_python
 
 
 def _reply(action: str) -> str:
@@ -254,13 +250,11 @@ def fingerprint():
 
 
 def test_tasks_are_identical_across_processes_and_hash_seeds():
-  outputs = []
-  for seed in ("0", "4242"):
-    result = subprocess.run(
-        [sys.executable, "-c", _FINGERPRINT + "import json; print(json.dumps(fingerprint()))"],
-        cwd=_REPO, env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True,
-        check=True, timeout=120)
-    outputs.append(json.loads(result.stdout))
+  outputs = [
+      json.loads(
+          run_python("-c", _FINGERPRINT + "import json; print(json.dumps(fingerprint()))",
+                     hash_seed=seed, timeout=120)) for seed in ("0", "4242")
+  ]
   namespace = {}
   exec(_FINGERPRINT, namespace)
   assert outputs[0] == outputs[1] == namespace["fingerprint"]()

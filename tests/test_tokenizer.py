@@ -2,6 +2,7 @@
 transformers', turn-by-turn pieces exact, other layouts refused."""
 
 import datetime
+import functools
 import itertools
 import json
 
@@ -11,6 +12,7 @@ from tokenizers import decoders, normalizers, pre_tokenizers, trainers
 
 from agentgym_jax.models import gguf
 from agentgym_jax.models.tokenizer import TOOLS_TEXT, ChatTemplate, Tokenizer
+from model_helpers import load_hf_smollm2
 from tiny import LLAMA31_LIKE_TEMPLATE, LLAMA32_LIKE_TEMPLATE, QWEN3_LIKE_TEMPLATE
 
 transformers = pytest.importorskip("transformers")
@@ -45,8 +47,7 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def smollm2_reference():
-  path = gguf.smollm2_gguf_path()
-  return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+  return load_hf_smollm2(transformers.AutoTokenizer)
 
 
 # Llama 3's pre-tokenizer split (tiktoken's cl100k pattern).
@@ -104,10 +105,10 @@ def _write_qwen_style_checkpoint(directory, chat_template, *, eos_token="<|im_en
               "pad_token": "<|endoftext|>"}, regex=PRETOKENIZE_REGEX, template_file=template_file)
 
 
-def _write_llama3_style_checkpoint(directory, chat_template):
+def _write_llama3_style_checkpoint(directory, chat_template, template_file=False):
   return _write_checkpoint(directory, chat_template, special=LLAMA3_SPECIAL, added=(),
-                           config={"bos_token": "<|begin_of_text|>",
-                                   "eos_token": "<|eot_id|>"}, regex=LLAMA3_PRETOKENIZE_REGEX)
+                           config={"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+                           regex=LLAMA3_PRETOKENIZE_REGEX, template_file=template_file)
 
 
 # Templates written for these tests from each family's documented prompt format (the Qwen3 and
@@ -169,18 +170,25 @@ TOOLS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def qwen_style_dir(tmp_path_factory):
-  return _write_qwen_style_checkpoint(tmp_path_factory.mktemp("qwen25_like"), QWEN25_LIKE_TEMPLATE)
+def _assert_encodes_as_transformers(ours, reference, text):
+  assert ours.encode(text, allow_special=True) == reference.encode(text,
+                                                                   add_special_tokens=False), text
+  # By default special-token strings are plain text, as with split_special_tokens=True.
+  assert ours.encode(text) == reference(text, add_special_tokens=False,
+                                        split_special_tokens=True)["input_ids"], text
+
+
+def _assert_renders_as_transformers(ours, reference, conversation, add_generation_prompt):
+  expected = functools.partial(reference.apply_chat_template, conversation,
+                               add_generation_prompt=add_generation_prompt)
+  assert ours.chat.render(conversation,
+                          add_generation_prompt) == expected(tokenize=True, return_dict=False)
+  assert ours.chat.render_text(conversation, add_generation_prompt) == expected(tokenize=False)
 
 
 @pytest.mark.parametrize("text", STRINGS)
 def test_gguf_encode_matches_transformers(smollm2, smollm2_reference, text):
-  assert smollm2.encode(text, allow_special=True) == smollm2_reference.encode(
-      text, add_special_tokens=False)
-  # By default special-token strings are plain text, as with split_special_tokens=True.
-  assert smollm2.encode(text) == smollm2_reference(text, add_special_tokens=False,
-                                                   split_special_tokens=True)["input_ids"]
+  _assert_encodes_as_transformers(smollm2, smollm2_reference, text)
 
 
 @pytest.mark.parametrize("text", STRINGS)
@@ -222,14 +230,7 @@ def test_every_digit_is_its_own_pretoken(smollm2):
                          itertools.product(CONVERSATIONS, [True, False]))
 def test_gguf_chat_render_matches_transformers(smollm2, smollm2_reference, conversation,
                                                add_generation_prompt):
-  expected = smollm2_reference.apply_chat_template(conversation, tokenize=True,
-                                                   add_generation_prompt=add_generation_prompt,
-                                                   return_dict=False)
-  assert smollm2.chat.render(conversation, add_generation_prompt) == expected
-  assert smollm2.chat.render_text(conversation,
-                                  add_generation_prompt) == (smollm2_reference.apply_chat_template(
-                                      conversation, tokenize=False,
-                                      add_generation_prompt=add_generation_prompt))
+  _assert_renders_as_transformers(smollm2, smollm2_reference, conversation, add_generation_prompt)
 
 
 def test_default_system_message_is_read_from_the_gguf_template(smollm2):
@@ -287,14 +288,10 @@ def test_bad_messages_are_refused(smollm2):
     smollm2.chat.continuation_ids("user", None)
 
 
-def test_pretrained_encode_matches_transformers(qwen_style_dir):
-  ours = Tokenizer.from_pretrained(qwen_style_dir)
-  reference = transformers.AutoTokenizer.from_pretrained(str(qwen_style_dir))
+def test_pretrained_encode_matches_transformers(family):
+  ours, reference = family("qwen2.5")
   for text in STRINGS + ["<think>\nhmm</think>\n\nAnswer: 42"]:
-    assert ours.encode(text, allow_special=True) == reference.encode(text,
-                                                                     add_special_tokens=False), text
-    assert ours.encode(text) == reference(text, add_special_tokens=False,
-                                          split_special_tokens=True)["input_ids"], text
+    _assert_encodes_as_transformers(ours, reference, text)
     assert ours.decode(ours.encode(text)) == reference.decode(ours.encode(text))
   assert (ours.bos_id, ours.eos_id, ours.pad_id) == (None, reference.eos_token_id,
                                                      reference.pad_token_id)
@@ -313,26 +310,17 @@ FAMILIES = {
 }
 
 
-def _today():
-  return datetime.datetime.now().strftime("%d %b %Y")
-
-
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
   """name -> (our Tokenizer, transformers' tokenizer) of FAMILIES[name], built once."""
-  built = {}
 
+  @functools.cache
   def get(name):
-    if name not in built:
-      writer, template, template_file = FAMILIES[name]
-      directory = tmp_path_factory.mktemp(name.replace(".", "_"))
-      if template_file:
-        writer(directory, template, template_file=True)
-      else:
-        writer(directory, template)
-      built[name] = (Tokenizer.from_pretrained(directory),
-                     transformers.AutoTokenizer.from_pretrained(str(directory)))
-    return built[name]
+    writer, template, template_file = FAMILIES[name]
+    directory = writer(tmp_path_factory.mktemp(name.replace(".", "_")), template,
+                       template_file=template_file)
+    return (Tokenizer.from_pretrained(directory),
+            transformers.AutoTokenizer.from_pretrained(str(directory)))
 
   return get
 
@@ -342,14 +330,7 @@ def family(tmp_path_factory):
 def test_pretrained_chat_render_matches_transformers(family, name, add_generation_prompt):
   ours, reference = family(name)
   for conversation in CONVERSATIONS:
-    expected = reference.apply_chat_template(conversation, tokenize=True,
-                                             add_generation_prompt=add_generation_prompt,
-                                             return_dict=False)
-    assert ours.chat.render(conversation, add_generation_prompt) == expected
-    assert ours.chat.render_text(conversation,
-                                 add_generation_prompt) == (reference.apply_chat_template(
-                                     conversation, tokenize=False,
-                                     add_generation_prompt=add_generation_prompt))
+    _assert_renders_as_transformers(ours, reference, conversation, add_generation_prompt)
 
 
 @pytest.mark.parametrize(
@@ -365,7 +346,8 @@ def test_pretrained_chat_render_matches_transformers(family, name, add_generatio
 def test_layout_is_read_from_each_template(family, name, layout, bos, default_system, preamble):
   chat = family(name)[0].chat
   if preamble is None:
-    preamble = f"Cutting Knowledge Date: December 2023\nToday Date: {_today()}\n\n"
+    today = datetime.date.today()
+    preamble = f"Cutting Knowledge Date: December 2023\nToday Date: {today:%d %b %Y}\n\n"
   assert chat.layout.name == layout
   assert chat.begin_ids == ([chat.tokenizer.bos_id] if bos else [])
   assert (chat.default_system, chat.system_preamble) == (default_system, preamble)

@@ -1,6 +1,7 @@
 """Tool-call actions (environments/base.py): schemas, calls to action text and back, and every
 bad call answered with an observation, never an exception; each environment's tools."""
 
+import contextlib
 import json
 
 import hypothesis
@@ -16,10 +17,17 @@ from environments.webarena import env as webarena_env
 
 CRAFT = textcraft_env.TOOLS[1]
 TEXTCRAFT = base.ActionFormat("tool_call", textcraft_env.TOOLS)
+TYPE = webarena_env.TOOLS[1]
 
 
 def _call(name, arguments, thought="Thinking."):
   return base.tool_call_reply(thought, name, arguments)
+
+
+def _replies(names, keys, values):
+  """Any text, or a call of one of the tools `names` with up to 3 arguments of `keys`."""
+  return st.text(max_size=200) | st.builds(
+      _call, st.sampled_from(names), st.dictionaries(st.sampled_from(keys), values, max_size=3))
 
 
 def test_a_tool_is_an_openai_style_function_schema():
@@ -40,8 +48,7 @@ def test_a_tool_is_an_openai_style_function_schema():
           }
       }
   }
-  type_tool = webarena_env.TOOLS[1]
-  enter = type_tool.schema()["function"]["parameters"]
+  enter = TYPE.schema()["function"]["parameters"]
   assert enter["required"] == ["element_id", "text"]
   assert enter["properties"]["press_enter_after"]["enum"] == [0, 1]
 
@@ -53,10 +60,9 @@ def test_a_call_spells_the_environment_action():
       {"target": "bed", "count": 1,
        "ingredients": ["3 white wool", "3 planks"]}) == ("craft 1 bed using 3 white wool, 3 planks")
   # An optional argument left out takes its attached text with it.
-  type_tool = webarena_env.TOOLS[1]
-  assert type_tool.action_text({"element_id": 3, "text": "kettle"}) == "type [3] [kettle]"
-  assert type_tool.action_text({"element_id": 3, "text": "k",
-                                "press_enter_after": 0}) == ("type [3] [k] [0]")
+  assert TYPE.action_text({"element_id": 3, "text": "kettle"}) == "type [3] [kettle]"
+  assert TYPE.action_text({"element_id": 3, "text": "k",
+                           "press_enter_after": 0}) == ("type [3] [k] [0]")
   pick_up = babyai_env.TOOLS[4]
   assert (pick_up.action_text({}), pick_up.action_text({"object": "red ball 1"
                                                        })) == ("pick up", "pick up red ball 1")
@@ -160,13 +166,9 @@ def test_enums_are_checked():
 
 
 @hypothesis.given(
-    st.text(max_size=200) | st.builds(
-        lambda name, arguments: _call(name, arguments),
-        st.sampled_from(["get", "craft", "inventory", "x"]),
-        st.dictionaries(
-            st.sampled_from(["count", "item", "target", "ingredients", "y"]),
-            st.none() | st.integers() | st.text(max_size=5)
-            | st.lists(st.text(max_size=5), max_size=2) | st.booleans(), max_size=3)))
+    _replies(["get", "craft", "inventory", "x"], ["count", "item", "target", "ingredients", "y"],
+             st.none() | st.integers() | st.text(max_size=5)
+             | st.lists(st.text(max_size=5), max_size=2) | st.booleans()))
 @hypothesis.settings(max_examples=300, deadline=None)
 def test_any_reply_is_a_react_reply_or_a_tool_call_error(reply):
   try:
@@ -188,8 +190,8 @@ _EPISODES = [
 
 @pytest.mark.parametrize("name,task_id,actions", _EPISODES, ids=[e[0] for e in _EPISODES])
 def test_calls_play_as_the_react_replies_with_their_actions(name, task_id, actions):
-  react, tool = base.make(name), base.make(name, action_format="tool_call")
-  try:
+  with contextlib.closing(base.make(name)) as react, contextlib.closing(
+      base.make(name, action_format="tool_call")) as tool:
     assert react.reset(task_id) == tool.reset(task_id)
     assert base.tools_of(react) is None
     assert base.tools_of(tool) == tool.action_format.schemas
@@ -198,26 +200,18 @@ def test_calls_play_as_the_react_replies_with_their_actions(name, task_id, actio
     for action in actions:
       expected = react.step(base.reply_for(react, "A thought.", action))
       assert tool.step(base.reply_for(tool, "A thought.", action)) == expected
-  finally:
-    react.close()
-    tool.close()
 
 
-@pytest.mark.parametrize("name,task_id", [("textcraft", 0), ("searchqa", 0), ("babyai", 92)])
+@pytest.mark.parametrize("name,task_id", [(name, task_id) for name, task_id, _ in _EPISODES])
 def test_a_bad_call_is_an_error_observation_and_the_episode_goes_on(name, task_id):
-  env = base.make(name, action_format="tool_call")
-  try:
+  with contextlib.closing(base.make(name, action_format="tool_call")) as env:
     env.reset(task_id)
-    for reply in ("<tool_call>{\"name\": </tool_call>", _call("fly", {}),
-                  _call(next(iter(env.action_format.tools)), {"nonsense": 1})):
+    first = next(iter(env.action_format.tools))
+    for reply, why in (("<tool_call>{\"name\": </tool_call>", ""), (_call("fly", {}), ""),
+                       (_call(first, {"nonsense": 1}), f"{first} has no argument 'nonsense'")):
       result = env.step(reply)
-      assert result.observation.startswith("Invalid tool call: ")
+      assert result.observation.startswith(f"Invalid tool call: {why}")
       assert (result.reward, result.done, result.info["success"]) == (0.0, False, False)
-    first = next(iter(env.action_format.tools.values()))
-    assert env.step(_call(first.name, {"nonsense":
-        1})).observation.startswith(f"Invalid tool call: {first.name} has no argument 'nonsense'")
-  finally:
-    env.close()
 
 
 def test_the_textcraft_instruction_shows_its_example_as_tool_calls():
@@ -228,13 +222,9 @@ def test_the_textcraft_instruction_shows_its_example_as_tool_calls():
 
 
 @hypothesis.given(
-    st.text(max_size=200) | st.builds(
-        lambda name, arguments: _call(name, arguments),
-        st.sampled_from(["get", "craft", "inventory"]),
-        st.dictionaries(
-            st.sampled_from(["count", "item", "target", "ingredients"]),
-            st.integers(-3, 10**6) | st.text(max_size=20)
-            | st.lists(st.text(max_size=12), max_size=3), max_size=3)))
+    _replies(["get", "craft", "inventory"], ["count", "item", "target", "ingredients"],
+             st.integers(-3, 10**6) | st.text(max_size=20)
+             | st.lists(st.text(max_size=12), max_size=3)))
 @hypothesis.settings(max_examples=200, deadline=None)
 def test_any_reply_in_the_tool_call_format_gets_an_observation(reply):
   env = textcraft_env.TextCraftEnv(action_format="tool_call")

@@ -1,34 +1,15 @@
 """The RL train loop end to end: learning on a toy task, horizon caps, exact resume, launch."""
 
-import os
-import pathlib
 import re
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-import tiny
 from agentgym_jax import config as config_lib
 from agentgym_jax import batch, metrics, trainer
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def echo_config(checkpoint_dir: str, advantage: str = "grpo", steps: int = 60):
-  c = config_lib.base_config()
-  c.steps = steps
-  c.seed = 0
-  c.model.name = checkpoint_dir
-  config_lib.tiny_echo(c)
-  c.env.options.turns = 2
-  c.rollout.max_context = 64
-  c.horizon.kind = "fixed"
-  c.horizon.turns = 2
-  c.algorithm.advantage = advantage
-  return c
+from rl_helpers import assert_resumed_run_matches, assert_same_tensors, check_config, echo_config
+from rl_helpers import launch_train
 
 
 # About a minute each: GRPO and GAE (values, remat) run by default, the other estimators (each
@@ -40,8 +21,7 @@ def echo_config(checkpoint_dir: str, advantage: str = "grpo", steps: int = 60):
     pytest.param("reinforce_plus_plus", marks=pytest.mark.slow),
     pytest.param("gigpo", marks=pytest.mark.slow),
 ])
-def test_tiny_policy_learns_echo(advantage, checkpoint_dir, tmp_path, monkeypatch):
-  tiny.one_device(monkeypatch)
+def test_tiny_policy_learns_echo(advantage, checkpoint_dir, tmp_path, single_device):
   c = echo_config(checkpoint_dir, advantage)
   if advantage == "gae":
     c.algorithm.value_coef = 1.0
@@ -60,8 +40,7 @@ def test_tiny_policy_learns_echo(advantage, checkpoint_dir, tmp_path, monkeypatc
     assert min(anchored) < 1.0  # ... while early steps, with few survivors, leave some alone.
 
 
-def test_horizon_schedule_caps_turns_per_stage(checkpoint_dir, tmp_path, monkeypatch):
-  tiny.one_device(monkeypatch)
+def test_horizon_schedule_caps_turns_per_stage(checkpoint_dir, tmp_path, single_device):
   c = echo_config(checkpoint_dir, steps=4)
   c.env.options.turns = 3
   c.horizon.kind = "stepwise"
@@ -91,8 +70,7 @@ def test_horizon_schedule_caps_turns_per_stage(checkpoint_dir, tmp_path, monkeyp
         assert np.sign(t["advantage"]) == np.sign(round(t["reward"] - mean, 6))
 
 
-def test_resumed_run_matches_uninterrupted_run(checkpoint_dir, tmp_path, monkeypatch):
-  tiny.one_device(monkeypatch)
+def test_resumed_run_matches_uninterrupted_run(checkpoint_dir, tmp_path, single_device):
   c = echo_config(checkpoint_dir, steps=4)
   c.checkpoint.every = 2
   c.checkpoint.export_hf = True
@@ -100,28 +78,15 @@ def test_resumed_run_matches_uninterrupted_run(checkpoint_dir, tmp_path, monkeyp
   # The resumed run keeps its optimizer state in host memory between updates (checkpointed and
   # restored from there), which moves it without changing it.
   c.optim.offload_state = True
-  c.steps = 2
-  trainer.train(c, tmp_path / "resumed")
-  c.steps = 4
-  resumed = trainer.train(c, tmp_path / "resumed")
-  keys = ("reward", "loss", "grad_norm", "entropy", "policy/ratio_mean")
-  for a, b in zip(straight[2:], resumed):
-    for key in keys:
-      np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=key)
+  assert_resumed_run_matches(straight, c, tmp_path / "resumed",
+                             ("reward", "loss", "grad_norm", "entropy", "policy/ratio_mean"))
   logged = [row["step"] for row in metrics.read_metrics(tmp_path / "resumed")]
   assert logged == [1, 2, 3, 4]
-  from agentgym_jax.models import weights
-
-  final_straight = weights.SafetensorsReader(tmp_path / "straight" / "export")
-  final_resumed = weights.SafetensorsReader(tmp_path / "resumed" / "export")
-  for name in final_straight:
-    np.testing.assert_allclose(final_straight[name], final_resumed[name], rtol=1e-5, atol=1e-6)
+  assert_same_tensors(tmp_path / "straight" / "export", tmp_path / "resumed" / "export")
   # A run stopped between checkpoints is exported by re-running it with steps = its last one.
   shutil.rmtree(tmp_path / "resumed" / "export")
   assert trainer.train(c, tmp_path / "resumed") == []
-  exported = weights.SafetensorsReader(tmp_path / "resumed" / "export")
-  for name in final_straight:
-    np.testing.assert_allclose(final_straight[name], exported[name], rtol=1e-5, atol=1e-6)
+  assert_same_tensors(tmp_path / "straight" / "export", tmp_path / "resumed" / "export")
 
 
 def test_rows_pad_to_few_lengths_with_under_a_third_of_a_row_of_padding():
@@ -155,20 +120,13 @@ def test_a_minibatch_that_does_not_split_over_the_mesh_fails_at_start(checkpoint
 
 def test_launch_train_smoke_writes_checkpoint_metrics_trajectories(checkpoint_dir, tmp_path):
   workdir = tmp_path / "run"
-  command = [
-      sys.executable,
-      str(REPO / "launch" / "train.py"), f"--config={REPO / 'configs' / 'ablation_echo.py'}:long",
-      f"--workdir={workdir}", f"--config.model.name={checkpoint_dir}",
-      "--config.log.progress_bar=True", "--config.log.trajectories=True",
-      "--config.checkpoint.export_hf=True", "--config.steps=2", "--config.rollout.tasks_per_step=2",
-      "--config.rollout.samples_per_task=2", "--config.rollout.max_new_tokens=4",
-      "--config.rollout.max_context=128", "--config.checkpoint.every=1", "--config.mesh.fsdp=1",
-      "--config.mesh.data=-1"
-  ]
-  result = subprocess.run(
-      command, capture_output=True, text=True, timeout=600,
-      env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
-  assert result.returncode == 0, result.stderr[-3000:]
+  result = launch_train("ablation_echo.py:long", f"--workdir={workdir}",
+                        f"--config.model.name={checkpoint_dir}", "--config.log.progress_bar=True",
+                        "--config.log.trajectories=True", "--config.checkpoint.export_hf=True",
+                        "--config.steps=2", "--config.rollout.tasks_per_step=2",
+                        "--config.rollout.samples_per_task=2", "--config.rollout.max_new_tokens=4",
+                        "--config.rollout.max_context=128", "--config.checkpoint.every=1",
+                        "--config.mesh.fsdp=1", "--config.mesh.data=-1")
   # Off a terminal: one plain line a step on stdout; no library INFO logs (Orbax's checkpoint
   # manager, JAX's search for a TPU backend) on stderr.
   assert [line.split("  ")[0] for line in result.stdout.splitlines()] == ["step 1/2", "step 2/2"]
@@ -186,10 +144,10 @@ def test_launch_train_smoke_writes_checkpoint_metrics_trajectories(checkpoint_di
 @pytest.mark.slow
 def test_launch_train_local_config_on_embedded_model(tmp_path):
   workdir = tmp_path / "run"
-  command = [
-      sys.executable,
-      str(REPO / "launch" / "train.py"),
-      f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:local",
+  # One CPU device, as on a workstation (the test session's 8 virtual devices would not split
+  # this small batch).
+  launch_train(
+      "grpo_textcraft.py:local",
       f"--workdir={workdir}",
       "--config.steps=2",
       "--config.rollout.tasks_per_step=2",
@@ -200,13 +158,9 @@ def test_launch_train_local_config_on_embedded_model(tmp_path):
       # The recipe's warm start and stage evaluations are tested on the tiny model
       # (tests/test_pipeline.py); here the RL run alone.
       "--config.warm_start.steps=0",
-      "--config.eval.stages=False"
-  ]
-  # One CPU device, as on a workstation (the test session's 8 virtual devices would not split
-  # this small batch).
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-  result = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
-  assert result.returncode == 0, result.stderr[-3000:]
+      "--config.eval.stages=False",
+      devices=1,
+      timeout=1800)
   assert [r["step"] for r in metrics.read_metrics(workdir)] == [1, 2]
   assert (workdir / "export" / "model.safetensors").exists()
 
@@ -273,7 +227,4 @@ def test_a_curriculum_stage_without_tasks_fails_with_the_categories_there_are():
 def test_a_malformed_curriculum_fails_at_start_up(curriculum):
   c = config_lib.base_config()
   c.rollout.curriculum = curriculum
-  with pytest.raises(
-      config_lib.ConfigError, match="rollout.curriculum=.* must be a tuple of "
-      "non-empty tuples of category names"):
-    config_lib.validate(c)
+  check_config(c, "rollout.curriculum=.* must be a tuple of non-empty tuples of category names")

@@ -1,6 +1,7 @@
 """WebArena: the action grammar, the tree rendering, the evaluators, task configs, the remote
 AgentGym client, and real Chromium episodes on a local shop and forum (tests/webarena_site)."""
 
+import contextlib
 import http.server
 import importlib.util
 import json
@@ -269,19 +270,15 @@ def test_program_html_checks_the_located_contents():
           "required_contents": {"must_include": ["count me in |OR| count me out", "A & B"]}
       },
   ]
-  page = _FakePage(
-      "http://h/cart", {
-          "document.x = 1": None, "document.title": "Cart",
-          "document.body.outerText": "Count me in! A &amp; B"
-      })
+  values = {
+      "document.x = 1": None, "document.title": "Cart",
+      "document.body.outerText": "Count me in! A &amp; B"
+  }
+  page = _FakePage("http://h/cart", values)
   assert evaluators.program_html(targets, page) == (1.0, [])
   assert page.calls == [("evaluate", "document.x = 1"), ("evaluate", "document.title"),
                         ("goto", "http://h/post/2"), ("evaluate", "document.body.outerText")]
-  page = _FakePage(
-      "http://h/cart", {
-          "document.x = 1": None, "document.title": TypeError("null"),
-          "document.body.outerText": "Count me in! A &amp; B"
-      })
+  page = _FakePage("http://h/cart", {**values, "document.title": TypeError("null")})
   assert evaluators.program_html(targets, page)[0] == 0.0  # a throwing locator selects ""
   whole_page = [{"url": "last", "locator": "", "required_contents": {"must_include": ["<b>"]}}]
   assert evaluators.program_html(whole_page, _FakePage("http://h", {}, "<b>hi</b>"))[0] == 1.0
@@ -341,6 +338,12 @@ def _config(task_id, **eval_fields):
   return {"task_id": task_id, "intent": "do it", "start_url": "http://h", "eval": evaluation}
 
 
+def _html_config(task_id, url, locator, required_contents):
+  """A config judged by program_html with one target."""
+  target = {"url": url, "locator": locator, "required_contents": required_contents}
+  return _config(task_id, eval_types=["program_html"], program_html=[target])
+
+
 def test_configs_load_from_list_files_or_per_task_files(tmp_path):
   (tmp_path / "test.raw.json").write_text(json.dumps([_config(7), _config(2)]))
   (tmp_path / "extra.json").write_text(json.dumps(_config(4)))
@@ -355,11 +358,7 @@ def test_configs_load_from_list_files_or_per_task_files(tmp_path):
 
 
 def test_tasks_needing_webarenas_site_credentials_are_skipped(tmp_path):
-  order = _config(
-      1, eval_types=["program_html"], program_html=[{
-          "url": "func:shopping_get_latest_order_url()", "locator": "",
-          "required_contents": {"must_include": ["x"]}
-      }])
+  order = _html_config(1, "func:shopping_get_latest_order_url()", "", {"must_include": ["x"]})
   (tmp_path / "t.json").write_text(json.dumps([order, _config(2)]))
   assert list(tasks.load_tasks(tmp_path)) == [2]
 
@@ -371,13 +370,8 @@ def test_tasks_needing_webarenas_site_credentials_are_skipped(tmp_path):
     (_config(1, reference_answers=None), "string_match needs"),
     (_config(1, reference_answers={"exact_match": ["x"]}), "malformed reference_answers"),
     (_config(1, eval_types=["url_match"]), "needs a non-empty eval.reference_url"),
-    (_config(
-        1, eval_types=["program_html"], program_html=[{
-            "url": "last", "locator": "window.x", "required_contents": {"must_include": ["x"]}
-        }]), "unknown program_html locator"),
-    (_config(1, eval_types=["program_html"], program_html=[{
-        "url": "last", "locator": "", "required_contents": {"exact_match": 2}
-    }]), "required_contents must be"),
+    (_html_config(1, "last", "window.x", {"must_include": ["x"]}), "unknown program_html locator"),
+    (_html_config(1, "last", "", {"exact_match": 2}), "required_contents must be"),
 ])
 def test_malformed_configs_are_rejected_with_the_reason(config, message):
   with pytest.raises(tasks.TaskConfigError, match=re.escape(message)):
@@ -396,25 +390,20 @@ def test_splits_are_stable_disjoint_and_complete():
 
 
 def test_registry_builds_the_env_without_starting_a_browser():
-  environments.register("webarena", "environments.webarena:WebArenaEnv")
-  env = environments.make("webarena", config_dir=str(webarena_site.CONFIG_DIR), num_test=2)
-  try:
+  with contextlib.closing(
+      environments.make("webarena", config_dir=str(webarena_site.CONFIG_DIR), num_test=2)) as env:
     assert env.task_ids("test") + env.task_ids("train") == (0, 5, 1, 2, 3, 4)
     assert env.browser.profile_dir == ""  # Chromium starts with the first episode
     assert "```click [1234]```" in env.instruction and "stop [answer]" in env.instruction
-  finally:
-    env.close()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="needs playwright")
 def test_a_missing_chromium_is_reported_at_reset():
-  env = WebArenaEnv(str(webarena_site.CONFIG_DIR), site_urls={"SHOPPING": "http://s"},
-                    executable="/nonexistent/chromium")
-  try:
+  with contextlib.closing(
+      WebArenaEnv(str(webarena_site.CONFIG_DIR), site_urls={"SHOPPING": "http://s"},
+                  executable="/nonexistent/chromium")) as env:
     with pytest.raises(EnvError, match="Chromium is not installed at /nonexistent/chromium"):
       env.reset(0)
-  finally:
-    env.close()
 
 
 # The remote AgentGym WebArena client.
@@ -486,7 +475,6 @@ def agentgym_server():
 
 
 def test_remote_client_speaks_agentgyms_webarena_protocol(agentgym_server):
-  environments.register("webarena_remote", "environments.webarena:AgentGymWebArenaClient")
   env = environments.make("webarena_remote", base_url=agentgym_server.url,
                           config_dir=str(webarena_site.CONFIG_DIR), num_test=2)
   assert env.task_ids("test") == (0, 5) and env.task_info(3)["category"] == "reddit"
@@ -619,9 +607,9 @@ def test_oracle_solves_the_task(env, task_id):
 
 @needs_browser
 def test_oracle_solves_a_task_with_tool_calls(sites):
-  web = WebArenaEnv(str(webarena_site.CONFIG_DIR), site_urls=sites, num_test=2,
-                    action_format="tool_call")
-  try:
+  with contextlib.closing(
+      WebArenaEnv(str(webarena_site.CONFIG_DIR), site_urls=sites, num_test=2,
+                  action_format="tool_call")) as web:
     assert environments.base.TOOL_CALL_INSTRUCTION in web.instruction
     results = _run(web, 3, ORACLES[3])  # click, type [..] [Count me in!] [0], click, stop []
     assert results[-1].done and results[-1].info["success"]
@@ -630,8 +618,6 @@ def test_oracle_solves_a_task_with_tool_calls(sites):
     bad = web.step('<tool_call>{"name": "click", "arguments": {"element_id": "x"}}</tool_call>')
     assert bad.observation.startswith("Invalid tool call: click's argument 'element_id' must "
                                       "be an integer") and not bad.done and bad.reward == 0.0
-  finally:
-    web.close()
 
 
 @needs_browser
@@ -770,7 +756,6 @@ def test_pool_episode_in_full_page_mode_and_close_leaves_no_chromium(sites):
   options = {
       "config_dir": str(webarena_site.CONFIG_DIR), "site_urls": sites, "viewport_only": False
   }
-  environments.register("webarena", "environments.webarena:WebArenaEnv")
   with EnvPool("webarena", num_slots=1, options=options) as pool:
     [first] = pool.reset([(0, 0)])
     assert "link 'Tea Towel Set'" in first.observation  # the whole page, not the window
