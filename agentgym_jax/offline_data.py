@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -133,30 +134,43 @@ def _pad(rows: Sequence[_Tokenized], length: int) -> Batch:
                group_ids=np.arange(len(rows), dtype=np.int32))
 
 
-class _Schedule:
-  """Which examples form the batch of each step (module docstring, "Order")."""
+class _Batches:
+  """The examples that fit `max_length` in batches, endlessly, epoch after epoch (module
+  docstring, "Order"); a subclass's `batch(step)` pads the examples of `rows(step)`.
 
-  def __init__(self, lengths: Sequence[int], *, batch_size: int, seed: int, sort_window: int,
-               what: str):
+  Attributes:
+    num_dropped: examples longer than `max_length`, left out.
+    steps_per_epoch: batches per epoch (kept examples // batch_size).
+  """
+
+  def __init__(self, examples: Sequence[Any], lengths: Sequence[int], *, batch_size: int,
+               max_length: int, seed: int, sort_window: int, what: str):
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
       raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if sort_window < 1:
       raise ValueError(f"sort_window must be >= 1 batch, got {sort_window}")
-    if len(lengths) < batch_size:
-      raise ValueError(f"{len(lengths)} {what} fit max_length, fewer than one batch of "
+    kept = [i for i, length in enumerate(lengths) if length <= max_length]
+    self.examples = [examples[i] for i in kept]
+    self.num_dropped = len(examples) - len(kept)
+    if self.num_dropped:
+      logging.warning("Dropped %d of %d %s longer than max_length=%d tokens.", self.num_dropped,
+                      len(examples), what, max_length)
+    if len(kept) < batch_size:
+      raise ValueError(f"{len(kept)} {what} fit max_length, fewer than one batch of "
                        f"{batch_size}")
-    self.lengths = np.asarray(lengths)
+    self.lengths = np.asarray([lengths[i] for i in kept])
+    self.max_length = max_length
     self.batch_size = batch_size
     self.seed = seed
     self.sort_window = sort_window
-    self.steps_per_epoch = len(lengths) // batch_size
+    self.steps_per_epoch = len(kept) // batch_size
 
-  def rows(self, step: int) -> np.ndarray:
-    """int[batch_size]: the examples of the batch at global `step`, shortest first."""
+  def rows(self, step: int) -> list[Any]:
+    """The examples of the batch at global `step`, shortest first."""
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
       raise ValueError(f"step must be a non-negative int, got {step!r}")
     epoch, position = divmod(int(step), self.steps_per_epoch)
-    return self._epoch(epoch)[position]
+    return [self.examples[i] for i in self._epoch(epoch)[position]]
 
   @functools.lru_cache(maxsize=2)
   def _epoch(self, epoch: int) -> np.ndarray:
@@ -171,41 +185,27 @@ class _Schedule:
       batches += list(chunk.reshape(-1, self.batch_size))
     return np.stack(batches)[rng.permutation(len(batches))]
 
+  def __iter__(self) -> Iterator[Any]:
+    """batch(0), batch(1), ... without end; the caller decides how many steps to take."""
+    return map(self.batch, itertools.count())
 
-class SFTBatches:
-  """Padded SFT batches of a set of conversations, endlessly, epoch after epoch.
 
-  Attributes:
-    num_examples: conversations that fit `max_length` (the ones batched).
-    num_dropped: conversations longer than `max_length`, left out.
-    steps_per_epoch: batches per epoch (num_examples // batch_size).
-  """
+class SFTBatches(_Batches):
+  """Padded SFT batches of a set of conversations (`_Batches`); `num_examples` of them fit
+  `max_length` and are batched."""
 
   def __init__(self, conversations: Sequence[Conversation], chat: ChatTemplate, *, batch_size: int,
                max_length: int, seed: int = 0, sort_window: int = 16):
     tokenized = [_tokenize(chat, c, i) for i, c in enumerate(conversations)]
-    self.examples = [t for t in tokenized if len(t.tokens) <= max_length]
+    super().__init__(tokenized, [len(t.tokens) for t in tokenized], batch_size=batch_size,
+                     max_length=max_length, seed=seed, sort_window=sort_window,
+                     what="conversations")
     self.num_examples = len(self.examples)
-    self.num_dropped = len(tokenized) - self.num_examples
-    if self.num_dropped:
-      logging.warning("SFT: dropped %d of %d conversations longer than max_length=%d tokens.",
-                      self.num_dropped, len(tokenized), max_length)
-    self.max_length = max_length
-    self._schedule = _Schedule([len(t.tokens) for t in self.examples], batch_size=batch_size,
-                               seed=seed, sort_window=sort_window, what="conversations")
-    self.steps_per_epoch = self._schedule.steps_per_epoch
 
   def batch(self, step: int) -> Batch:
     """The batch of global step `step` (deterministic)."""
-    rows = [self.examples[i] for i in self._schedule.rows(step)]
+    rows = self.rows(step)
     return _pad(rows, _padded_length(max(len(r.tokens) for r in rows), self.max_length))
-
-  def __iter__(self) -> Iterator[Batch]:
-    """batch(0), batch(1), ... without end; the caller decides how many steps to take."""
-    step = 0
-    while True:
-      yield self.batch(step)
-      step += 1
 
 
 def sft_batches(conversations: Sequence[Conversation], chat: ChatTemplate, batch_size: int,
@@ -307,15 +307,11 @@ def dpo_pairs(trajectories: Sequence[Mapping[str, Any]], *, min_reward_gap: floa
   return pairs
 
 
-class DPOBatches:
-  """(chosen, rejected) Batch pairs, padded to one length, endlessly, epoch after epoch.
+class DPOBatches(_Batches):
+  """(chosen, rejected) Batch pairs, padded to one length (`_Batches`); `num_pairs` pairs have
+  both sides within `max_length` and are batched.
 
   Row i of the chosen batch and row i of the rejected batch are the two sides of one pair.
-
-  Attributes:
-    num_pairs: pairs whose both sides fit `max_length`.
-    num_dropped: pairs with a side longer than `max_length`, left out.
-    steps_per_epoch: batches per epoch (num_pairs // batch_size).
   """
 
   def __init__(self, pairs: Sequence[PreferencePair], chat: ChatTemplate, *, batch_size: int,
@@ -323,31 +319,17 @@ class DPOBatches:
     tokenized = [
         (_tokenize(chat, p.chosen, i), _tokenize(chat, p.rejected, i)) for i, p in enumerate(pairs)
     ]
-    self.pairs = [(c, r) for c, r in tokenized if max(len(c.tokens), len(r.tokens)) <= max_length]
-    self.num_pairs = len(self.pairs)
-    self.num_dropped = len(tokenized) - self.num_pairs
-    if self.num_dropped:
-      logging.warning("DPO: dropped %d of %d pairs with a side longer than max_length=%d.",
-                      self.num_dropped, len(tokenized), max_length)
-    self.max_length = max_length
-    self._schedule = _Schedule([max(len(c.tokens), len(r.tokens)) for c, r in self.pairs],
-                               batch_size=batch_size, seed=seed, sort_window=sort_window,
-                               what="pairs")
-    self.steps_per_epoch = self._schedule.steps_per_epoch
+    super().__init__(tokenized, [max(len(c.tokens), len(r.tokens)) for c, r in tokenized],
+                     batch_size=batch_size, max_length=max_length, seed=seed,
+                     sort_window=sort_window, what="pairs (by their longer side)")
+    self.num_pairs = len(self.examples)
 
   def batch(self, step: int) -> tuple[Batch, Batch]:
     """(chosen, rejected) of global step `step` (deterministic)."""
-    rows = [self.pairs[i] for i in self._schedule.rows(step)]
+    rows = self.rows(step)
     longest = max(max(len(c.tokens), len(r.tokens)) for c, r in rows)
     length = _padded_length(longest, self.max_length)
     return _pad([c for c, _ in rows], length), _pad([r for _, r in rows], length)
-
-  def __iter__(self) -> Iterator[tuple[Batch, Batch]]:
-    """batch(0), batch(1), ... without end."""
-    step = 0
-    while True:
-      yield self.batch(step)
-      step += 1
 
 
 def dpo_batches(pairs: Sequence[PreferencePair], chat: ChatTemplate, batch_size: int,
