@@ -50,6 +50,12 @@ Each reply: think briefly, then call exactly one of the tools, written as
 <tool_call>
 {"name": <tool name>, "arguments": {<argument name>: <value>, ...}}
 </tool_call>"""
+# The reply format of `react_reply`, as environment instructions state it.
+REACT_INSTRUCTION = """\
+Reply in exactly this format:
+Thought: <your reasoning>
+
+Action: <one action>"""
 
 
 def react_reply(thought: str, action: str) -> str:
@@ -217,6 +223,11 @@ class ActionFormat:
   def schemas(self) -> list[dict[str, Any]] | None:
     """The tools' JSON schemas, for the chat template; None in the react format."""
     return [tool.schema() for tool in self.tools.values()] if self.kind == "tool_call" else None
+
+  def reply_format(self, react: str = REACT_INSTRUCTION) -> str:
+    """The reply format as an environment's instruction states it: TOOL_CALL_INSTRUCTION in the
+    tool_call format, else `react` (by default that of `react_reply`)."""
+    return TOOL_CALL_INSTRUCTION if self.kind == "tool_call" else react
 
   def reply(self, thought: str, action: str) -> str:
     """A reply carrying the environment action `action` (an expert's), in this format;

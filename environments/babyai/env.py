@@ -55,11 +55,6 @@ Walking uses only the cells you can currently see: to reach something out of sig
 move to see it first. Fewer steps earn a higher reward.
 
 {reply_format}"""
-_REACT_FORMAT = """\
-Reply in exactly this format:
-Thought: <your reasoning>
-
-Action: <one action>"""
 
 _OBJECT = '"<color> <object> <k>" as the observation names it, e.g. "red ball 1"'
 _DOOR = 'the door as the observation names it, e.g. "blue door 1"'
@@ -120,9 +115,7 @@ class BabyAIEnv:
 
   @property
   def instruction(self) -> str:
-    tool_call = self.action_format.kind == "tool_call"
-    return INSTRUCTION.format(
-        reply_format=base.TOOL_CALL_INSTRUCTION if tool_call else _REACT_FORMAT)
+    return INSTRUCTION.format(reply_format=self.action_format.reply_format())
 
   @property
   def minigrid_env(self) -> MiniGridEnv:

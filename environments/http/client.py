@@ -35,7 +35,7 @@ from absl import logging
 from environments import base
 from environments.base import EnvError, StepResult
 from environments.http import protocol
-from environments.http.endpoint import NOT_DELIVERED, Endpoint, answer_field
+from environments.http.endpoint import NOT_DELIVERED, Endpoint, answer_field, split_task_ids
 
 # How the original servers say that an id is unknown (they answer 200 {"error": ...}); ours
 # also says code "unknown_env".
@@ -87,17 +87,13 @@ class AgentGymClient:
     with _SPREAD_LOCK:
       self._server = next(_SPREAD) % len(self._endpoints)
     self._endpoint = self._endpoints[self._server]
-    if task_ids is not None:
-      missing = set(base.SPLITS) - set(task_ids)
-      if missing:
-        raise ValueError(f"task_ids must give every split {base.SPLITS}; missing {missing}")
+    self._task_ids = None if task_ids is None else split_task_ids(task_ids)
     self.name = env
     self.base_url = self._endpoint.base_url
     self.style = protocol.style_for(env, style)
     self._prefix = self._endpoint.url.path
     self._extract_action = extract_action
     self._instruction = instruction
-    self._task_ids = {split: tuple(ids) for split, ids in task_ids.items()} if task_ids else None
     self._connection: http.client.HTTPConnection | None = None
     self._env_id: int | None = None
     self._running = False

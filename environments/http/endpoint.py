@@ -1,5 +1,5 @@
 """What the HTTP client adapters share: the server's address, the request timeout, the retry
-schedule, and the check of a field of an answer.
+schedule, the check of a field of an answer, and task ids given to a client.
 
   endpoint = Endpoint("http://127.0.0.1:36001", timeout_s=120.0, retries=5, backoff_s=0.1,
                       max_backoff_s=5.0)
@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 import time
 import urllib.parse
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping, Sequence
 
-from environments.base import EnvError
+from environments.base import SPLITS, EnvError
 
 # Answers meaning that the request did not reach the env (a proxy, or an overloaded server), so
 # that even a request that is not safe to repeat (a step) may be sent again.
@@ -76,3 +76,12 @@ def answer_field(payload: Any, name: str, kind: type | tuple[type, ...], what: s
   if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
     raise EnvError(f"{what} answered {name}={value!r}, expected {kind}")
   return value
+
+
+def split_task_ids(task_ids: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+  """A client's `task_ids` option (the ids of each split) as tuples; ValueError if it misses a
+  split."""
+  missing = set(SPLITS) - set(task_ids)
+  if missing:
+    raise ValueError(f"task_ids must give every split {SPLITS}; missing {missing}")
+  return {split: tuple(ids) for split, ids in task_ids.items()}

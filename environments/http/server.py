@@ -76,6 +76,12 @@ class _HostedEnv:
   reward: float = 0.0  # the last step's reward, in the style's units
   episode_return: float = 0.0  # the sum of the episode's (normalised) rewards
 
+  def close_adapter(self) -> None:
+    """Closes the adapter, if any, and forgets it; the caller holds `lock`."""
+    adapter, self.adapter = self.adapter, None
+    if adapter is not None:
+      _close_quietly(adapter)
+
 
 class AgentGymServer:
   """Hosts adapters of one environment behind the AgentGym HTTP protocol."""
@@ -281,7 +287,7 @@ class AgentGymServer:
   def _step(self, query: dict[str, str], body: bytes) -> dict[str, Any]:
     request = _json_object(body)
     env_id = _int_field(request, self.style.id_field)
-    action = _str_field(request, "action")
+    action = _field(request, "action", str, "a string")
     with self._use(env_id) as hosted:
       if not (hosted.running or (self.style.plays_after_done and hosted.started)):
         raise _env_error(
@@ -399,10 +405,8 @@ class AgentGymServer:
     message = (f"the {self.env_name} adapter of env {env_id} failed in {what}: "
                f"{type(error).__name__}: {error}")
     logging.warning("AgentGymServer: %s", message)
-    adapter, hosted.adapter = hosted.adapter, None
     hosted.running = hosted.started = False
-    if adapter is not None:
-      _close_quietly(adapter)
+    hosted.close_adapter()
     raise HTTPError(500, message + "; POST /reset starts over with a fresh adapter",
                     ENV_ERROR) from error
 
@@ -439,9 +443,7 @@ class AgentGymServer:
     acquired = hosted.lock.acquire(timeout=wait_s)
     try:
       hosted.closed = True
-      if hosted.adapter is not None:
-        _close_quietly(hosted.adapter)
-        hosted.adapter = None
+      hosted.close_adapter()
     finally:
       if acquired:
         hosted.lock.release()
@@ -459,9 +461,7 @@ class AgentGymServer:
     for env_id, hosted in idle:
       logging.info("AgentGymServer: closing env %d, idle for over %s s", env_id,
                    self._idle_timeout_s)
-      if hosted.adapter is not None:
-        _close_quietly(hosted.adapter)
-        hosted.adapter = None
+      hosted.close_adapter()
       hosted.lock.release()
 
   def _close_idle_forever(self) -> None:
@@ -711,23 +711,20 @@ def _json_object(body: bytes, allow_empty: bool = False) -> dict[str, Any]:
   return value
 
 
-def _int_field(request: Mapping[str, Any], name: str) -> int:
+def _field(request: Mapping[str, Any], name: str, kind: type, kind_text: str) -> Any:
+  """request[name], checked to be a `kind` (`kind_text` in the message; a bool is no int)."""
   if name not in request:
     raise HTTPError(400, f"missing field {name!r}")
   value = request[name]
-  if not isinstance(value, int) or isinstance(value, bool):
-    raise HTTPError(400, f"field {name!r} must be an integer, got {json.dumps(value)}")
-  if value < 0:
-    raise HTTPError(400, f"field {name!r} must be >= 0, got {value}")
+  if not isinstance(value, kind) or isinstance(value, bool):
+    raise HTTPError(400, f"field {name!r} must be {kind_text}, got {json.dumps(value)}")
   return value
 
 
-def _str_field(request: Mapping[str, Any], name: str) -> str:
-  if name not in request:
-    raise HTTPError(400, f"missing field {name!r}")
-  value = request[name]
-  if not isinstance(value, str):
-    raise HTTPError(400, f"field {name!r} must be a string, got {json.dumps(value)}")
+def _int_field(request: Mapping[str, Any], name: str) -> int:
+  value = _field(request, name, int, "an integer")
+  if value < 0:
+    raise HTTPError(400, f"field {name!r} must be >= 0, got {value}")
   return value
 
 

@@ -117,11 +117,6 @@ When an action could mean several objects you are shown numbered choices; reply 
 number as your action.
 
 {{reply_format}}"""
-_REACT_FORMAT = """\
-Reply in exactly this format:
-Thought: <your reasoning>
-
-Action: <one action>"""
 
 
 def _tool(name: str, action: str, description: str, *parameters: str,
@@ -283,9 +278,7 @@ class SciWorldEnv:
 
   @property
   def instruction(self) -> str:
-    tool_call = self.action_format.kind == "tool_call"
-    return INSTRUCTION.format(
-        reply_format=base.TOOL_CALL_INSTRUCTION if tool_call else _REACT_FORMAT)
+    return INSTRUCTION.format(reply_format=self.action_format.reply_format())
 
   def task_ids(self, split: str) -> Sequence[int]:
     return tasks_lib.split_ids(split)

@@ -98,11 +98,6 @@ that kind in your craft action; others, such as "logs" or "oak logs", you can ge
 Example. Commands "craft 4 stick using 2 planks" and "craft 4 oak planks using 1 oak logs", \
 goal: craft stick.
 {example}"""
-_REACT_FORMAT = """\
-Reply in exactly this format:
-Thought: <your reasoning>
-
-Action: <one action>"""
 # The instruction's example episode: (thought, action, observation) a turn.
 _EXAMPLE = (
     ("Sticks need 2 planks. Oak planks count as planks and come from oak logs.", "get 1 oak logs",
@@ -255,12 +250,10 @@ class TextCraftEnv:
   @property
   def instruction(self) -> str:
     crafted = [display_name(name) for name in self._book.crafted_generics]
-    tool_call = self.action_format.kind == "tool_call"
     example = "\n".join(f"{self.action_format.reply(thought, action)}\nObservation: {seen}"
                         for thought, action, seen in _EXAMPLE)
-    return _INSTRUCTION.format(
-        crafted=", ".join(crafted[:-1]) + " and " + crafted[-1], example=example,
-        reply_format=base.TOOL_CALL_INSTRUCTION if tool_call else _REACT_FORMAT)
+    return _INSTRUCTION.format(crafted=", ".join(crafted[:-1]) + " and " + crafted[-1],
+                               example=example, reply_format=self.action_format.reply_format())
 
   def task_ids(self, split: str) -> Sequence[int]:
     ids = splits(self._goal_set)[base.check_split(split)]

@@ -7,7 +7,7 @@ instruction states. For every ingredient name it decides:
   - crafted generic: craft the shallowest listed item of its kind (`kind_word`: "oak planks"
     for "planks") and use that instead;
   - base: anything else (gettable generics like "logs" included); get it.
-Depth over the listing is the environment's definition (recipes.py) with these three cases;
+Depth over the listing is the environment's (`recipes.crafting_depths`) with these three cases;
 ties go to the command listed first. The plan reserves each recipe's ingredients until the
 craft, so that making a later ingredient (sticks from planks) cannot eat an earlier one (the
 planks of a pickaxe).
@@ -20,7 +20,8 @@ import dataclasses
 import math
 import re
 
-from environments.textcraft.recipes import RecipeBook, display_name, kind_word
+from environments.textcraft.recipes import (Ingredient, RecipeBook, crafting_depths, display_name,
+                                            kind_word)
 
 _COMMAND = re.compile(r"craft ([0-9]+) (.+?) using (.+)")
 _GOAL = re.compile(r"Goal: craft (.+)\.")
@@ -28,12 +29,14 @@ _GOAL = re.compile(r"Goal: craft (.+)\.")
 
 @dataclasses.dataclass(frozen=True)
 class _Command:
+  """A listed command, with names as listed; `crafting_depths` reads it as a `recipes.Recipe`."""
+
   output: str
   count: int
-  ingredients: tuple[tuple[str, int], ...]
+  ingredients: tuple[Ingredient, ...]
 
   def text(self, names: dict[str, str]) -> str:
-    inputs = ", ".join(f"{count} {names.get(item, item)}" for item, count in self.ingredients)
+    inputs = ", ".join(f"{i.count} {names.get(i.item, i.item)}" for i in self.ingredients)
     return f"craft {self.count} {self.output} using {inputs}"
 
 
@@ -44,20 +47,19 @@ def solve(first_observation: str) -> list[str]:
   for command in commands:
     producers[command.output].append(command)
   crafted_generics = {display_name(name) for name in RecipeBook.load().crafted_generics}
-  names = {item for c in commands for item, _ in c.ingredients}
+  names = {i.item for c in commands for i in c.ingredients}
   members = {
       item: [output for output in producers if kind_word(output) == kind_word(item)]
             if item in crafted_generics else [] for item in names - set(producers)
   }
-  depth = _depths(producers, members)
+  generics = {item: options for item, options in members.items() if options}
+  depth = crafting_depths(producers, generics, frozenset(members.keys() - generics.keys()))
   recipe = {
-      item: min(options, key=lambda c: max(depth[i] for i, _ in c.ingredients))
+      item: min(options, key=lambda c: max(depth[i.item] for i in c.ingredients))
       for item, options in producers.items()
   }
   # A crafted generic is filled by its shallowest member; min() keeps the first listed on ties.
-  stand_in = {
-      item: min(options, key=lambda m: depth[m]) for item, options in members.items() if options
-  }
+  stand_in = {item: min(options, key=lambda m: depth[m]) for item, options in generics.items()}
 
   actions: list[str] = []
   inventory: collections.Counter[str] = collections.Counter()
@@ -74,7 +76,7 @@ def solve(first_observation: str) -> list[str]:
       return
     command = recipe[item]
     crafts = math.ceil(missing / command.count)
-    needs = [(stand_in.get(i, i), n * crafts) for i, n in command.ingredients]
+    needs = [(stand_in.get(i.item, i.item), i.count * crafts) for i in command.ingredients]
     for need, count in needs:
       ensure(need, count)
       reserved[need] += count
@@ -101,27 +103,6 @@ def _parse(observation: str) -> tuple[list[_Command], str]:
     ingredients = []
     for part in match.group(3).split(", "):
       count, _, item = part.partition(" ")
-      ingredients.append((item, int(count)))
+      ingredients.append(Ingredient(item, int(count)))
     commands.append(_Command(match.group(2), int(match.group(1)), tuple(ingredients)))
   return commands, goal.group(1)
-
-
-def _depths(producers: dict[str, list[_Command]], members: dict[str,
-                                                                list[str]]) -> dict[str, float]:
-  """Crafting depth of every listed name (fixed point, as `recipes._depths`)."""
-  depth: dict[str, float] = collections.defaultdict(lambda: math.inf)
-  for name, options in members.items():
-    if not options:
-      depth[name] = 0
-  changed = True
-  while changed:
-    changed = False
-    for name, options in members.items():
-      best = min((depth[m] for m in options), default=0)
-      if best < depth[name]:
-        depth[name], changed = best, True
-    for output, commands in producers.items():
-      best = min(1 + max(depth[i] for i, _ in c.ingredients) for c in commands)
-      if best < depth[output]:
-        depth[output], changed = best, True
-  return depth

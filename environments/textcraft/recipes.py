@@ -51,7 +51,7 @@ import functools
 import itertools
 import math
 import threading
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import minecraft_data
 
@@ -133,7 +133,7 @@ class RecipeBook:
     used = {i.item for rs in self.recipes.values() for r in rs for i in r.ingredients}
     concrete = (used - set(self.generics)) | set().union(*self.generics.values())
     self.base_items = frozenset(concrete - made)
-    self.depth = _depths(self.recipes, self.generics, self.base_items)
+    self.depth = crafting_depths(self.recipes, self.generics, self.base_items)
     collisions = set(self.generics) & (concrete | made)
     if collisions:
       raise ValueError(f"generic ingredient names collide with items: {sorted(collisions)}")
@@ -312,7 +312,7 @@ def _break_storage_cycles(by_output: dict[str, list[Recipe]],
     made = set(recipes)
     concrete = {i.item for rs in recipes.values() for r in rs for i in r.ingredients}
     base = (concrete | set().union(*generics.values())) - made - set(generics)
-    depth = _depths(recipes, generics, frozenset(base))
+    depth = crafting_depths(recipes, generics, frozenset(base))
     ungrounded = {item for item in made if depth[item] == math.inf}
     if not ungrounded:
       return {output: tuple(rs) for output, rs in sorted(recipes.items())}
@@ -338,9 +338,10 @@ def _reachable(start: str, recipes: dict[str, list[Recipe]],
   return seen
 
 
-def _depths(recipes: dict[str, Sequence[Recipe]], generics: dict[str, frozenset[str]],
-            base_items: frozenset[str]) -> dict[str, float]:
-  """Crafting depth of every item and generic (the module docstring's equations).
+def crafting_depths(recipes: Mapping[str, Sequence[Recipe]], generics: Mapping[str, Iterable[str]],
+                    base_items: frozenset[str]) -> dict[str, float]:
+  """Crafting depth of every item and generic (the module docstring's equations; a gettable
+  generic has depth 0 as the least depth of its members, one of them a base item).
 
   A fixed point iteration: depths only decrease, from infinity, so it ends after at most as
   many rounds as there are items. Unreachable items keep depth infinity.
@@ -348,9 +349,6 @@ def _depths(recipes: dict[str, Sequence[Recipe]], generics: dict[str, frozenset[
   depth: dict[str, float] = collections.defaultdict(lambda: math.inf)
   for item in base_items:
     depth[item] = 0
-  for name, members in generics.items():
-    if not members.isdisjoint(base_items):
-      depth[name] = 0
   changed = True
   while changed:
     changed = False

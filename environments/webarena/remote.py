@@ -43,7 +43,7 @@ from typing import Any, Mapping, Sequence
 
 from environments import base
 from environments.base import EnvError, StepResult
-from environments.http.endpoint import NOT_DELIVERED, Endpoint, answer_field
+from environments.http.endpoint import NOT_DELIVERED, Endpoint, answer_field, split_task_ids
 from environments.webarena import tasks
 
 
@@ -79,10 +79,7 @@ class AgentGymWebArenaClient:
       self._tasks = tasks.load_tasks(config_dir)
       self._splits = tasks.split(self._tasks, num_test, test_task_ids)
     else:
-      missing = set(base.SPLITS) - set(task_ids)
-      if missing:
-        raise ValueError(f"task_ids must give every split {base.SPLITS}; missing {missing}")
-      self._splits = {split: tuple(ids) for split, ids in task_ids.items()}
+      self._splits = split_task_ids(task_ids)
     self._instruction = instruction
     self._env_idx: int | None = None
     self._running = False
