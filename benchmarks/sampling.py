@@ -50,7 +50,11 @@ Multi-turn. --conversations rows hold a conversation of --turns turns: the assis
 turn plus the assistant header (`ChatTemplate.continuation_ids`). "live cache" appends to the
 state and keeps decoding; "re-prefill" starts a fresh state from the whole conversation every
 turn, as a sampler without continuation must. Both sample the same tokens from the same keys
-(the tokens-equal column checks it; bf16 prefill and decode may round differently).
+(the tokens-equal column checks it; bf16 prefill and decode may round differently). The
+conversations open with the chat prompts above (--conversation_prompt=chat) or with TextCraft's
+first prompts (=textcraft: the instruction and a task's goal, 600-700 tokens, as a rollout
+starts). Both sides decode the same tokens, so the table splits each side into its decode and
+the rest (prefills and appends): the live cache removes only the rest.
 
 Other work on the machine skews every figure: the header prints the load average.
 """
@@ -71,6 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import agentgym_jax
+import environments
 from agentgym_jax import hardware
 from agentgym_jax.models import weights
 from agentgym_jax.sampling import Sampler, SamplingParams, bucket, sample_tokens
@@ -90,6 +95,9 @@ _REPEATS = flags.DEFINE_integer("repeats", 2, "Timed runs per figure (the best i
 _TURNS = flags.DEFINE_integer("turns", 8, "Turns of the multi-turn conversation (--quick: 4).")
 _TURN_TOKENS = flags.DEFINE_integer("turn_tokens", 32, "Tokens sampled per assistant turn.")
 _CONVERSATIONS = flags.DEFINE_integer("conversations", 8, "Rows of the multi-turn benchmark.")
+_CONVERSATION_PROMPT = flags.DEFINE_enum(
+    "conversation_prompt", "chat", ["chat", "textcraft"],
+    "How the multi-turn conversations open: a short chat prompt, or TextCraft's first prompt.")
 _PEAK_SIZE = flags.DEFINE_integer("peak_size", 2048, "Side of the matmul measuring the peak.")
 _BANDWIDTH_MB = flags.DEFINE_integer("bandwidth_mb", 1024,
                                      "Size of the array whose sum measures read bandwidth.")
@@ -324,11 +332,24 @@ class _HuggingFace:
     }
 
 
-def _conversation(model, chat, rows: int, turns: int, turn_tokens: int,
+def _textcraft_prompts(chat, rows: int) -> list[list[int]]:
+  """The first prompts of `rows` TextCraft training tasks, rendered as a rollout renders them."""
+  env = environments.make("textcraft")
+  try:
+    return [
+        chat.render([{"role": "user", "content": f"{env.instruction}\n\n{env.reset(task_id)}"}])
+        for task_id in list(env.task_ids("train"))[:rows]
+    ]
+  finally:
+    env.close()
+
+
+def _conversation(model, chat, prompts: list[list[int]], turns: int, turn_tokens: int,
                   cache_dtype) -> dict[str, float]:
-  """Seconds for `turns` turns on the live cache and by re-prefilling every turn."""
+  """Seconds for `turns` turns on the live cache and by re-prefilling every turn, and of each
+  the seconds spent in `Sampler.generate`."""
+  rows = len(prompts)
   rng = np.random.RandomState(0)
-  prompts = _prompts(chat, rows)
   observations = [[
       chat.continuation_ids(
           "user",
@@ -338,12 +359,22 @@ def _conversation(model, chat, rows: int, turns: int, turn_tokens: int,
   length = max(map(len, prompts)) + sum(turn_tokens + max(map(len, o)) for o in observations)
   sampler = Sampler(model, cache_slots=bucket(length, 128), max_batch=rows, cache_dtype=cache_dtype)
 
+  decode_s = {}
+
+  def generate(side, state, turn):
+    jax.block_until_ready(state)  # The prefill or append before is not timed as decode.
+    start = time.perf_counter()
+    state, out = sampler.generate(state, jax.random.key(turn), max_new_tokens=turn_tokens)
+    tokens = out.token_lists()
+    decode_s[side] = decode_s.get(side, 0.0) + time.perf_counter() - start
+    return state, tokens
+
   def live() -> list[list[int]]:
     state = sampler.start(prompts)
     generated = [[] for _ in range(rows)]
     for turn in range(turns):
-      state, out = sampler.generate(state, jax.random.key(turn), max_new_tokens=turn_tokens)
-      for row, tokens in enumerate(out.token_lists()):
+      state, out = generate("live", state, turn)
+      for row, tokens in enumerate(out):
         generated[row] += tokens
       if turn + 1 < turns:
         state = sampler.append(state, dict(enumerate(observations[turn])))
@@ -353,19 +384,21 @@ def _conversation(model, chat, rows: int, turns: int, turn_tokens: int,
     conversations = [list(prompt) for prompt in prompts]
     generated = [[] for _ in range(rows)]
     for turn in range(turns):
-      state = sampler.start(conversations)
-      state, out = sampler.generate(state, jax.random.key(turn), max_new_tokens=turn_tokens)
-      for row, tokens in enumerate(out.token_lists()):
+      state, out = generate("reprefill", sampler.start(conversations), turn)
+      for row, tokens in enumerate(out):
         generated[row] += tokens
         conversations[row] += tokens + (observations[turn][row] if turn + 1 < turns else [])
     return generated
 
   live_tokens, reprefill_tokens = live(), reprefill()  # Warm-up: compiles every bucket.
+  decode_s.clear()
   live_s = _best(live, 1)
   reprefill_s = _best(reprefill, 1)
   same = np.mean([a == b for x, y in zip(live_tokens, reprefill_tokens) for a, b in zip(x, y)])
   return {
-      "live_s": live_s, "reprefill_s": reprefill_s, "tokens_equal": float(same), "context": length
+      "live_s": live_s, "reprefill_s": reprefill_s, "live_decode_s": decode_s["live"],
+      "reprefill_decode_s": decode_s["reprefill"], "tokens_equal": float(same), "context": length,
+      "prompt": float(np.mean([len(p) for p in prompts]))
   }
 
 
@@ -430,7 +463,9 @@ def main(argv: Sequence[str]) -> None:
   window_batch = _WINDOW_BATCH.value
   window_steps = _window_steps(model, window_batch, windows, _WINDOW_OTHERS.value,
                                _REPEATS.value + 1, param_dtype)
-  conversation = _conversation(model, chat, _CONVERSATIONS.value, turns, _TURN_TOKENS.value,
+  conversation_prompts = (_textcraft_prompts if _CONVERSATION_PROMPT.value == "textcraft" else
+                          _prompts)(chat, _CONVERSATIONS.value)
+  conversation = _conversation(model, chat, conversation_prompts, turns, _TURN_TOKENS.value,
                                param_dtype)
 
   print()
@@ -471,14 +506,23 @@ def main(argv: Sequence[str]) -> None:
           f"{step_bytes[1] / step_bytes[0]:.2f}x |")
   print()
   print(f"Multi-turn, {_CONVERSATIONS.value} conversations x {turns} turns of "
-        f"{_TURN_TOKENS.value} sampled tokens + a 10-40 token observation "
-        f"(up to {conversation['context']} tokens of context):")
+        f"{_TURN_TOKENS.value} sampled tokens + a 10-40 token observation, opening with "
+        f"{_CONVERSATION_PROMPT.value} prompts of {conversation['prompt']:.0f} tokens on average "
+        f"(up to {conversation['context']} tokens of context); each side's seconds, then its "
+        "decode (`Sampler.generate`) and the rest (prefills, appends):")
   print()
-  print("| live cache s | re-prefill s | speed-up | tokens equal |")
-  print("|---:|---:|---:|---:|")
+  print("| live cache s | re-prefill s | speed-up | live decode + rest s "
+        "| re-prefill decode + rest s | speed-up of the rest | tokens equal |")
+  print("|---:|---:|---:|---:|---:|---:|---:|")
+  rest = {
+      side: conversation[f"{side}_s"] - conversation[f"{side}_decode_s"]
+      for side in ("live", "reprefill")
+  }
   print(f"| {conversation['live_s']:.1f} | {conversation['reprefill_s']:.1f} | "
         f"{conversation['reprefill_s'] / conversation['live_s']:.1f}x | "
-        f"{conversation['tokens_equal']:.0%} |")
+        f"{conversation['live_decode_s']:.1f} + {rest['live']:.1f} | "
+        f"{conversation['reprefill_decode_s']:.1f} + {rest['reprefill']:.1f} | "
+        f"{rest['reprefill'] / rest['live']:.1f}x | {conversation['tokens_equal']:.0%} |")
   rooflines = {batch: roofline for batch, _, _, _, roofline, _, _ in rows}
   print("\nTargets: of roofline " +
         (", ".join(f"batch {b} {rooflines[b]:.0%}" for b in (32, 64) if b in rooflines) or "-") +
