@@ -527,11 +527,13 @@ def place_optimizer_state(opt_state: optax.OptState, shardings: Any, *,
 def resume(checkpointer: checkpoint.Checkpointer,
            state: RunState) -> tuple[RunState, int, dict[str, Any]]:
   """(state, first step to run, checkpoint meta) from the newest complete checkpoint, or the
-  given state at step 0. Step k's checkpoint is written after k steps."""
+  given state at step 0. Step k's checkpoint is written after k steps. A resumed run says so on
+  stdout (process 0), with the launch scripts' library logs hidden."""
   if checkpointer.latest_step() is None:
     return state, 0, {}
   restored, meta = checkpointer.restore(state.tree())
-  logging.info("resumed from step %d", int(meta["step"]))
+  if jax.process_index() == 0:
+    print(f"resumed from step {int(meta['step'])} of {checkpointer.directory}", flush=True)
   return (RunState(restored["params"], restored["value_params"],
                    restored["opt_state"]), int(meta["step"]), meta)
 

@@ -326,7 +326,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(checkpoint_dir, tmp_pa
   resumed = subprocess.run(_launch_command(checkpoint_dir, workdir, steps), env=_ONE_DEVICE,
                            capture_output=True, text=True, timeout=900)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
-  assert f"resumed from step {completed[-1]}" in resumed.stderr
+  assert f"resumed from step {completed[-1]}" in resumed.stdout
   assert straight.wait(timeout=900) == 0, straight.stderr.read()[-3000:]
   assert not partial.exists()
   assert _checkpoint_steps(workdir) == list(range(1, steps + 1))
