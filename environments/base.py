@@ -224,10 +224,10 @@ class ActionFormat:
     """The tools' JSON schemas, for the chat template; None in the react format."""
     return [tool.schema() for tool in self.tools.values()] if self.kind == "tool_call" else None
 
-  def reply_format(self, react: str = REACT_INSTRUCTION) -> str:
+  def reply_format(self) -> str:
     """The reply format as an environment's instruction states it: TOOL_CALL_INSTRUCTION in the
-    tool_call format, else `react` (by default that of `react_reply`)."""
-    return TOOL_CALL_INSTRUCTION if self.kind == "tool_call" else react
+    tool_call format, else REACT_INSTRUCTION."""
+    return TOOL_CALL_INSTRUCTION if self.kind == "tool_call" else REACT_INSTRUCTION
 
   def reply(self, thought: str, action: str) -> str:
     """A reply carrying the environment action `action` (an expert's), in this format;
