@@ -367,9 +367,3 @@ def test_invalid_values_fail_at_start_up_with_one_line(override, message, tmp_pa
   assert "Traceback" not in result.stderr, result.stderr[-2000:]
   assert result.stderr.strip().splitlines()[-1].startswith(message), result.stderr[-2000:]
   assert not (tmp_path / "run" / "checkpoints").exists()
-
-
-def test_an_unknown_key_fails_at_start_up_with_one_line(tmp_path):
-  result = _launch_with(tmp_path, "--config.rollout.temprature=0.5")
-  assert result.returncode != 0 and "temprature" in result.stderr
-  assert "Traceback" not in result.stderr, result.stderr[-2000:]
