@@ -433,7 +433,22 @@ def minibatch_indices(num_rows: int, num_minibatches: int, epochs: int, rng: np.
 
 def take_rows(tree: Any, rows: np.ndarray) -> Any:
   """Rows `rows` of every array of `tree` (a Batch in the shared-prompt layout: `take_batch`)."""
+  return _take_rows(tree, np.asarray(rows))
+
+
+@jax.jit
+def _take_rows(tree: Any, rows: Array) -> Any:
+  """`take_rows` as one compiled program. Indexing each array eagerly dispatches a program per
+  array (several per index), and on XLA:CPU a mesh that spans devices runs each as a collective
+  program: many small ones in flight at once deadlocked a loaded 2-core host."""
   return jax.tree.map(lambda x: x[rows], tree)
+
+
+@jax.jit
+def _take_packed_rows(arrays: tuple[Array, ...], fills: tuple[int, ...], packed: Array):
+  """Packed rows packed[i] of each array, or its fill where packed[i] < 0 (one program)."""
+  real = (packed >= 0)[:, None]
+  return tuple(jnp.where(real, x[jnp.maximum(packed, 0)], fill) for x, fill in zip(arrays, fills))
 
 
 def take_batch(batch: Batch, rows: np.ndarray, row_groups: np.ndarray | None = None,
@@ -448,10 +463,10 @@ def take_batch(batch: Batch, rows: np.ndarray, row_groups: np.ndarray | None = N
     return taken
   used = list(dict.fromkeys(row_groups[rows].tolist()))
   packed = np.asarray(used + [-1] * (-len(used) % rows_multiple))
-  real = (packed >= 0)[:, None]
-  gather = lambda x, fill: jnp.where(real, x[np.maximum(packed, 0)], fill)
+  tokens, targets, positions, segments = _take_packed_rows(
+      (shared.tokens, shared.targets, shared.positions, shared.segments), (0, 0, 0, -1), packed)
   local = {group: i for i, group in enumerate(used)}
-  return taken.replace(shared=shared.replace(
-      tokens=gather(shared.tokens, 0), targets=gather(shared.targets, 0), positions=gather(
-          shared.positions, 0), segments=gather(shared.segments, -1), rows=np.asarray(
-              [local[g] for g in row_groups[rows].tolist()], np.int32), index=shared.index[rows]))
+  local_rows = np.asarray([local[g] for g in row_groups[rows].tolist()], np.int32)
+  return taken.replace(
+      shared=shared.replace(tokens=tokens, targets=targets, positions=positions, segments=segments,
+                            rows=local_rows, index=take_rows(shared.index, rows)))
