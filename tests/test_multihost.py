@@ -3,6 +3,7 @@ its own env pool and sampler rows, trains as one process does with the same glob
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -55,7 +56,11 @@ def _launch(name: str, workdir: pathlib.Path, checkpoint_dir: str, devices: int,
       str(REPO / "launch" / "train.py"), f"--config={REPO / 'configs' / 'ablation_echo.py'}:long",
       f"--workdir={workdir}", f"--config.model.name={checkpoint_dir}", *SETTINGS, *flags
   ]
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  # PYTHONFAULTHANDLER: a SIGABRT makes the run print every thread's Python stack (see _wait).
+  env = {
+      **os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+      "PYTHONFAULTHANDLER": "1"
+  }
   log = workdir.parent / f"{name}.stderr"
   with open(log, "w") as stderr:
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr), log
@@ -73,17 +78,27 @@ def _two_processes(workdir: pathlib.Path, checkpoint_dir: str, *flags:
 
 
 def _wait(runs: list[tuple[subprocess.Popen, pathlib.Path]]) -> None:
-  """Waits for every run. One that fails, or a run still going after TIMEOUT_S (a hang in a
-  collective), stops them all and fails the test with that run's stderr."""
+  """Waits for every run. One that fails stops them all and fails the test with its stderr; runs
+  still going after TIMEOUT_S (a hang in a collective) are aborted, which prints where each
+  thread stood, and the test fails with those stacks."""
   deadline = time.monotonic() + TIMEOUT_S
   while any(process.poll() is None for process, _ in runs):
     failed = [log for process, log in runs if process.poll() not in (None, 0)]
-    if failed or time.monotonic() > deadline:
+    if failed:
       for process, _ in runs:
         process.kill()
-      log = failed[0] if failed else runs[0][1]
-      reason = "failed" if failed else f"was still running after {TIMEOUT_S} s"
-      pytest.fail(f"{log.stem} {reason}:\n{log.read_text()[-3000:]}")
+      pytest.fail(f"{failed[0].stem} failed:\n{failed[0].read_text()[-3000:]}")
+    if time.monotonic() > deadline:
+      hung = [(process, log) for process, log in runs if process.poll() is None]
+      for process, _ in hung:
+        process.send_signal(signal.SIGABRT)
+      for process, _ in hung:
+        try:
+          process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+          process.kill()
+      stacks = "\n".join(f"{log.stem}:\n{log.read_text()[-8000:]}" for _, log in hung)
+      pytest.fail(f"still running after {TIMEOUT_S} s:\n{stacks}")
     time.sleep(0.5)
   for process, log in runs:
     assert process.returncode == 0, f"{log.stem} failed:\n{log.read_text()[-3000:]}"
