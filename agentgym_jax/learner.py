@@ -445,10 +445,14 @@ def _take_rows(tree: Any, rows: Array) -> Any:
 
 
 @jax.jit
-def _take_packed_rows(arrays: tuple[Array, ...], fills: tuple[int, ...], packed: Array):
-  """Packed rows packed[i] of each array, or its fill where packed[i] < 0 (one program)."""
+def _take_shared(shared: SharedPrompts, rows: Array, packed: Array) -> SharedPrompts:
+  """`take_batch`'s packed rows packed[i] (empty where packed[i] < 0) and the index of the samples
+  `rows`, in one program; `rows` [N] of the result are still the whole batch's."""
   real = (packed >= 0)[:, None]
-  return tuple(jnp.where(real, x[jnp.maximum(packed, 0)], fill) for x, fill in zip(arrays, fills))
+  gather = lambda x, fill: jnp.where(real, x[jnp.maximum(packed, 0)], fill)
+  return shared.replace(tokens=gather(shared.tokens, 0), targets=gather(shared.targets, 0),
+                        positions=gather(shared.positions, 0), segments=gather(shared.segments, -1),
+                        index=shared.index[rows])
 
 
 def take_batch(batch: Batch, rows: np.ndarray, row_groups: np.ndarray | None = None,
@@ -463,10 +467,6 @@ def take_batch(batch: Batch, rows: np.ndarray, row_groups: np.ndarray | None = N
     return taken
   used = list(dict.fromkeys(row_groups[rows].tolist()))
   packed = np.asarray(used + [-1] * (-len(used) % rows_multiple))
-  tokens, targets, positions, segments = _take_packed_rows(
-      (shared.tokens, shared.targets, shared.positions, shared.segments), (0, 0, 0, -1), packed)
   local = {group: i for i, group in enumerate(used)}
   local_rows = np.asarray([local[g] for g in row_groups[rows].tolist()], np.int32)
-  return taken.replace(
-      shared=shared.replace(tokens=tokens, targets=targets, positions=positions, segments=segments,
-                            rows=local_rows, index=take_rows(shared.index, rows)))
+  return taken.replace(shared=_take_shared(shared, rows, packed).replace(rows=local_rows))
