@@ -3,8 +3,10 @@ and splits that are the same in every process, an oracle that solves every goal,
 parser that never raises."""
 
 import collections
+import functools
 import hashlib
 import json
+import math
 import re
 
 import hypothesis
@@ -15,7 +17,7 @@ import environments
 from environments.base import Env
 from environments.textcraft import RecipeBook, TextCraftEnv, parse_action, solve
 from environments.textcraft import env as env_lib
-from environments.textcraft.recipes import kind_word
+from environments.textcraft.recipes import display_name, item_id, kind_word
 from env_helpers import run_python
 
 
@@ -56,6 +58,10 @@ def test_tag_variants_are_merged_into_agentgym_style_generic_ingredients(book):
   assert sorted(book.generics) == sorted(
       ["planks", "wool", "wooden_slabs", "logs", "crimson_stems", "warped_stems"] +
       [f"{wood}_logs" for wood in ("oak", "spruce", "birch", "jungle", "acacia", "dark_oak")])
+  # Minecraft 1.16's tag wooden_slabs: one slab per kind of planks, no stone slab.
+  assert book.generics["wooden_slabs"] == {
+      planks.replace("planks", "slab") for planks in book.generics["planks"]
+  }
   assert len(book.generics["logs"]) == 32 and len(book.generics["wool"]) == 16
   assert book.generics["oak_logs"] == {
       "oak_log", "oak_wood", "stripped_oak_log", "stripped_oak_wood"
@@ -318,6 +324,27 @@ def test_generic_ingredients_take_any_one_member():
                                                               1.0, True)
 
 
+def test_wooden_slabs_are_filled_by_any_wooden_slab_as_planks_by_any_planks():
+  env = _episode("barrel")
+  assert _observations(env, "get 2 wooden slabs", "get 2 oak slab") == [
+      "Could not find wooden slabs", "Could not find oak slab"
+  ]
+  _observations(env, "get 4 oak logs", *["craft 4 oak planks using 1 oak logs"] * 4,
+                "craft 6 oak slab using 3 oak planks", "get 1 spruce logs",
+                "craft 4 spruce planks using 1 spruce logs",
+                "craft 6 spruce slab using 3 spruce planks", "get 3 stone",
+                "craft 6 stone slab using 3 stone")
+  # As "planks", the generic is never in the inventory; a stone slab is not a wooden slab.
+  assert _observations(env, "craft 1 barrel using 6 planks, 2 wooden slabs",
+                       "craft 1 barrel using 6 oak planks, 2 stone slab") == [
+                           "Could not find enough items to craft minecraft:barrel",
+                           "Could not find a valid recipe for minecraft:barrel"
+                       ]
+  for slab in ("oak slab", "spruce slab"):
+    result = env.step(_reply(f"craft 1 barrel using 6 oak planks, 2 {slab}"))
+    assert (result.observation, result.reward) == ("Crafted 1 minecraft:barrel", 1.0)
+
+
 @pytest.mark.parametrize("logs", ["oak log", "stripped birch log", "logs", "oak logs"])
 def test_logs_are_filled_by_a_member_a_gotten_logs_or_a_gotten_species_logs(logs):
   env = _episode("campfire")
@@ -440,3 +467,83 @@ def test_oracle_solves_every_goal_of_both_splits_from_the_text_alone(goal_set):
     lengths.append(len(actions))
   # The shallowest goals take two actions (get, craft); none needs more than a few dozen.
   assert min(lengths) == 2 and max(lengths) <= 40
+
+
+# Recipe lines.
+
+_LINE = re.compile(r"craft (\d+) (.+?) using (.+)")
+
+
+def _listing(observation: str) -> list[str]:
+  """The recipe lines of a first observation."""
+  return observation.partition("\n\n")[0].splitlines()[1:]
+
+
+def _ingredients(line: str) -> list[tuple[int, str]]:
+  """(count, name) of each ingredient of a recipe line, as printed."""
+  parts = _LINE.fullmatch(line).group(3).split(", ")
+  return [(int(count), name) for count, name in (part.split(" ", 1) for part in parts)]
+
+
+def _issued(line: str, book: RecipeBook) -> list[str]:
+  """`line` as a player issues it: unchanged, but with each crafted generic (planks, wooden
+  slabs, wool) named by one of its kinds, once for each kind, so that every kind fills every
+  line that names its generic."""
+  made, output = _LINE.fullmatch(line).group(1, 2)
+  ingredients = _ingredients(line)
+  kinds = {
+      name: [display_name(member) for member in sorted(book.generics[item_id(name)])]
+      for _, name in ingredients if item_id(name) in book.crafted_generics
+  }
+  variants = max(map(len, kinds.values()), default=1)
+  return [
+      f"craft {made} {output} using " +
+      ", ".join(f"{count} {kinds[name][k % len(kinds[name])] if name in kinds else name}"
+                for count, name in ingredients) for k in range(variants)
+  ]
+
+
+@functools.cache
+def _plan(item: str) -> tuple[str, ...]:
+  """The oracle's actions that craft `item` (a craftable item is a goal of its own)."""
+  return tuple(solve(env_lib.first_observation(item_id(item))))
+
+
+def _obtain(book: RecipeBook, item: str, count: int) -> list[str]:
+  """Actions that add `count` of `item` to any inventory: get it if gettable, else repeat the
+  plan that crafts it until it has made `count` (each repeat gets what it uses)."""
+  if book.is_gettable(item_id(item)):
+    return [f"get {count} {item}"]
+  plan = _plan(item)
+  made = int(_LINE.fullmatch(plan[-1]).group(1))
+  return list(plan) * math.ceil(count / made)
+
+
+def test_every_printed_recipe_line_crafts_as_printed(book):
+  """Every distinct recipe line that a first observation prints, over every goal of both goal
+  sets, is accepted as printed (crafted generics named by a kind, as the instruction says) on a
+  fresh game whose ingredients were got or crafted by the game's own actions.
+
+  Lines repeat across goals, so each distinct line is tried once per kind of its generics:
+  648 lines (every recipe of the book, each in its own output's tree), 950 crafts.
+  """
+  env = TextCraftEnv()
+  lines = {
+      line for goal_set in env_lib.GOAL_SETS for goal, _ in env_lib.goals(goal_set)
+      for line in _listing(env_lib.first_observation(goal))
+  }
+  assert len(lines) == sum(map(len, book.recipes.values())) == 648
+  crafts = 0
+  for line in sorted(lines):
+    made, output = _LINE.fullmatch(line).group(1, 2)
+    for command in _issued(line, book):
+      env.reset(_task_id(item_id(output)))
+      for count, item in _ingredients(command):
+        for action in _obtain(book, item, count):
+          observation = env.step(_reply(action)).observation
+          assert observation.startswith(("Got ", "Crafted ")), (command, action, observation)
+      result = env.step(_reply(command))
+      assert (result.observation, result.reward) == (f"Crafted {made} minecraft:{item_id(output)}",
+                                                     1.0), command
+      crafts += 1
+  assert crafts == 950
