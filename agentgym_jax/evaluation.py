@@ -1,14 +1,21 @@
-"""Evaluation: success on a split, per category, with k samples per task (Avg@k and Pass@k).
+"""Evaluation: success on a split, per category, with k samples per task (Avg@k and Pass@k),
+and the paired comparison of two evaluations of the same tasks.
 
   Avg@k  = mean over tasks of the fraction of its k samples that succeed
   Pass@k = mean over tasks of whether any of its k samples succeeds
-With k = 1 both are the success rate the paper reports.
+With k = 1 both are the success rate the paper reports. A summary also keeps every task's
+samples (`tasks`: success, reward and turns of each), which two evaluations of the same tasks
+are compared on task by task (`compare`, an exact sign test).
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Sequence
+import dataclasses
+import fractions
+import json
+import math
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -60,7 +67,9 @@ def task_categories(pool: EnvPool, task_ids: Sequence[int]) -> dict[int, str]:
 
 def summarize(trajectories: Sequence[rollout.Trajectory], categories: dict[int,
                                                                            str]) -> dict[str, Any]:
-  """Avg@k, Pass@k, mean turns and termination counts, overall and per category."""
+  """Avg@k, Pass@k, mean turns and termination counts, overall and per category, and `tasks`:
+  per task in task-id order, its category and the success (1.0 or 0.0), reward and turns of
+  each of its samples in the order they were played."""
   by_task: dict[int, list[rollout.Trajectory]] = collections.defaultdict(list)
   for trajectory in trajectories:
     by_task[trajectory.task_id].append(trajectory)
@@ -84,7 +93,29 @@ def summarize(trajectories: Sequence[rollout.Trajectory], categories: dict[int,
   for task_id in tasks:
     per_category[categories.get(task_id, "all")].append(task_id)
   summary["categories"] = {name: stats(ids) for name, ids in sorted(per_category.items())}
+  summary["tasks"] = [
+      task_record(task_id, categories.get(task_id, "all"), by_task[task_id]) for task_id in tasks
+  ]
   return summary
+
+
+def task_record(task_id: int, category: str,
+                samples: Sequence[rollout.Trajectory]) -> dict[str, Any]:
+  """A task's entry in a summary's `tasks`: the success (1.0 or 0.0), reward and turns of each
+  of its samples, in the order they were played."""
+  return {
+      "task_id": int(task_id), "category": category, "success": [float(t.success) for t in samples],
+      "reward": [t.reward for t in samples], "turns": [t.num_turns for t in samples]
+  }
+
+
+def to_json(summary: Mapping[str, Any]) -> str:
+  """A summary as indented JSON, each record of its `tasks` on one line of its own."""
+  others = json.dumps({key: value for key, value in summary.items() if key != "tasks"}, indent=2)
+  if "tasks" not in summary:
+    return others
+  tasks = ",\n".join(f"    {json.dumps(task)}" for task in summary["tasks"])
+  return f'{others[:-2]},\n  "tasks": [\n{tasks}\n  ]\n}}'
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -100,3 +131,67 @@ def format_table(summary: dict[str, Any]) -> str:
     lines.append(f"{name:<24} {s['num_tasks']:>6} {100 * s['avg@k']:>6.2f}% "
                  f"{100 * s['pass@k']:>6.2f}% {s['turns']:>6.2f}")
   return "\n".join(lines)
+
+
+# --- two evaluations of the same tasks, compared task by task -------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedComparison:
+  """Evaluation B against evaluation A on the same tasks: `gained` tasks whose mean success is
+  higher in B, `lost` tasks whose mean success is lower, of `num_tasks`; `categories` maps each
+  category to its (gained, lost); `p_value` is the exact two-sided sign test's (`sign_test`)."""
+
+  gained: int
+  lost: int
+  num_tasks: int
+  categories: dict[str, tuple[int, int]]
+  p_value: fractions.Fraction
+
+
+def sign_test(gained: int, lost: int) -> fractions.Fraction:
+  """The exact two-sided p-value of a sign test of `gained` against `lost` (ties dropped); with
+  one sample per task (success 0 or 1) it is the exact McNemar test.
+
+  Under H0 (neither evaluation is better) each of the n = gained + lost untied tasks is gained
+  with probability 1/2, so gained ~ Binomial(n, 1/2), and
+
+    p = min(1, 2 * sum_{i=0}^{min(gained, lost)} C(n, i) / 2^n),   p = 1 when n = 0.
+
+  E.g. 8 gained, 1 lost: 2 * (C(9, 0) + C(9, 1)) / 2^9 = 20 / 512 = 0.0390625. The sum is
+  exact (integers and a Fraction), so tiny p-values do not underflow to 0 or round up.
+  """
+  if gained < 0 or lost < 0:
+    raise ValueError(f"gained={gained} and lost={lost} must be >= 0")
+  n = gained + lost
+  tail = sum(math.comb(n, i) for i in range(min(gained, lost) + 1))
+  return min(fractions.Fraction(1), fractions.Fraction(2 * tail, 2**n))
+
+
+def task_success(summary: Mapping[str, Any]) -> dict[int, fractions.Fraction]:
+  """Each task's mean success over its samples (with one sample: 1 solved, 0 not), exactly,
+  from a summary's per-task records."""
+  if "tasks" not in summary:
+    raise ValueError("the summary has no per-task records (`tasks`); evaluate again to compare")
+  mean = lambda values: sum(map(fractions.Fraction, values), fractions.Fraction(0)) / len(values)
+  return {int(task["task_id"]): mean(task["success"]) for task in summary["tasks"]}
+
+
+def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> PairedComparison:
+  """Evaluation `b` against `a`, task by task (`PairedComparison`); their tasks must be the same.
+  Each task's category is b's."""
+  success_a, success_b = task_success(a), task_success(b)
+  tasks_a, tasks_b = success_a.keys(), success_b.keys()
+  if tasks_a != tasks_b:
+    only_a, only_b = sorted(tasks_a - tasks_b), sorted(tasks_b - tasks_a)
+    raise ValueError(f"the evaluations are of different tasks ({len(only_a)} only in the first, "
+                     f"e.g. {only_a[:3]}; {len(only_b)} only in the second, e.g. {only_b[:3]})")
+  counts: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+  for task in b["tasks"]:
+    before, after = success_a[int(task["task_id"])], success_b[int(task["task_id"])]
+    if after != before:
+      counts[task["category"]][0 if after > before else 1] += 1
+  gained, lost = (sum(c[i] for c in counts.values()) for i in (0, 1))
+  return PairedComparison(gained=gained, lost=lost, num_tasks=len(success_b),
+                          categories={name: (c[0], c[1]) for name, c in sorted(counts.items())},
+                          p_value=sign_test(gained, lost))

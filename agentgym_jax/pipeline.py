@@ -6,8 +6,10 @@ RL from the warm-started policy, with (eval.stages) an evaluation of each stage'
     workdir/warm_start/               the SFT run: its checkpoints, metrics and export
     workdir/                          the RL run, starting from workdir/warm_start/export
     workdir/evaluation/<stage>.json   eval.stages: the summary of each stage's policy (initial,
-                                      warm start, RL) on eval.split, played as evaluations are
-    workdir/evaluation/table.txt      and the table of all of them, also printed at the end
+                                      warm start, RL) on eval.split, played as evaluations are,
+                                      with every task's samples
+    workdir/evaluation/table.txt      and the table of all of them, also printed at the end,
+                                      each stage against the one before task by task
 
 Each stage resumes by itself (the SFT run from its checkpoints, RL from its own), so a run
 stopped anywhere, mid-warm-start included, continues where it was when started again. A stage
@@ -90,7 +92,7 @@ def evaluate_stage(c: ml_collections.ConfigDict, stage: str, policy: str,
   if path.exists():
     return json.loads(path.read_text())
   settings = run.Settings.from_config(c)
-  plan, started = settings.evaluation, time.monotonic()
+  plan, started, rows = settings.evaluation, time.monotonic(), c.eval.rows or settings.rows
 
   def start(tasks: int) -> Callable[[int, int], None]:
     print(
@@ -103,9 +105,9 @@ def evaluate_stage(c: ml_collections.ConfigDict, stage: str, policy: str,
       print(f"  {done}/{total} episodes in {metrics.duration(time.monotonic() - started)}",
             flush=True)
 
-  summary, _ = evaluate_policy(settings, policy, c.eval.rows or settings.rows, start)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(summary, indent=2))
+  summary, _ = evaluate_policy(settings, policy, rows, start)
+  text = evaluation.to_json(summary)
+  paths.replace_file(path, text)
   print(
       f"evaluated the {stage} policy: avg@{summary['k']} {100 * summary['avg@k']:.1f}%, "
       f"pass@{summary['k']} {100 * summary['pass@k']:.1f}%, {summary['turns']:.2f} turns, "
@@ -114,7 +116,8 @@ def evaluate_stage(c: ml_collections.ConfigDict, stage: str, policy: str,
 
 
 def stage_table(summaries: dict[str, dict[str, Any]]) -> str:
-  """One row per category and the total; per stage, Avg@k and Pass@k (in %) of its policy."""
+  """One row per category and the total; per stage, Avg@k and Pass@k (in %) of its policy.
+  Below, each stage against the one before, task by task (`paired_lines`)."""
   k = next(iter(summaries.values()))["k"]
   stages = list(summaries)
   categories = sorted({name for s in summaries.values() for name in s["categories"]})
@@ -131,7 +134,40 @@ def stage_table(summaries: dict[str, dict[str, Any]]) -> str:
         f" {100 * x['avg@k']:>17.1f}% {100 * x['pass@k']:>6.1f}%" if x else f" {'-':>18} {'-':>7}"
         for x in stats)
     lines.append(f"{name:<16} {tasks:>5}{cells}")
+  pairs = list(zip(stages, stages[1:]))
+  if pairs:
+    lines.append("")
+    for before, after in pairs:
+      lines.extend(paired_lines(before, after, summaries[before], summaries[after]))
   return "\n".join(lines)
+
+
+def paired_lines(before: str, after: str, a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+  """Stage `after` against stage `before` on the same tasks (evaluation.compare): the tasks it
+  gained and lost, the sign test's exact two-sided p-value, and with several categories the
+  gains and losses of each; or why there is no comparison (a summary without per-task
+  records, or of other tasks)."""
+  lacking = [stage for stage, summary in ((before, a), (after, b)) if "tasks" not in summary]
+  if lacking:
+    return [
+        f"{before} -> {after}: the paired test needs per-task records; the summary of "
+        f"{' and of '.join(lacking)} has none (written before they were kept; delete it to "
+        "evaluate again)"
+    ]
+  try:
+    paired = evaluation.compare(a, b)
+  except ValueError as error:
+    return [f"{before} -> {after}: no paired test: {error}"]
+  lines = [
+      f"{before} -> {after}: +{paired.gained} gained, -{paired.lost} lost of {paired.num_tasks} "
+      f"tasks (paired sign test, exact two-sided p = {float(paired.p_value):.2g})"
+  ]
+  names = {task["category"] for task in b["tasks"]}
+  if len(names) > 1:
+    counts = [paired.categories.get(name, (0, 0)) for name in sorted(names)]
+    lines.append("  by category: " + ", ".join(
+        f"{name} +{gained} -{lost}" for name, (gained, lost) in zip(sorted(names), counts)))
+  return lines
 
 
 def warm_start(c: ml_collections.ConfigDict, directory: paths.Path) -> paths.Path:

@@ -8,8 +8,6 @@ config's model. Sampling follows the config's eval.* keys (greedy by default) an
 is eval.horizon, or the largest cap of the config's horizon schedule.
 """
 
-import json
-
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -42,7 +40,7 @@ def main(argv):
     bar.close()
   print(evaluation.format_table(summary))
   if _OUT.value:
-    paths.replace_file(_OUT.value, json.dumps(summary, indent=2))
+    paths.replace_file(_OUT.value, evaluation.to_json(summary))
   if _TRAJECTORIES.value:
     metrics.TrajectoryWriter(_TRAJECTORIES.value).write(0, [t.to_json() for t in trajectories])
 

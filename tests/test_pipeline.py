@@ -1,12 +1,13 @@
 """The recipe of a run: a warm start on demonstrations, then RL from the warm-started policy,
-each stage resumed where it stopped."""
+each stage resumed where it stopped, each stage's policy evaluated once and tabled against the
+stage before."""
 
 import json
 
 import pytest
 
 from agentgym_jax import config as config_lib
-from agentgym_jax import demonstrations, metrics, pipeline, run, trainer
+from agentgym_jax import demonstrations, evaluation, metrics, pipeline, rollout, run, trainer
 from rl_helpers import check_config, conversation, jsonl_file, set_key
 
 # The runs use one device, as on a workstation.
@@ -123,12 +124,17 @@ def test_each_stage_is_evaluated_once_and_tabled(checkpoint_dir, tmp_path, monke
       for stage, name in (("initial", "initial"), ("warm start", "warm_start"), ("RL", "rl"))
   }
   assert all(s["num_tasks"] == 4 and s["k"] == 1 for s in summaries.values())
+  for s in summaries.values():  # One record a task, in task-id order, of its one sample.
+    task_ids = [t["task_id"] for t in s["tasks"]]
+    assert task_ids == sorted(task_ids) and all(len(t["success"]) == 1 for t in s["tasks"])
   # The RL stage is the exported policy, played as launch/evaluate.py plays it.
   direct, _ = pipeline.evaluate_policy(run.Settings.from_config(c),
                                        str(tmp_path / "run" / "export"), 4)
   assert direct == summaries["RL"]
   table = (evaluated / "table.txt").read_text()
   assert table.strip() == pipeline.stage_table(summaries)
+  assert [line.split(":")[0] for line in table.splitlines() if " -> " in line
+         ] == ["initial -> warm start", "warm start -> RL"]
   assert pipeline.stage_table(summaries) in capsys.readouterr().out
   # Run again, nothing is played or trained twice and the table is the same.
   monkeypatch.setattr(pipeline, "evaluate_policy", lambda *a, **k: pytest.fail("played twice"))
@@ -155,7 +161,7 @@ def test_the_stage_table_has_a_row_per_category_and_a_column_pair_per_stage():
   assert lines[1].split() == [
       "category", "tasks", "initial", "avg@2", "pass@2", "RL", "avg@2", "pass@2"
   ]
-  rows = {line.split()[0]: line.split()[1:] for line in lines[3:]}
+  rows = {line.split()[0]: line.split()[1:] for line in lines[3:6]}
   # depth1 under RL: 3 of 4 samples, both tasks at least once.
   assert rows == {
       "depth1": ["2", "0.0%", "0.0%", "75.0%",
@@ -171,3 +177,40 @@ def test_a_stage_without_a_category_shows_dashes():
   })
   depth2 = next(line for line in table.splitlines() if line.startswith("depth2"))
   assert depth2.split() == ["depth2", "1", "-", "-", "0.0%", "0.0%"]
+
+
+def _played(successes, categories):
+  """The summary of one sample of each task of `categories`, those in `successes` solved."""
+  return evaluation.summarize([
+      rollout.Trajectory(task_id=t, group=t, success=t in successes,
+                         turn_rewards=[float(t in successes)]) for t in categories
+  ], categories)
+
+
+def test_the_stage_table_compares_each_stage_with_the_one_before_task_by_task():
+  categories = {t: "depth1" if t < 5 else "depth2" for t in range(10)}
+  table = pipeline.stage_table({
+      "initial": _played({9}, categories), "warm start": _played({9}, categories),
+      "RL": _played(set(range(8)), categories)
+  })
+  # RL solves 0-7 and no longer 9: 8 gained, 1 lost, p = 2 (C(9,0) + C(9,1)) / 2^9 = 0.039.
+  assert table.splitlines()[-5:] == [
+      "",
+      "initial -> warm start: +0 gained, -0 lost of 10 tasks (paired sign test, exact two-sided "
+      "p = 1)",
+      "  by category: depth1 +0 -0, depth2 +0 -0",
+      "warm start -> RL: +8 gained, -1 lost of 10 tasks (paired sign test, exact two-sided "
+      "p = 0.039)",
+      "  by category: depth1 +5 -0, depth2 +3 -1",
+  ]
+
+
+def test_a_stage_summary_without_per_task_records_is_tabled_without_a_paired_test():
+  categories = {0: "all", 1: "all"}
+  old, new = _played({0}, categories), _played({0, 1}, categories)
+  del old["tasks"]
+  table = pipeline.stage_table({"initial": old, "RL": new})
+  assert table.splitlines()[-1] == (
+      "initial -> RL: the paired test needs per-task records; the summary of initial has none "
+      "(written before they were kept; delete it to evaluate again)")
+  assert table.splitlines()[3].split() == ["all", "2", "50.0%", "50.0%", "100.0%", "100.0%"]
