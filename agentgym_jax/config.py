@@ -7,6 +7,7 @@ start-up instead of silently doing nothing. `validate` checks every value with o
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Mapping
 
 import ml_collections
@@ -14,6 +15,8 @@ import ml_collections
 DTYPES = ("float32", "bfloat16", "float16")
 CACHE_DTYPES = ("", "bfloat16", "float32")  # "": the model's matmul dtype.
 EXPORT_FORMATS = ("merged", "peft")
+# eval.cache_dir's default: the user's cache, shared by every run on the machine.
+EVALUATION_CACHE_DIR = "~/.cache/agentgym_jax/evaluations"
 Variant = Callable[[ml_collections.ConfigDict], None]  # Edits a config in place.
 
 
@@ -193,6 +196,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval.stages = False
   c.eval.rows = 0  # Episodes played at once by a stage evaluation; 0: an RL step's rows.
   c.eval.horizon = 0  # Turn cap; 0: the horizon schedule's largest cap.
+  # Where stage evaluations are kept by fingerprint (the model's files and the settings that
+  # decide the outcome), so a policy is not played again on the same evaluation, in any
+  # workdir (pipeline.py); "": off.
+  c.eval.cache_dir = EVALUATION_CACHE_DIR
 
   # Offline paradigms (mode sft or dpo): conversations instead of rollouts.
   c.data = ml_collections.ConfigDict()
@@ -411,6 +418,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(c.eval.temperature >= 0, f"eval.temperature={c.eval.temperature} must be >= 0")
   _check(c.eval.horizon >= 0, f"eval.horizon={c.eval.horizon} must be >= 0")
   _check(c.eval.rows >= 0, f"eval.rows={c.eval.rows} must be >= 0")
+  _check(
+      not c.eval.cache_dir or "://" in c.eval.cache_dir
+      or not os.path.isfile(os.path.expanduser(c.eval.cache_dir)),
+      f"eval.cache_dir={c.eval.cache_dir!r} is a file, not a directory (\"\" turns the cache off)")
   _check(
       not c.eval.stages
       or (c.mode == "rl" and c.checkpoint.export_hf and c.checkpoint.export_format == "merged"),

@@ -1,11 +1,12 @@
 """Evaluation: success on a split, per category, with k samples per task (Avg@k and Pass@k),
-and the paired comparison of two evaluations of the same tasks.
+the paired comparison of two evaluations of the same tasks, and what identifies an evaluation.
 
   Avg@k  = mean over tasks of the fraction of its k samples that succeed
   Pass@k = mean over tasks of whether any of its k samples succeeds
 With k = 1 both are the success rate the paper reports. A summary also keeps every task's
 samples (`tasks`: success, reward and turns of each), which two evaluations of the same tasks
-are compared on task by task (`compare`, an exact sign test).
+are compared on task by task (`compare`, an exact sign test), and an evaluation is identified
+by its `fingerprint`: the bytes of the policy's files and the settings that decide its outcome.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import fractions
+import hashlib
 import json
 import math
+import pathlib
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
-from agentgym_jax import rollout
+from agentgym_jax import paths, rollout
+from agentgym_jax.models import gguf, lora, resolve
 from agentgym_jax.models.tokenizer import ChatTemplate
 from agentgym_jax.sampling import Sampler
 from environments.pool import EnvPool
@@ -195,3 +199,53 @@ def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> PairedComparison:
   return PairedComparison(gained=gained, lost=lost, num_tasks=len(success_b),
                           categories={name: (c[0], c[1]) for name, c in sorted(counts.items())},
                           p_value=sign_test(gained, lost))
+
+
+# --- what identifies an evaluation ----------------------------------------------------------
+
+# The files of a model directory that loading reads: config, weights, tokenizer, chat template.
+MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".gguf", ".jinja")
+# sha256 of each file hashed in this process, by (path, size, modification time).
+_file_digests: dict[tuple[str, int, int], str] = {}
+
+
+def model_files(spec: str) -> list[pathlib.Path]:
+  """The files `load_model(spec)` builds the policy from: for a directory (a checkpoint, a
+  registry model's, a Hub snapshot, a bucket directory's local copy) its config, weights,
+  tokenizer and chat template files (MODEL_FILE_SUFFIXES) in name order; for the embedded
+  SmolLM2 its GGUF file; for a PEFT adapter directory its files, then its base model's."""
+  if not paths.is_remote(spec) and lora.is_peft(spec):
+    return _directory_files(pathlib.Path(spec).expanduser()) + model_files(lora.peft_base(spec))
+  directory = resolve(spec)
+  if directory is None:
+    return [gguf.smollm2_gguf_path()]
+  return _directory_files(directory)
+
+
+def _directory_files(directory: pathlib.Path) -> list[pathlib.Path]:
+  return sorted(f for f in directory.iterdir() if f.suffix in MODEL_FILE_SUFFIXES and f.is_file())
+
+
+def file_digest(path: pathlib.Path) -> str:
+  """The sha256 of a file's bytes, read once per process while its size and modification time
+  stay the same."""
+  stat = path.stat()
+  key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+  if key not in _file_digests:
+    with open(path, "rb") as f:
+      _file_digests[key] = hashlib.file_digest(f, "sha256").hexdigest()
+  return _file_digests[key]
+
+
+def model_fingerprint(spec: str) -> str:
+  """sha256 over the names and bytes of the policy's files (`model_files`): the same weights
+  copied elsewhere have the same fingerprint, one changed byte another."""
+  lines = "".join(f"{f.name} {file_digest(f)}\n" for f in model_files(spec))
+  return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def fingerprint(model: str, settings: Mapping[str, Any]) -> str:
+  """The key of an evaluation: sha256 over the model's fingerprint and the JSON of `settings`
+  (what decides the evaluation's outcome; pipeline.evaluation_settings)."""
+  record = {"model": model_fingerprint(model), "settings": settings}
+  return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()

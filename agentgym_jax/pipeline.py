@@ -10,17 +10,24 @@ RL from the warm-started policy, with (eval.stages) an evaluation of each stage'
                                       with every task's samples
     workdir/evaluation/table.txt      and the table of all of them, also printed at the end,
                                       each stage against the one before task by task
+    eval.cache_dir/<fingerprint>.json every summary played, by evaluation.fingerprint
 
 Each stage resumes by itself (the SFT run from its checkpoints, RL from its own), so a run
 stopped anywhere, mid-warm-start included, continues where it was when started again. A stage
 that has finished is not run again: the warm start is done once its export exists, an
-evaluation once its summary exists.
+evaluation once its summary exists. Nor is a policy played again on the same evaluation in any
+workdir: its summary is copied from eval.cache_dir when the same model files were evaluated with
+the same settings (`evaluation_settings`) before, as the initial policy is on every run of a
+config.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import pathlib
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -28,9 +35,12 @@ import jax
 import ml_collections
 from absl import logging
 
+import agentgym_jax
 from agentgym_jax import config as config_lib
 from agentgym_jax import paths
-from agentgym_jax import demonstrations, evaluation, metrics, offline, rollout, run, trainer
+from agentgym_jax import demonstrations, evaluation, hardware, metrics, multihost, offline, rollout
+from agentgym_jax import run, sharding, trainer
+from agentgym_jax.models import attention
 from environments import base, jsonl
 
 WARM_START_DIR = "warm_start"
@@ -88,11 +98,23 @@ def evaluate_policy(
 def evaluate_stage(c: ml_collections.ConfigDict, stage: str, policy: str,
                    path: pathlib.Path) -> dict[str, Any]:
   """The summary of the `stage` policy `policy` on the evaluation, kept at `path` (read, if
-  there, instead of played again). Says on stdout when it starts and what it scored."""
+  there, instead of played again) and in eval.cache_dir (copied from there, if the same model
+  files were evaluated with the same settings before). Says on stdout when it starts and what it
+  scored, or where the summary was copied from."""
   if path.exists():
     return json.loads(path.read_text())
   settings = run.Settings.from_config(c)
   plan, started, rows = settings.evaluation, time.monotonic(), c.eval.rows or settings.rows
+  cached = cache_entry(settings, policy, rows)
+  if cached is not None and cache_hit(cached):
+    text = cached.read_text()
+    summary = json.loads(text)
+    paths.replace_file(path, text)
+    print(
+        f"reused the {stage} policy's evaluation from {cached} (the same model files and "
+        f"evaluation settings): avg@{summary['k']} {100 * summary['avg@k']:.1f}%, "
+        f"pass@{summary['k']} {100 * summary['pass@k']:.1f}%", flush=True)
+    return summary
 
   def start(tasks: int) -> Callable[[int, int], None]:
     print(
@@ -108,11 +130,73 @@ def evaluate_stage(c: ml_collections.ConfigDict, stage: str, policy: str,
   summary, _ = evaluate_policy(settings, policy, rows, start)
   text = evaluation.to_json(summary)
   paths.replace_file(path, text)
+  if cached is not None:
+    write_cache_entry(cached, text)
   print(
       f"evaluated the {stage} policy: avg@{summary['k']} {100 * summary['avg@k']:.1f}%, "
       f"pass@{summary['k']} {100 * summary['pass@k']:.1f}%, {summary['turns']:.2f} turns, "
       f"in {metrics.duration(time.monotonic() - started)}", flush=True)
   return summary
+
+
+def evaluation_settings(settings: run.Settings, rows: int) -> dict[str, Any]:
+  """Every setting that decides what an evaluation of a policy scores, played `rows` episodes at
+  a time (`evaluate_policy`): the environment, its options and action format, and its step
+  timeout (a slow step ends an episode); the tasks (split, max_tasks); samples per task, turn
+  cap, turn sampling, context and seed; the chat (thinking); the numerics (matmul, parameter and
+  KV-cache dtypes, attention, mesh, device kind, JAX version); the batches (rows, pipeline
+  groups: their episodes' keys, and batch shapes' rounding); and this project's version. Not:
+  what only decides how fast it plays (env.backend, eval.every)."""
+  c, plan = settings.config, settings.evaluation
+  dtype = hardware.matmul_dtype(c.model.dtype)
+  mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+  implementation, device = attention.resolve(c.model.attention), jax.devices()[0]
+  return {
+      "version": agentgym_jax.__version__, "env": c.env.name,
+      "env_options": config_lib.env_options(c), "action_format": c.env.action_format,
+      "step_timeout": c.env.step_timeout, "split": plan.split, "max_tasks": plan.max_tasks,
+      "samples_per_task": plan.samples_per_task, "horizon": plan.horizon,
+      "sampling": dataclasses.asdict(plan.sampling), "max_context": settings.max_context,
+      "seed": settings.seed, "thinking": settings.thinking, "dtype": dtype,
+      "param_dtype": c.model.param_dtype, "cache_dtype": c.rollout.cache_dtype or dtype,
+      "attention": implementation, "mesh": dict(mesh.shape), "device_kind": device.device_kind,
+      "jax": jax.__version__, "rows": rows, "pipeline_groups": settings.pipeline_groups
+  }
+
+
+def cache_entry(settings: run.Settings, policy: str, rows: int) -> paths.Path | None:
+  """Where eval.cache_dir keeps the summary of `policy` evaluated with `settings`, `rows`
+  episodes at a time: <fingerprint>.json (evaluation.fingerprint); None if eval.cache_dir is
+  ""."""
+  cache_dir = settings.config.eval.cache_dir
+  if not cache_dir:
+    return None
+  sharding.initialize_distributed()  # Before the settings ask JAX about the devices.
+  key = evaluation.fingerprint(policy, evaluation_settings(settings, rows))
+  return paths.path(os.path.expanduser(cache_dir)) / f"{key}.json"
+
+
+def cache_hit(entry: paths.Path) -> bool:
+  """Whether `entry` is in the cache, of every process (each may have a cache of its own; they
+  play the evaluation together or not at all)."""
+  hit = entry.exists()
+  if jax.process_count() > 1:
+    hit = all(multihost.all_gather_objects(hit))
+  return hit
+
+
+def write_cache_entry(entry: paths.Path, text: str) -> None:
+  """Writes `text` at `entry` so that a reader sees a whole summary or none: locally through a
+  temporary file of this process's own (processes of one machine may write the same entry at
+  once) and a rename, in a bucket as one object."""
+  if paths.is_remote(entry):
+    paths.replace_file(entry, text)
+    return
+  entry.parent.mkdir(parents=True, exist_ok=True)
+  descriptor, temporary = tempfile.mkstemp(prefix=entry.name, suffix=".tmp", dir=entry.parent)
+  with os.fdopen(descriptor, "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(temporary, entry)
 
 
 def stage_table(summaries: dict[str, dict[str, Any]]) -> str:

@@ -1,5 +1,6 @@
-"""Test set-up: 8 virtual CPU devices so sharding is tested on a (data, fsdp, tensor) mesh, and
-a persistent compilation cache shared by the test processes (and their subprocesses)."""
+"""Test set-up: 8 virtual CPU devices so sharding is tested on a (data, fsdp, tensor) mesh, a
+persistent compilation cache shared by the test processes (and their subprocesses), and each
+test's stage evaluations cached in its own tmp_path instead of the user's cache."""
 
 import os
 import pathlib
@@ -10,6 +11,16 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path.home() / ".cache" / "agentgym_jax" / "jax_test_cache"))
+
+
+@pytest.fixture(autouse=True)
+def evaluation_cache(tmp_path, monkeypatch):
+  """The default eval.cache_dir of the configs a test builds: its own, in tmp_path (a test
+  that plays the same evaluation as another still plays it, and the user's cache stays as it
+  was)."""
+  from agentgym_jax import config  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(config, "EVALUATION_CACHE_DIR", str(tmp_path / "evaluation_cache"))
 
 
 @pytest.fixture

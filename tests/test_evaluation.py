@@ -1,12 +1,14 @@
 """Evaluation summaries keep every task's samples; two evaluations of the same tasks are compared
-task by task with an exact sign test."""
+task by task with an exact sign test; an evaluation's model is identified by its files' bytes."""
 
 import json
+import shutil
 from fractions import Fraction
 
 import pytest
 
 from agentgym_jax import evaluation, rollout
+from agentgym_jax.models import gguf, lora
 
 
 def played(successes: dict[int, list[bool]]) -> list[rollout.Trajectory]:
@@ -116,3 +118,41 @@ def test_compare_refuses_a_summary_without_per_task_records():
   del old["tasks"]
   with pytest.raises(ValueError, match="no per-task records"):
     evaluation.compare(old, summary({1: [True]}))
+
+
+def test_a_models_fingerprint_is_its_files_bytes(checkpoint_dir, tmp_path):
+  copy = shutil.copytree(checkpoint_dir, tmp_path / "copy")
+  assert evaluation.model_fingerprint(str(copy)) == evaluation.model_fingerprint(checkpoint_dir)
+  # A file that loading does not read changes nothing; one byte of the weights changes it.
+  (copy / "README.md").write_text("notes")
+  assert evaluation.model_fingerprint(str(copy)) == evaluation.model_fingerprint(checkpoint_dir)
+  weights = copy / "model.safetensors"
+  data = bytearray(weights.read_bytes())
+  data[-1] ^= 1
+  weights.write_bytes(bytes(data))
+  assert evaluation.model_fingerprint(str(copy)) != evaluation.model_fingerprint(checkpoint_dir)
+
+
+def test_each_file_is_hashed_once_while_it_is_unchanged(checkpoint_dir, tmp_path, monkeypatch):
+  copy = shutil.copytree(checkpoint_dir, tmp_path / "copy")
+  hashed, file_digest = [], evaluation.hashlib.file_digest
+  monkeypatch.setattr(evaluation.hashlib, "file_digest",
+                      lambda f, name: hashed.append(f.name) or file_digest(f, name))
+  first = evaluation.model_fingerprint(str(copy))
+  assert sorted(hashed) == sorted(str(f) for f in evaluation.model_files(str(copy)))
+  assert evaluation.model_fingerprint(str(copy)) == first and len(hashed) == len(set(hashed))
+
+
+def test_the_embedded_model_is_its_gguf_file():
+  assert evaluation.model_files("smollm2-135m-instruct") == [gguf.smollm2_gguf_path()]
+
+
+def test_a_peft_adapter_directorys_files_come_before_its_bases(checkpoint_dir, tmp_path):
+  adapter = tmp_path / "adapter"
+  adapter.mkdir()
+  (adapter / lora.PEFT_CONFIG).write_text(json.dumps({"base_model_name_or_path": checkpoint_dir}))
+  (adapter / "adapter_model.safetensors").write_bytes(b"adapters")
+  assert evaluation.model_files(str(adapter)) == [
+      adapter / lora.PEFT_CONFIG, adapter / "adapter_model.safetensors",
+      *evaluation.model_files(checkpoint_dir)
+  ]

@@ -1,8 +1,9 @@
 """The recipe of a run: a warm start on demonstrations, then RL from the warm-started policy,
-each stage resumed where it stopped, each stage's policy evaluated once and tabled against the
-stage before."""
+each stage resumed where it stopped, each stage's policy evaluated once (in any workdir) and
+tabled against the stage before."""
 
 import json
+import shutil
 
 import pytest
 
@@ -136,10 +137,16 @@ def test_each_stage_is_evaluated_once_and_tabled(checkpoint_dir, tmp_path, monke
   assert [line.split(":")[0] for line in table.splitlines() if " -> " in line
          ] == ["initial -> warm start", "warm start -> RL"]
   assert pipeline.stage_table(summaries) in capsys.readouterr().out
-  # Run again, nothing is played or trained twice and the table is the same.
+  # Run again, nothing is played or trained twice and the table is the same; nor, with the
+  # workdir's summaries gone, is a policy played again: each stage's is in the cache.
   monkeypatch.setattr(pipeline, "evaluate_policy", lambda *a, **k: pytest.fail("played twice"))
   pipeline.train(c, tmp_path / "run")
   assert (evaluated / "table.txt").read_text() == table
+  assert len(list((tmp_path / "evaluation_cache").iterdir())) == 3
+  shutil.rmtree(evaluated)
+  pipeline.train(c, tmp_path / "run")
+  assert (evaluated / "table.txt").read_text() == table
+  assert capsys.readouterr().out.count("reused the") == 3
 
 
 def _summary(avg, pass_, by_category):
@@ -214,3 +221,86 @@ def test_a_stage_summary_without_per_task_records_is_tabled_without_a_paired_tes
       "initial -> RL: the paired test needs per-task records; the summary of initial has none "
       "(written before they were kept; delete it to evaluate again)")
   assert table.splitlines()[3].split() == ["all", "2", "50.0%", "50.0%", "100.0%", "100.0%"]
+
+
+@pytest.fixture
+def plays(monkeypatch):
+  """The policies played by pipeline.evaluate_policy, which is replaced by one that plays
+  nothing and returns the summary of one solved and one failed task."""
+  played = []
+
+  def play(settings, model_name, rows, start=None):
+    played.append(model_name)
+    return _played({0}, {0: "all", 1: "all"}), []
+
+  monkeypatch.setattr(pipeline, "evaluate_policy", play)
+  return played
+
+
+def evaluate(c, policy, workdir):
+  return pipeline.evaluate_stage(c, "initial", str(policy), workdir / "evaluation" / "initial.json")
+
+
+def test_a_policy_evaluated_with_the_same_settings_is_not_played_again_in_another_workdir(
+    checkpoint_dir, tmp_path, plays, capsys):
+  c = config(checkpoint_dir, tmp_path)
+  assert c.eval.cache_dir == str(tmp_path / "evaluation_cache")  # conftest's, not the user's.
+  first = evaluate(c, checkpoint_dir, tmp_path / "a")
+  (entry,) = (tmp_path / "evaluation_cache").iterdir()
+  assert json.loads(entry.read_text()) == first
+  # The same files elsewhere (another run's identical export) are the same policy.
+  copy = shutil.copytree(checkpoint_dir, tmp_path / "copy")
+  assert evaluate(c, copy, tmp_path / "b") == first
+  assert plays == [checkpoint_dir]
+  assert (tmp_path / "b" / "evaluation" / "initial.json").read_text() == entry.read_text()
+  assert capsys.readouterr().out.splitlines()[-1] == (
+      f"reused the initial policy's evaluation from {entry} (the same model files and "
+      "evaluation settings): avg@1 50.0%, pass@1 50.0%")
+
+
+@pytest.mark.parametrize("key, value", [
+    ("seed", 1),
+    ("eval.horizon", 2),
+    ("eval.temperature", 0.5),
+    ("eval.samples_per_task", 2),
+    ("eval.max_tasks", 3),
+    ("rollout.max_new_tokens", 3),
+    ("rollout.cache_dtype", "bfloat16"),
+    ("model.dtype", "bfloat16"),
+    ("env.options.turns", 2),
+])
+def test_a_changed_setting_plays_the_evaluation_again(checkpoint_dir, tmp_path, plays, key, value):
+  c = config(checkpoint_dir, tmp_path)
+  evaluate(c, checkpoint_dir, tmp_path / "a")
+  set_key(c, key, value)
+  evaluate(c, checkpoint_dir, tmp_path / "b")
+  assert plays == [checkpoint_dir] * 2
+  assert len(list((tmp_path / "evaluation_cache").iterdir())) == 2
+
+
+def test_changed_weights_play_the_evaluation_again(checkpoint_dir, tmp_path, plays):
+  c = config(checkpoint_dir, tmp_path)
+  policy = shutil.copytree(checkpoint_dir, tmp_path / "policy")
+  evaluate(c, policy, tmp_path / "a")
+  weights = policy / "model.safetensors"
+  data = bytearray(weights.read_bytes())
+  data[-1] ^= 1
+  weights.write_bytes(bytes(data))
+  evaluate(c, policy, tmp_path / "b")
+  assert plays == [str(policy)] * 2
+
+
+def test_an_empty_cache_dir_turns_the_cache_off(checkpoint_dir, tmp_path, plays):
+  c = config(checkpoint_dir, tmp_path)
+  c.eval.cache_dir = ""
+  evaluate(c, checkpoint_dir, tmp_path / "a")
+  evaluate(c, checkpoint_dir, tmp_path / "b")
+  assert plays == [checkpoint_dir] * 2
+  assert not (tmp_path / "evaluation_cache").exists()
+
+
+def test_a_cache_dir_that_is_a_file_is_refused(tmp_path):
+  c = config_lib.base_config()
+  (tmp_path / "file").write_text("")
+  c.eval.cache_dir = str(tmp_path / "file")
+  check_config(c, r"eval.cache_dir='.*file' is a file, not a directory")
