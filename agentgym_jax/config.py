@@ -140,6 +140,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.algorithm.value_clip_eps = 0.2
   c.algorithm.ppo_epochs = 1
   c.algorithm.num_minibatches = 4
+  # A step without learning signal (every trained token's advantage exactly 0, and no KL,
+  # entropy or value term in the loss) skips its optimizer updates, and its experience pass too
+  # when the rewards already show it (trainer.py). Its gradient is 0, yet updating on it still
+  # moves the weights (AdamW's momentum and weight decay) and advances the learning-rate
+  # schedule, as verl and AgentGym-RL do: off by default, like the rest of their recipe.
+  c.algorithm.skip_no_signal_updates = False
   # Rows per forward/backward pass in the experience pass and the update, the gradient of a
   # minibatch accumulated over its micro-batches (learner.py); 0: a minibatch at once.
   c.algorithm.micro_batch_rows = 0

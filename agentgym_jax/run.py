@@ -90,6 +90,8 @@ class Settings:
     failed_episodes: how environment faults enter the loss (exclude | zero_reward).
     num_minibatches, ppo_epochs: an RL step's updates.
     shared_prompts: whether the learner packs each task's samples as one row (batch.py).
+    skip_no_signal_updates: whether a step without learning signal skips its update
+      (algorithm.skip_no_signal_updates; trainer.py).
     checkpoint_every: steps between checkpoints (0: none but the last).
     export_hf: whether the run ends by exporting its policy (`export_policy`).
     export_format: checkpoint.export_format: merged (a Hugging Face directory) | peft.
@@ -122,6 +124,7 @@ class Settings:
   num_minibatches: int
   ppo_epochs: int
   shared_prompts: bool
+  skip_no_signal_updates: bool
   checkpoint_every: int
   export_hf: bool
   export_format: str
@@ -154,10 +157,12 @@ class Settings:
                pipeline_groups=r.pipeline_groups, wave_rows=r.wave_rows,
                failed_episodes=c.env.failed_episodes, num_minibatches=c.algorithm.num_minibatches,
                ppo_epochs=c.algorithm.ppo_epochs, shared_prompts=c.mode == "rl"
-               and c.algorithm.shared_prompts, checkpoint_every=c.checkpoint.every,
-               export_hf=c.checkpoint.export_hf, export_format=c.checkpoint.export_format,
-               lora=_lora_settings(c), log_trajectories=c.log.trajectories, data=data,
-               dpo_beta=c.dpo.beta, thinking=c.model.thinking == "on")
+               and c.algorithm.shared_prompts,
+               skip_no_signal_updates=c.algorithm.skip_no_signal_updates,
+               checkpoint_every=c.checkpoint.every, export_hf=c.checkpoint.export_hf,
+               export_format=c.checkpoint.export_format, lora=_lora_settings(c),
+               log_trajectories=c.log.trajectories, data=data, dpo_beta=c.dpo.beta,
+               thinking=c.model.thinking == "on")
 
   def check_layout(self, mesh: Mesh, process_count: int) -> None:
     """What the config can only be checked against once the mesh and processes are known."""

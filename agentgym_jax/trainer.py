@@ -13,6 +13,15 @@ and keeps the groups whose rewards differ, until tasks_per_step such groups are 
 rollout.max_sampling_rounds rounds are played. The batch is the first tasks_per_step groups
 with signal; if there are fewer, groups without signal fill it with their rows excluded from the
 loss (so shapes stay static), and the metrics say how many.
+
+Steps without learning signal (algorithm.skip_no_signal_updates): when every trained token's
+advantage is exactly 0 and the loss has no other term with a gradient (no KL loss, entropy bonus
+or critic), the step's gradient is 0 and it skips its optimizer updates, leaving parameters and
+optimizer state as they were (`no_signal`). For a group-centred estimator the packed rewards
+already show it, and the experience pass is skipped too (`no_signal_in_rewards`). A skipped step
+is a step like any other (counter, task cursor, horizon, checkpoint, metrics row, trajectory
+log); its row has update/skipped = 1 and none of the update's metrics (nor the experience
+pass's, when that is skipped).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from jax.experimental import multihost_utils
 
 from agentgym_jax import config as config_lib, evaluation, learner, metrics, paths
 from agentgym_jax import multihost, rollout, run, sharding
+from agentgym_jax.batch import Batch
 from environments.pool import EnvPool
 
 
@@ -83,6 +93,52 @@ def has_signal(group: Sequence[rollout.Trajectory], failed_episodes: str) -> boo
       if not (t.env_failed and failed_episodes == "exclude")
   }
   return len(rewards) > 1
+
+
+# The advantage estimators that score each reward against its task group's mean, a function of
+# r_i - mean_g(r) (grpo_advantages, rloo_advantages): 0 on every row of a group of equal rewards.
+# Not GiGPO, whose step groups compare turn returns that can differ when the episodes' rewards do
+# not, nor the token-level estimators.
+GROUP_CENTRED_ESTIMATORS = ("grpo", "rloo")
+
+
+def gradient_only_through_advantages(loss: learner.LossConfig) -> bool:
+  """Whether the policy loss is the loss's only term with a gradient (no KL loss, entropy bonus
+  or value loss), so that advantages of 0 on every trained token make the gradient exactly 0."""
+  return loss.kl_coef == 0 and loss.entropy_coef == 0 and not loss.uses_critic
+
+
+def no_signal_in_rewards(batch: Batch, loss: learner.LossConfig) -> bool:
+  """Whether a packed batch (host arrays) shows before the experience pass that every trained
+  token's advantage will be exactly 0.
+
+  It does for a group-centred estimator (GROUP_CENTRED_ESTIMATORS; no KL in the reward) when
+  every group holding a trained token has equal rewards r that sum exactly in float32, in any
+  order: every partial sum k r (k up to the group's size) is a float32, as for rewards 0 and 1,
+  so that the group's mean is r and r - mean is 0. Equal rewards such as 0.7 sum inexactly, and
+  GRPO's std + eps can turn that rounding into an advantage of a few hundredths: `no_signal`
+  decides those after the experience pass.
+  """
+  if loss.advantage_estimator not in GROUP_CENTRED_ESTIMATORS or loss.kl_in_reward_coef:
+    return False
+  trained_rows = batch.loss_mask.any(axis=1)
+  for group in np.unique(batch.group_ids[trained_rows]):
+    rewards = batch.rewards[batch.group_ids == group]
+    reward = np.float64(rewards[0])
+    sums = np.arange(1, len(rewards) + 1) * reward  # Exact in float64.
+    if not (np.isfinite(reward) and np.all(rewards == rewards[0])
+            and np.all(sums.astype(np.float32) == sums)):
+      return False
+  return True
+
+
+@jax.jit
+def no_signal(experience: learner.Experience, loss_mask: jax.Array) -> jax.Array:
+  """Whether every trained token's advantage is exactly 0 (NaN is not): a bool scalar over the
+  loss's tokens, those of loss_mask f32[N, T] (aligned with the tokens) in the trajectories the
+  rollout correction keeps."""
+  trained = loss_mask[:, 1:] * experience.kept[:, None] > 0
+  return jnp.all(jnp.where(trained, experience.advantages == 0, True))
 
 
 @dataclasses.dataclass
@@ -153,17 +209,19 @@ def play_step(play: Callable[[list[int], int], tuple[list[rollout.Trajectory],
   return StepRollout(batch, trained, played, total, len(stats), len(signal)), cursor
 
 
-def trajectory_records(trajectories: Sequence[rollout.Trajectory], advantages: jax.Array,
+def trajectory_records(trajectories: Sequence[rollout.Trajectory], advantages: jax.Array | None,
                        loss_mask: jax.Array) -> list[dict[str, Any]]:
   """The step's trajectory log records, each with its sample index within its group and its
   advantage: the mean over its trained tokens (GRPO's and RLOO's one value a row; a summary of
   GAE's per-token ones), None for a row without trained tokens (an excluded failed episode).
 
-  advantages f32[N, T-1] are aligned with the targets, loss_mask f32[N, T] with the tokens.
+  advantages f32[N, T-1] are aligned with the targets, loss_mask f32[N, T] with the tokens;
+  advantages None are 0 (a step whose rewards showed it, and that skipped its experience pass).
   """
   mask = loss_mask[:, 1:]
   trained = jnp.sum(mask, axis=-1)
-  row_advantage = jnp.sum(advantages * mask, axis=-1) / jnp.maximum(trained, 1.0)
+  row_advantage = (jnp.zeros_like(trained) if advantages is None else
+                   jnp.sum(advantages * mask, axis=-1) / jnp.maximum(trained, 1.0))
   row_advantage, trained = multihost_utils.process_allgather((row_advantage, trained), tiled=True)
   samples = collections.Counter()
   records = []
@@ -196,6 +254,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   value_params = jax.device_put(value_params, trainable_shardings[1])
   opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)((params, value_params))
   update_step = learner.jit_update_step(trainable_shardings, opt_shardings)
+  skip_no_signal = settings.skip_no_signal_updates and gradient_only_through_advantages(loss)
 
   # Resume from the newest complete checkpoint, if any. Steps count completed RL steps: the
   # checkpoint, metrics row and trajectory file of step k are written after k updates.
@@ -266,33 +325,39 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         row_groups = None if batch.shared is None else batch.shared.rows
         batch = batch.replace(loss_mask=batch.loss_mask *
                               np.asarray(step_rollout.trained, np.float32)[:, None])
+        skip = skip_no_signal and no_signal_in_rewards(batch, loss)
         batch = jax.device_put(batch, sharding.batch_sharding(mesh, 1))
-        experience, experience_metrics = learner.compute_experience(
-            graphdef, state.params, ref_params, value_graphdef, state.value_params, batch,
-            loss=loss, num_groups=2 * num_rows, num_turns=schedule.max_turns, frozen=frozen)
-        jax.block_until_ready(experience)  # So that the phase timers measure device work.
+        experience, experience_metrics = None, {}
+        if not skip:
+          experience, experience_metrics = learner.compute_experience(
+              graphdef, state.params, ref_params, value_graphdef, state.value_params, batch,
+              loss=loss, num_groups=2 * num_rows, num_turns=schedule.max_turns, frozen=frozen)
+          jax.block_until_ready(experience)  # So that the phase timers measure device work.
+          skip = skip_no_signal and bool(no_signal(experience, batch.loss_mask))
 
-      # 3. Update: ppo_epochs passes of num_minibatches optimizer steps.
-      with timer("update"):
-        trainable = (state.params, state.value_params)
-        opt_state = run.place_optimizer_state(state.opt_state, opt_shardings, on_host=False)
-        rng = np.random.default_rng([settings.seed, step])
-        update_metrics = []
-        for update, rows in enumerate(
-            learner.minibatch_indices(num_rows, settings.num_minibatches, settings.ppo_epochs, rng,
-                                      row_groups)):
-          minibatch = learner.take_batch(batch, rows, row_groups, sharding.batch_shards(mesh))
-          trainable, opt_state, m = update_step(graphdef, value_graphdef, trainable, opt_state,
-                                                minibatch, learner.take_rows(experience, rows),
-                                                optimizer=optimizer, loss=loss, frozen=frozen,
-                                                dropout_key=settings.dropout_key(step, update))
-          update_metrics.append(m)
-        state = run.RunState(*jax.block_until_ready((trainable[0], trainable[1],
-                                                     offload(opt_state))))
+      # 3. Update: ppo_epochs passes of num_minibatches optimizer steps (none without signal).
+      update_metrics = []
+      if not skip:
+        with timer("update"):
+          trainable = (state.params, state.value_params)
+          opt_state = run.place_optimizer_state(state.opt_state, opt_shardings, on_host=False)
+          rng = np.random.default_rng([settings.seed, step])
+          for update, rows in enumerate(
+              learner.minibatch_indices(num_rows, settings.num_minibatches, settings.ppo_epochs,
+                                        rng, row_groups)):
+            minibatch = learner.take_batch(batch, rows, row_groups, sharding.batch_shards(mesh))
+            trainable, opt_state, m = update_step(graphdef, value_graphdef, trainable, opt_state,
+                                                  minibatch, learner.take_rows(experience, rows),
+                                                  optimizer=optimizer, loss=loss, frozen=frozen,
+                                                  dropout_key=settings.dropout_key(step, update))
+            update_metrics.append(m)
+          state = run.RunState(*jax.block_until_ready((trainable[0], trainable[1],
+                                                       offload(opt_state))))
 
       done = step + 1
       step_metrics = _step_metrics(step_rollout.played, step_rollout.stats, experience_metrics,
-                                   update_metrics, cap, schedule.stage(step), timer)
+                                   update_metrics, state.opt_state.notfinite_count, cap,
+                                   schedule.stage(step), timer)
       if settings.dynamic_sampling:
         step_metrics.update(step_rollout.metrics(settings.tasks_per_step))
         if step_metrics["dynamic_sampling/filled_groups"]:
@@ -320,7 +385,9 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
       settings.check_health(metrics_writer.latest)
       if settings.log_trajectories:
         trajectory_writer.write(
-            done, trajectory_records(trajectories, experience.advantages, batch.loss_mask))
+            done,
+            trajectory_records(trajectories, None if experience is None else experience.advantages,
+                               batch.loss_mask))
       progress.update(done, metrics_writer.latest)
       if settings.checkpoint_every:
         checkpointer.save(
@@ -339,10 +406,13 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
 
 
 def _step_metrics(trajectories: Sequence[rollout.Trajectory], stats: rollout.RolloutStats,
-                  experience_metrics: dict[str, jax.Array], update_metrics: list[dict[str,
-                                                                                      jax.Array]],
-                  cap: int, stage: int, timer: run.PhaseTimer) -> dict[str, Any]:
-  """Host-side rollout statistics plus device metrics (fetched once by the writer)."""
+                  experience_metrics: dict[str, jax.Array],
+                  update_metrics: list[dict[str, jax.Array]], nonfinite_steps: jax.Array, cap: int,
+                  stage: int, timer: run.PhaseTimer) -> dict[str, Any]:
+  """Host-side rollout statistics plus device metrics (fetched once by the writer): those of
+  the experience pass and the update when they ran (update/skipped says whether it did), and
+  the optimizer's count of consecutive non-finite updates, which a skipped step leaves as it
+  was."""
   rewards = np.array([t.reward for t in trajectories])
   turns = np.array([t.num_turns for t in trajectories])
   out: dict[str, Any] = {
@@ -363,8 +433,9 @@ def _step_metrics(trajectories: Sequence[rollout.Trajectory], stats: rollout.Rol
     out[f"termination/{reason}"] = float(np.mean([t.termination == reason for t in trajectories]))
   out.update({f"time/{k}": v for k, v in timer.seconds.items()})
   out.update(experience_metrics)
-  # Means over minibatches; the last one's optimizer counters.
-  for key in update_metrics[0]:
+  out["update/skipped"] = 0.0 if update_metrics else 1.0
+  # Means over minibatches.
+  for key in update_metrics[0] if update_metrics else ():
     out[key] = jnp.mean(jnp.stack([m[key] for m in update_metrics]))
-  out["nonfinite_steps"] = update_metrics[-1]["nonfinite_steps"]
+  out["nonfinite_steps"] = nonfinite_steps
   return out
