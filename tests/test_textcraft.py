@@ -287,7 +287,7 @@ def test_every_error_text():
   assert _observations(
       env,
       "craft 1 crafting table using 4 oak planks",  # nothing in the inventory yet
-      "craft 1 crafting table using 4 planks",  # a generic is never in the inventory
+      "craft 1 crafting table using 4 planks",  # nor any planks to fill the generic
       "craft 1 crafting table using oak planks",  # an ingredient without a count
       "dance",
       "",
@@ -313,7 +313,8 @@ def test_generic_ingredients_take_any_one_member():
   env = _episode("crafting_table")
   _observations(env, "get 2 birch logs", "craft 4 birch planks using 1 birch logs",
                 "craft 4 birch planks using 1 birch logs")
-  # As in AgentGym, one slot is filled by one item: 2 oak + 2 birch planks is not a recipe.
+  # As in AgentGym, a slot named by kinds is filled by one item: 2 oak + 2 birch planks is not
+  # a recipe (named as printed, "4 planks" takes a mix).
   assert _observations(env, "get 1 oak log", "craft 4 oak planks using 1 oak log",
                        "craft 1 crafting table using 2 oak planks, 2 birch planks") == [
                            "Got 1 oak log", "Crafted 4 minecraft:oak_planks",
@@ -324,25 +325,73 @@ def test_generic_ingredients_take_any_one_member():
                                                               1.0, True)
 
 
+def test_a_generic_named_as_printed_takes_held_kinds_in_the_order_they_were_obtained():
+  env = _episode("crafting_table")
+  _observations(env, "get 1 birch logs", "craft 4 birch planks using 1 birch logs", "get 1 oak log",
+                "craft 4 oak planks using 1 oak log")
+  # "2 planks" takes the birch planks, listed (obtained) first; "4 planks" the last 2 birch
+  # planks and 2 oak planks, as a Minecraft tag slot takes mixed kinds.
+  assert _observations(env, "inventory", "craft 4 stick using 2 planks") == [
+      "Inventory: [birch planks] (4) [oak planks] (4)", "Crafted 4 minecraft:stick"
+  ]
+  result = env.step(_reply("craft 1 crafting table using 4 planks"))
+  assert (result.observation, result.reward, result.done) == ("Crafted 1 minecraft:crafting_table",
+                                                              1.0, True)
+  # 2 oak planks are not enough for another; a refused craft consumes nothing.
+  assert _observations(env, "craft 1 crafting table using 4 planks", "inventory") == [
+      "Could not find enough items to craft minecraft:crafting_table",
+      "Inventory: [oak planks] (2) [stick] (4) [crafting table] (1)"
+  ]
+
+
+def test_a_gettable_generic_named_as_printed_takes_itself_first_then_any_member():
+  env = _episode("campfire")
+  _observations(env, "get 6 bamboo", *["craft 1 stick using 2 bamboo"] * 3, "get 2 charcoal",
+                "get 1 oak log", "get 3 logs")
+  # The gotten "logs" first, so a craft that names what it holds uses just that.
+  assert _observations(env, "craft 1 campfire using 3 stick, 1 charcoal, 3 logs", "inventory",
+                       "get 1 birch logs", "get 1 stripped spruce log", "get 6 bamboo",
+                       *["craft 1 stick using 2 bamboo"] * 3,
+                       "craft 1 campfire using 3 stick, 1 charcoal, 3 logs", "inventory") == [
+                           "Crafted 1 minecraft:campfire",
+                           "Inventory: [charcoal] (1) [oak log] (1) [campfire] (1)",
+                           "Got 1 birch logs", "Got 1 stripped spruce log", "Got 6 bamboo",
+                           *["Crafted 1 minecraft:stick"] * 3, "Crafted 1 minecraft:campfire",
+                           "Inventory: [campfire] (2)"
+                       ]
+
+
 def test_wooden_slabs_are_filled_by_any_wooden_slab_as_planks_by_any_planks():
   env = _episode("barrel")
   assert _observations(env, "get 2 wooden slabs", "get 2 oak slab") == [
       "Could not find wooden slabs", "Could not find oak slab"
   ]
-  _observations(env, "get 4 oak logs", *["craft 4 oak planks using 1 oak logs"] * 4,
-                "craft 6 oak slab using 3 oak planks", "get 1 spruce logs",
-                "craft 4 spruce planks using 1 spruce logs",
-                "craft 6 spruce slab using 3 spruce planks", "get 3 stone",
+  _observations(env, "get 4 oak logs", *["craft 4 oak planks using 1 oak logs"] * 4, "get 3 stone",
                 "craft 6 stone slab using 3 stone")
-  # As "planks", the generic is never in the inventory; a stone slab is not a wooden slab.
+  # A stone slab is not a wooden slab, named as printed or by its own name.
   assert _observations(env, "craft 1 barrel using 6 planks, 2 wooden slabs",
                        "craft 1 barrel using 6 oak planks, 2 stone slab") == [
                            "Could not find enough items to craft minecraft:barrel",
                            "Could not find a valid recipe for minecraft:barrel"
                        ]
+  _observations(env, "craft 6 oak slab using 3 oak planks", "get 1 spruce logs",
+                "craft 4 spruce planks using 1 spruce logs",
+                "craft 6 spruce slab using 3 spruce planks")
   for slab in ("oak slab", "spruce slab"):
     result = env.step(_reply(f"craft 1 barrel using 6 oak planks, 2 {slab}"))
     assert (result.observation, result.reward) == ("Crafted 1 minecraft:barrel", 1.0)
+  # As printed: 1 oak + 1 spruce planks are not 6; with 8 birch planks more they are, and the
+  # slabs come from the oak slabs, obtained before the spruce ones.
+  assert _observations(env, "inventory", "craft 1 barrel using 6 planks, 2 wooden slabs") == [
+      "Inventory: [oak planks] (1) [stone slab] (6) [oak slab] (4) [spruce planks] (1) "
+      "[spruce slab] (4) [barrel] (2)", "Could not find enough items to craft minecraft:barrel"
+  ]
+  _observations(env, "get 2 birch logs", *["craft 4 birch planks using 1 birch logs"] * 2)
+  result = env.step(_reply("craft 1 barrel using 6 planks, 2 wooden slabs"))
+  assert (result.observation, result.reward) == ("Crafted 1 minecraft:barrel", 1.0)
+  assert _observations(env, "inventory") == [
+      "Inventory: [stone slab] (6) [oak slab] (2) [spruce slab] (4) [barrel] (3) [birch planks] (4)"
+  ]
 
 
 @pytest.mark.parametrize("logs", ["oak log", "stripped birch log", "logs", "oak logs"])
@@ -521,11 +570,13 @@ def _obtain(book: RecipeBook, item: str, count: int) -> list[str]:
 
 def test_every_printed_recipe_line_crafts_as_printed(book):
   """Every distinct recipe line that a first observation prints, over every goal of both goal
-  sets, is accepted as printed (crafted generics named by a kind, as the instruction says) on a
-  fresh game whose ingredients were got or crafted by the game's own actions.
+  sets, is accepted on a fresh game whose ingredients were got or crafted by the game's own
+  actions: with crafted generics named by a kind, as the instruction says, and verbatim, as
+  printed, on a game holding that kind.
 
   Lines repeat across goals, so each distinct line is tried once per kind of its generics:
-  648 lines (every recipe of the book, each in its own output's tree), 950 crafts.
+  648 lines (every recipe of the book, each in its own output's tree), 950 crafts with kinds
+  named, and the 344 of them that name a kind in place of a generic once more as printed.
   """
   env = TextCraftEnv()
   lines = {
@@ -533,17 +584,18 @@ def test_every_printed_recipe_line_crafts_as_printed(book):
       for line in _listing(env_lib.first_observation(goal))
   }
   assert len(lines) == sum(map(len, book.recipes.values())) == 648
-  crafts = 0
+  crafts = collections.Counter()
   for line in sorted(lines):
     made, output = _LINE.fullmatch(line).group(1, 2)
     for command in _issued(line, book):
-      env.reset(_task_id(item_id(output)))
-      for count, item in _ingredients(command):
-        for action in _obtain(book, item, count):
-          observation = env.step(_reply(action)).observation
-          assert observation.startswith(("Got ", "Crafted ")), (command, action, observation)
-      result = env.step(_reply(command))
-      assert (result.observation, result.reward) == (f"Crafted {made} minecraft:{item_id(output)}",
-                                                     1.0), command
-      crafts += 1
-  assert crafts == 950
+      for issued in dict.fromkeys((command, line)):
+        env.reset(_task_id(item_id(output)))
+        for count, item in _ingredients(command):
+          for action in _obtain(book, item, count):
+            observation = env.step(_reply(action)).observation
+            assert observation.startswith(("Got ", "Crafted ")), (command, action, observation)
+        result = env.step(_reply(issued))
+        assert (result.observation,
+                result.reward) == (f"Crafted {made} minecraft:{item_id(output)}", 1.0), issued
+        crafts["generic as printed" if issued != command else "as issued"] += 1
+  assert crafts == {"as issued": 950, "generic as printed": 344}

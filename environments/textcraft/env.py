@@ -17,7 +17,9 @@ Actions (AgentGym's grammar and texts; N are decimal counts):
   craft N target using N a, ... -> "Crafted k minecraft:target": one craft of a recipe of the
                                    target whose ingredients match the list one to one (the same
                                    item or a member of the generic ingredient, the same count);
-                                   it makes the recipe's yield k. As in AgentGym the requested
+                                   it makes the recipe's yield k. A generic named as the commands
+                                   print it ("4 planks") takes any of its members held, mixed
+                                   kinds included (`_consumed`). As in AgentGym the requested
                                    N is not checked: crafting 8 sticks from a recipe yielding 4
                                    takes two crafts of "craft 4 stick using 2 oak planks".
                                    Errors: "Could not find enough items to craft minecraft:t",
@@ -62,10 +64,11 @@ same on every machine, process and PYTHONHASHSEED.
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import re
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from environments import base
 from environments.base import StepResult
@@ -326,15 +329,13 @@ class TextCraftEnv:
       if match is None:
         raise _ActionFailed(f"Wrong item format: {_echo(part.strip())}")
       inputs.append((item_id(match.group(2)), _count(match.group(1), action)))
-    needed: dict[str, int] = {}
-    for item, count in inputs:
-      needed[item] = needed.get(item, 0) + count
-    if any(self._inventory.get(item, 0) < count for item, count in needed.items()):
+    consumed = _consumed(self._inventory, inputs, self._book)
+    if consumed is None:
       raise _ActionFailed(f"Could not find enough items to craft minecraft:{_echo(target)}")
     recipe = next((r for r in self._book.recipes.get(target, ()) if self._matches(r, inputs)), None)
     if recipe is None:
       raise _ActionFailed(f"Could not find a valid recipe for minecraft:{_echo(target)}")
-    for item, count in inputs:
+    for item, count in consumed.items():
       self._inventory[item] -= count
       if not self._inventory[item]:
         del self._inventory[item]
@@ -359,6 +360,36 @@ class TextCraftEnv:
   def _add(self, item: str, count: int) -> None:
     if count:
       self._inventory[item] = self._inventory.get(item, 0) + count
+
+
+def _consumed(inventory: Mapping[str, int], inputs: Sequence[tuple[str, int]],
+              book: RecipeBook) -> dict[str, int] | None:
+  """The held items a craft of `inputs` ((named item, count) pairs) uses up, or None when the
+  inventory holds too few.
+
+  A name takes the held items that fill it as a recipe slot (`RecipeBook.satisfies`): an item
+  only itself; a generic ingredient any of its members held, mixed kinds included as in a
+  Minecraft tag slot, so that a command works as the first observation prints it ("4 planks").
+  A generic takes first the held item of its own name (a gotten "logs"), so a craft that names
+  what it holds uses just that, then the others in the order the inventory observation lists
+  them, the order they were obtained (one used up and obtained again goes last): the player can
+  see which kinds go first, and nothing else decides. Plain items are served first, then
+  generics from the narrowest, so a wide generic ("logs") never spends an item that a narrower
+  name ("oak logs", "oak log") of the same craft needs.
+  """
+  left = dict(inventory)
+  consumed: collections.Counter[str] = collections.Counter()
+  for item, count in sorted(inputs, key=lambda named: len(book.generics.get(named[0], ()))):
+    fillers = sorted((held for held in left if book.satisfies(held, item)),
+                     key=lambda held: held != item)
+    for held in fillers:
+      taken = min(count, left[held])
+      left[held] -= taken
+      consumed[held] += taken
+      count -= taken
+    if count:
+      return None
+  return +consumed
 
 
 def _count(digits: str, action: str) -> int:
