@@ -89,6 +89,14 @@ def base_config() -> ml_collections.ConfigDict:
   # max_sampling_rounds rounds of tasks_per_step tasks (then train on what there is).
   c.rollout.dynamic_sampling = False
   c.rollout.max_sampling_rounds = 3
+  # How a step draws its training tasks from its horizon stage's (trainer.py): permutation (a
+  # new random permutation of them every epoch) | learnability (in proportion to p (1 - p) +
+  # task_sampling_floor, p a moving average of the policy's success on the task, of weight
+  # task_sampling_rate per visit and 1/2 before the first: the tasks it sometimes solves, whose
+  # groups' rewards differ, come first; the floor keeps those it always or never solves in play).
+  c.rollout.task_sampling = "permutation"
+  c.rollout.task_sampling_floor = 0.01
+  c.rollout.task_sampling_rate = 0.5
 
   c.horizon = ml_collections.ConfigDict()
   c.horizon.kind = "stepwise"  # fixed | stepwise | linear (ScalingInter-RL)
@@ -309,6 +317,12 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"rollout.cache_dtype={r.cache_dtype!r} is not one of {CACHE_DTYPES}")
   _check(r.max_sampling_rounds >= 1,
          f"rollout.max_sampling_rounds={r.max_sampling_rounds} must be >= 1")
+  _check(r.task_sampling in ("permutation", "learnability"),
+         f"rollout.task_sampling={r.task_sampling!r} is not 'permutation' or 'learnability'")
+  _check(r.task_sampling_floor > 0,
+         f"rollout.task_sampling_floor={r.task_sampling_floor} must be > 0 (every task reachable)")
+  _check(0 < r.task_sampling_rate <= 1,
+         f"rollout.task_sampling_rate={r.task_sampling_rate} must be in (0, 1]")
   _check(
       not r.dynamic_sampling or r.samples_per_task > 1,
       "rollout.dynamic_sampling keeps the groups whose rewards differ: "

@@ -84,6 +84,8 @@ class Settings:
     dynamic_sampling, max_sampling_rounds: whether a step keeps only groups whose rewards
       differ, playing up to max_sampling_rounds rounds of tasks_per_step tasks (DAPO).
     curriculum: per horizon stage, the categories of the tasks it trains on (() for all).
+    task_sampling, task_sampling_floor, task_sampling_rate: how a step draws its tasks from its
+      stage's (permutation | learnability; trainer.py).
     max_context, pipeline_groups: tokens per trajectory (KV-cache slots), and the row groups
       whose environment steps overlap the other groups' decoding.
     wave_rows: the rows a process plays at once (0: all of its rows); see `wave`.
@@ -117,6 +119,9 @@ class Settings:
   dynamic_sampling: bool
   max_sampling_rounds: int
   curriculum: tuple[tuple[str, ...], ...]
+  task_sampling: str
+  task_sampling_floor: float
+  task_sampling_rate: float
   max_context: int
   pipeline_groups: int
   wave_rows: int
@@ -154,10 +159,11 @@ class Settings:
                tasks_per_step=r.tasks_per_step, samples_per_task=r.samples_per_task,
                dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
                curriculum=tuple(tuple(stage) for stage in r.curriculum), max_context=r.max_context,
-               pipeline_groups=r.pipeline_groups, wave_rows=r.wave_rows,
-               failed_episodes=c.env.failed_episodes, num_minibatches=c.algorithm.num_minibatches,
-               ppo_epochs=c.algorithm.ppo_epochs, shared_prompts=c.mode == "rl"
-               and c.algorithm.shared_prompts,
+               task_sampling=r.task_sampling, task_sampling_floor=r.task_sampling_floor,
+               task_sampling_rate=r.task_sampling_rate, pipeline_groups=r.pipeline_groups,
+               wave_rows=r.wave_rows, failed_episodes=c.env.failed_episodes,
+               num_minibatches=c.algorithm.num_minibatches, ppo_epochs=c.algorithm.ppo_epochs,
+               shared_prompts=c.mode == "rl" and c.algorithm.shared_prompts,
                skip_no_signal_updates=c.algorithm.skip_no_signal_updates,
                checkpoint_every=c.checkpoint.every, export_hf=c.checkpoint.export_hf,
                export_format=c.checkpoint.export_format, lora=_lora_settings(c),

@@ -47,33 +47,24 @@ class _FakeEpisodes:
     return trajectories, rollout.RolloutStats(generate_s=1.0, env_s=0.5, generated_tokens=10)
 
 
-class _Stream:
-  """A TaskOrder stand-in whose position p holds task order[p]."""
-
-  def __init__(self, order):
-    self.order = order
-
-  def take(self, cursor, count):
-    return self.order[cursor:cursor + count]
-
-
-def _play(order, *, dynamic_sampling=True, max_rounds=3, cursor=0):
+def _play(order, *, dynamic_sampling=True, max_rounds=3):
+  """A step whose round r plays tasks order[2 r], order[2 r + 1]."""
   play = _FakeEpisodes()
-  step, cursor = trainer.play_step(play, _Stream(order), cursor, tasks_per_step=2,
-                                   samples_per_task=2, dynamic_sampling=dynamic_sampling,
-                                   max_rounds=max_rounds, failed_episodes="exclude")
-  return play, step, cursor
+  step = trainer.play_step(play, lambda r: order[2 * r:2 * r + 2], tasks_per_step=2,
+                           samples_per_task=2, dynamic_sampling=dynamic_sampling,
+                           max_rounds=max_rounds, failed_episodes="exclude")
+  return play, step
 
 
 def test_rounds_are_played_until_enough_groups_have_signal():
   # Round 0 draws tasks 0, 4 (one with signal), round 1 tasks 1, 5 (one more): enough after 2
-  # rounds. The batch is tasks 4 and 5, numbered groups 0 and 1, all trained; the cursor moved
-  # by 4 tasks, and round r played with round index r.
-  play, step, cursor = _play([0, 4, 1, 5, 6, 7])
+  # rounds. The batch is tasks 4 and 5, numbered groups 0 and 1, all trained; round r played
+  # with round index r.
+  play, step = _play([0, 4, 1, 5, 6, 7])
   assert play.calls == [([0, 4], 0), ([1, 5], 1)]
   assert [(t.task_id, t.group) for t in step.batch] == [(4, 0), (4, 0), (5, 1), (5, 1)]
   assert step.trained == [True] * 4
-  assert cursor == 4 and step.rounds == 2 and step.signal_groups == 2
+  assert step.rounds == 2 and step.signal_groups == 2
   assert len(step.played) == 8
   assert step.stats.generate_s == 2.0 and step.stats.generated_tokens == 20
   assert step.metrics(2) == {
@@ -84,18 +75,18 @@ def test_rounds_are_played_until_enough_groups_have_signal():
 
 def test_extra_groups_with_signal_are_left_out_in_play_order():
   # Round 0: tasks 4 and 0 (one), round 1: tasks 5 and 6 (two more): the first two are kept.
-  _, step, cursor = _play([4, 0, 5, 6])
+  _, step = _play([4, 0, 5, 6])
   assert [t.task_id for t in step.batch[::2]] == [4, 5]
-  assert cursor == 4 and step.signal_groups == 3
+  assert step.rounds == 2 and step.signal_groups == 3
 
 
 def test_when_rounds_run_out_groups_without_signal_fill_the_batch_untrained():
   # Three rounds of tasks without signal but one (task 7 in round 1): the batch is task 7, then
   # the first group without signal (task 0), whose rows stay out of the loss.
-  _, step, cursor = _play([0, 1, 2, 7, 3, 1, 9, 9])
+  _, step = _play([0, 1, 2, 7, 3, 1, 9, 9])
   assert [t.task_id for t in step.batch[::2]] == [7, 0]
   assert step.trained == [True, True, False, False]
-  assert cursor == 6 and step.rounds == 3
+  assert step.rounds == 3
   assert step.metrics(2) == {
       "dynamic_sampling/rounds": 3, "dynamic_sampling/kept_fraction": 1 / 6,
       "dynamic_sampling/filled_groups": 1
@@ -103,11 +94,19 @@ def test_when_rounds_run_out_groups_without_signal_fill_the_batch_untrained():
 
 
 def test_without_dynamic_sampling_one_round_is_trained_whatever_its_rewards():
-  play, step, cursor = _play([0, 1, 4, 5], dynamic_sampling=False, cursor=2)
-  assert play.calls == [([4, 5], 0)]  # From the cursor, as a resumed run reads it.
-  _, step, cursor = _play([0, 1, 4, 5], dynamic_sampling=False)
+  play, step = _play([0, 1, 4, 5], dynamic_sampling=False)
+  assert play.calls == [([0, 1], 0)]
   assert [t.task_id for t in step.batch[::2]] == [0, 1]
-  assert step.trained == [True] * 4 and cursor == 2 and step.rounds == 1
+  assert step.trained == [True] * 4 and step.rounds == 1
+
+
+def test_a_permutation_steps_rounds_read_the_task_stream_from_the_cursor():
+  # Round r of a step starting at cursor c takes the tasks at c + r x count, as a resumed run
+  # reads them from the checkpointed cursor.
+  order = trainer.TaskOrder(list(range(10)), seed=3)
+  draw = order.draws(step=7, cursor=6, count=3)
+  assert [draw(0), draw(1)] == [order.take(6, 3), order.take(9, 3)]
+  assert sorted(order.take(0, 10)) == list(range(10))
 
 
 def test_dynamic_sampling_keys_are_validated_at_start_up():
