@@ -4,7 +4,9 @@ Every per-token array it computes (logprobs, entropies, values, advantages) is a
 *targets* tokens[:, 1:] of its `Batch` (agentgym_jax/batch.py).
 
 The update is PPO-style: `ppo_epochs` passes over the batch in `num_minibatches` shuffled
-minibatches, each one optimizer step, against old log-probs computed once before the first pass.
+minibatches, each one optimizer step, against old log-probs computed once before the first pass
+(the first minibatch, whose parameters are still the experience's, takes its own log-probs as
+the old ones: its ratio is exactly 1, where a separately compiled pass may round differently).
 The policy loss is PPO's clip, GSPO's or CISPO's (rl.POLICY_LOSSES); the rollout correction
 (rl.correction) weights its tokens or drops trajectories whose sampler probabilities stray too
 far from the learner's.
@@ -279,12 +281,20 @@ def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nn
 
 def _loss_fn(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.GraphDef,
              value_graphdef: nnx.GraphDef | None, batch: Batch, experience: Experience,
-             loss: LossConfig, frozen: nnx.State | None = None,
-             dropout_key: Array | None = None) -> tuple[Array, dict[str, Array]]:
+             loss: LossConfig, frozen: nnx.State | None = None, dropout_key: Array | None = None,
+             on_policy: Array | None = None) -> tuple[Array, dict[str, Array]]:
   params, value_params = trainable
   value_head = nnx.merge(value_graphdef, value_params) if value_graphdef is not None else None
   logprobs, entropies, values = token_logprobs(graphdef, params, batch, loss, value_head, frozen,
                                                dropout_key)
+  old_logprobs = experience.old_logprobs
+  if on_policy is not None:
+    # The parameters are the experience pass's, so the old log-probs are these very log-probs:
+    # taken from this forward pass, the ratio is exactly 1. The experience pass's own forward
+    # is compiled apart (no gradient, no remat) and its fusions round differently: with bf16
+    # matmul inputs its log-probs differ by up to ~1e-3 here (more on some CPUs), which would
+    # clip tokens of a batch no update has touched yet.
+    old_logprobs = jnp.where(on_policy, jax.lax.stop_gradient(logprobs), old_logprobs)
   _, _, mask = batch.inputs_and_targets()
   # Trajectories the rollout correction dropped count in no term of the loss.
   mask = mask * experience.kept[:, None]
@@ -293,9 +303,8 @@ def _loss_fn(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.GraphD
   clip = dict(clip_eps_low=loss.clip_eps_low, clip_eps_high=loss.clip_eps_high)
   if policy_loss.dual_clip:
     clip["dual_clip_c"] = loss.dual_clip_c
-  total, metrics = policy_loss.fn(logprobs, experience.old_logprobs, experience.advantages, mask,
-                                  **clip, **aggregation,
-                                  importance_weights=experience.rollout_weights)
+  total, metrics = policy_loss.fn(logprobs, old_logprobs, experience.advantages, mask, **clip,
+                                  **aggregation, importance_weights=experience.rollout_weights)
   metrics = {f"policy/{k}": v for k, v in metrics.items()}
   metrics["policy/loss"] = total
   if loss.kl_coef > 0:
@@ -334,13 +343,16 @@ def jit_update_step(trainable_shardings: Any, opt_state_shardings: Any):
 def update_step(graphdef: nnx.GraphDef, value_graphdef: nnx.GraphDef | None,
                 trainable: tuple[nnx.State, nnx.State | None], opt_state: optax.OptState,
                 batch: Batch, experience: Experience, *, optimizer: optax.GradientTransformation,
-                loss: LossConfig, frozen: nnx.State | None = None,
-                dropout_key: Array | None = None):
+                loss: LossConfig, frozen: nnx.State | None = None, dropout_key: Array | None = None,
+                on_policy: Array | None = None):
   """One optimizer step on one minibatch. Returns (trainable, opt_state, metrics).
 
-  With LoRA, trainable[0] are the adapters and `frozen` the base (module docstring)."""
+  `on_policy` (a bool scalar) says that `trainable` are the parameters the experience was
+  computed with (a step's first minibatch): the loss then takes its old log-probs from its own
+  forward pass, so that its ratio is exactly 1 (`_loss_fn`). With LoRA, trainable[0] are the
+  adapters and `frozen` the base (module docstring)."""
   grads, metrics = _gradients(trainable, graphdef, value_graphdef, batch, experience, loss, frozen,
-                              dropout_key)
+                              dropout_key, on_policy)
   metrics["grad_norm"] = optax.global_norm(grads)
   updates, opt_state = optimizer.update(grads, opt_state, trainable)
   trainable = optax.apply_updates(trainable, updates)
@@ -356,12 +368,12 @@ MAX_METRICS = ("policy/ratio_max",)
 
 def _gradients(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.GraphDef,
                value_graphdef: nnx.GraphDef | None, batch: Batch, experience: Experience,
-               loss: LossConfig, frozen: nnx.State | None = None,
-               dropout_key: Array | None = None) -> tuple[Any, dict[str, Array]]:
+               loss: LossConfig, frozen: nnx.State | None = None, dropout_key: Array | None = None,
+               on_policy: Array | None = None) -> tuple[Any, dict[str, Array]]:
   """(gradient of the minibatch's loss, its metrics), accumulated over micro-batches when
   loss.micro_batch_rows splits the minibatch (the module docstring's weighting); micro-batch j
   drops out with fold_in(dropout_key, j)."""
-  grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
+  grad_fn = jax.value_and_grad(functools.partial(_loss_fn, on_policy=on_policy), has_aux=True)
   if not _splits(batch.tokens.shape[0], loss):
     (_, metrics), grads = grad_fn(trainable, graphdef, value_graphdef, batch, experience, loss,
                                   frozen, dropout_key)

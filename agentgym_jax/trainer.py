@@ -463,7 +463,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
           jax.block_until_ready(experience)  # So that the phase timers measure device work.
           skip = skip_no_signal and bool(no_signal(experience, batch.loss_mask))
 
-      # 3. Update: ppo_epochs passes of num_minibatches optimizer steps (none without signal).
+      # 3. Update: ppo_epochs passes of num_minibatches optimizer steps (none without signal);
+      # the first runs on the experience's parameters, so its ratio is exactly 1.
       update_metrics = []
       if not skip:
         with timer("update"):
@@ -477,7 +478,8 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
             trainable, opt_state, m = update_step(graphdef, value_graphdef, trainable, opt_state,
                                                   minibatch, learner.take_rows(experience, rows),
                                                   optimizer=optimizer, loss=loss, frozen=frozen,
-                                                  dropout_key=settings.dropout_key(step, update))
+                                                  dropout_key=settings.dropout_key(step, update),
+                                                  on_policy=jnp.asarray(update == 0))
             update_metrics.append(m)
           state = run.RunState(*jax.block_until_ready((trainable[0], trainable[1],
                                                        offload(opt_state))))
