@@ -52,6 +52,14 @@ def test_grpo_without_eps_scores_singleton_and_uniform_groups_zero():
   np.testing.assert_array_equal(out[:, 0], [0, 0, 0, -1, 1])
 
 
+@pytest.mark.parametrize("value, size", [(0.7, 8), (0.1, 16), (1.0 / 3.0, 6)])
+def test_grpo_scores_a_group_of_equal_inexact_rewards_exactly_zero(value, size):
+  # Eight 0.7s average to 0.7 + 1 ulp in f32; over a std of ~1e-8 that was a score of ~0.06.
+  rewards = jnp.full(size, value, jnp.float32)
+  out = grpo(rewards, jnp.ones((size, 1)), jnp.zeros(size, jnp.int32), num_groups=1)
+  np.testing.assert_array_equal(out, 0.0)
+
+
 def test_grpo_is_zero_on_untrained_tokens():
   rewards = jnp.array([1.0, 0.0])
   mask = jnp.array([[1, 0, 1, 0], [1, 1, 0, 0]], jnp.float32)

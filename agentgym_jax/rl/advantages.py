@@ -103,7 +103,7 @@ def group_scores(values: jax.Array, group_ids: jax.Array, num_groups: int, *,
   [1, 0, 0, 1] -> [1, -1, -1, 1]) or "unbiased", Bessel-corrected as torch.std is in verl, TRL
   and AgentGym-RL: the population std times sqrt(n / (n - 1)) for a group of n, so their
   scores are those of "population" times sqrt((n - 1) / n) (up to eps). A group of size 1, or
-  whose values are all equal, scores 0 (its numerator is exactly 0), also with eps = 0.
+  whose values are all equal, scores exactly 0, also with eps = 0.
 
   Args:
     values: f32[M].
@@ -118,7 +118,12 @@ def group_scores(values: jax.Array, group_ids: jax.Array, num_groups: int, *,
   mean, spread, size = group_mean_and_std(values, group_ids, num_groups)
   if std == "unbiased":
     spread = spread * jnp.sqrt(size / jnp.maximum(size - 1, 1))
-  centred = values - mean
+  # A group's mean of equal values need not be that value in f32 (eight 0.7s average to
+  # 0.7 + 1 ulp), and that rounding over a std of ~0 would be a score of order 0.1: a uniform
+  # group scores exactly 0.
+  uniform = (jax.ops.segment_max(values, group_ids,
+                                 num_groups) == jax.ops.segment_min(values, group_ids, num_groups))
+  centred = jnp.where(uniform[group_ids], 0.0, values - mean)
   if not normalize_by_std:
     return centred
   # With eps = 0 a singleton or uniform group would divide 0 by 0; its score is 0.
