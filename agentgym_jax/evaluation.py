@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import fractions
+import functools
 import hashlib
 import json
 import math
@@ -23,6 +24,8 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
+import agentgym_jax
+import environments
 from agentgym_jax import paths, rollout
 from agentgym_jax.models import gguf, lora, resolve
 from agentgym_jax.models.tokenizer import ChatTemplate
@@ -242,6 +245,20 @@ def model_fingerprint(spec: str) -> str:
   copied elsewhere have the same fingerprint, one changed byte another."""
   lines = "".join(f"{f.name} {file_digest(f)}\n" for f in model_files(spec))
   return hashlib.sha256(lines.encode()).hexdigest()
+
+
+@functools.cache
+def source_fingerprint() -> str:
+  """sha256 over the names and bytes of this project's Python sources (the agentgym_jax and
+  environments packages): a change to the sampler, the rollout or an environment's rules can
+  change what a policy scores, so an evaluation cached by other code is not reused."""
+  digest = hashlib.sha256()
+  for package in (agentgym_jax, environments):
+    root = pathlib.Path(package.__file__).parent
+    for source in sorted(root.rglob("*.py")):
+      digest.update(f"{source.relative_to(root.parent)}\n".encode())
+      digest.update(source.read_bytes())
+  return digest.hexdigest()
 
 
 def fingerprint(model: str, settings: Mapping[str, Any]) -> str:

@@ -35,7 +35,6 @@ import jax
 import ml_collections
 from absl import logging
 
-import agentgym_jax
 from agentgym_jax import config as config_lib
 from agentgym_jax import paths
 from agentgym_jax import demonstrations, evaluation, hardware, metrics, multihost, offline, rollout
@@ -145,14 +144,15 @@ def evaluation_settings(settings: run.Settings, rows: int) -> dict[str, Any]:
   timeout (a slow step ends an episode); the tasks (split, max_tasks); samples per task, turn
   cap, turn sampling, context and seed; the chat (thinking); the numerics (matmul, parameter and
   KV-cache dtypes, attention, mesh, device kind, JAX version); the batches (rows, pipeline
-  groups: their episodes' keys, and batch shapes' rounding); and this project's version. Not:
-  what only decides how fast it plays (env.backend, eval.every)."""
+  groups: their episodes' keys, and batch shapes' rounding); and this project's code
+  (evaluation.source_fingerprint). Not: what only decides how fast it plays (env.backend,
+  eval.every)."""
   c, plan = settings.config, settings.evaluation
   dtype = hardware.matmul_dtype(c.model.dtype)
   mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
   implementation, device = attention.resolve(c.model.attention), jax.devices()[0]
   return {
-      "version": agentgym_jax.__version__, "env": c.env.name,
+      "code": evaluation.source_fingerprint(), "env": c.env.name,
       "env_options": config_lib.env_options(c), "action_format": c.env.action_format,
       "step_timeout": c.env.step_timeout, "split": plan.split, "max_tasks": plan.max_tasks,
       "samples_per_task": plan.samples_per_task, "horizon": plan.horizon,
