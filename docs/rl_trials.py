@@ -1,0 +1,47 @@
+"""Prints the table of the RL recipe trials under a directory (docs/rl_trials.sh): per trial its
+config overrides, held-out success of the warm start and of the RL policy (depth 1, depth 2,
+all), the goals gained and lost, the exact paired sign test's p-value, and its wall time.
+
+  python docs/rl_trials.py runs/trials
+"""
+
+import json
+import pathlib
+import sys
+
+from agentgym_jax import evaluation
+
+
+def row(trial: pathlib.Path) -> str | None:
+  evaluations = trial / "evaluation"
+  if not (evaluations / "rl.json").exists():
+    return None
+  warm, rl = (
+      json.loads((evaluations / f"{stage}.json").read_text()) for stage in ("warm_start", "rl"))
+  args = (trial / "args.txt").read_text().split() if (trial / "args.txt").exists() else []
+  seconds = (trial / "seconds").read_text().strip() if (trial / "seconds").exists() else "?"
+  cells = []
+  for summary in (warm, rl):
+    depths = [summary["categories"].get(name, {}).get("avg@k") for name in ("depth1", "depth2")]
+    cells.append(" / ".join("-" if d is None else f"{100 * d:.1f}" for d in depths) +
+                 f" / **{100 * summary['avg@k']:.1f}**")
+  paired = evaluation.compare(warm, rl)
+  overrides = " ".join(a.replace("--config.", "") for a in args) or "(the first command)"
+  minutes = f"{int(seconds) / 60:.0f}" if seconds.isdigit() else seconds
+  return (
+      f"| {trial.name} | {overrides} | {cells[0]} | {cells[1]} | +{paired.gained} -{paired.lost}"
+      f" | {float(paired.p_value):.3f} | {minutes} |")
+
+
+def main(root: str) -> None:
+  print("| trial | overrides | warm start: depth 1 / 2 / all % | RL: depth 1 / 2 / all % | "
+        "goals | p | minutes |")
+  print("|---|---|---|---|---|---:|---:|")
+  for trial in sorted(pathlib.Path(root).iterdir()):
+    line = row(trial) if trial.is_dir() else None
+    if line:
+      print(line)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1] if len(sys.argv) > 1 else "runs/trials")
