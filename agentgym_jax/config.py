@@ -118,6 +118,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.algorithm.gigpo_step_weight = 1.0
   c.algorithm.gamma = 1.0
   c.algorithm.lam = 1.0
+  # Negative advantages are scaled by this weight (rl.weight_negatives): < 1 bounds the push-down
+  # of failed episodes against the pull-up of successful ones; 0 trains on successes only.
+  c.algorithm.negative_advantage_weight = 1.0
   c.algorithm.policy_loss = "ppo"  # ppo | gspo | cispo
   c.algorithm.clip_eps_low = 0.2  # PPO's clip range of the token ratio.
   c.algorithm.clip_eps_high = 0.2
@@ -369,7 +372,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       f"{list(rl.CORRECTIONS)}")
   _check(a.rollout_correction_cap > 1,
          f"algorithm.rollout_correction_cap={a.rollout_correction_cap} must be > 1")
-  for key in ("kl_coef", "kl_in_reward_coef", "entropy_coef", "value_coef"):
+  for key in ("kl_coef", "kl_in_reward_coef", "entropy_coef", "value_coef",
+              "negative_advantage_weight"):
     _check(a[key] >= 0, f"algorithm.{key}={a[key]} must be >= 0")
   _check(0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algorithm.gamma and lam must be in [0, 1]")
   _check(a.ppo_epochs >= 1, f"algorithm.ppo_epochs={a.ppo_epochs} must be >= 1")

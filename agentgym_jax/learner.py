@@ -69,6 +69,7 @@ class LossConfig:
 
   advantage_estimator: str = "grpo"
   advantage_options: tuple[tuple[str, Any], ...] = ()
+  negative_advantage_weight: float = 1.0  # rl.weight_negatives' w.
   policy_loss: str = "ppo"  # A name in rl.POLICY_LOSSES; the clip range below is its own.
   clip_eps_low: float = 0.2
   clip_eps_high: float | None = None
@@ -252,6 +253,7 @@ def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nn
     inputs.update(turn_index=batch.turn_index[:, 1:], turn_rewards=batch.turn_rewards,
                   turn_anchors=batch.turn_anchors)
   advantages, returns = estimator(batch.rewards, mask, **inputs)
+  advantages = rl.weight_negatives(advantages, loss.negative_advantage_weight)
   # The importance-sampling check: how far the sampler's log-probs are from the learner's.
   sampler_logprobs = batch.sampler_logprobs[:, 1:]
   correction, correction_metrics = rl.rollout_correction(old_logprobs, sampler_logprobs, mask,

@@ -447,7 +447,8 @@ def _loss_config(c: ml_collections.ConfigDict) -> learner.LossConfig:
   options = sorted((argument, a[key]) for argument, key in estimator.hyperparameters)
   clip_low, clip_high = rl.get_policy_loss(a.policy_loss).clip_keys
   return learner.LossConfig(
-      advantage_estimator=a.advantage, advantage_options=tuple(options), policy_loss=a.policy_loss,
+      advantage_estimator=a.advantage, advantage_options=tuple(options),
+      negative_advantage_weight=a.negative_advantage_weight, policy_loss=a.policy_loss,
       clip_eps_low=a[clip_low], clip_eps_high=a[clip_high], dual_clip_c=a.dual_clip_c or None,
       aggregation=a.aggregation, loss_scale_tokens=_loss_scale_tokens(c),
       rollout_correction=a.rollout_correction, rollout_correction_cap=a.rollout_correction_cap,

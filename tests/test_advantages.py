@@ -60,6 +60,18 @@ def test_grpo_scores_a_group_of_equal_inexact_rewards_exactly_zero(value, size):
   np.testing.assert_array_equal(out, 0.0)
 
 
+def test_negative_advantages_are_weighted_and_positive_ones_kept():
+  # [1, -1, -1, 1] with w = 0.25 -> [1, -0.25, -0.25, 1]; w = 0 keeps the successes only.
+  advantages = jnp.array([[1.0, 1.0], [-1.0, -1.0], [-1.0, 0.0], [1.0, 0.0]])
+  np.testing.assert_array_equal(adv.weight_negatives(advantages, 0.25),
+                                [[1, 1], [-0.25, -0.25], [-0.25, 0], [1, 0]])
+  np.testing.assert_array_equal(adv.weight_negatives(advantages, 0.0),
+                                [[1, 1], [0, 0], [0, 0], [1, 0]])
+  assert adv.weight_negatives(advantages, 1.0) is advantages
+  with pytest.raises(ValueError, match="negative_weight must be >= 0, got -1"):
+    adv.weight_negatives(advantages, -1.0)
+
+
 def test_grpo_is_zero_on_untrained_tokens():
   rewards = jnp.array([1.0, 0.0])
   mask = jnp.array([[1, 0, 1, 0], [1, 1, 0, 0]], jnp.float32)

@@ -90,6 +90,8 @@ def test_what_an_estimator_reads_is_checked_at_start_up(advantage, kl_in_reward_
         ("grpo_eps", -1e-6, r"algorithm.grpo_eps=-1e-06 must be >= 0"),
         ("kl_in_reward_estimator", "k4", r"algorithm.kl_in_reward_estimator='k4' is not one of"),
         ("kl_estimator", "kl", None),  # verl's name for k1
+        ("negative_advantage_weight", -0.5,
+         r"algorithm.negative_advantage_weight=-0.5 must be >= 0"),
     ])
 def test_verl_compatible_algorithm_keys_are_validated(key, value, message):
   c = load("grpo_textcraft")("")

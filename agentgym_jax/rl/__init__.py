@@ -14,6 +14,7 @@ from agentgym_jax.rl.advantages import reinforce_plus_plus_advantages
 from agentgym_jax.rl.advantages import rloo_advantages
 from agentgym_jax.rl.advantages import step_group_metrics
 from agentgym_jax.rl.advantages import turn_returns
+from agentgym_jax.rl.advantages import weight_negatives
 from agentgym_jax.rl.correction import Correction
 from agentgym_jax.rl.correction import CORRECTIONS
 from agentgym_jax.rl.correction import mismatch_metrics

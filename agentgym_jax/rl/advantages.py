@@ -255,6 +255,25 @@ def gae_advantages(rewards: jax.Array, loss_mask: jax.Array, values: jax.Array, 
   return Advantages(masked.masked_whiten(raw_advantages, loss_mask, eps), returns)
 
 
+def weight_negatives(advantages: jax.Array, negative_weight: float) -> jax.Array:
+  """Advantages with every negative one scaled by `negative_weight` >= 0:
+
+    A'_t = A_t              if A_t >= 0
+    A'_t = w A_t            otherwise
+
+  w < 1 bounds the push-down of what failed against the pull-up of what succeeded (w = 0 trains
+  on the successes only, as rejection-sampling fine-tuning does): a policy near a good one fails
+  in long episodes that share most of their tokens with its successes, and under token-mean
+  aggregation their many negative tokens outweigh the successes' positive ones. w = 1 is the
+  estimator's advantage unchanged.
+  """
+  if negative_weight < 0:
+    raise ValueError(f"negative_weight must be >= 0, got {negative_weight}")
+  if negative_weight == 1:
+    return advantages
+  return jnp.where(advantages < 0, negative_weight * advantages, advantages)
+
+
 def turn_returns(turn_rewards: jax.Array, gamma: float = 1.0) -> jax.Array:
   """Discounted return of every turn: G_k = r_k + gamma * G_{k+1}, over the K turn slots of each
   row (slots past a row's last turn hold reward 0, so they add nothing).
