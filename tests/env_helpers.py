@@ -1,5 +1,6 @@
 """Helpers shared by the environments' tests: module-scoped adapters, ReAct replies, and Python
-subprocesses run from the repository (to check what must not depend on the process)."""
+subprocesses run from the repository (to check what must not depend on the process), and a pool
+surface of categorised train tasks for curricula."""
 
 import os
 import subprocess
@@ -36,3 +37,17 @@ def run_python(*args: str, hash_seed: str | None = None, **options) -> str:
   env = None if hash_seed is None else {**os.environ, "PYTHONHASHSEED": hash_seed}
   return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
                         check=True, **options).stdout
+
+
+class CategorisedTasks:
+  """The pool surface a curriculum reads: train task ids and each task's category."""
+
+  def __init__(self, categories):
+    self.categories = categories
+
+  def task_ids(self, split):
+    assert split == "train"
+    return list(self.categories)
+
+  def task_info(self, task_id):
+    return {"category": self.categories[task_id]}

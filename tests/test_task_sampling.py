@@ -11,6 +11,7 @@ import pytest
 
 from agentgym_jax import checkpoint, config as config_lib, metrics, rollout, trainer
 from environments.base import ENV_ERROR
+from env_helpers import CategorisedTasks
 from rl_helpers import assert_resumed_run_matches, check_config, echo_config
 
 
@@ -98,22 +99,8 @@ def test_success_estimates_are_moving_averages_over_visits():
   assert restored.success == estimates.success and restored.success[7] == 0.5 + 0.5 * (1 / 3 - 0.5)
 
 
-class _CategorisedTasks:
-  """The pool surface a curriculum reads: train task ids and each task's category."""
-
-  def __init__(self, categories):
-    self.categories = categories
-
-  def task_ids(self, split):
-    assert split == "train"
-    return list(self.categories)
-
-  def task_info(self, task_id):
-    return {"category": self.categories[task_id]}
-
-
 def test_each_curriculum_stage_draws_by_learnability_from_its_categories():
-  pool = _CategorisedTasks({0: "depth1", 1: "depth2", 2: "depth1", 3: "depth3", 4: "depth2"})
+  pool = CategorisedTasks({0: "depth1", 1: "depth2", 2: "depth1", 3: "depth3", 4: "depth2"})
   estimates = trainer.SuccessEstimates(rate=0.5, success={1: 1.0})
   order = functools.partial(trainer.LearnabilityOrder, estimates=estimates, floor=0.01)
   orders = trainer.stage_task_orders(pool, (("depth1",), ("depth1", "depth2")), 7, order)

@@ -10,6 +10,7 @@ from agentgym_jax import config as config_lib
 from agentgym_jax import batch, metrics, trainer
 from rl_helpers import assert_resumed_run_matches, assert_same_tensors, check_config, echo_config
 from rl_helpers import launch_train
+from env_helpers import CategorisedTasks
 
 
 # About a minute each: GRPO and GAE (values, remat) run by default, the other estimators (each
@@ -186,22 +187,8 @@ def test_rollout_with_bf16_rematerialised_policy(checkpoint_dir):
     assert len(t.tokens) == len(t.loss_mask) == len(t.sampler_logprobs)
 
 
-class _CategorisedTasks:
-  """The pool surface a curriculum reads: train task ids and each task's category."""
-
-  def __init__(self, categories):
-    self.categories = categories
-
-  def task_ids(self, split):
-    assert split == "train"
-    return list(self.categories)
-
-  def task_info(self, task_id):
-    return {"category": self.categories[task_id]}
-
-
 def test_a_curriculum_draws_each_stage_from_its_categories():
-  pool = _CategorisedTasks({0: "depth1", 1: "depth2", 2: "depth1", 3: "depth3", 4: "depth2"})
+  pool = CategorisedTasks({0: "depth1", 1: "depth2", 2: "depth1", 3: "depth3", 4: "depth2"})
   orders = trainer.stage_task_orders(pool, (("depth1",), ("depth1", "depth2")), seed=7)
   assert sorted(orders[0].take(0, 2)) == [0, 2]  # One epoch of the two depth-1 tasks.
   assert sorted(orders[1].take(0, 4)) == [0, 1, 2, 4]
@@ -215,7 +202,7 @@ def test_a_curriculum_draws_each_stage_from_its_categories():
 
 
 def test_a_curriculum_stage_without_tasks_fails_with_the_categories_there_are():
-  pool = _CategorisedTasks({0: "depth1", 1: "depth2"})
+  pool = CategorisedTasks({0: "depth1", 1: "depth2"})
   with pytest.raises(
       config_lib.ConfigError,
       match=r"rollout.curriculum\[1\]=\('depth9',\) matches none of the 2 train "
