@@ -10,7 +10,9 @@ TEST = [
 setup(
     name="agentgym-jax", version="0.1.0",
     description="JAX/TPU-native multi-turn reinforcement learning for LLM agents (AgentGym-RL).",
-    python_requires=">=3.10", packages=find_packages(include=["agentgym_jax*", "environments*"]),
+    python_requires=">=3.10",
+    packages=find_packages(include=["agentgym_jax*", "environments*"]) + ["agentgym_jax.configs"],
+    package_dir={"agentgym_jax.configs": "configs"},
     package_data={
         "environments": ["**/*.json", "**/*.txt"],
         "agentgym_jax": ["tools/viewer.html", "tools/viewer.css", "tools/viewer.js"]
