@@ -1,4 +1,5 @@
-"""The HTML run viewer: the data it embeds, its escaping, and the page in a real browser.
+"""The HTML run viewer: the data it embeds, its escaping, and the page in a real browser; and
+the example run shipped in docs/example_run (real records of an RL run and of an evaluation).
 
 The browser tests drive Debian's chromium (/usr/bin/chromium) through playwright against the
 file:// URL, as a user opens the page; they skip when either is missing.
@@ -12,6 +13,7 @@ import sys
 
 import pytest
 
+from agentgym_jax import metrics, rollout
 from agentgym_jax.tools import viewer
 from fake_run import NEEDLE, NEEDLE_AT, SPECIAL_TEXT, read_fake_trajectories, write_fake_run
 
@@ -22,6 +24,9 @@ CHROMIUM_ARGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync"
 ]
 NUM_TRAJECTORIES = 6 * 4 * 4  # write_fake_run's default steps x tasks x samples.
+REPO = os.path.join(os.path.dirname(__file__), "..")
+EXAMPLE_RUN = os.path.join(REPO, "docs", "example_run")
+EXAMPLE_EVALUATION = os.path.join(EXAMPLE_RUN, "evaluation")
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +126,28 @@ def test_max_steps_keeps_the_latest_steps_of_trajectories(run_dir):
   assert run["charts"][0]["series"][0]["points"][0][0] == 0  # Charts keep every step.
 
 
+def test_columns_show_sample_and_advantage_only_where_records_have_them(run_dir, tmp_path):
+  every = [header for _, header in viewer.COLUMNS]
+  assert [header for _, header in viewer.load_run(run_dir)["columns"]] == every
+  # What launch/evaluate.py --trajectories writes: Trajectory.to_json, no sample, no advantage.
+  played = [
+      rollout.Trajectory(task_id=task_id, group=task_id, env="textcraft", category=category,
+                         messages=[{"role": "user", "content": "Goal: craft 1 stick."}],
+                         turn_rewards=[0.0, 1.0], success=True, termination="done")
+      for task_id, category in ((3, "depth1"), (4, "depth2"))
+  ]
+  metrics.TrajectoryWriter(tmp_path).write(0, [t.to_json() for t in played])
+  run = viewer.load_run(tmp_path)
+  assert [key for key, _ in run["columns"]] == [
+      "step", "task_id", "env", "category", "success", "reward", "num_turns", "termination",
+      "num_tokens"
+  ]
+  assert [t["category"] for t in run["trajectories"]] == ["depth1", "depth2"]
+  # One record with a value brings its column back.
+  assert ["sample",
+          "Sample"] in viewer.columns([*run["trajectories"], {"sample": 0, "advantage": None}])
+
+
 def test_load_run_explains_what_is_wrong(tmp_path):
   with pytest.raises(FileNotFoundError, match="does not exist"):
     viewer.load_run(tmp_path / "absent")
@@ -135,7 +162,7 @@ def test_view_command_line(tmp_path, run_dir):
   result = subprocess.run(
       [sys.executable, "launch/view.py", f"--workdir={run_dir}", f"--out={out}", "--max_steps=1"],
       cwd=os.path.join(os.path.dirname(__file__), ".."), capture_output=True, text=True, check=True)
-  assert result.stdout.strip() == str(out)
+  assert str(out) in result.stdout  # It says where the page is.
   data = re.search(r'id="run-data">(.*?)</script>', out.read_text(encoding="utf-8"), re.DOTALL)
   assert {t["step"] for t in json.loads(data.group(1))["trajectories"]} == {5}
 
@@ -156,11 +183,10 @@ def browser():
     browser.close()
 
 
-@pytest.fixture
-def page(browser, run_dir, tmp_path):
-  """The viewer of the fake run, open; `page.problems` collects console errors and requests
-  for anything but the page itself, and must be empty when the test ends."""
-  path = viewer.write_viewer(run_dir, tmp_path / "viewer.html")
+def _open(browser, workdir, out):
+  """(context, page): the viewer of `workdir`, written to `out` and open in a new context;
+  `page.problems` collects console errors and requests for anything but the page itself."""
+  path = viewer.write_viewer(workdir, out)
   context = browser.new_context(viewport={"width": 1400, "height": 1000})
   page = context.new_page()
   page.problems = []
@@ -169,6 +195,14 @@ def page(browser, run_dir, tmp_path):
   url = "file://" + os.path.abspath(path)
   page.on("request", lambda r: r.url != url and page.problems.append("request " + r.url))
   page.goto(url)
+  return context, page
+
+
+@pytest.fixture
+def page(browser, run_dir, tmp_path):
+  """The viewer of the fake run, open; `page.problems` (`_open`) must be empty when the test
+  ends."""
+  context, page = _open(browser, run_dir, tmp_path / "viewer.html")
   yield page
   context.close()
   assert page.problems == []
@@ -186,6 +220,7 @@ def _wait_for_count(page, expected: int) -> None:
 def test_page_loads_offline_without_errors(page):
   assert page.title().endswith("agentgym-jax")
   assert _count(page) == NUM_TRAJECTORIES
+  assert page.locator("thead th").all_inner_texts() == [h for _, h in viewer.COLUMNS]
   assert page.locator("#rows tr").count() == 50  # The first page of rows only.
   assert page.locator("#charts .chart").count() == 5
   # The script tag inside a message stayed text.
@@ -210,6 +245,15 @@ def test_filters_change_the_visible_count(page, records):
   page.select_option("#f-env", label="(not logged)")
   assert _count(page) == expect(env=lambda r: "env" not in r)
   page.click("#f-reset")
+  page.select_option("#f-category", label="depth2")
+  assert _count(page) == expect(category=lambda r: r.get("category") == "depth2")
+  page.select_option("#f-success", "0")
+  assert _count(page) == expect(category=lambda r: r.get("category") == "depth2",
+                                success=lambda r: not r["success"])
+  page.select_option("#f-category", label="(not logged)")
+  assert _count(page) == expect(category=lambda r: "category" not in r,
+                                success=lambda r: not r["success"])
+  page.click("#f-reset")
   page.select_option("#f-termination", label="env_error")
   assert _count(page) == expect(end=lambda r: r["termination"] == "env_error")
   page.click("#f-reset")
@@ -228,14 +272,17 @@ def test_pages_and_sorting(page, records):
   page.click("th[data-sort=reward]")  # A second click sorts descending.
   assert page.inner_text("#page") == "page 1 / 2"  # A new order starts on its first page.
   best = max(r["reward"] for r in records)
-  assert page.inner_text("#rows tr:first-child td:nth-child(6)") == f"{best:g}"
+  assert page.inner_text("#rows tr:first-child td[data-col=reward]") == f"{best:g}"
+  page.click("th[data-sort=category]")
+  categories = page.locator("#rows td[data-col=category]").all_inner_texts()
+  assert categories == sorted(categories, key=lambda c: (c == "\u2014", c))  # Missing: last.
   # j / k step through the list in its shown order.
   page.keyboard.press("j")
   page.keyboard.press("j")
   second = page.locator("#rows tr >> nth=1")
   assert second.get_attribute("class") == "selected"
-  assert page.inner_text("#detail h2") == "Step {} · task {} · sample {}".format(
-      *(second.locator(f"td >> nth={k}").inner_text() for k in range(3)))
+  assert page.inner_text("#detail h2") == "Step {} · task {} · sample {}".format(*(
+      second.locator(f"td[data-col={key}]").inner_text() for key in ("step", "task_id", "sample")))
 
 
 def test_clicking_a_chart_filters_to_the_nearest_logged_step(page, records):
@@ -262,7 +309,7 @@ def test_conversation_shows_special_characters_literally(page, records, tmp_path
                 if r["sample"] == 0 and r["num_turns"] >= 2 and r["termination"] == "env_error")
   page.select_option("#f-step", str(wanted["step"]))
   page.fill("#f-task", str(wanted["task_id"]))
-  page.click("#rows tr:has(td:nth-child(3):text-is('0'))")
+  page.click("#rows tr:has(td[data-col=sample]:text-is('0'))")
   detail = page.inner_text("#detail")
   assert SPECIAL_TEXT in detail
   assert wanted["error"] in detail  # "adapter crashed: <ConnectionError> & ..."
@@ -276,3 +323,79 @@ def test_conversation_shows_special_characters_literally(page, records, tmp_path
   shot = tmp_path / "viewer_conversation.png"
   page.screenshot(path=str(shot), full_page=True)
   assert shot.stat().st_size > 10_000
+
+
+def test_evaluation_records_show_no_sample_or_advantage(browser, tmp_path):
+  context, page = _open(browser, EXAMPLE_EVALUATION, tmp_path / "viewer.html")
+  records = metrics.read_trajectories(EXAMPLE_EVALUATION, 0)
+  assert page.locator("thead th").all_inner_texts() == [
+      "Step", "Task", "Env", "Category", "Outcome", "Reward", "Turns", "Ended by", "Tokens"
+  ]
+  assert page.locator("#rows td[data-col=sample], #rows td[data-col=advantage]").count() == 0
+  assert _count(page) == len(records)
+  page.select_option("#f-category", label="depth2")
+  assert _count(page) == sum(r["category"] == "depth2" for r in records) > 0
+  page.click("#rows tr >> nth=0")
+  record = next(r for r in records if r["category"] == "depth2")
+  assert page.inner_text("#detail h2") == f"Step 0 · task {record['task_id']}"
+  assert page.locator("#detail dt").all_inner_texts() == [
+      "reward", "turns", "turn rewards", "tokens"
+  ]
+  context.close()
+  assert page.problems == []
+
+
+# ---- The shipped example run ----
+
+
+def test_example_run_holds_real_records_of_both_kinds():
+  """A few steps of a real RL run (docs/example_run/README.md says which) and a real
+  evaluation: the trainer's records carry sample and advantage, evaluation records neither;
+  both carry the task's category. Small enough to keep in the repository."""
+  size = sum(
+      os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(EXAMPLE_RUN) for f in files
+      if f != "viewer.html")  # The page view.py writes there by default (.gitignore).
+  assert size < 200_000
+  steps = metrics.trajectory_steps(EXAMPLE_RUN)
+  assert len(steps) >= 2
+  trained = [r for step in steps for r in metrics.read_trajectories(EXAMPLE_RUN, step)]
+  assert all(r["env"] == "textcraft" and r["messages"] for r in trained)
+  assert {r["category"] for r in trained} == {"depth1", "depth2"}
+  assert all(isinstance(r["sample"], int) and "advantage" in r for r in trained)
+  assert {r["success"] for r in trained} == {True, False}
+  logged = [r["step"] for r in metrics.read_metrics(EXAMPLE_RUN)]  # Every step of the run.
+  assert logged == list(range(1, len(logged) + 1)) and set(steps) < set(logged)
+  evaluated = metrics.read_trajectories(EXAMPLE_EVALUATION, 0)
+  assert evaluated and all("sample" not in r and "advantage" not in r for r in evaluated)
+  assert {r["category"] for r in evaluated} == {"depth1", "depth2"}
+
+
+@pytest.mark.parametrize("workdir", [EXAMPLE_RUN, EXAMPLE_EVALUATION])
+def test_view_command_opens_the_example_run(tmp_path, workdir):
+  out = tmp_path / "viewer.html"
+  result = subprocess.run(
+      [sys.executable, "launch/view.py", f"--workdir={workdir}", f"--out={out}"], cwd=REPO,
+      capture_output=True, text=True, check=True)
+  assert str(out) in result.stdout  # It says where the page is.
+  data = json.loads(
+      re.search(r'id="run-data">(.*?)</script>', out.read_text(encoding="utf-8"),
+                re.DOTALL).group(1))
+  steps = metrics.trajectory_steps(workdir)
+  assert len(data["trajectories"]) == sum(
+      len(metrics.read_trajectories(workdir, step)) for step in steps)
+  assert data["charts"]
+
+
+def test_example_run_in_the_browser(browser, tmp_path):
+  context, page = _open(browser, EXAMPLE_RUN, tmp_path / "viewer.html")
+  assert "Sample" in page.locator("thead th").all_inner_texts()
+  assert page.locator("#charts .chart").count() >= 4
+  page.select_option("#f-category", label="depth2")
+  page.select_option("#f-success", "1")
+  page.select_option("#f-category", label="depth1")
+  assert _count(page) > 0
+  page.click("#rows tr >> nth=0")
+  assert page.locator("#detail .msg.assistant").count() >= 1
+  assert "advantage" in page.locator("#detail dt").all_inner_texts()
+  context.close()
+  assert page.problems == []

@@ -2,11 +2,14 @@
 (function () {
   const RUN = JSON.parse(document.getElementById("run-data").textContent);
   const TRAJ = RUN.trajectories;
+  const COLUMNS = RUN.columns.map(([key, header]) => ({ key: key, header: header }));
+  const HAS = new Set(RUN.columns.map(([key]) => key));
   const PAGE_SIZE = 50;
   const COLORS = ["#0969da", "#cf222e", "#1a7f37", "#8250df", "#bc4c00", "#1b7c83", "#6e7781"];
   const $ = (id) => document.getElementById(id);
-  const state = { step: "", tasks: null, env: "", success: "", termination: "", search: "",
-                  sortKey: "", sortDesc: false, page: 0, selected: -1, visible: [] };
+  const FILTERS = { step: "", tasks: null, env: "", category: "", success: "", termination: "",
+                    search: "" };
+  const state = { ...FILTERS, sortKey: "", sortDesc: false, page: 0, selected: -1, visible: [] };
   const haystacks = new Array(TRAJ.length);
 
   // Elements are built from text nodes only: run data never becomes markup.
@@ -48,12 +51,19 @@
       TRAJ.length + " trajectories from " + shown.length + " of " + logged.length + " logged steps",
       "page written " + RUN.generated].join(" \u00b7 ");
   const ENVS = unique(TRAJ.map((t) => t.env));
+  const CATEGORIES = unique(TRAJ.map((t) => t.category));
   const TERMINATIONS = unique(TRAJ.map((t) => t.termination));
   fillSelect($("f-step"), shown, String);
   // Options carry list indices so that an empty ("not logged") value stays selectable.
-  fillSelect($("f-env"), ENVS.map((_, i) => i), (i) => ENVS[i] || "(not logged)");
-  fillSelect($("f-termination"), TERMINATIONS.map((_, i) => i),
-             (i) => TERMINATIONS[i] || "(not logged)");
+  const notLogged = (values) => (i) => values[i] || "(not logged)";
+  fillSelect($("f-env"), ENVS.map((_, i) => i), notLogged(ENVS));
+  fillSelect($("f-category"), CATEGORIES.map((_, i) => i), notLogged(CATEGORIES));
+  fillSelect($("f-termination"), TERMINATIONS.map((_, i) => i), notLogged(TERMINATIONS));
+  $("columns").replaceChildren(...COLUMNS.map((column) => {
+    const th = el("th", "", column.header);
+    th.dataset.sort = column.key;
+    return th;
+  }));
 
   function haystack(i) {
     if (haystacks[i] === undefined) {
@@ -67,6 +77,7 @@
     if (state.step !== "" && t.step !== Number(state.step)) return false;
     if (state.tasks && !state.tasks.has(String(t.task_id))) return false;
     if (state.env !== "" && t.env !== ENVS[Number(state.env)]) return false;
+    if (state.category !== "" && t.category !== CATEGORIES[Number(state.category)]) return false;
     if (state.success !== "" && t.success !== (state.success === "1")) return false;
     if (state.termination !== "" &&
         t.termination !== TERMINATIONS[Number(state.termination)]) return false;
@@ -75,9 +86,10 @@
   }
   function compare(a, b) {
     const x = TRAJ[a][state.sortKey], y = TRAJ[b][state.sortKey];
+    const missing = (v) => v === null || v === undefined || v === "";
     if (x === y) return a - b;
-    if (x === null || x === undefined) return 1;  // Missing values last in either direction.
-    if (y === null || y === undefined) return -1;
+    if (missing(x)) return 1;  // Missing values (shown as a dash) last in either direction.
+    if (missing(y)) return -1;
     return (x < y ? -1 : 1) * (state.sortDesc ? -1 : 1);
   }
   function update() {
@@ -90,20 +102,27 @@
   }
 
   // ---- The list, one page at a time ----
+  function cell(t, key) {
+    switch (key) {
+      case "success":
+        return el("td", t.success ? "ok" : "bad", t.success ? "\u2713 success" : "\u2717 failure");
+      case "env": case "category": case "termination":
+        return el("td", "", t[key] || "\u2014");
+      default:
+        return el("td", "num", fmt(t[key]));
+    }
+  }
   function renderTable() {
     const pages = Math.max(1, Math.ceil(state.visible.length / PAGE_SIZE));
     state.page = Math.min(state.page, pages - 1);
     const start = state.page * PAGE_SIZE;
     const rows = state.visible.slice(start, start + PAGE_SIZE).map((i) => {
       const t = TRAJ[i];
-      const tr = el("tr", i === state.selected ? "selected" : "",
-        el("td", "num", fmt(t.step)), el("td", "num", fmt(t.task_id)),
-        el("td", "num", fmt(t.sample)),
-        el("td", "", t.env || "\u2014"),
-        el("td", t.success ? "ok" : "bad", t.success ? "\u2713 success" : "\u2717 failure"),
-        el("td", "num", fmt(t.reward)), el("td", "num", fmt(t.advantage)),
-        el("td", "num", fmt(t.num_turns)), el("td", "", t.termination || "\u2014"),
-        el("td", "num", fmt(t.num_tokens)));
+      const tr = el("tr", i === state.selected ? "selected" : "", ...COLUMNS.map((column) => {
+        const td = cell(t, column.key);
+        td.dataset.col = column.key;
+        return td;
+      }));
       tr.dataset.index = String(i);
       tr.addEventListener("click", () => select(i));
       return tr;
@@ -174,12 +193,12 @@
     const tokens = t.num_tokens === null || t.num_tokens === undefined ? "\u2014" :
         fmt(t.num_tokens) + " (" + fmt(t.num_trained_tokens) + " trained)";
     const turnRewards = t.turn_rewards.map((r) => fmt(r, 2)).join(" \u00b7 ") || "\u2014";
-    for (const [name, value] of [["reward", fmt(t.reward)], ["advantage", fmtSigned(t.advantage)],
-        ["turns", fmt(t.num_turns)], ["turn rewards", turnRewards], ["tokens", tokens]]) {
-      stats.append(el("dt", "", name), el("dd", "", value));
-    }
-    const title = "Step " + fmt(t.step) + " \u00b7 task " + fmt(t.task_id) + " \u00b7 sample " +
-        fmt(t.sample);
+    const figures = [["reward", fmt(t.reward)], ["turns", fmt(t.num_turns)],
+                     ["turn rewards", turnRewards], ["tokens", tokens]];
+    if (HAS.has("advantage")) figures.splice(1, 0, ["advantage", fmtSigned(t.advantage)]);
+    for (const [name, value] of figures) stats.append(el("dt", "", name), el("dd", "", value));
+    let title = "Step " + fmt(t.step) + " \u00b7 task " + fmt(t.task_id);
+    if (HAS.has("sample")) title += " \u00b7 sample " + fmt(t.sample);
     const parts = [el("h2", "", title), badges, stats];
     if (t.error) parts.push(el("div", "error", highlighted(t.error)));
     if (!t.messages.length) {
@@ -321,6 +340,10 @@
   let searchTimer = null;
   $("f-step").addEventListener("change", (e) => { state.step = e.target.value; update(); });
   $("f-env").addEventListener("change", (e) => { state.env = e.target.value; update(); });
+  $("f-category").addEventListener("change", (e) => {
+    state.category = e.target.value;
+    update();
+  });
   $("f-success").addEventListener("change", (e) => { state.success = e.target.value; update(); });
   $("f-termination").addEventListener("change", (e) => {
     state.termination = e.target.value;
@@ -340,11 +363,11 @@
     }, 120);
   });
   $("f-reset").addEventListener("click", () => {
-    for (const id of ["f-step", "f-env", "f-success", "f-termination", "f-task", "f-search"]) {
+    for (const id of ["f-step", "f-env", "f-category", "f-success", "f-termination", "f-task",
+                      "f-search"]) {
       $(id).value = "";
     }
-    Object.assign(state,
-                  { step: "", tasks: null, env: "", success: "", termination: "", search: "" });
+    Object.assign(state, FILTERS);
     update();
   });
   $("prev").addEventListener("click", () => { state.page -= 1; renderTable(); });

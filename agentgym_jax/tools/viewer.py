@@ -7,8 +7,10 @@ it opens offline from file:// and can be mailed or archived with the run:
 
   * charts of success, reward, turns, horizon cap and evaluation success over the steps
     (clicking a chart filters the list to the nearest step with logged trajectories);
-  * the trajectories, filtered by step, task id, environment, outcome and termination, and by
-    free text over the messages, in pages of 50 rows, sortable by column;
+  * the trajectories, filtered by step, task id, environment, task category, outcome and
+    termination, and by free text over the messages, in pages of 50 rows, sortable by column;
+    the Sample and Adv. columns appear only when some record has them (an RL step's records
+    do; evaluation records, launch/evaluate.py --trajectories, have neither);
   * one trajectory's whole conversation: the instruction and first observation, each turn's
     thought, action and reward, the observations between turns, the advantage, how the
     episode ended and the environment's error.
@@ -45,6 +47,23 @@ CHARTS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
 # Chart keys that can be recomputed from the trajectories of a step when metrics.jsonl lacks
 # them (a run whose metrics file was lost, or a foreign run with only trajectories).
 _FROM_TRAJECTORIES = {"success": "success", "reward": "reward", "turns": "num_turns"}
+# The list's columns: (trajectory field, header), in order.
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("step", "Step"),
+    ("task_id", "Task"),
+    ("sample", "Sample"),
+    ("env", "Env"),
+    ("category", "Category"),
+    ("success", "Outcome"),
+    ("reward", "Reward"),
+    ("advantage", "Adv."),
+    ("num_turns", "Turns"),
+    ("termination", "Ended by"),
+    ("num_tokens", "Tokens"),
+)
+# Columns shown only when some trajectory has a value for them: the trainer's records carry a
+# sample index and an advantage, evaluation records neither.
+OPTIONAL_COLUMNS = frozenset({"sample", "advantage"})
 _SLOT = re.compile(r"__(TITLE|CSS|JS|DATA)__")
 
 
@@ -77,6 +96,13 @@ def chart_series(rows: Sequence[Mapping[str, Any]],
     if series:
       charts.append({"title": title, "step_function": step_function, "series": series})
   return charts
+
+
+def columns(trajectories: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+  """[field, header] of the list's columns for these trajectories (views): every column of
+  COLUMNS but the optional ones that no trajectory has a value for."""
+  return [[field, header] for field, header in COLUMNS
+          if field not in OPTIONAL_COLUMNS or any(t[field] is not None for t in trajectories)]
 
 
 def _trajectory_view(record: Mapping[str, Any], step: int) -> dict[str, Any]:
@@ -138,6 +164,7 @@ def load_run(workdir: str | os.PathLike[str], max_steps: int = 0) -> dict[str, A
       "logged_steps": logged_steps,
       "shown_steps": shown_steps,
       "charts": jsonl.json_safe(chart_series(rows, trajectories)),
+      "columns": columns(trajectories),
       "trajectories": trajectories,
   }
 
