@@ -33,8 +33,10 @@ exception out of `step`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import importlib.metadata
 import json
 import re
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
@@ -361,9 +363,16 @@ def check_split(split: str) -> str:
   return split
 
 
-# name -> "module:attribute" of a factory `(**options) -> Env`. Modules are imported on first
-# use so that heavy dependencies (a JVM, minigrid) load only for the environments a run makes.
-_REGISTRY: dict[str, str | Callable[..., Env]] = {
+# The entry-point group in which an installed package declares its adapters, e.g. in its
+# pyproject.toml (docs/environments.md):
+#   [project.entry-points."agentgym_jax.environments"]
+#   arithmetic = "my_envs.arithmetic:ArithmeticEnv"
+ENTRY_POINT_GROUP = "agentgym_jax.environments"
+
+# name -> a factory `(**options) -> Env`: a callable, a "module:attribute" path, or an installed
+# package's entry point. Modules are imported on first use so that heavy dependencies (a JVM,
+# minigrid) load only for the environments a run makes.
+_REGISTRY: dict[str, str | Callable[..., Env] | importlib.metadata.EntryPoint] = {
     "textcraft": "environments.textcraft:TextCraftEnv",
     "babyai": "environments.babyai:BabyAIEnv",
     "sciworld": "environments.sciworld:SciWorldEnv",
@@ -373,23 +382,85 @@ _REGISTRY: dict[str, str | Callable[..., Env]] = {
     "echo": "environments.echo:EchoEnv",
     "http": "environments.http.client:AgentGymClient",
 }
+# The built-in environments whose simulators come with an extra of the package: the extra and
+# the top-level modules it installs.
+_EXTRAS = {
+    "babyai": ("babyai", ("minigrid", "gymnasium")),
+    "sciworld": ("sciworld", ("scienceworld", "py4j")),
+    "searchqa": ("searchqa", ("bm25s", "pyarrow", "faiss")),
+    "webarena": ("webarena", ("playwright",)),
+}
+_entry_points_read = False
+
+
+class AdapterImportError(ImportError):
+  """An environment's adapter cannot be loaded: its extra is not installed, or an installed
+  package's entry point fails to import."""
 
 
 def register(name: str, factory: str | Callable[..., Env]) -> None:
-  """Registers `factory` (a callable or a "module:attribute" path) under `name`."""
+  """Registers `factory` (a callable or a "module:attribute" path) under `name`; it replaces
+  whatever the name stood for, an installed package's entry point included."""
   _REGISTRY[name] = factory
 
 
 def registered() -> list[str]:
+  """The names `make` knows: the built-in environments, those registered in code and those of
+  installed packages (ENTRY_POINT_GROUP)."""
+  _read_entry_points()
   return sorted(_REGISTRY)
+
+
+def factory(name: str) -> Callable[..., Env]:
+  """The callable that builds adapters of the environment registered as `name` (its module
+  imported now): ValueError for an unknown name, AdapterImportError for one that cannot load."""
+  if name not in _REGISTRY:
+    _read_entry_points()
+  if name not in _REGISTRY:
+    raise ValueError(f"unknown environment {name!r}; registered: {', '.join(registered())}")
+  found = _REGISTRY[name]
+  if isinstance(found, importlib.metadata.EntryPoint):
+    try:
+      return found.load()
+    except Exception as error:  # Anything the package's import raises.
+      package = f"package {found.dist.name}'s" if found.dist is not None else "the"
+      raise AdapterImportError(
+          f"environment {name!r}: {package} entry point {found.value!r} (group "
+          f"{ENTRY_POINT_GROUP}) failed to load: {type(error).__name__}: {error}") from error
+  if isinstance(found, str):
+    module_name, attribute = found.split(":")
+    with _extra_needed(name):
+      return getattr(importlib.import_module(module_name), attribute)
+  return found
 
 
 def make(name: str, **options: Any) -> Env:
   """Builds a fresh adapter of the environment registered as `name`."""
-  if name not in _REGISTRY:
-    raise ValueError(f"unknown environment {name!r}; registered: {', '.join(registered())}")
-  factory = _REGISTRY[name]
-  if isinstance(factory, str):
-    module_name, attribute = factory.split(":")
-    factory = getattr(importlib.import_module(module_name), attribute)
-  return factory(**options)
+  build = factory(name)
+  with _extra_needed(name):
+    return build(**options)
+
+
+def _read_entry_points() -> None:
+  """Adds the adapters installed packages declare in ENTRY_POINT_GROUP, once per process, as
+  entry points loaded by `factory`. A name already registered keeps its adapter."""
+  global _entry_points_read
+  if _entry_points_read:
+    return
+  _entry_points_read = True
+  for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+    _REGISTRY.setdefault(entry_point.name, entry_point)
+
+
+@contextlib.contextmanager
+def _extra_needed(name: str):
+  """Turns the ImportError of a module that the environment's extra installs into one that
+  says how to install it."""
+  try:
+    yield
+  except ModuleNotFoundError as error:
+    extra, modules = _EXTRAS.get(name, ("", ()))
+    if (error.name or "").partition(".")[0] not in modules:
+      raise
+    raise AdapterImportError(f"environment {name!r} needs the {extra!r} extra ({error.name} is "
+                             f"not installed): pip install 'agentgym-jax[{extra}]'") from error

@@ -64,8 +64,8 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     try:
       import pyarrow.parquet  # pylint: disable=g-import-not-at-top
     except ImportError:
-      raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow), or convert it to "
-                        "JSONL") from None
+      raise ImportError(f"reading {path} needs pyarrow (pip install 'agentgym-jax[searchqa]'), "
+                        "or convert it to JSONL") from None
     return pyarrow.parquet.read_table(path).to_pylist()
   return jsonl.read(path)
 

@@ -227,7 +227,8 @@ class Browser:
       from playwright.sync_api import sync_playwright
     except ImportError:
       raise EnvError("the WebArena browser needs the playwright package: pip install "
-                     "playwright (it drives our Chromium; skip `playwright install`)") from None
+                     "'agentgym-jax[webarena]' (it drives our Chromium; skip `playwright "
+                     "install`)") from None
     if not (os.path.isfile(self.executable) and os.access(self.executable, os.X_OK)):
       raise EnvError(f"Chromium is not installed at {self.executable}; install Debian's "
                      "package (apt-get install -y chromium) or pass executable=...")
