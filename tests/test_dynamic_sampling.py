@@ -4,7 +4,7 @@ a resumed run that continues exactly as an uninterrupted one."""
 import dataclasses
 
 from agentgym_jax import config as config_lib
-from agentgym_jax import checkpoint, metrics, rollout, trainer
+from agentgym_jax import checkpoint, metrics, rollout, task_sampling, trainer
 from environments.base import ENV_ERROR
 from rl_helpers import assert_resumed_run_matches, check_config, echo_config
 
@@ -103,7 +103,7 @@ def test_without_dynamic_sampling_one_round_is_trained_whatever_its_rewards():
 def test_a_permutation_steps_rounds_read_the_task_stream_from_the_cursor():
   # Round r of a step starting at cursor c takes the tasks at c + r x count, as a resumed run
   # reads them from the checkpointed cursor.
-  order = trainer.TaskOrder(list(range(10)), seed=3)
+  order = task_sampling.TaskOrder(list(range(10)), seed=3)
   draw = order.draws(step=7, cursor=6, count=3)
   assert [draw(0), draw(1)] == [order.take(6, 3), order.take(9, 3)]
   assert sorted(order.take(0, 10)) == list(range(10))

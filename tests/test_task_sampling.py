@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from agentgym_jax import checkpoint, config as config_lib, metrics, rollout, trainer
+from agentgym_jax import checkpoint, config as config_lib, metrics, rollout, task_sampling, trainer
 from environments.base import ENV_ERROR
 from env_helpers import CategorisedTasks
 from rl_helpers import assert_resumed_run_matches, check_config, echo_config
@@ -21,20 +21,20 @@ def _episode(task_id, success, termination="done"):
 
 
 def _order(success, seed=0, task_ids=range(30)):
-  estimates = trainer.SuccessEstimates(rate=0.5, success=success)
-  return trainer.LearnabilityOrder(list(task_ids), seed, estimates=estimates, floor=0.01)
+  estimates = task_sampling.SuccessEstimates(rate=0.5, success=success)
+  return task_sampling.LearnabilityOrder(list(task_ids), seed, estimates=estimates, floor=0.01)
 
 
 def test_a_tasks_weight_is_the_variance_of_its_success_plus_the_floor():
   # p (1 - p) + 0.01: 0.01, 0.25 x 0.75 + 0.01 = 0.1975, 0.26, 0.01.
-  np.testing.assert_allclose(trainer.learnability_weights(np.array([0.0, 0.25, 0.5, 1.0]), 0.01),
+  np.testing.assert_allclose(task_sampling.learnability_weights(np.array([0.0, 0.25, 0.5, 1.0]), 0.01),
                              [0.01, 0.1975, 0.26, 0.01])
 
 
 def test_a_weighted_order_draws_without_replacement_in_proportion_to_the_weights():
   weights = np.array([1.0, 2.0, 3.0, 4.0])
   orders = np.array(
-      [trainer.weighted_order(weights, np.random.default_rng(s)) for s in range(20000)])
+      [task_sampling.weighted_order(weights, np.random.default_rng(s)) for s in range(20000)])
   assert all(sorted(order) == [0, 1, 2, 3] for order in orders[:100])
   # The first is task i with probability w_i / 10; after task 3, the second is task i < 3 with
   # probability w_i / 6.
@@ -83,7 +83,7 @@ def test_a_steps_rounds_draw_the_tasks_not_yet_drawn_in_the_step_first():
 
 
 def test_success_estimates_are_moving_averages_over_visits():
-  estimates = trainer.SuccessEstimates(rate=0.5)
+  estimates = task_sampling.SuccessEstimates(rate=0.5)
   # Task 3 succeeds once in 4: p = 0.5 + 0.5 (0.25 - 0.5) = 0.375. Task 4's one episode failed
   # in its environment, which says nothing of the policy: it stays unseen.
   estimates.observe([_episode(3, True)] + [_episode(3, False)] * 3 +
@@ -95,15 +95,15 @@ def test_success_estimates_are_moving_averages_over_visits():
   assert estimates.success == {3: 0.6875}
   # A checkpoint's JSON meta keeps them exactly (1/3 has no short decimal form).
   estimates.observe([_episode(7, True)] + [_episode(7, False)] * 2)
-  restored = trainer.SuccessEstimates.from_meta(0.5, json.loads(json.dumps(estimates.to_meta())))
+  restored = task_sampling.SuccessEstimates.from_meta(0.5, json.loads(json.dumps(estimates.to_meta())))
   assert restored.success == estimates.success and restored.success[7] == 0.5 + 0.5 * (1 / 3 - 0.5)
 
 
 def test_each_curriculum_stage_draws_by_learnability_from_its_categories():
   pool = CategorisedTasks({0: "depth1", 1: "depth2", 2: "depth1", 3: "depth3", 4: "depth2"})
-  estimates = trainer.SuccessEstimates(rate=0.5, success={1: 1.0})
-  order = functools.partial(trainer.LearnabilityOrder, estimates=estimates, floor=0.01)
-  orders = trainer.stage_task_orders(pool, (("depth1",), ("depth1", "depth2")), 7, order)
+  estimates = task_sampling.SuccessEstimates(rate=0.5, success={1: 1.0})
+  order = functools.partial(task_sampling.LearnabilityOrder, estimates=estimates, floor=0.01)
+  orders = task_sampling.stage_task_orders(pool, (("depth1",), ("depth1", "depth2")), 7, order)
   assert all(o.estimates is estimates for o in orders)  # One estimate a task, in every stage.
   assert {t for step in range(20) for t in orders[0].draws(step, 0, 2)(0)} == {0, 2}
   drawn = collections.Counter(t for step in range(200) for t in orders[1].draws(step, 0, 1)(0))
@@ -153,4 +153,4 @@ def test_a_resumed_learnability_run_draws_the_tasks_of_an_uninterrupted_one(
       saved[run] = [checkpointer.read_meta(step)["task_success"] for step in (2, 4)]
   assert saved["resumed"] == saved["straight"]
   assert len(saved["straight"][1]) == 8  # Every task was played by step 4.
-  assert any(p != trainer.PRIOR_SUCCESS for _, p in saved["straight"][1])
+  assert any(p != task_sampling.PRIOR_SUCCESS for _, p in saved["straight"][1])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from agentgym_jax import config as config_lib
-from agentgym_jax import batch, metrics, trainer
+from agentgym_jax import batch, metrics, task_sampling, trainer
 from rl_helpers import assert_resumed_run_matches, assert_same_tensors, check_config, echo_config
 from rl_helpers import launch_train
 from env_helpers import CategorisedTasks
@@ -189,15 +189,15 @@ def test_rollout_with_bf16_rematerialised_policy(checkpoint_dir):
 
 def test_a_curriculum_draws_each_stage_from_its_categories():
   pool = CategorisedTasks({0: "depth1", 1: "depth2", 2: "depth1", 3: "depth3", 4: "depth2"})
-  orders = trainer.stage_task_orders(pool, (("depth1",), ("depth1", "depth2")), seed=7)
+  orders = task_sampling.stage_task_orders(pool, (("depth1",), ("depth1", "depth2")), seed=7)
   assert sorted(orders[0].take(0, 2)) == [0, 2]  # One epoch of the two depth-1 tasks.
   assert sorted(orders[1].take(0, 4)) == [0, 1, 2, 4]
   assert set(orders[1].take(4, 40)) == {0, 1, 2, 4}  # Depth 3 never comes up.
   # Orders are pure functions of (tasks, seed), as a resumed run needs.
-  again = trainer.stage_task_orders(pool, (("depth1",), ("depth1", "depth2")), seed=7)
+  again = task_sampling.stage_task_orders(pool, (("depth1",), ("depth1", "depth2")), seed=7)
   assert again[1].take(3, 9) == orders[1].take(3, 9)
   # No curriculum: one order over every train task.
-  (everything,) = trainer.stage_task_orders(pool, (), seed=7)
+  (everything,) = task_sampling.stage_task_orders(pool, (), seed=7)
   assert sorted(everything.take(0, 5)) == [0, 1, 2, 3, 4]
 
 
@@ -207,7 +207,7 @@ def test_a_curriculum_stage_without_tasks_fails_with_the_categories_there_are():
       config_lib.ConfigError,
       match=r"rollout.curriculum\[1\]=\('depth9',\) matches none of the 2 train "
       r"tasks \(their categories: \['depth1', 'depth2'\]\)"):
-    trainer.stage_task_orders(pool, (("depth1",), ("depth9",)), seed=0)
+    task_sampling.stage_task_orders(pool, (("depth1",), ("depth9",)), seed=0)
 
 
 @pytest.mark.parametrize("curriculum", [("depth1",), ((),), (("depth1", 2),)])
