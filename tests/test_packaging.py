@@ -7,12 +7,13 @@ import importlib.metadata
 import json
 import os
 import pathlib
+import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
+import threading
 import tomllib
 import zipfile
 
@@ -211,7 +212,8 @@ for package in (agentgym_jax, agentgym_jax.configs, environments):
       failed[module.name] = error.name
     except flags.Error:  # The commands define the same flags (--config, ...), after importing.
       pass
-c = config.validate(importlib.import_module("agentgym_jax.configs.grpo_textcraft").get_config("local"))
+from agentgym_jax.configs import grpo_textcraft
+config.validate(grpo_textcraft.get_config("local"))
 observations = {}
 for name in ("textcraft", "echo"):
   env = environments.make(name)
@@ -250,14 +252,13 @@ def test_core_install_imports_and_plays_textcraft_without_the_environment_extras
 
 
 def _first_line(process: subprocess.Popen, timeout: float) -> str:
-  """The first line `process` prints on stdout, waiting at most `timeout` seconds."""
-  os.set_blocking(process.stdout.fileno(), False)
-  deadline, buffer = time.monotonic() + timeout, ""
-  while time.monotonic() < deadline and "\n" not in buffer and process.poll() is None:
-    buffer += process.stdout.read() or ""
-    time.sleep(0.5)
-  buffer += process.stdout.read() or ""
-  return buffer.partition("\n")[0]
+  """The first line `process` prints on stdout ("" if none within `timeout` seconds)."""
+  lines = queue.Queue()
+  threading.Thread(target=lambda: lines.put(process.stdout.readline()), daemon=True).start()
+  try:
+    return lines.get(timeout=timeout)
+  except queue.Empty:
+    return ""
 
 
 @pytest.mark.slow
