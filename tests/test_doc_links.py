@@ -50,5 +50,6 @@ def test_the_pages_moved_out_of_the_readme_are_reachable_from_it():
       continue
     seen.add(page)
     todo += [(page.parent / t.partition("#")[0]).resolve() for t in relative_links(page)]
-  moved = ["training", "models", "multihost", "performance", "results", "config", "tpu"]
+  moved = ["training", "models", "multihost", "performance", "results", "config", "tpu",
+           "environments"]
   assert not [name for name in moved if ROOT / "docs" / f"{name}.md" not in seen]
