@@ -9,10 +9,10 @@ turn caps [10, 20, 30] raised every 100 steps, 512 new tokens per turn:
 Variants (comma-separated): `local` is the whole recipe on a CPU workstation with the embedded
 SmolLM2-135M-Instruct: on goals of crafting depth 1-2 (`shallow`), an SFT warm start on the
 oracle's demonstrations of train goals, then GRPO with the staged horizon on depth-1 goals and,
-in its last stage, depth 1-2, each stage's policy evaluated greedily on the 72 held-out test goals and tabled
-at the end (README, "The first command"). `short` and `long` are the fixed-horizon baselines
-(10 and 30 turns); `shallow` keeps only goals of crafting depth 1-2 in every split;
-`agentgym` plays the original AgentGym TextCraft's 544 goals instead of our 551
+in its last stage, depth 1-2, each stage's policy evaluated greedily on the 72 held-out test
+goals and tabled at the end (docs/results.md, "The first command on a CPU"). `short` and `long`
+are the fixed-horizon baselines (10 and 30 turns); `shallow` keeps only goals of crafting depth
+1-2 in every split; `agentgym` plays the original AgentGym TextCraft's 544 goals instead of our 551
 (env.options.goals; environments/textcraft/env.py, "Tasks"):
 
   python launch/train.py --config=configs/grpo_textcraft.py:local --workdir=runs/local
