@@ -7,8 +7,9 @@ start-up instead of silently doing nothing. `validate` checks every value with o
 
 from __future__ import annotations
 
+import inspect
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections
 
@@ -286,6 +287,12 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       f"(those that do: {', '.join(env_base.TOOL_CALL_ENVS)})")
   _check("action_format" not in c.env.options,
          "set env.action_format, not env.options.action_format")
+  try:
+    problem = env_options_problem(c.env.name, c.env.options.to_dict(), "env.options.",
+                                  hidden=("action_format",))
+  except env_base.AdapterImportError as error:
+    raise ConfigError(f"invalid config: env.name={c.env.name!r}: {error}") from None
+  _check(problem is None, str(problem))
   if c.env.name == "textcraft" and "goals" in c.env.options:
     from environments.textcraft import env as textcraft
     _check(c.env.options.goals in textcraft.GOAL_SETS,
@@ -497,6 +504,32 @@ def _validate_lora(c: ml_collections.ConfigDict) -> None:
   _check(
       len(set(targets)) == len(targets), f"model.lora.targets={tuple(targets)} names a "
       "projection twice")
+
+
+def env_options_problem(name: str, options: Mapping[str, Any], prefix: str,
+                        hidden: Sequence[str] = ()) -> str | None:
+  """What is wrong with `options` as the keyword arguments of environment `name`'s adapter
+  constructor (environments.base.factory), or None: a key it does not take, or one it needs
+  that is missing, named `prefix` + key (e.g. "env.options.goals"), with the keys it takes
+  (less `hidden`, those set elsewhere). An adapter that takes **kwargs takes any key."""
+  from environments import base as env_base
+
+  factory = env_base.factory(name)
+  try:
+    parameters = list(inspect.signature(factory).parameters.values())
+  except (TypeError, ValueError):  # A factory without a signature Python can read.
+    return None
+  if any(p.kind is p.VAR_KEYWORD for p in parameters):
+    return None
+  keywords = [p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+  takes = ", ".join(p.name for p in keywords if p.name not in hidden) or "none"
+  for key in options:
+    if key not in {p.name for p in keywords}:
+      return f"{prefix}{key}: environment {name!r} takes no option {key!r}; its options: {takes}"
+  for p in keywords:
+    if p.default is p.empty and p.name not in options:
+      return f"{prefix}{p.name} is required by environment {name!r}; its options: {takes}"
+  return None
 
 
 def env_options(c: ml_collections.ConfigDict) -> dict[str, Any]:
