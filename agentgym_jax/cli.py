@@ -1,43 +1,205 @@
-"""What the launch scripts share: absl's app.run with bad input reported in one line, quiet logs.
+"""What the commands share: absl's app.run with bad input reported in one line, --help, quiet
+logs, and --config by name or path.
 
-A user's mistake (an unknown config key, an invalid value, a config file or variant that does not
-exist, a workdir that is a file or a bucket that cannot be reached, a model whose weights are not on disk) ends the script with
-`error: ...` on stderr and exit status 1, never a traceback; a traceback means a defect. Library
-INFO logs (Orbax's checkpoint manager, JAX's search for a TPU backend) are hidden unless
---verbosity=0 or higher asks for them.
+A user's mistake (an unknown config key, an invalid value, a config that does not exist, a
+workdir or output that cannot be written, a model whose weights are not on disk, an
+environment that is not registered) ends the command with `error: ...` on stderr and exit
+status 1, never a traceback; a traceback means a defect. Each command checks its inputs and
+outputs before it loads a model or plays an episode. Library INFO logs (Orbax's checkpoint
+manager, JAX's search for a TPU backend) are hidden unless --verbosity=0 or higher asks for
+them.
+
+--config (`define_config`) takes a packaged config's name (agentgym_jax.configs, the
+repository's configs/ directory), e.g. `--config=grpo_textcraft:local`, or a config file's
+path; --config.KEY=VALUE overrides a key, and the config's env.options take any keyword of the
+environment's adapter (checked by config.validate). --help exits 0 with the command's
+docstring, its flags and the config's groups; --print_config prints the validated config.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.resources
+import os
+import re
 import sys
-from typing import Callable
+import types
+from typing import Any, Callable
 
+import ml_collections
 from absl import app, flags, logging
+from ml_collections import config_flags
 
 from agentgym_jax import config as config_lib
 from agentgym_jax import paths
 from agentgym_jax.models import weights
+from environments import base as env_base
+
+# The config's top-level keys as --help lists them; agentgym_jax/config.py defines every key
+# (docs/config.md lists them with their defaults).
+CONFIG_GROUPS = {
+    "mode": "rl, sft or dpo: multi-turn RL, or an offline loop on conversations",
+    "seed": "the run's PRNG seed",
+    "steps": "training steps",
+    "model": "the policy: registry name or checkpoint directory, dtypes, remat, attention, "
+             "thinking, LoRA",
+    "mesh": "the device mesh's data, fsdp and tensor axes",
+    "env": "the environment: name, options (its adapter's keyword arguments), backend, step "
+           "timeout, action format",
+    "rollout": "tasks and samples per step, tokens per turn and trajectory, sampling, "
+               "curriculum, dynamic and task sampling",
+    "horizon": "the turn cap's schedule (ScalingInter-RL): fixed, stepwise or linear",
+    "algorithm": "advantage estimator, policy loss and clipping, KL, entropy and value terms, "
+                 "minibatches",
+    "optim": "AdamW: learning rate and schedule, weight decay, gradient clipping",
+    "checkpoint": "how often checkpoints are saved, how many are kept, the exported policy",
+    "log": "TensorBoard, trajectory logs, the progress bar, Weights & Biases",
+    "eval": "evaluation: split, tasks, samples, temperature, turn cap, stage evaluations and "
+            "their cache",
+    "data": "mode sft or dpo: the conversations, batch size and length",
+    "dpo": "mode dpo: beta",
+    "warm_start": "an RL run's SFT warm start on expert demonstrations",
+}
+_HELP_FLAGS = ("--help", "-help", "--helpshort", "-helpshort", "--helpfull", "-helpfull", "-?")
+
+
+def config_names() -> list[str]:
+  """The packaged configs, by the name --config takes."""
+  files = importlib.resources.files("agentgym_jax.configs")
+  return sorted(file.name[:-3] for file in files.iterdir()
+                if file.name.endswith(".py") and not file.name.startswith("_"))
+
+
+def config_file(value: str) -> str:
+  """The file --config names (its value without the variant): the path itself when it is a
+  file, else the packaged config of that name ("grpo_textcraft" or "grpo_textcraft.py")."""
+  if os.path.isfile(value):
+    return value
+  name = value.removesuffix(".py")
+  packaged = importlib.resources.files("agentgym_jax.configs") / f"{name}.py"
+  if "/" not in name and os.sep not in name and packaged.is_file():
+    return str(packaged)
+  raise ValueError(f"{value!r} is neither a config file nor a packaged config; the packaged "
+                   f"configs: {', '.join(config_names())}")
+
+
+class _ConfigParser(flags.ArgumentParser):
+  """Loads --config from `config_file(...)` with ml_collections' own parser (`loader`). The
+  config comes back locked but for env.options, whose keys are the adapter's own
+  (config.validate checks them against its constructor)."""
+
+  def __init__(self, loader: flags.ArgumentParser):
+    self._loader = loader
+
+  def parse(self, argument: str) -> Any:
+    file, colon, variant = argument.partition(":")
+    config = self._loader.parse(config_file(file) + colon + variant)
+    if isinstance(config, ml_collections.ConfigDict):
+      config.lock()
+      options = config.get("env", {}).get("options")
+      if isinstance(options, ml_collections.ConfigDict):
+        options.unlock()
+    return config
+
+  def flag_type(self) -> str:
+    return self._loader.flag_type()
+
+
+def define_config() -> flags.FlagHolder:
+  """Defines --config (required: parse_flags refuses a command line without it) and
+  --print_config for the calling command."""
+  holder = config_flags.DEFINE_config_file(
+      "config", None, "The experiment config: a packaged config's name (grpo_textcraft, ...) or "
+      "a config file, with its variants after a colon (grpo_textcraft:local); --config.KEY=VALUE "
+      "overrides a key.", lock_config=False, accept_new_attributes=True)
+  flags.FLAGS["config"].parser = _ConfigParser(flags.FLAGS["config"].parser)
+  flags.DEFINE_bool("print_config", False,
+                    "Print the config (after overrides, validated), one key a line, and exit.")
+  return holder
+
+
+def format_config(c: ml_collections.ConfigDict, prefix: str = "") -> str:
+  """One `key = value` line per key of `c`, nested keys dotted, values as Python literals."""
+  lines = []
+  for key, value in c.items():
+    if isinstance(value, ml_collections.ConfigDict) and value:
+      lines.append(format_config(value, f"{prefix}{key}."))
+    elif isinstance(value, ml_collections.ConfigDict):
+      lines.append(f"{prefix}{key} = {{}}")
+    else:
+      lines.append(f"{prefix}{key} = {value!r}")
+  return "\n".join(lines)
+
+
+def _help(command: types.ModuleType, full: bool) -> str:
+  """--help: the command's docstring, its flags (every flag with --helpfull) and, for a command
+  with --config, the config's groups."""
+  module = sys.argv[0] if command.__name__ == "__main__" else command.__name__
+  has_config = "config" in flags.FLAGS
+  if has_config:
+    for name in ("config", "print_config"):
+      flags.FLAGS.register_key_flag_for_module(module, flags.FLAGS[name])
+  parts = [(command.__doc__ or "").strip(), "",
+           flags.FLAGS.get_help() if full else flags.FLAGS.module_help(module)]
+  if has_config:
+    width = max(map(len, CONFIG_GROUPS))
+    parts += [
+        "", "The config's groups (--print_config lists every key and its value; "
+        "--config.GROUP.KEY=VALUE sets one;", "env.options.KEY takes any keyword argument of "
+        "the environment's adapter):"
+    ]
+    parts += [f"  {group:<{width}}  {text}" for group, text in CONFIG_GROUPS.items()]
+  if not full:
+    parts += ["", "--helpfull lists every flag, absl's included."]
+  return "\n".join(parts)
+
+
+def _unknown_key(error: BaseException, argv: list[str]) -> str:
+  """The one line for a --config.KEY override the locked config does not have, naming the
+  whole key as given and ml_collections' suggestion, e.g.
+  `unknown key rollout.tasks_per_stp; did you mean "rollout.tasks_per_step"?`."""
+  text = " ".join(str(arg) for arg in error.args).replace("\\'", "'")
+  suggestion = re.search(r'Did you mean "(\w+)" instead of "(\w+)"', text)
+  named = re.search(r"""Key "(\w+)"|'(\w+)'""", text)
+  key = suggestion.group(2) if suggestion else (named.group(1) or named.group(2)) if named else "?"
+  guess = suggestion.group(1) if suggestion else ""
+  overrides = (re.match(r"-{1,2}(?:no)?config\.([\w.]+)", arg) for arg in argv)
+  for parts in (match.group(1).split(".") for match in overrides if match):
+    if key in parts:  # The group the key was given in: rollout.tasks_per_stp.
+      group = "".join(f"{part}." for part in parts[:parts.index(key)])
+      key, guess = group + key, group + guess
+      break
+  return f"unknown key {key}" + (f'; did you mean "{guess}"?' if suggestion else "")
 
 
 def _last_line(error: BaseException) -> str:
   """The message of a flag error, whose text may hold a whole traceback: its last line, with
-  the exception class name dropped."""
+  the exception class name and absl's "flag " prefix dropped."""
   lines = [line.strip() for line in str(error).splitlines() if line.strip()]
   last = lines[-1] if lines else type(error).__name__
   name, separator, message = last.partition(": ")
-  return message if separator and name.replace(".", "").isidentifier() else last
+  last = message if separator and name.replace(".", "").isidentifier() else last
+  return last.removeprefix("flag ")
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing; a config that cannot be loaded or overridden is reported in one line."""
+def parse_flags(argv: list[str], command: types.ModuleType) -> list[str]:
+  """absl's flag parsing for `command` (the module of the command's flags), --help answered
+  from it (exit 0); a flag value, or a config that cannot be loaded or overridden, is reported
+  in one line."""
+  if any(arg in _HELP_FLAGS for arg in argv[1:]):
+    print(_help(command, full=any(arg.endswith("-helpfull") for arg in argv[1:])))
+    sys.exit(0)
   try:
     argv = flags.FLAGS(argv)
-  except AttributeError as error:  # ml_collections: the key is not in the locked config.
-    message = str(error.args[0] if error.args else error)
-    message = message.replace("\\n", " ").replace("\\'", "").replace("'", "")
-    sys.exit(f"error: invalid config: unknown key {' '.join(message.split())}")
+  except (AttributeError, KeyError) as error:  # ml_collections: a key the locked config lacks.
+    sys.exit(f"error: invalid config: {_unknown_key(error, argv)}")
   except flags.Error as error:
-    sys.exit(f"error: {_last_line(error)}")
+    required = re.search(r"Flag (--\w+) must have a value other than None", str(error))
+    sys.exit(f"error: {required.group(1) + ' is required' if required else _last_line(error)}")
+  if "config" in flags.FLAGS and flags.FLAGS.config is None:
+    sys.exit("error: --config is required: a packaged config's name, e.g. "
+             f"--config=grpo_textcraft:local (the packaged configs: {', '.join(config_names())}), "
+             "or a config file")
   for name in list(flags.FLAGS):
     flag = flags.FLAGS[name]
     if flag.flag_type() == "config object" and flag.value is not None:
@@ -51,21 +213,71 @@ def parse_flags(argv: list[str]) -> list[str]:
 def check_workdir(workdir: str) -> paths.Path:
   """The run's directory, local or gs://: it may exist (a resumed run) but must be a directory,
   and a bucket must be reachable and writable."""
+  return check_directory(workdir, f"--workdir={workdir}")
+
+
+def check_directory(value: str, what: str) -> paths.Path:
+  """`value` as a directory to write in, named `what` in the error (e.g. "--trajectories=x"):
+  it may exist but must be a directory, made later under a directory this process may write
+  in; in a bucket, the bucket reachable and writable."""
   try:
-    return paths.check_directory(workdir, f"--workdir={workdir}")
+    directory = paths.check_directory(value, what)
   except paths.UnreachablePathError as error:
-    sys.exit(f"error: {error}")
+    raise app.UsageError(str(error)) from None
+  if not paths.is_remote(value):
+    _check_writable(directory, what)
+  return directory
+
+
+def check_output_file(value: str, what: str) -> None:
+  """`value` as a file to be written once the work is done, checked before the work: not a
+  directory, made later under a directory this process may write in; in a bucket, the bucket
+  reachable and writable."""
+  target = paths.path(value)
+  if paths.is_remote(value):
+    check_directory(str(target.parent), what)
+    return
+  if target.is_dir():
+    raise app.UsageError(f"{what} is a directory, not a file")
+  _check_writable(target.parent, what)
+
+
+def _check_writable(directory: paths.Path, what: str) -> None:
+  """Local `directory`, or its nearest existing ancestor when it is missing (the missing ones
+  are made when the output is written), is a directory this process may write in."""
+  existing = directory
+  while not existing.exists():
+    existing = existing.parent
+  if not existing.is_dir():
+    raise app.UsageError(f"{what}: {existing} is a file, not a directory")
+  if not os.access(existing, os.W_OK):
+    raise app.UsageError(f"{what}: {existing} is not writable")
+
+
+def check_run_directory(value: str, what: str) -> None:
+  """`value` as an existing directory to read from (a run's workdir)."""
+  if not os.path.exists(value):
+    raise app.UsageError(f"{what}: no such directory")
+  if not os.path.isdir(value):
+    raise app.UsageError(f"{what} is a file, not a directory")
 
 
 def run(main: Callable[[list[str]], None]) -> None:
-  """app.run(main) with one-line errors for bad input and library INFO logs hidden."""
+  """app.run(main) for the command whose module defines `main`: --help from that module,
+  --print_config answered without running `main`, one-line errors for bad input, library INFO
+  logs hidden."""
+  command = sys.modules[main.__module__]
 
   def guarded(argv: list[str]) -> None:
     if not flags.FLAGS["verbosity"].present:
       logging.set_verbosity(logging.WARNING)
     try:
+      if "print_config" in flags.FLAGS and flags.FLAGS.print_config:
+        print(format_config(config_lib.validate(flags.FLAGS.config)))
+        return
       main(argv)
-    except (config_lib.ConfigError, weights.WeightsNotFoundError, app.UsageError) as error:
+    except (config_lib.ConfigError, weights.WeightsNotFoundError, env_base.AdapterImportError,
+            app.UsageError) as error:
       sys.exit(f"error: {error}")
 
-  app.run(guarded, flags_parser=parse_flags)
+  app.run(guarded, flags_parser=functools.partial(parse_flags, command=command))

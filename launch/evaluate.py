@@ -1,50 +1,12 @@
-r"""Evaluates a policy on an environment split: success per category, Avg@k and Pass@k.
+r"""Evaluates a policy on an environment split: the agentgym-eval command from a checkout.
 
   python launch/evaluate.py --config=configs/grpo_textcraft.py:local \
       --model=runs/local/export --config.eval.samples_per_task=4 --out=runs/local/eval.json
 
---model is a registry name or a Hugging Face directory (e.g. a run's export/); by default the
-config's model. Sampling follows the config's eval.* keys (greedy by default) and the turn cap
-is eval.horizon, or the largest cap of the config's horizon schedule.
+agentgym_jax/commands/evaluate.py has the flags and says what they do (--help lists them).
 """
 
-from absl import app, flags
-from ml_collections import config_flags
-
-from agentgym_jax import cli, evaluation, metrics, paths, pipeline, run
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/).",
-                                          lock_config=True)
-_MODEL = flags.DEFINE_string("model", None, "Registry name or HF directory; default: config's.")
-_OUT = flags.DEFINE_string("out", None, "Write the summary as JSON here (local or gs://).")
-_TRAJECTORIES = flags.DEFINE_string("trajectories", None,
-                                    "Write the evaluation trajectories under this workdir.")
-_ROWS = flags.DEFINE_integer("rows", 32, "Episodes played at once.")
-
-
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  settings = run.Settings.from_config(_CONFIG.value)
-  plan, bars = settings.evaluation, []
-
-  def start(tasks: int):
-    print(
-        f"{tasks} {settings.config.env.name} tasks of the {plan.split} split, "
-        f"k = {plan.samples_per_task} sample(s) each, up to {plan.horizon} turns", flush=True)
-    bars.append(metrics.ProgressBar(tasks * plan.samples_per_task, unit="episode"))
-    return lambda done, _: bars[0].update(done)
-
-  summary, trajectories = pipeline.evaluate_policy(settings, _MODEL.value, _ROWS.value, start)
-  for bar in bars:
-    bar.close()
-  print(evaluation.format_table(summary))
-  if _OUT.value:
-    paths.replace_file(_OUT.value, evaluation.to_json(summary))
-  if _TRAJECTORIES.value:
-    metrics.TrajectoryWriter(_TRAJECTORIES.value).write(0, [t.to_json() for t in trajectories])
-
+from agentgym_jax.commands.evaluate import main
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["config"])
-  cli.run(main)
+  main()

@@ -1,124 +1,13 @@
-r"""Chats with a model in the terminal, turn after turn on the sampler's live KV cache.
+r"""Chats with a model in the terminal: the agentgym-generate command from a checkout.
 
   python launch/generate.py --prompt="Name three uses of redstone."   # one reply, then exit
   python launch/generate.py                                           # a chat on stdin
   python launch/generate.py --model=qwen2.5-0.5b-instruct --temperature=0.7 --top_p=0.9
 
---model is a registry name (agentgym_jax.models.MODELS) or a Hugging Face checkpoint directory;
-the default, SmolLM2-135M-Instruct, ships with the package. Replies are printed as they are
-sampled, --stream_tokens at a time (each chunk continues the row on the live cache).
-Conversations use the model's chat template (ChatML or Llama 3; --nothinking pre-fills Qwen3's
-empty think block). Each user turn is appended to the live cache as token ids after the reply's
-own ids: earlier turns are never encoded or prefilled again. An empty line or end of input ends
-the chat.
+agentgym_jax/commands/generate.py has the flags and says what they do (--help lists them).
 """
 
-from __future__ import annotations
-
-import sys
-
-import jax
-import jax.numpy as jnp
-from absl import app, flags
-
-import agentgym_jax
-from agentgym_jax import cli
-from agentgym_jax.sampling import Sampler
-
-_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Registry name or HF directory.")
-_PROMPT = flags.DEFINE_string("prompt", None, "Reply to this one message and exit.")
-_SYSTEM = flags.DEFINE_string("system", None,
-                              "System message (default: the chat template's own, if any).")
-_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 256, "Token budget of each reply.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.7, "Sampling temperature; 0 is greedy.")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0 = off).")
-_SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
-_CACHE_SLOTS = flags.DEFINE_integer("cache_slots", 4096, "Tokens the whole chat can hold.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Matmul input dtype.")
-_PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "bfloat16", ["float32", "bfloat16"],
-                                 "Weight and KV cache storage dtype.")
-_THINKING = flags.DEFINE_bool(
-    "thinking", True, "Qwen3: --nothinking pre-fills an empty think "
-    "block in every generation prompt (enable_thinking=False).")
-_STREAM_TOKENS = flags.DEFINE_integer("stream_tokens", 8,
-                                      "Tokens sampled between two prints of the reply.")
-
-
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _STREAM_TOKENS.value <= 0:
-    raise app.UsageError(f"--stream_tokens={_STREAM_TOKENS.value} must be > 0")
-  if _MAX_NEW_TOKENS.value <= 0 or _CACHE_SLOTS.value <= _MAX_NEW_TOKENS.value:
-    raise app.UsageError(f"need 0 < --max_new_tokens ({_MAX_NEW_TOKENS.value}) < "
-                         f"--cache_slots ({_CACHE_SLOTS.value})")
-  model, tokenizer = agentgym_jax.load_model(_MODEL.value, dtype=getattr(jnp, _DTYPE.value),
-                                             param_dtype=getattr(jnp, _PARAM_DTYPE.value))
-  try:
-    chat = tokenizer.chat_template(thinking=_THINKING.value)
-  except ValueError as error:
-    raise app.UsageError(f"--model={_MODEL.value}: {error}") from None
-  sampler = Sampler(model, cache_slots=_CACHE_SLOTS.value, max_batch=1,
-                    cache_dtype=getattr(jnp, _PARAM_DTYPE.value))
-  interactive = _PROMPT.value is None
-  system = [] if _SYSTEM.value is None else [{"role": "system", "content": _SYSTEM.value}]
-  message = _PROMPT.value if not interactive else _read_user_turn()
-  if not message:
-    return
-  state = sampler.start([chat.render([*system, {"role": "user", "content": message}])])
-  key = jax.random.key(_SEED.value)
-  for turn in range(sys.maxsize):
-    state, reply, stopped = _stream_reply(sampler, state, jax.random.fold_in(key, turn), chat)
-    if not interactive:
-      return
-    if not stopped:
-      print(f"[the reply reached {_MAX_NEW_TOKENS.value} tokens or the end of the cache]",
-            file=sys.stderr)
-    message = _read_user_turn()
-    if not message:
-      return
-    # A reply that did not end its turn (token budget, EOS) is closed first.
-    closing = chat.closing_ids(reply)
-    continuation = closing + chat.continuation_ids("user", message)
-    used = int(state.lengths[0])
-    if used + len(continuation) + _MAX_NEW_TOKENS.value > _CACHE_SLOTS.value:
-      print(
-          f"[the chat holds {used} tokens; another turn would pass --cache_slots="
-          f"{_CACHE_SLOTS.value}]", file=sys.stderr)
-      return
-    state = sampler.append(state, {0: continuation})
-
-
-def _stream_reply(sampler: Sampler, state, key: jax.Array, chat) -> tuple[object, list[int], bool]:
-  """Samples a reply --stream_tokens at a time, printing its text as it grows; returns (state,
-  reply ids, whether it ended on a turn-end id)."""
-  tokenizer, reply, shown = chat.tokenizer, [], ""
-  while len(reply) < _MAX_NEW_TOKENS.value:
-    budget = min(_STREAM_TOKENS.value, _MAX_NEW_TOKENS.value - len(reply))
-    state, out = sampler.generate(state, jax.random.fold_in(key, len(reply)), max_new_tokens=budget,
-                                  stop_ids=chat.turn_end_ids, temperature=_TEMPERATURE.value,
-                                  top_p=_TOP_P.value, top_k=_TOP_K.value)
-    chunk = out.token_lists()[0]
-    reply += chunk
-    # Decoding the whole reply, not the chunk: a character may span tokens of two chunks.
-    text = tokenizer.decode([t for t in reply if t not in chat.turn_end_ids],
-                            skip_special_tokens=True)
-    print(text[len(shown):], end="", flush=True)
-    shown = text
-    if bool(out.stopped[0]) or len(chunk) < budget:  # A turn end, or a full cache.
-      print(flush=True)
-      return state, reply, bool(out.stopped[0])
-  print(flush=True)
-  return state, reply, False
-
-
-def _read_user_turn() -> str:
-  try:
-    return input("> ").strip()
-  except EOFError:
-    return ""
-
+from agentgym_jax.commands.generate import main
 
 if __name__ == "__main__":
-  cli.run(main)
+  main()

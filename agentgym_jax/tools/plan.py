@@ -50,12 +50,10 @@ by default all) and decode (`--max_new_tokens` per row, reading the slots the ro
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import math
 import pathlib
-import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -67,7 +65,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentgym_jax import learner, run, sampling, sharding
 from agentgym_jax.batch import Batch
-from agentgym_jax.models import attention, decoder, lora as lora_lib, weights
+from agentgym_jax.models import decoder, lora as lora_lib, weights
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import KVCache
 
@@ -477,100 +475,7 @@ def format_sampler_table(model: str, plans: Sequence[SamplerPlan]) -> str:
   return "\n".join(lines)
 
 
-def _mesh_shape(text: str) -> tuple[int, int, int]:
-  try:
-    shape = tuple(int(size) for size in text.split(","))
-  except ValueError:
-    shape = ()
-  if len(shape) != 3 or min(shape) <= 0:
-    raise argparse.ArgumentTypeError(f"--mesh wants three positive sizes data,fsdp,tensor; "
-                                     f"got {text!r}")
-  return shape
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m agentgym_jax.tools.plan",
-                                   description=__doc__.split("\n\n")[0])
-  parser.add_argument("--model", default="qwen2.5-7b-instruct",
-                      help=f"one of {sorted(HF_CONFIGS)}, or a checkpoint dir / config.json")
-  parser.add_argument(
-      "--mesh", type=_mesh_shape, action="append",
-      help="data,fsdp,tensor of an update step (repeatable; default 1,8,1 and "
-      "1,4,2 unless only samplers are planned)")
-  parser.add_argument("--batch", type=int, default=8, help="sequences per step (global)")
-  parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
-  parser.add_argument("--dtype", default="bfloat16", help="matmul input dtype")
-  parser.add_argument("--param_dtype", default="float32", help="parameter storage dtype")
-  parser.add_argument("--remat", default="full", choices=["none", "full", "dots"])
-  parser.add_argument("--attention", default="auto", choices=attention.IMPLEMENTATIONS,
-                      help="the learner's attention (auto: splash on TPU, flash elsewhere)")
-  parser.add_argument("--logits_chunk", type=int, default=1024,
-                      help="tokens per chunk of the vocabulary projection in the loss")
-  parser.add_argument("--micro_batch_rows", type=int, default=0,
-                      help="rows per forward/backward pass of the update (0: the whole batch)")
-  parser.add_argument("--lora_rank", type=int, default=0,
-                      help="plan LoRA's update with adapters of this rank (0: full fine-tuning)")
-  parser.add_argument("--lora_targets", default=",".join(lora_lib.TARGETS),
-                      help="the adapted projections, comma-separated")
-  parser.add_argument("--sampler_mesh", type=_mesh_shape, action="append",
-                      help="data,fsdp,tensor of a sampler (repeatable)")
-  parser.add_argument("--rows", type=int, default=256, help="sampler rows (episodes at once)")
-  parser.add_argument("--cache_slots", type=int, default=10240, help="KV-cache slots per row")
-  parser.add_argument("--prefill", type=int, default=1024, help="tokens appended per prefill")
-  parser.add_argument("--prefill_window", type=int,
-                      help="cache slots a prefill attends to (default: all of them)")
-  parser.add_argument("--max_new_tokens", type=int, default=512, help="tokens per decode call")
-  parser.add_argument(
-      "--sampler_copy", action="store_true",
-      help="the sampler reads a pod host's copy of the policy, its matmul weights "
-      "in --dtype (multihost.Processes.sampler_copy), not the parameters")
-  parser.add_argument("--devices", type=int,
-                      help="virtual CPU devices (default: as many as the largest mesh needs)")
-  parser.add_argument("--no_compile", action="store_true",
-                      help="only the exact figures (params, optimizer, cache), without compiling")
-  args = parser.parse_args(argv)
-  sampler_meshes = args.sampler_mesh or []
-  meshes = args.mesh or ([] if sampler_meshes else [(1, 8, 1), (1, 4, 2)])
-  try:
-    # The mesh is made of virtual CPU devices.
-    jax.config.update("jax_num_cpu_devices", args.devices
-                      or max(math.prod(shape) for shape in meshes + sampler_meshes))
-  except RuntimeError:
-    pass  # A backend already runs (e.g. under pytest): plan with the devices it has.
-  devices = jax.devices("cpu")
-  config = model_config(args.model)
-  dtypes = dict(dtype=jnp.dtype(args.dtype), param_dtype=jnp.dtype(args.param_dtype))
-  lora = None
-  if args.lora_rank:
-    # alpha scales the adapters' values only; no memory figure depends on it.
-    lora = lora_lib.LoraSettings(rank=args.lora_rank, alpha=float(args.lora_rank),
-                                 targets=tuple(args.lora_targets.split(",")))
-
-  def make_mesh(shape):
-    if math.prod(shape) > len(devices):
-      raise SystemExit(f"mesh {shape} needs {math.prod(shape)} devices; this process has "
-                       f"{len(devices)} CPU devices (is XLA_FLAGS forcing a device count?)")
-    return sharding.make_mesh(*shape, devices=devices[:math.prod(shape)])
-
-  tables = []
-  if meshes:
-    tables.append(
-        format_table(args.model, [
-            plan(config, make_mesh(shape), args.batch, args.seq, remat=args.remat,
-                 attention=args.attention, logits_chunk=args.logits_chunk,
-                 micro_batch_rows=args.micro_batch_rows, lora=lora, compile=not args.no_compile, **
-                 dtypes) for shape in meshes
-        ]))
-  if sampler_meshes:
-    tables.append(
-        format_sampler_table(args.model, [
-            plan_sampler(config, make_mesh(shape), args.rows, args.cache_slots,
-                         prefill_tokens=args.prefill, max_new_tokens=args.max_new_tokens,
-                         prefill_window=args.prefill_window, copy=args.sampler_copy,
-                         compile=not args.no_compile, **dtypes) for shape in sampler_meshes
-        ]))
-  print("\n\n".join(tables))
-
-
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  from agentgym_jax.commands.plan import main  # pylint: disable=import-outside-toplevel
+
+  main()
