@@ -25,14 +25,15 @@ def base_config() -> ml_collections.ConfigDict:
   """Defaults: the paper's GRPO recipe (AgentGym-RL scripts, Qwen2.5-7B-Instruct)."""
   c = ml_collections.ConfigDict()
   c.mode = "rl"  # rl | sft | dpo
-  c.seed = 0
-  c.steps = 300
+  c.seed = 0  # Every random draw derives from (seed, step): a rerun repeats the run.
+  c.steps = 300  # RL (or SFT / DPO) steps of the run.
 
+  # The policy: which checkpoint, its numerics and its memory plan.
   c.model = ml_collections.ConfigDict()
   c.model.name = "qwen2.5-7b-instruct"  # A registry name or a Hugging Face checkpoint dir.
   # Matmul inputs; auto: bf16 where the hardware runs it fast (agentgym_jax/hardware.py).
   c.model.dtype = "bfloat16"
-  c.model.param_dtype = "float32"
+  c.model.param_dtype = "float32"  # Parameters and optimizer state.
   # What the backward pass recomputes: none | dots | full, or auto: the fastest whose update step
   # fits in the device's memory (tools/plan.py's estimate, compiled at start-up).
   c.model.remat = "auto"
@@ -44,19 +45,21 @@ def base_config() -> ml_collections.ConfigDict:
   # LoRA (agentgym_jax/models/lora.py): rank 0 trains every weight; rank r > 0 trains adapters
   # delta W = (alpha / r) A B on the `targets` projections only, the base frozen.
   c.model.lora = ml_collections.ConfigDict()
-  c.model.lora.rank = 0
-  c.model.lora.alpha = 16.0
+  c.model.lora.rank = 0  # Adapter rank; 0: full fine-tuning.
+  c.model.lora.alpha = 16.0  # Scale alpha / rank of the adapters' product.
+  # The projections that get adapters.
   c.model.lora.targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                           "down_proj")
   c.model.lora.dropout = 0.0  # Of the adapters' input, in the update's forward only.
 
+  # The device mesh (data, fsdp, tensor): its sizes multiply to the device count.
   c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = 1
+  c.mesh.data = 1  # Replicas, each with a whole copy of the parameters.
   c.mesh.fsdp = -1  # -1: all remaining devices.
-  c.mesh.tensor = 1
+  c.mesh.tensor = 1  # Tensor (model) parallelism within a layer.
 
-  c.env = ml_collections.ConfigDict()
-  c.env.name = "textcraft"
+  c.env = ml_collections.ConfigDict()  # The environment the policy plays.
+  c.env.name = "textcraft"  # A registered adapter (environments.registered()).
   c.env.options = ml_collections.ConfigDict()  # Keyword arguments of the adapter.
   c.env.backend = "thread"  # thread | process
   c.env.step_timeout = 120.0  # Seconds; a slower env step ends that episode.
@@ -65,13 +68,13 @@ def base_config() -> ml_collections.ConfigDict:
   # model calls, shown as its chat template shows tools; environments/base.py).
   c.env.action_format = "react"
 
-  c.rollout = ml_collections.ConfigDict()
-  c.rollout.tasks_per_step = 32
-  c.rollout.samples_per_task = 8
+  c.rollout = ml_collections.ConfigDict()  # How a step plays its episodes.
+  c.rollout.tasks_per_step = 32  # Tasks (groups) a step plays.
+  c.rollout.samples_per_task = 8  # Episodes per task: the group size.
   c.rollout.max_new_tokens = 512  # Per assistant turn.
   c.rollout.max_context = 16384  # Tokens per trajectory (KV-cache slots).
-  c.rollout.temperature = 1.0
-  c.rollout.top_p = 1.0
+  c.rollout.temperature = 1.0  # Sampling temperature of the rollout.
+  c.rollout.top_p = 1.0  # Nucleus sampling; 1.0: off.
   c.rollout.top_k = 0  # 0: off.
   c.rollout.max_logprob_gap = 1.0  # The sampler/learner log-prob gap that stops the run.
   # Row groups whose env steps overlap the other groups' decoding (1: no pipelining).
@@ -89,50 +92,51 @@ def base_config() -> ml_collections.ConfigDict:
   # baseline) and play more tasks until the step has tasks_per_step groups with signal, up to
   # max_sampling_rounds rounds of tasks_per_step tasks (then train on what there is).
   c.rollout.dynamic_sampling = False
-  c.rollout.max_sampling_rounds = 3
+  c.rollout.max_sampling_rounds = 3  # Rounds of dynamic sampling per step at most.
   # How a step draws its training tasks from its horizon stage's (trainer.py): permutation (a
   # new random permutation of them every epoch) | learnability (in proportion to p (1 - p) +
   # task_sampling_floor, p a moving average of the policy's success on the task, of weight
   # task_sampling_rate per visit and 1/2 before the first: the tasks it sometimes solves, whose
   # groups' rewards differ, come first; the floor keeps those it always or never solves in play).
   c.rollout.task_sampling = "permutation"
-  c.rollout.task_sampling_floor = 0.01
-  c.rollout.task_sampling_rate = 0.5
+  c.rollout.task_sampling_floor = 0.01  # Learnability: weight every task keeps.
+  c.rollout.task_sampling_rate = 0.5  # Learnability: moving-average weight of a visit.
 
+  # ScalingInter-RL: the turn cap as a function of the step.
   c.horizon = ml_collections.ConfigDict()
   c.horizon.kind = "stepwise"  # fixed | stepwise | linear (ScalingInter-RL)
-  c.horizon.caps = (10, 20, 30)
-  c.horizon.every = 100
+  c.horizon.caps = (10, 20, 30)  # stepwise: the caps in order.
+  c.horizon.every = 100  # stepwise: steps per cap.
   c.horizon.turns = 30  # fixed
   c.horizon.initial = 10  # linear
   c.horizon.increment = 5  # linear
   c.horizon.maximum = 30  # linear
 
-  c.algorithm = ml_collections.ConfigDict()
+  c.algorithm = ml_collections.ConfigDict()  # Advantages, the policy loss and the updates.
   c.algorithm.advantage = "grpo"  # grpo | rloo | reinforce_plus_plus | gae | gigpo
-  c.algorithm.grpo_normalize_by_std = True
+  c.algorithm.grpo_normalize_by_std = True  # GRPO: divide by the group's std (False: Dr. GRPO).
   # population (ours) | unbiased (torch.std, as verl, TRL and AgentGym-RL): the latter's
   # advantages are ours times sqrt((n - 1) / n) for a group of n.
   c.algorithm.grpo_std = "population"
   c.algorithm.grpo_eps = 1e-6  # A = (r - mean) / (std + eps).
   # GiGPO's omega: A = A_episode + omega * A_step, the step level over turns from the same state.
   c.algorithm.gigpo_step_weight = 1.0
-  c.algorithm.gamma = 1.0
-  c.algorithm.lam = 1.0
+  c.algorithm.gamma = 1.0  # Discount (GAE, REINFORCE++).
+  c.algorithm.lam = 1.0  # GAE's lambda.
   # Negative advantages are scaled by this weight (rl.weight_negatives): < 1 bounds the push-down
   # of failed episodes against the pull-up of successful ones; 0 trains on successes only.
   c.algorithm.negative_advantage_weight = 1.0
   c.algorithm.policy_loss = "ppo"  # ppo | gspo | cispo
   c.algorithm.clip_eps_low = 0.2  # PPO's clip range of the token ratio.
-  c.algorithm.clip_eps_high = 0.2
+  c.algorithm.clip_eps_high = 0.2  # Above clip_eps_low: clip-higher (DAPO).
   c.algorithm.dual_clip_c = 0.0  # 0: off; else c > 1 (PPO only).
   # GSPO's clip range of the length-normalised sequence ratio (the paper's values).
   c.algorithm.gspo_clip_eps_low = 3e-4
-  c.algorithm.gspo_clip_eps_high = 4e-4
+  c.algorithm.gspo_clip_eps_high = 4e-4  # GSPO's upper clip.
   # CISPO's clip of the stop-gradient importance weight: [1 - low, 1 + high]; low = 1 leaves
   # it without a lower bound, as MiniMax-M1.
   c.algorithm.cispo_clip_eps_low = 1.0
-  c.algorithm.cispo_clip_eps_high = 5.0
+  c.algorithm.cispo_clip_eps_high = 5.0  # CISPO's upper clip.
   # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
   c.algorithm.aggregation = "token-mean"
   # seq-mean-token-sum-norm's constant divisor (Dr. GRPO); 0: rollout.max_new_tokens times the
@@ -140,18 +144,18 @@ def base_config() -> ml_collections.ConfigDict:
   c.algorithm.loss_scale_tokens = 0
   # Sampler-learner mismatch: none | token_tis | sequence_mask | geometric_mask (rl/correction.py)
   c.algorithm.rollout_correction = "none"
-  c.algorithm.rollout_correction_cap = 2.0
+  c.algorithm.rollout_correction_cap = 2.0  # The correction's cap on the ratio.
   c.algorithm.kl_coef = 1e-3  # KL to the reference as a loss.
   c.algorithm.kl_estimator = "low_var_kl"  # k1 | k2 | k3 | low_var_kl | kl | mse | abs
   c.algorithm.kl_in_reward_coef = 0.0  # KL to the reference as a reward penalty.
   # The penalty's per-token estimate: k1, an estimate of the KL's gradient direction as a
   # reward (REINFORCE++ eq. 9, verl); k3 estimates the KL's value, the loss term's job.
   c.algorithm.kl_in_reward_estimator = "k1"
-  c.algorithm.entropy_coef = 1e-3
-  c.algorithm.value_coef = 0.5
-  c.algorithm.value_clip_eps = 0.2
-  c.algorithm.ppo_epochs = 1
-  c.algorithm.num_minibatches = 4
+  c.algorithm.entropy_coef = 1e-3  # Entropy bonus.
+  c.algorithm.value_coef = 0.5  # Value loss weight (gae).
+  c.algorithm.value_clip_eps = 0.2  # Value clip range (gae).
+  c.algorithm.ppo_epochs = 1  # Passes over a step's batch.
+  c.algorithm.num_minibatches = 4  # Optimizer steps per epoch.
   # A step without learning signal (every trained token's advantage exactly 0, and no KL,
   # entropy or value term in the loss) skips its optimizer updates, and its experience pass too
   # when the rewards already show it (trainer.py). Its gradient is 0, yet updating on it still
@@ -165,27 +169,29 @@ def base_config() -> ml_collections.ConfigDict:
   # and then every continuation (agentgym_jax/batch.py); minibatches and micro-batches then
   # hold whole tasks. Log-probs, losses and gradients are those of the unshared rows, but
   # minibatches of whole tasks instead of random rows change the updates' course: off until
-  # that is shown not to slow learning (the README says what was measured).
+  # that is shown not to slow learning (docs/training.md, "Memory and compute", says what was
+  # measured).
   c.algorithm.shared_prompts = False
-  c.algorithm.logprob_chunk = 512
+  c.algorithm.logprob_chunk = 512  # Tokens per block of the chunked log-probs.
 
-  c.optim = ml_collections.ConfigDict()
-  c.optim.learning_rate = 1e-6
+  c.optim = ml_collections.ConfigDict()  # AdamW and its schedule.
+  c.optim.learning_rate = 1e-6  # Peak learning rate.
   c.optim.schedule = "constant"  # constant | cosine
-  c.optim.warmup_steps = 0
-  c.optim.weight_decay = 0.01
-  c.optim.b1 = 0.9
-  c.optim.b2 = 0.999
+  c.optim.warmup_steps = 0  # Optimizer steps of linear warmup from 0.
+  c.optim.weight_decay = 0.01  # AdamW's decoupled decay.
+  c.optim.b1 = 0.9  # Adam's first-moment decay.
+  c.optim.b2 = 0.999  # Adam's second-moment decay.
   c.optim.eps = 1e-8  # Adam's denominator floor: update = lr m / (sqrt(v) + eps)
-  c.optim.grad_clip = 1.0
-  c.optim.max_consecutive_nonfinite = 5
+  c.optim.grad_clip = 1.0  # The global gradient norm's clip (> 0).
+  c.optim.max_consecutive_nonfinite = 5  # Skipped non-finite updates in a row that stop the run.
   # RL: between updates the optimizer state waits in the host memory of its devices (pinned),
   # which leaves their memory to the rollout's sampler copy and KV cache (docs/scaling.md).
   c.optim.offload_state = False
 
+  # Orbax checkpoints in workdir/checkpoints and the final export.
   c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.every = 10
-  c.checkpoint.keep = 3
+  c.checkpoint.every = 10  # Steps between checkpoints; 0: only the last.
+  c.checkpoint.keep = 3  # Newest checkpoints kept.
   c.checkpoint.export_hf = True  # Write the final policy as a Hugging Face directory.
   # f32 by default: a bf16 copy of a small model can degenerate under greedy decoding
   # (SmolLM2-135M repeats itself in transformers where the same weights in f32 answer).
@@ -194,19 +200,19 @@ def base_config() -> ml_collections.ConfigDict:
   # adapters as a PEFT adapter directory (adapter_config.json, adapter_model.safetensors).
   c.checkpoint.export_format = "merged"
 
-  c.log = ml_collections.ConfigDict()
-  c.log.tensorboard = True
-  c.log.trajectories = True
-  c.log.progress_bar = True
+  c.log = ml_collections.ConfigDict()  # What a run writes beside its metrics.jsonl.
+  c.log.tensorboard = True  # TensorBoard events in workdir/tensorboard.
+  c.log.trajectories = True  # Every episode in workdir/trajectories.
+  c.log.progress_bar = True  # A progress bar on a terminal.
   # Weights & Biases (the `wandb` extra): config and metrics, the viewer page at the end.
   c.log.wandb = False
-  c.log.wandb_project = "agentgym-jax"
+  c.log.wandb_project = "agentgym-jax"  # The wandb project.
   c.log.wandb_run_name = ""  # "" names the run after its workdir.
 
-  c.eval = ml_collections.ConfigDict()
+  c.eval = ml_collections.ConfigDict()  # Held-out evaluations: during training and of each stage.
   c.eval.every = 0  # Steps between evaluations on eval.split; 0: off.
-  c.eval.split = "test"
-  c.eval.samples_per_task = 1
+  c.eval.split = "test"  # train | test
+  c.eval.samples_per_task = 1  # k of avg@k and pass@k.
   c.eval.max_tasks = 0  # 0: the whole split.
   c.eval.temperature = 0.0  # 0: greedy.
   # Evaluate each stage of the recipe (pipeline.py): the initial policy, the warm-started one
@@ -222,19 +228,19 @@ def base_config() -> ml_collections.ConfigDict:
   # Offline paradigms (mode sft or dpo): conversations instead of rollouts.
   c.data = ml_collections.ConfigDict()
   c.data.path = ""  # JSONL of conversations (launch/make_demos.py) or a run's workdir.
-  c.data.batch_size = 8
-  c.data.max_length = 4096
+  c.data.batch_size = 8  # Conversations (SFT) or pairs (DPO) per step.
+  c.data.max_length = 4096  # Tokens per conversation at most.
   c.data.min_reward = 1.0  # Rollouts kept as SFT data / DPO needs a reward gap.
-  c.dpo = ml_collections.ConfigDict()
-  c.dpo.beta = 0.1
+  c.dpo = ml_collections.ConfigDict()  # Direct preference optimisation (mode dpo).
+  c.dpo.beta = 0.1  # DPO's inverse temperature.
 
   # An RL run's SFT warm start on verified expert demonstrations (agentgym_jax/pipeline.py).
   c.warm_start = ml_collections.ConfigDict()
   c.warm_start.steps = 0  # SFT steps before RL; 0: off (the paper's recipe).
   c.warm_start.demonstrations = ""  # A JSONL of conversations; "": made with the env's expert.
   c.warm_start.max_tasks = 0  # Train tasks the expert demonstrates; 0: all.
-  c.warm_start.learning_rate = 1e-4
-  c.warm_start.batch_size = 4
+  c.warm_start.learning_rate = 1e-4  # The SFT's learning rate.
+  c.warm_start.batch_size = 4  # Demonstrations per SFT step.
   c.lock()
   c.env.options.unlock()  # Adapter keyword arguments differ per environment.
   return c

@@ -11,7 +11,7 @@ config's name (the repository's configs/) or a config file, its variants after a
 newest complete one.
 
 On several processes (hosts) every process runs the same command with its own --process_id;
-process 0 serves as the coordinator and writes the workdir's files (README: Multi-host):
+process 0 serves as the coordinator and writes the workdir's files (docs/multihost.md):
 
   agentgym-train --config=... --coordinator=host0:1234 --num_processes=2 --process_id=0
   agentgym-train --config=... --coordinator=host0:1234 --num_processes=2 --process_id=1
