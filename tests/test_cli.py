@@ -117,6 +117,9 @@ MISTAKES = {
         ("serve_env.py", ["--env=textcraft", "--option=bogus=1"],
          "error: --option=bogus: environment 'textcraft' takes no option 'bogus'; its options: "
          "max_depth, action_format, goals"),
+    "option value the adapter refuses, serve_env":
+        ("serve_env.py", ["--env=textcraft", "--option=max_depth=abc", "--port=0"],
+         "cannot be built: ValueError: max_depth must be an int >= 1 or None, got 'abc'"),
     # view.py and plot.py.
     "missing run, view":
         ("view.py", ["--workdir={tmp}/nope"], "error: --workdir={tmp}/nope: no such directory"),

@@ -5,7 +5,8 @@
   agentgym-serve-env --env=textcraft --option=goals=agentgym    # the original's 544 goals
 
 (From a checkout, `python launch/serve_env.py` with the same flags.) --option keys are checked
-against the adapter's constructor at start-up. Clients: `environments.make("http",
+against the adapter's constructor, and one adapter is built and closed, at start-up: an option
+the adapter refuses, or a missing extra, is one error line before the server listens. Clients: `environments.make("http",
 base_url="http://127.0.0.1:36001", env="textcraft")` (in a config, env.name=http and
 env.options.base_url, env.options.env; docs/env_servers.md), or the original AgentGym clients.
 Stop with Ctrl-C or SIGTERM; every hosted env is closed on the way out.
@@ -60,7 +61,14 @@ def _serve(argv: list[str]) -> None:
     raise app.UsageError(f"--env={_ENV.value} is not a registered environment; registered: "
                          f"{', '.join(environments.registered())}")
   options = parse_options(_OPTIONS.value)
-  problem = config_lib.env_options_problem(_ENV.value, options, "--option=")
+  try:
+    problem = config_lib.env_options_problem(_ENV.value, options, "--option=")
+    if not problem:
+      environments.make(_ENV.value, **options).close()
+  except Exception as error:  # pylint: disable=broad-except
+    reason = str(error).splitlines()[0] if str(error) else ""
+    problem = (f"--env={_ENV.value} with options {options} cannot be built: "
+               f"{type(error).__name__}: {reason}")
   if problem:
     raise app.UsageError(problem)
   try:
