@@ -39,10 +39,9 @@ from flax import nnx
 from absl import logging
 from jax.experimental import multihost_utils
 
-from agentgym_jax import config as config_lib, evaluation, learner, metrics, paths
+from agentgym_jax import evaluation, learner, metrics, paths
 from agentgym_jax import multihost, rollout, run, sharding, task_sampling
 from agentgym_jax.batch import Batch
-from environments.pool import EnvPool
 
 
 def has_signal(group: Sequence[rollout.Trajectory], failed_episodes: str) -> bool:
