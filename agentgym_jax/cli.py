@@ -254,6 +254,13 @@ def _check_writable(directory: paths.Path, what: str) -> None:
     raise app.UsageError(f"{what}: {existing} is not writable")
 
 
+def check_env_name(name: str) -> None:
+  """--env=`name` is a registered environment (environments.registered())."""
+  if name not in env_base.registered():
+    raise app.UsageError(f"--env={name} is not a registered environment; registered: "
+                         f"{', '.join(env_base.registered())}")
+
+
 def check_run_directory(value: str, what: str) -> None:
   """`value` as an existing directory to read from (a run's workdir)."""
   if not os.path.exists(value):
@@ -262,20 +269,22 @@ def check_run_directory(value: str, what: str) -> None:
     raise app.UsageError(f"{what} is a file, not a directory")
 
 
-def run(main: Callable[[list[str]], None]) -> None:
-  """app.run(main) for the command whose module defines `main`: --help from that module,
-  --print_config answered without running `main`, one-line errors for bad input, library INFO
-  logs hidden."""
+def run(main: Callable[[], None]) -> None:
+  """app.run for the command whose module defines `main` (which reads its flags; a command takes
+  no positional arguments): --help from that module, --print_config answered without running
+  `main`, one-line errors for bad input, library INFO logs hidden."""
   command = sys.modules[main.__module__]
 
   def guarded(argv: list[str]) -> None:
     if not flags.FLAGS["verbosity"].present:
       logging.set_verbosity(logging.WARNING)
     try:
+      if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
       if "print_config" in flags.FLAGS and flags.FLAGS.print_config:
         print(format_config(config_lib.validate(flags.FLAGS.config)))
         return
-      main(argv)
+      main()
     except (config_lib.ConfigError, weights.WeightsNotFoundError, env_base.AdapterImportError,
             app.UsageError) as error:
       sys.exit(f"error: {error}")

@@ -80,6 +80,9 @@ MISTAKES = {
         ("evaluate.py", ["--config=grpo_textcrft:local"],
          "error: --config=grpo_textcrft:local: 'grpo_textcrft' is neither a config file nor a "
          "packaged config; the packaged configs: ablation_echo, "),
+    "positional argument": ("train.py", [LOCAL, "stray"], "error: unexpected arguments: ['stray']"),
+    "positional argument, view": ("view.py", ["--workdir={tmp}/empty_run",
+                                              "stray"], "error: unexpected arguments: ['stray']"),
     "no config": ("train.py", [], "error: --config is required: a packaged config's name, e.g. "
                   "--config=grpo_textcraft:local (the packaged configs: ablation_echo, "),
     # train.py's other flags.

@@ -23,9 +23,7 @@ _TRAJECTORIES = flags.DEFINE_string("trajectories", None,
 _ROWS = flags.DEFINE_integer("rows", 32, "Episodes played at once.")
 
 
-def _evaluate(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def _evaluate() -> None:
   if _ROWS.value < 1:
     raise app.UsageError(f"--rows={_ROWS.value} must be > 0")
   settings = run.Settings.from_config(_CONFIG.value)

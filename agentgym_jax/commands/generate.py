@@ -47,10 +47,8 @@ _STREAM_TOKENS = flags.DEFINE_integer("stream_tokens", 8,
                                       "Tokens sampled between two prints of the reply.")
 
 
-def _check_flags(argv: list[str]) -> None:
+def _check_flags() -> None:
   """The sampling flags, before the model loads."""
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _STREAM_TOKENS.value <= 0:
     raise app.UsageError(f"--stream_tokens={_STREAM_TOKENS.value} must be > 0")
   if _MAX_NEW_TOKENS.value <= 0 or _CACHE_SLOTS.value <= _MAX_NEW_TOKENS.value:
@@ -64,8 +62,8 @@ def _check_flags(argv: list[str]) -> None:
     raise app.UsageError(f"--top_k={_TOP_K.value} must be >= 0 (0: off)")
 
 
-def _generate(argv: list[str]) -> None:
-  _check_flags(argv)
+def _generate() -> None:
+  _check_flags()
   model, tokenizer = agentgym_jax.load_model(_MODEL.value, dtype=getattr(jnp, _DTYPE.value),
                                              param_dtype=getattr(jnp, _PARAM_DTYPE.value))
   try:

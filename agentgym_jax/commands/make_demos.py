@@ -58,12 +58,8 @@ def _tasks(env: environments.Env) -> list[int]:
   return task_ids[:_LIMIT.value] if _LIMIT.value else task_ids
 
 
-def _make_demos(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _ENV.value not in environments.registered():
-    raise app.UsageError(f"--env={_ENV.value} is not a registered environment; registered: "
-                         f"{', '.join(environments.registered())}")
+def _make_demos() -> None:
+  cli.check_env_name(_ENV.value)
   if _FROM_ROLLOUTS.value is None:
     try:
       source, expert = demonstrations.expert_for(_ENV.value)

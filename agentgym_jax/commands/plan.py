@@ -81,9 +81,7 @@ def mesh_shape(text: str, flag: str) -> tuple[int, int, int]:
   return shape
 
 
-def _plan(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def _plan() -> None:
   sampler_meshes = [mesh_shape(text, "sampler_mesh") for text in _SAMPLER_MESH.value or []]
   meshes = ([mesh_shape(text, "mesh") for text in _MESH.value]
             if _MESH.value else [] if sampler_meshes else [(1, 8, 1), (1, 4, 2)])

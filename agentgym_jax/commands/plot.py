@@ -21,9 +21,7 @@ _SMOOTHING = flags.DEFINE_float(
     "smoothing", 0.6, "EMA weight in [0, 1) for noisy curves with >= 10 points (0: raw only).")
 
 
-def _plot(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def _plot() -> None:
   if not 0 <= _SMOOTHING.value < 1:
     raise app.UsageError(f"--smoothing={_SMOOTHING.value} must be in [0, 1)")
   cli.check_run_directory(_WORKDIR.value, f"--workdir={_WORKDIR.value}")

@@ -6,9 +6,10 @@
 
 (From a checkout, `python launch/serve_env.py` with the same flags.) --option keys are checked
 against the adapter's constructor, and one adapter is built and closed, at start-up: an option
-the adapter refuses, or a missing extra, is one error line before the server listens. Clients: `environments.make("http",
-base_url="http://127.0.0.1:36001", env="textcraft")` (in a config, env.name=http and
-env.options.base_url, env.options.env; docs/env_servers.md), or the original AgentGym clients.
+the adapter refuses, or a missing extra, is one error line before the server listens.
+Clients: `environments.make("http", base_url="http://127.0.0.1:36001", env="textcraft")` (in a
+config, env.name=http and env.options.base_url, env.options.env; docs/env_servers.md), or the
+original AgentGym clients.
 Stop with Ctrl-C or SIGTERM; every hosted env is closed on the way out.
 """
 
@@ -54,12 +55,8 @@ def parse_options(options: list[str]) -> dict[str, object]:
   return parsed
 
 
-def _serve(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _ENV.value not in environments.registered():
-    raise app.UsageError(f"--env={_ENV.value} is not a registered environment; registered: "
-                         f"{', '.join(environments.registered())}")
+def _serve() -> None:
+  cli.check_env_name(_ENV.value)
   options = parse_options(_OPTIONS.value)
   try:
     problem = config_lib.env_options_problem(_ENV.value, options, "--option=")

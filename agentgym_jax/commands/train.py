@@ -61,9 +61,7 @@ def _check_processes() -> None:
     raise app.UsageError(f"--process_id={index} must be in [0, --num_processes={count})")
 
 
-def _train(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def _train() -> None:
   config = config_lib.validate(_CONFIG.value)
   workdir = cli.check_workdir(_WORKDIR.value)
   _check_processes()

@@ -23,9 +23,7 @@ _MAX_STEPS = flags.DEFINE_integer(
     "always cover every step.", lower_bound=0)
 
 
-def _view(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def _view() -> None:
   cli.check_run_directory(_WORKDIR.value, f"--workdir={_WORKDIR.value}")
   out = _OUT.value or os.path.join(_WORKDIR.value, "viewer.html")
   cli.check_output_file(out, f"--out={out}")
