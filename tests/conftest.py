@@ -1,11 +1,16 @@
 """Test set-up: 8 virtual CPU devices so sharding is tested on a (data, fsdp, tensor) mesh, and
 each test's stage evaluations cached in its own tmp_path instead of the user's cache.
 
-The suite keeps no persistent compilation cache (JAX_COMPILATION_CACHE_DIR): with one, the
-process crashed with a segmentation fault inside XLA:CPU's executable serialization, both when
-writing and when reading back the update step of test_shared_prompts' micro-batch test (jaxlib
-0.10.2), which ends the whole run."""
+Every XLA:CPU executable a process keeps loaded holds about three memory maps of JIT code, and
+jit's caches keep the executables of module-level functions for the life of the process. The
+whole suite compiles enough of them to exhaust Linux's default limit of 65,530 maps a process
+(vm.max_map_count), at which point the next compilation crashes the run with a segmentation
+fault; so the executables are released after each test file (`jax.clear_caches`). The suite
+also keeps no persistent compilation cache (JAX_COMPILATION_CACHE_DIR): it saves little when
+each file compiles its own programs, and it adds serialized copies of every executable.
+"""
 
+import gc
 import os
 
 import pytest
@@ -13,6 +18,16 @@ import pytest
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_executables():
+  """Frees the XLA executables a test file compiled once it ends (see the module docstring)."""
+  yield
+  import jax  # pylint: disable=import-outside-toplevel
+
+  jax.clear_caches()
+  gc.collect()
 
 
 @pytest.fixture(autouse=True)

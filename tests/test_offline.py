@@ -55,7 +55,7 @@ def offline_config(checkpoint_dir, data_path, mode="sft", steps=40):
   c.env.name = "echo"
   c.data.path = str(data_path)
   # Two conversations of at most 32 tokens per step: every SFT test below runs the same
-  # program, compiled once (tests/conftest.py keeps a persistent compilation cache).
+  # program, compiled once by this file's first test.
   c.data.batch_size = 2
   c.data.max_length = 32
   c.algorithm.logprob_chunk = 16
@@ -75,6 +75,7 @@ def _trained_params(c, workdir):
   return restored["params"]
 
 
+@pytest.mark.slow
 def test_sft_learns_the_demonstrations_and_greedy_decoding_reproduces_them(
     checkpoint_dir, tiny_model, tmp_path, single_device):
   c = offline_config(checkpoint_dir, jsonl_file(tmp_path / "demos.jsonl", DEMOS), steps=40)
@@ -194,6 +195,7 @@ def test_dpo_prefers_the_chosen_replies(checkpoint_dir, tmp_path, single_device)
   assert np.mean([h["loss"] for h in history[-3:]]) < 0.5, history
 
 
+@pytest.mark.slow
 def test_resumed_sft_equals_an_uninterrupted_run(checkpoint_dir, tmp_path, single_device):
   data = jsonl_file(tmp_path / "demos.jsonl", DEMOS)
   c = offline_config(checkpoint_dir, data, steps=4)  # Two batches per epoch: order matters.
