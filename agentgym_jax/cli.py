@@ -35,32 +35,13 @@ from agentgym_jax import paths
 from agentgym_jax.models import weights
 from environments import base as env_base
 
-# The config's top-level keys as --help lists them; agentgym_jax/config.py defines every key
-# (docs/config.md lists them with their defaults).
-CONFIG_GROUPS = {
-    "mode": "rl, sft or dpo: multi-turn RL, or an offline loop on conversations",
-    "seed": "the run's PRNG seed",
-    "steps": "training steps",
-    "model": "the policy: registry name or checkpoint directory, dtypes, remat, attention, "
-             "thinking, LoRA",
-    "mesh": "the device mesh's data, fsdp and tensor axes",
-    "env": "the environment: name, options (its adapter's keyword arguments), backend, step "
-           "timeout, action format",
-    "rollout": "tasks and samples per step, tokens per turn and trajectory, sampling, "
-               "curriculum, dynamic and task sampling",
-    "horizon": "the turn cap's schedule (ScalingInter-RL): fixed, stepwise or linear",
-    "algorithm": "advantage estimator, policy loss and clipping, KL, entropy and value terms, "
-                 "minibatches",
-    "optim": "AdamW: learning rate and schedule, weight decay, gradient clipping",
-    "checkpoint": "how often checkpoints are saved, how many are kept, the exported policy",
-    "log": "TensorBoard, trajectory logs, the progress bar, Weights & Biases",
-    "eval": "evaluation: split, tasks, samples, temperature, turn cap, stage evaluations and "
-            "their cache",
-    "data": "mode sft or dpo: the conversations, batch size and length",
-    "dpo": "mode dpo: beta",
-    "warm_start": "an RL run's SFT warm start on expert demonstrations",
-}
 _HELP_FLAGS = ("--help", "-help", "--helpshort", "-helpshort", "--helpfull", "-helpfull", "-?")
+
+
+def config_groups() -> dict[str, str]:
+  """The config's top-level keys and groups, as --help lists them: each with its comment in
+  `base_config` (docs/config.md lists every key)."""
+  return {key: text for key, text in config_lib.key_comments() if "." not in key}
 
 
 def config_names() -> list[str]:
@@ -142,13 +123,14 @@ def _help(command: types.ModuleType, full: bool) -> str:
   parts = [(command.__doc__ or "").strip(), "",
            flags.FLAGS.get_help() if full else flags.FLAGS.module_help(module)]
   if has_config:
-    width = max(map(len, CONFIG_GROUPS))
+    groups = config_groups()
+    width = max(map(len, groups))
     parts += [
         "", "The config's groups (--print_config lists every key and its value; "
         "--config.GROUP.KEY=VALUE sets one;", "env.options.KEY takes any keyword argument of "
         "the environment's adapter):"
     ]
-    parts += [f"  {group:<{width}}  {text}" for group, text in CONFIG_GROUPS.items()]
+    parts += [f"  {group:<{width}}  {text}" for group, text in groups.items()]
   if not full:
     parts += ["", "--helpfull lists every flag, absl's included."]
   return "\n".join(parts)

@@ -7,9 +7,12 @@ start-up instead of silently doing nothing. `validate` checks every value with o
 
 from __future__ import annotations
 
+import ast
 import inspect
 import os
-from typing import Any, Callable, Mapping, Sequence
+import re
+import tokenize
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import ml_collections
 
@@ -248,6 +251,33 @@ def base_config() -> ml_collections.ConfigDict:
 
 class ConfigError(ValueError):
   """A config value that cannot run, reported as one line naming the key."""
+
+
+def key_comments() -> Iterator[tuple[str, str]]:
+  """(key, its comments as one line) of every assignment in `base_config`, in source order: the
+  comment lines just above the assignment and the one at its end. They are the keys'
+  documentation, read by --help (a group's comment) and docs/config_reference.py (all)."""
+  source = inspect.getsource(base_config)
+  lines = source.splitlines(keepends=True)
+  comments = {
+      token.start[0]: token.string.lstrip("#").strip()
+      for token in tokenize.generate_tokens(iter(lines).__next__) if token.type == tokenize.COMMENT
+  }
+  for node in ast.parse(source).body[0].body:
+    if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+      continue
+    parts, target = [], node.targets[0]
+    while isinstance(target, ast.Attribute):  # c.a.b -> "a.b"
+      parts.insert(0, target.attr)
+      target = target.value
+    if not (parts and isinstance(target, ast.Name)):
+      continue
+    above, line = [], node.lineno - 1
+    while line >= 1 and lines[line - 1].strip().startswith("#"):
+      above.insert(0, comments[line])
+      line -= 1
+    trailing = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+    yield ".".join(parts), re.sub(r"\s+", " ", " ".join(above + trailing))
 
 
 def _check(condition: bool, message: str) -> None:

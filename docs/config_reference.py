@@ -1,6 +1,6 @@
 r"""Writes docs/config.md, the reference of every config key, from `base_config`'s own source:
-each key's default (the value `base_config()` returns) and its comments (the comment lines just
-above its assignment and the one at its end). tests/test_config_reference.py fails when the
+each key's default (the value `base_config()` returns) and its comments
+(`config.key_comments`). tests/test_config_reference.py fails when the
 page is stale; after changing a default or a comment in agentgym_jax/config.py, run
 
   python docs/config_reference.py
@@ -8,13 +8,9 @@ page is stale; after changing a default or a comment in agentgym_jax/config.py, 
 
 from __future__ import annotations
 
-import ast
-import inspect
 import pathlib
-import re
 import sys
-import tokenize
-from typing import Any, Iterator
+from typing import Any
 
 from agentgym_jax import config
 
@@ -29,43 +25,6 @@ when this page is stale).
 """
 
 
-def _comments(source: str) -> dict[int, str]:
-  """Line number (1-based, within `source`) -> the text of the comment on that line."""
-  lines = iter(source.splitlines(keepends=True))
-  return {
-      token.start[0]: token.string.lstrip("#").strip()
-      for token in tokenize.generate_tokens(lambda: next(lines, ""))
-      if token.type == tokenize.COMMENT
-  }
-
-
-def _key(target: ast.expr) -> str | None:
-  """`c.a.b` -> "a.b"; None for any other assignment target."""
-  parts = []
-  while isinstance(target, ast.Attribute):
-    parts.append(target.attr)
-    target = target.value
-  return ".".join(reversed(parts)) if isinstance(target, ast.Name) and parts else None
-
-
-def documented_keys() -> Iterator[tuple[str, str]]:
-  """(key, its comments as one line) of every assignment in base_config, in source order."""
-  source = inspect.getsource(config.base_config)
-  comments = _comments(source)
-  lines = source.splitlines()
-  for node in ast.parse(source).body[0].body:
-    if isinstance(node, ast.Assign) and len(node.targets) == 1:
-      key = _key(node.targets[0])
-      if key is None:
-        continue
-      above, line = [], node.lineno - 1
-      while line >= 1 and lines[line - 1].strip().startswith("#"):
-        above.insert(0, comments[line])
-        line -= 1
-      trailing = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
-      yield key, " ".join(above + trailing)
-
-
 def _value(value: Any) -> str:
   if isinstance(value, tuple):
     value = list(value)
@@ -77,12 +36,12 @@ def render() -> str:
   defaults = config.base_config()
   groups: dict[str, list[str]] = {}
   intro: dict[str, str] = {}
-  for key, text in documented_keys():
+  for key, text in config.key_comments():
     group, _, name = key.rpartition(".")
     value = defaults
     for part in key.split("."):
       value = value[part]
-    text = re.sub(r"\s+", " ", text).replace("|", "\\|")
+    text = text.replace("|", "\\|")
     if hasattr(value, "keys"):  # A group (or env.options): its comment introduces it.
       intro[key] = text
       groups.setdefault(key, [])

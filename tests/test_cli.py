@@ -274,17 +274,20 @@ def test_help_exits_0_with_the_flags_and_the_config_groups(command):
   assert f"agentgym_jax.commands.{name}:" in result.stdout  # Its flags, listed by absl.
   groups = [
       line.split()[0] for line in result.stdout.splitlines()
-      if line.startswith("  ") and line.split()[0] in cli.CONFIG_GROUPS
+      if line.startswith("  ") and line.split()[0] in cli.config_groups()
   ]
   if command in ("train.py", "evaluate.py"):
     assert "--config:" in result.stdout and "--[no]print_config:" in result.stdout
-    assert groups == list(cli.CONFIG_GROUPS)
+    assert groups == list(cli.config_groups())
   else:
     assert not groups and "--config:" not in result.stdout
 
 
 def test_the_help_describes_every_group_of_the_config():
-  assert set(cli.CONFIG_GROUPS) == set(config_lib.base_config())
+  groups = cli.config_groups()
+  assert set(groups) == set(config_lib.base_config())
+  assert all(groups.values())
+  assert groups["horizon"] == "ScalingInter-RL: the turn cap as a function of the step."
 
 
 def test_env_options_are_checked_against_the_adapters_constructor(monkeypatch):
