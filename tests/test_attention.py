@@ -182,6 +182,7 @@ def test_flash_keeps_no_length_squared_array_forward_or_backward(implementation)
     assert (2, 2, 2, length, length) in in_jaxpr and (2, 2, 2, length, length) in in_hlo
 
 
+@pytest.mark.slow
 def test_flash_gradient_scratch_grows_linearly_with_the_row():
   """What the compiled program keeps live at once, not only which shapes it names: one block
   diagonal's tiles at a time, never all of them (XLA:CPU drops optimization barriers, so the
@@ -233,6 +234,7 @@ def _logits_and_grads(model: Decoder, tokens, attention_mask):
   return logits, grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_model_logits_and_loss_gradient_equal_the_dense_models(remat, monkeypatch):
   monkeypatch.setattr(attention, "FLASH_BLOCK", 64)  # Three blocks over the 149 inputs.

@@ -6,11 +6,14 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import tiny
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_a_commit_and_this_tree_run_the_same_recipe_side_by_side(tmp_path):
   checkpoint = tiny.make_checkpoint(tmp_path / "tiny")
   worktrees_before = _worktrees()

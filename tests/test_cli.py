@@ -159,6 +159,7 @@ MISTAKES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_a_mistake_is_one_line(mistake, tmp_path):
   script, flags, message = MISTAKES[mistake]
@@ -262,6 +263,7 @@ def test_env_options_goals_from_the_command_line_plays_the_544_agentgym_goals(tm
   assert [len(default.task_ids(split)) for split in ("train", "test")] == [451, 100]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [
     "train.py", "evaluate.py", "generate.py", "serve_env.py", "make_demos.py", "view.py", "plot.py",
     PLAN

@@ -27,6 +27,7 @@ def _fun_name(name: str) -> str:
   return name[len("jit("):-1] if name.startswith("jit(") and name.endswith(")") else name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared_prompts", [True, False])
 def test_horizon_stages_compile_only_the_first_continuation_prefill(shared_prompts, checkpoint_dir,
                                                                     tmp_path, monkeypatch):

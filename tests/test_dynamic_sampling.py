@@ -3,6 +3,8 @@ a resumed run that continues exactly as an uninterrupted one."""
 
 import dataclasses
 
+import pytest
+
 from agentgym_jax import config as config_lib
 from agentgym_jax import checkpoint, metrics, rollout, task_sampling, trainer
 from environments.base import ENV_ERROR
@@ -121,6 +123,7 @@ def test_dynamic_sampling_keys_are_validated_at_start_up():
   check_config(c, r"rollout.dynamic_sampling keeps the groups whose rewards differ")
 
 
+@pytest.mark.slow
 def test_a_resumed_dynamic_sampling_run_matches_an_uninterrupted_one(checkpoint_dir, tmp_path,
                                                                      single_device):
   # The tiny random policy on 2-turn echo: most groups of 8 fail every episode (no signal), so

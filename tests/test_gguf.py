@@ -25,6 +25,7 @@ def transformers_smollm2():
   return model.config, state_dict
 
 
+@pytest.mark.slow
 def test_tensor_names_and_shapes_match_transformers(smollm2, transformers_smollm2):
   config, ours = smollm2
   _, reference = transformers_smollm2

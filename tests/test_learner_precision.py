@@ -104,6 +104,7 @@ def _assert_on_policy(metrics: dict[str, float]) -> None:
   assert metrics["policy/clip_fraction"] == 0.0
 
 
+@pytest.mark.slow
 def test_a_bf16_gradient_agrees_with_f32_and_a_fresh_minibatchs_ratio_is_exactly_1():
   _assert_bf16_gradient_agrees(num_layers=2, length=128)
 

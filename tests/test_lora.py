@@ -145,6 +145,7 @@ def _rollout_batch(rows: int = 4, length: int = 12) -> Batch:
                                                                                       np.int32))
 
 
+@pytest.mark.slow
 def test_update_trains_only_the_adapters_whose_state_alone_the_optimizer_holds(
     checkpoint_dir, tiny_model):
   c = _lora_config(checkpoint_dir, logprob_chunk=8, kl_coef=1e-2)
@@ -190,6 +191,7 @@ def test_update_trains_only_the_adapters_whose_state_alone_the_optimizer_holds(
   assert min(moved) > 0  # Every A and B moved (B from zero by Adam's first step, about lr).
 
 
+@pytest.mark.slow
 def test_lora_gradients_accumulate_over_micro_batches(checkpoint_dir, tiny_model):
   settings = run.Settings.from_config(_lora_config(checkpoint_dir, logprob_chunk=8, kl_coef=0.0))
   policy = settings.policy(tiny_model, None)
@@ -292,6 +294,7 @@ def test_lora_alone_learns_echo(pretrained_like_dir, tmp_path, single_device):
   assert max(np.mean(success[i:i + 3]) for i in range(len(success) - 2)) >= 0.9, success
 
 
+@pytest.mark.slow
 def test_lora_sft_trains_adapters_and_exports_the_merged_model(pretrained_like_dir, tmp_path,
                                                                single_device):
   demos = rl_helpers.jsonl_file(tmp_path / "demos.jsonl",

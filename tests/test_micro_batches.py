@@ -56,6 +56,7 @@ def _grad_tolerance(grads) -> float:
       ROWS * LENGTH * CONFIG.num_layers * CONFIG.intermediate_size) * scale
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro_batch_rows, changes", [
     (1, dict(aggregation="token-mean")),
     (4, dict(aggregation="token-mean", rollout_correction="token_tis")),

@@ -178,6 +178,7 @@ def test_matmul_copy_gives_the_same_logits_from_new_buffers(family, dtype, tmp_p
   np.testing.assert_array_equal(np.asarray(forward(copy)), np.asarray(forward(params)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "llama"])  # untied LM head; tied embeddings
 @pytest.mark.parametrize("attention", ["flash", "dense"])
 def test_bf16_learner_gradient_runs_every_matmul_on_bf16_inputs(family, attention, tmp_path):
@@ -354,6 +355,7 @@ def test_smollm2_logits_match_transformers(smollm2):
     np.testing.assert_allclose(ours[b, :lengths[b]], reference, atol=atol, rtol=0)
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_continuations_match_transformers(smollm2):
   model, tokenizer, hf_model = smollm2
   rows = [tokenizer.chat.render([{"role": "user", "content": chat}]) for chat in CHATS]

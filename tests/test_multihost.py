@@ -124,6 +124,7 @@ def _assert_same_parameters(workdir: pathlib.Path, reference: pathlib.Path) -> N
                                err_msg=name)
 
 
+@pytest.mark.slow
 def test_two_processes_train_as_one_process(checkpoint_dir, tmp_path):
   flags = [f"--config.steps={STEPS}", f"--config.checkpoint.every={STEPS}"]
   _wait(

@@ -48,6 +48,7 @@ def test_the_rewards_show_no_signal_when_every_trained_group_has_equal_rewards()
       uniform, learner.LossConfig(advantage_estimator="rloo", kl_in_reward_coef=0.1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])
 def test_a_batch_the_rewards_call_without_signal_has_zero_advantages(estimator):
   # Random batches of mostly uniform groups: whenever the host says "no signal", the estimator
@@ -155,6 +156,7 @@ def _unfinished_episodes_config(checkpoint_dir, steps):
 CASES = [("grpo", 0.0, 0, 0), ("gigpo", 0.0, 1, 0), ("grpo", 1e-3, 1, 4)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=["grpo", "gigpo", "grpo_kl"])
 def test_a_step_without_signal_skips_its_update_and_leaves_the_state(case, checkpoint_dir, tmp_path,
                                                                      monkeypatch, single_device):
@@ -181,6 +183,7 @@ def test_a_step_without_signal_skips_its_update_and_leaves_the_state(case, check
   assert {t["advantage"] for t in records if t["num_trained_tokens"]} == {0.0}
 
 
+@pytest.mark.slow
 def test_a_run_resumed_after_skipped_steps_matches_an_uninterrupted_one(
     checkpoint_dir, tmp_path, monkeypatch, single_device):
   # Steps 1-2 cap the 2-turn episodes at 1 turn (no reward, no signal), steps 3-4 at 2 turns,

@@ -34,6 +34,7 @@ def _run_quick(path, monkeypatch):
   return [line for line in table.splitlines() if line.startswith("| ")], printed
 
 
+@pytest.mark.slow
 def test_ablation_notebook_runs_quick_and_shows_plot_and_table(monkeypatch):
   table_rows, printed = _run_quick(NOTEBOOK, monkeypatch)  # The figure: 2 x 2 panels.
   # Header plus one row per variant, each with the caps its schedule used.
@@ -42,6 +43,7 @@ def test_ablation_notebook_runs_quick_and_shows_plot_and_table(monkeypatch):
   assert "success per step" in printed
 
 
+@pytest.mark.slow
 def test_gigpo_notebook_runs_quick_and_shows_curves_and_table(monkeypatch):
   # The figure: success, turns and GiGPO's step groups, side by side.
   table_rows, printed = _run_quick(GIGPO_NOTEBOOK, monkeypatch)

@@ -36,6 +36,7 @@ def config(checkpoint_dir, tmp_path):
   return c
 
 
+@pytest.mark.slow
 def test_rl_starts_from_the_warm_started_policy_and_a_stopped_warm_start_resumes(
     checkpoint_dir, tmp_path, monkeypatch):
   c = config(checkpoint_dir, tmp_path)
@@ -112,6 +113,7 @@ def test_warm_start_settings_are_checked_at_start_up(key, value, message):
   check_config(c, message)
 
 
+@pytest.mark.slow
 def test_each_stage_is_evaluated_once_and_tabled(checkpoint_dir, tmp_path, monkeypatch, capsys):
   c = config(checkpoint_dir, tmp_path)
   c.checkpoint.export_hf = True

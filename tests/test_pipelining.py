@@ -51,6 +51,7 @@ def assert_same_episodes(expected, played):
     np.testing.assert_allclose(b.sampler_logprobs, a.sampler_logprobs, atol=atol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("groups", [2, 4])
 def test_pipelined_rollout_plays_the_same_episodes_as_one_group(policy, groups, monkeypatch):
   generate, checked = Sampler.generate, []
@@ -97,6 +98,7 @@ def test_groups_step_their_envs_while_another_group_decodes(policy, monkeypatch)
   assert events[4][0] == "decode" and max(events[4][1]) < 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("groups", [1, 2])
 def test_rollouts_in_waves_play_the_same_episodes_as_all_rows_at_once(policy, groups):
   model, tokenizer = policy
@@ -167,6 +169,7 @@ def test_the_configured_sampler_has_a_group_of_rows_and_the_cache_dtype(policy):
   assert default.cache_dtype == jnp.float32 and default.empty().cache.k[0].dtype.itemsize == 4
 
 
+@pytest.mark.slow
 def test_training_with_two_groups_matches_one_group(tmp_path, single_device):
   c = echo_config(str(tiny.make_checkpoint(tmp_path / "tiny")), steps=2)
   c.eval.every = 2
@@ -185,6 +188,7 @@ def test_training_with_two_groups_matches_one_group(tmp_path, single_device):
   assert "eval/success" in two[-1]
 
 
+@pytest.mark.slow
 def test_training_in_waves_matches_all_rows_at_once(tmp_path, single_device):
   c = echo_config(str(tiny.make_checkpoint(tmp_path / "tiny")), steps=2)
   whole = trainer.train(c, tmp_path / "whole")

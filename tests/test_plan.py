@@ -167,6 +167,7 @@ def test_remat_auto_without_a_memory_analysis_is_full():
                            GIB) == ("full", "the compiler gives no memory analysis to choose by")
 
 
+@pytest.mark.slow
 def test_a_training_run_resolves_remat_auto_from_its_compiled_update_step(
     tmp_path, monkeypatch, caplog):
   import logging

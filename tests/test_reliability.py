@@ -67,6 +67,7 @@ def _record(monkeypatch, module, name):
 # 1. Env faults during training.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failed_episodes", ["exclude", "zero_reward"])
 def test_env_errors_and_timeouts_end_only_their_episodes(failed_episodes, checkpoint_dir, tmp_path,
                                                          monkeypatch):
@@ -110,6 +111,7 @@ def test_env_errors_and_timeouts_end_only_their_episodes(failed_episodes, checkp
 # 2. An HTTP env server dying mid-run.
 
 
+@pytest.mark.slow
 def test_training_rides_out_an_http_server_dying(checkpoint_dir, tmp_path, monkeypatch):
   """Step 2: the server dies mid-episode and is back 0.3 s later; step 4: it is down for the
   whole rollout. Both steps' episodes end as env_error and the next step recovers."""
@@ -214,6 +216,7 @@ def test_sciworld_parse_action_is_one_stripped_line_or_none(reply):
 # 4. The context limit.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("room", ["one turn", "no turn"])
 def test_a_full_context_ends_episodes_as_context(room, checkpoint_dir, tmp_path, monkeypatch):
   tiny.one_device(monkeypatch)
@@ -250,6 +253,7 @@ def test_a_full_context_ends_episodes_as_context(room, checkpoint_dir, tmp_path,
 # 5. Non-finite updates.
 
 
+@pytest.mark.slow
 def test_nonfinite_updates_are_skipped_then_stop_the_run(checkpoint_dir, tmp_path, monkeypatch):
   tiny.one_device(monkeypatch)
   # NaN rewards -> NaN advantages -> NaN gradients on every update.

@@ -170,6 +170,7 @@ def _turn_of_each_target(trajectories, length):
   return turns
 
 
+@pytest.mark.slow
 def test_an_identical_sampler_shows_no_mismatch(played):
   graphdef, params, batches = played
   _, batch = batches["same"]

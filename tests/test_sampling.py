@@ -72,6 +72,7 @@ def test_greedy_equals_the_argmax_continuation_of_forward_passes(model, forward)
   assert np.asarray(state.lengths).tolist() == [15, 21, 13, 0]
 
 
+@pytest.mark.slow
 def test_logprobs_equal_the_forward_pass_over_a_multi_turn_episode(model, forward):
   sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH, min_bucket=4, min_window=16)
   sampling = SamplingParams(temperature=0.8, top_k=20)
@@ -283,6 +284,7 @@ def test_compilations_are_bounded_over_multi_turn_episodes(model):
   assert sampler._decode._cache_size() <= 15
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("instruction", [0, 19])
 def test_sharded_sampler_matches_the_unsharded_one(model, instruction, monkeypatch):
   # With a 19-token instruction opening every prompt, 16 of its tokens are a shared prefix.
@@ -510,6 +512,7 @@ def test_a_shared_start_leaves_rows_not_given_a_prompt_untouched(model):
   assert after[1].tolist() == [3, 3, 5, 6]
 
 
+@pytest.mark.slow
 def test_a_matmul_copy_samples_what_the_parameters_sample():
   """A pod host's sampler reads a local copy whose matmul weights are in the matmul dtype
   (multihost.Processes.sampler_copy): with bf16 matmuls it samples the same tokens with the

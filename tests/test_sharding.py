@@ -115,6 +115,7 @@ def _forward_and_grads(model: Decoder, input_ids: jax.Array):
 
 
 # 15 tokens: the residual stream's sequence split over tensor=2 pads the last shard.
+@pytest.mark.slow
 @pytest.mark.parametrize("length", [16, 15])
 def test_sharded_forward_and_backward_equal_unsharded(sharded, unsharded, mesh, length):
   input_ids = np.random.RandomState(0).randint(0, CONFIG.vocab_size, (4, length))

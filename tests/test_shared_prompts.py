@@ -80,6 +80,7 @@ def _packed_segments() -> np.ndarray:
   return np.stack([first, second]).astype(np.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation, block", [("flash", 32), ("flash", 64), ("dense", None),
                                                    ("splash", None)])
 def test_shared_prompt_attention_matches_the_dense_masked_reference(implementation, block):
@@ -236,6 +237,7 @@ def _assert_gradients_close(got, want, unshared: Batch, context: str = "") -> No
                                err_msg=context + jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("changes", [
     dict(aggregation="token-mean", rollout_correction="sequence_mask"),
     dict(aggregation="seq-mean-token-sum-norm", policy_loss="cispo", loss_scale_tokens=30.0),
@@ -329,6 +331,7 @@ def test_minibatches_take_whole_groups_padded_to_the_devices():
   np.testing.assert_array_equal(taken.tokens, shared.tokens[np.array([6, 7, 2, 3])])
 
 
+@pytest.mark.slow
 def test_a_minibatch_of_groups_and_its_micro_batches_give_the_unshared_gradient(policy):
   graphdef, params = policy
   unshared, shared = _batches(_uniform_trajectories())

@@ -126,6 +126,7 @@ def test_task_sampling_keys_are_validated_at_start_up(key, value, message):
   check_config(c, message)
 
 
+@pytest.mark.slow
 def test_a_resumed_learnability_run_draws_the_tasks_of_an_uninterrupted_one(
     checkpoint_dir, tmp_path, single_device):
   # 8 echo tasks, 4 a step in up to 2 rounds of dynamic sampling: tasks come back, and the

@@ -41,6 +41,7 @@ def test_tiny_policy_learns_echo(advantage, checkpoint_dir, tmp_path, single_dev
     assert min(anchored) < 1.0  # ... while early steps, with few survivors, leave some alone.
 
 
+@pytest.mark.slow
 def test_horizon_schedule_caps_turns_per_stage(checkpoint_dir, tmp_path, single_device):
   c = echo_config(checkpoint_dir, steps=4)
   c.env.options.turns = 3
@@ -71,6 +72,7 @@ def test_horizon_schedule_caps_turns_per_stage(checkpoint_dir, tmp_path, single_
         assert np.sign(t["advantage"]) == np.sign(round(t["reward"] - mean, 6))
 
 
+@pytest.mark.slow
 def test_resumed_run_matches_uninterrupted_run(checkpoint_dir, tmp_path, single_device):
   c = echo_config(checkpoint_dir, steps=4)
   c.checkpoint.every = 2
@@ -119,6 +121,7 @@ def test_a_minibatch_that_does_not_split_over_the_mesh_fails_at_start(checkpoint
     trainer.train(c, tmp_path)
 
 
+@pytest.mark.slow
 def test_launch_train_smoke_writes_checkpoint_metrics_trajectories(checkpoint_dir, tmp_path):
   workdir = tmp_path / "run"
   result = launch_train("ablation_echo.py:long", f"--workdir={workdir}",
