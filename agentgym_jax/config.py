@@ -38,7 +38,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.dtype = "bfloat16"
   c.model.param_dtype = "float32"  # Parameters and optimizer state.
   # What the backward pass recomputes: none | dots | full, or auto: the fastest whose update step
-  # fits in the device's memory (tools/plan.py's estimate, compiled at start-up).
+  # fits in the device's memory (agentgym_jax/memory.py's estimate, compiled at start-up).
   c.model.remat = "auto"
   # The learner's attention: auto (splash kernel on TPU, flash elsewhere) | flash | splash | dense.
   c.model.attention = "auto"

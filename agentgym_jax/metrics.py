@@ -160,12 +160,14 @@ class MetricsWriter:
     resume_step: the restored checkpoint step of a resumed run; logged rows after it are
       dropped (see module docstring).
     wandb: also log to Weights & Biases: `wandb.init`'s project, name and config. Each row
-      is logged at its step; closing attaches the run's viewer page (tools/viewer.py) as
-      `viewer` and finishes the wandb run.
+      is logged at its step; closing attaches `wandb_pages` and finishes the wandb run.
+    wandb_pages: HTML pages attached to the wandb run when it closes, by name: each a function
+      of the workdir returning the page (the run's viewer page, from the loop).
   """
 
   def __init__(self, workdir: str | os.PathLike[str], tensorboard: bool = True,
-               resume_step: int | None = None, wandb: Mapping[str, Any] | None = None):
+               resume_step: int | None = None, wandb: Mapping[str, Any] | None = None,
+               wandb_pages: Mapping[str, Callable[[str], str]] | None = None):
     self.workdir = os.fspath(workdir)
     self.path = os.path.join(self.workdir, METRICS_FILE)
     # The last row written, as host values, for health checks and displays.
@@ -173,6 +175,7 @@ class MetricsWriter:
     self._file: TextIO | _ObjectAppender | None = None
     self._tensorboard = None
     self._wandb = None
+    self._wandb_pages = dict(wandb_pages or {})
     self._writes = _is_writer_process()
     if not self._writes:
       return
@@ -240,12 +243,11 @@ class MetricsWriter:
       self._finish_wandb()
 
   def _finish_wandb(self) -> None:
-    """Attaches the run's viewer page and ends the wandb run."""
+    """Attaches the pages and ends the wandb run."""
     import wandb as wandb_lib
-    from agentgym_jax.tools import viewer
-    with tempfile.TemporaryDirectory() as local:
-      page = viewer.write_viewer(self.workdir, os.path.join(local, "viewer.html"))
-      self._wandb.log({"viewer": wandb_lib.Html(page)})
+    if self._wandb_pages:
+      self._wandb.log(
+          {name: wandb_lib.Html(page(self.workdir)) for name, page in self._wandb_pages.items()})
     self._wandb.finish()
     self._wandb = None
 

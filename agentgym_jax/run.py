@@ -21,14 +21,15 @@ import ml_collections
 import optax
 from absl import logging
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from agentgym_jax import checkpoint, config as config_lib, horizon, learner, metrics, rl, rollout
-from agentgym_jax import hardware, multihost, paths, sharding
+from agentgym_jax import hardware, memory, multihost, paths, sharding
 from agentgym_jax.batch import bucket
 from agentgym_jax.models import Decoder, attention, decoder, load_model, lora as lora_lib, weights
 from agentgym_jax.models.tokenizer import ChatTemplate, Tokenizer
 from agentgym_jax.sampling import Sampler
+from agentgym_jax.tools import viewer
 from environments.pool import EnvPool
 
 # --- the settings ------------------------------------------------------------------------
@@ -261,33 +262,32 @@ class Settings:
     return self.data.batch_size * (2 if self.mode == "dpo" else 1), self.data.max_length
 
   def auto_remat(self, model: Decoder, mesh: Mesh) -> tuple[str, str]:
-    """(policy, why) for model.remat=auto: tools/plan.py's `choose_remat` over the backend's
-    policies (`plan.remat_preference`) on the update step of `update_shape`, beside what stays
-    resident through it (the reference policy; an RL step's whole batch and experience). A
-    device's memory is the smallest any process reports, so every process picks the same
-    policy."""
-    from agentgym_jax.tools import plan  # pylint: disable=import-outside-toplevel
-
+    """(policy, why) for model.remat=auto: the memory planner's `choose_remat` over the
+    backend's policies (`memory.remat_preference`) on the update step of `update_shape`, beside
+    what stays resident through it (the reference policy; an RL step's whole batch and
+    experience). A device's memory is the smallest any process reports, so every process picks
+    the same policy."""
     rows, tokens = self.update_shape()
     param_dtype = jnp.dtype(self.config.model.param_dtype)
-    _, params = plan.abstract_params(model.config, mesh, dtype=model.dtype, param_dtype=param_dtype)
+    _, params = memory.abstract_params(model.config, mesh, dtype=model.dtype,
+                                       param_dtype=param_dtype)
     resident = 0
     # The reference (Policy.reference): of the whole model, or of LoRA's adapters, left out
     # here as small beside the step.
     if (self.loss.uses_reference or self.mode == "dpo") and self.lora is None:
-      resident += plan.reference_bytes(params, model.dtype)
+      resident += memory.reference_bytes(params, model.dtype)
     if self.mode == "rl":
-      resident += plan.device_bytes(plan.abstract_minibatch(mesh, self.rows, tokens))
+      resident += memory.device_bytes(memory.abstract_minibatch(mesh, self.rows, tokens))
     device_bytes, source = hardware.device_memory()
     if jax.process_count() > 1:
       device_bytes = min(multihost.all_gather_objects(device_bytes))
       source += ", the smallest of the processes'"
-    peak = lambda remat: plan.plan(model.config, mesh, rows, tokens, dtype=model.dtype,
-                                   param_dtype=param_dtype, remat=remat, attention=model.attention,
-                                   logits_chunk=self.loss.logprob_chunk, micro_batch_rows=self.loss.
-                                   micro_batch_rows, lora=self.lora).peak_bytes
-    remat, why = plan.choose_remat(peak, device_bytes, resident,
-                                   plan.remat_preference(jax.default_backend()))
+    peak = lambda remat: memory.plan(
+        model.config, mesh, rows, tokens, dtype=model.dtype, param_dtype=param_dtype, remat=remat,
+        attention=model.attention, logits_chunk=self.loss.logprob_chunk, micro_batch_rows=self.loss.
+        micro_batch_rows, lora=self.lora).peak_bytes
+    remat, why = memory.choose_remat(peak, device_bytes, resident,
+                                     memory.remat_preference(jax.default_backend()))
     return remat, f"a {rows} x {tokens} update step: {why} ({source})"
 
   def chat(self, tokenizer: Tokenizer) -> ChatTemplate:
@@ -328,7 +328,7 @@ class Settings:
     wandb = (dict(project=log.wandb_project, name=log.wandb_run_name or workdir.name,
                   config=self.config.to_dict()) if log.wandb else None)
     return metrics.MetricsWriter(workdir, tensorboard=log.tensorboard, resume_step=start_step,
-                                 wandb=wandb)
+                                 wandb=wandb, wandb_pages={"viewer": viewer.page})
 
   def progress(self, keys: tuple[str, ...], initial: int,
                shown: bool = True) -> metrics.ProgressBar:
@@ -503,27 +503,6 @@ class RunState:
 
   def tree(self) -> dict[str, Any]:
     return {"params": self.params, "value_params": self.value_params, "opt_state": self.opt_state}
-
-
-def state_shardings(trainable: Any, opt_state: Any, mesh: Mesh) -> tuple[Any, Any]:
-  """(trainable shardings, optimizer-state shardings): each trained array where the model
-  loader put it (the logical-axis rules; arrays not yet on the mesh, such as a new value head,
-  replicated), each optimizer moment like its array, counters replicated.
-
-  The update step returns its state with exactly these shardings; left to itself, jit gives
-  the optimizer's moments no sharding (a replicated copy of every moment on every device) and
-  XLA's propagation may choose others between steps, which moves the state and compiles the
-  update a second time. `opt_state` may be abstract (jax.eval_shape of the optimizer's init).
-  """
-  replicated = NamedSharding(mesh, PartitionSpec())
-  on_mesh = lambda x: (x.sharding if isinstance(x.sharding, NamedSharding) and x.sharding.mesh ==
-                       mesh else replicated)
-  trainable_shardings = jax.tree.map(on_mesh, trainable)
-  structure = jax.tree.structure(trainable)
-  like_trainable = lambda subtree: jax.tree.structure(subtree) == structure
-  opt_shardings = jax.tree.map(lambda x: trainable_shardings if like_trainable(x) else replicated,
-                               opt_state, is_leaf=like_trainable)
-  return trainable_shardings, opt_shardings
 
 
 def place_optimizer_state(opt_state: optax.OptState, shardings: Any, *,

@@ -156,6 +156,27 @@ def state_shardings(state: Any, mesh: Mesh) -> Any:
       is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def train_state_shardings(trainable: Any, opt_state: Any, mesh: Mesh) -> tuple[Any, Any]:
+  """(trainable shardings, optimizer-state shardings): each trained array where the model
+  loader put it (the logical-axis rules; arrays not yet on the mesh, such as a new value head,
+  replicated), each optimizer moment like its array, counters replicated.
+
+  The update step returns its state with exactly these shardings; left to itself, jit gives
+  the optimizer's moments no sharding (a replicated copy of every moment on every device) and
+  XLA's propagation may choose others between steps, which moves the state and compiles the
+  update a second time. `opt_state` may be abstract (jax.eval_shape of the optimizer's init).
+  """
+  replicated = NamedSharding(mesh, PartitionSpec())
+  on_mesh = lambda x: (x.sharding if isinstance(x.sharding, NamedSharding) and x.sharding.mesh ==
+                       mesh else replicated)
+  trainable_shardings = jax.tree.map(on_mesh, trainable)
+  structure = jax.tree.structure(trainable)
+  like_trainable = lambda subtree: jax.tree.structure(subtree) == structure
+  opt_shardings = jax.tree.map(lambda x: trainable_shardings if like_trainable(x) else replicated,
+                               opt_state, is_leaf=like_trainable)
+  return trainable_shardings, opt_shardings
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   """with_sharding_constraint by logical axes under the current mesh; a no-op without one."""
   mesh = jax.sharding.get_abstract_mesh()

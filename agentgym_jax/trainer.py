@@ -208,7 +208,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
     value_graphdef, value_params = nnx.split(learner.ValueHead(model.config.hidden_size))
   # Committed to the mesh, as the update's outputs will be: otherwise the first step's inputs
   # differ from the next steps' and every jitted function compiles twice.
-  trainable_shardings, opt_shardings = run.state_shardings(
+  trainable_shardings, opt_shardings = sharding.train_state_shardings(
       (params, value_params), jax.eval_shape(optimizer.init, (params, value_params)), mesh)
   value_params = jax.device_put(value_params, trainable_shardings[1])
   opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)((params, value_params))

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Regenerates the tables of docs/scaling.md: Qwen2.5-7B-Instruct's update step and sampler
-# compiled on abstract arrays over virtual CPU devices (python -m agentgym_jax.tools.plan).
+# compiled on abstract arrays over virtual CPU devices (python launch/plan.py).
 # Per-device figures depend on the mesh, not on the chip, so the 16-device tables serve both
 # v4-32 and v5e-16, and the 4-device sampler tables both v5p-8 (all 256 rows on its one host)
 # and one 4-chip host of a pod (its 64 rows).
@@ -8,9 +8,9 @@ set -e
 plan() {
   local devices=$1
   shift
-  echo "\$ XLA_FLAGS=--xla_force_host_platform_device_count=$devices python -m agentgym_jax.tools.plan $*"
+  echo "\$ XLA_FLAGS=--xla_force_host_platform_device_count=$devices python launch/plan.py $*"
   XLA_FLAGS=--xla_force_host_platform_device_count=$devices \
-      python -m agentgym_jax.tools.plan "$@" 2>/dev/null
+      python launch/plan.py "$@" 2>/dev/null
   echo
 }
 cd "$(dirname "$0")/.."

@@ -20,15 +20,12 @@ from environments import base as env_base
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LOCAL = f"--config={REPO / 'configs' / 'grpo_textcraft.py'}:local"
-PLAN = ["-m", "agentgym_jax.tools.plan"]
 
 
 def _launch(script, *flags, **kwargs):
-  """launch/<script> (or `python -m ...` for a list) with `flags`, its output captured as
-  text."""
-  command = script if isinstance(script, list) else [str(REPO / "launch" / script)]
-  return subprocess.run([sys.executable, *command, *flags], capture_output=True, text=True,
-                        timeout=300, **kwargs)
+  """launch/<script> with `flags`, its output captured as text."""
+  return subprocess.run([sys.executable, str(REPO / "launch" / script), *flags],
+                        capture_output=True, text=True, timeout=300, **kwargs)
 
 
 def _one_error_line(result) -> str:
@@ -149,13 +146,12 @@ MISTAKES = {
         ("make_demos.py",
          ["--env=textcraft", "--from_rollouts={tmp}/nope",
           "--out={tmp}/demos.jsonl"], "error: --from_rollouts={tmp}/nope: no such directory"),
-    # python -m agentgym_jax.tools.plan (agentgym-plan).
     "unknown model, plan":
-        (PLAN, ["--model=nope"], "error: --model=nope: 'nope' is neither a planned model"),
-    "malformed mesh, plan":
-        (PLAN, ["--mesh=1,8"], "error: --mesh=1,8: wants three positive sizes data,fsdp,tensor"),
+        ("plan.py", ["--model=nope"], "error: --model=nope: 'nope' is neither a planned model"),
+    "malformed mesh, plan": ("plan.py", ["--mesh=1,8"],
+                             "error: --mesh=1,8: wants three positive sizes data,fsdp,tensor"),
     "mesh larger than the devices, plan":
-        (PLAN, ["--devices=8", "--mesh=1,16,1"], "error: mesh (1, 16, 1) needs 16 devices"),
+        ("plan.py", ["--devices=8", "--mesh=1,16,1"], "error: mesh (1, 16, 1) needs 16 devices"),
 }
 
 
@@ -266,12 +262,12 @@ def test_env_options_goals_from_the_command_line_plays_the_544_agentgym_goals(tm
 @pytest.mark.slow
 @pytest.mark.parametrize("command", [
     "train.py", "evaluate.py", "generate.py", "serve_env.py", "make_demos.py", "view.py", "plot.py",
-    PLAN
+    "plan.py"
 ])
 def test_help_exits_0_with_the_flags_and_the_config_groups(command):
   result = _launch(command, "--help")
   assert result.returncode == 0 and not result.stderr, result.stderr[-2000:]
-  name = "plan" if command == PLAN else command.removesuffix(".py")
+  name = command.removesuffix(".py")
   assert result.stdout.startswith("agentgym-")
   assert f"agentgym_jax.commands.{name}:" in result.stdout  # Its flags, listed by absl.
   groups = [
@@ -346,7 +342,7 @@ def test_evaluate_shows_its_progress_and_says_what_k_is(tmp_path):
 
 
 def test_plan_prints_a_table_per_mesh():
-  result = _launch(PLAN, "--model=qwen2.5-7b-instruct", "--mesh=1,8,1", "--mesh=1,4,2",
+  result = _launch("plan.py", "--model=qwen2.5-7b-instruct", "--mesh=1,8,1", "--mesh=1,4,2",
                    "--no_compile")
   assert result.returncode == 0, result.stderr[-2000:]
   lines = result.stdout.splitlines()
@@ -359,7 +355,8 @@ def test_plan_prints_a_table_per_mesh():
 
 
 def test_plan_plans_a_sampler_on_the_requested_devices():
-  result = _launch(PLAN, "--sampler_mesh=1,4,1", "--rows=64", "--cache_slots=10240", "--no_compile")
+  result = _launch("plan.py", "--sampler_mesh=1,4,1", "--rows=64", "--cache_slots=10240",
+                   "--no_compile")
   assert result.returncode == 0, result.stderr[-2000:]
   lines = result.stdout.splitlines()
   assert lines[0] == "qwen2.5-7b-instruct sampler: GiB per device"

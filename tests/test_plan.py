@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from agentgym_jax import sharding
-from agentgym_jax.tools import plan
+from agentgym_jax import memory as plan  # The memory planner.
 from agentgym_jax.models.config import ModelConfig
 
 QWEN_7B = plan.model_config("qwen2.5-7b-instruct")

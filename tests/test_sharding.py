@@ -23,7 +23,7 @@ from agentgym_jax import sharding
 from agentgym_jax.models import weights
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import Decoder
-from agentgym_jax.tools import plan
+from agentgym_jax import memory
 
 import tolerances
 
@@ -146,7 +146,7 @@ def test_sharded_forward_and_backward_equal_unsharded(sharded, unsharded, mesh, 
 def test_full_remat_keeps_each_device_s_slice_of_the_residual_stream(mesh):
   """The [layers, rows, tokens, hidden] stack the backward keeps is split along the tokens over
   tensor (padded: 15 tokens make shards of 8), so each tensor device holds half of it."""
-  graphdef, params = plan.abstract_params(CONFIG, mesh, dtype=jnp.float32, remat="full")
+  graphdef, params = memory.abstract_params(CONFIG, mesh, dtype=jnp.float32, remat="full")
   input_ids = jax.ShapeDtypeStruct((4, 15), jnp.int32, sharding=sharding.batch_sharding(mesh, 2))
   loss = lambda params, input_ids: nnx.merge(graphdef, params)(input_ids).mean()
   with jax.set_mesh(mesh):

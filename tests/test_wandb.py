@@ -5,6 +5,7 @@ directory and needs no network or account."""
 import wandb
 
 from agentgym_jax import metrics
+from agentgym_jax.tools import viewer
 
 
 def test_offline_run_holds_config_metrics_and_viewer(tmp_path, monkeypatch):
@@ -24,7 +25,8 @@ def test_offline_run_holds_config_metrics_and_viewer(tmp_path, monkeypatch):
   monkeypatch.setattr(wandb, "init", recording_init)
   config = {"algorithm": {"advantage": "grpo"}, "seed": 7}
   with metrics.MetricsWriter(tmp_path / "run", tensorboard=False,
-                             wandb=dict(project="tests", name="run", config=config)) as writer:
+                             wandb=dict(project="tests", name="run", config=config),
+                             wandb_pages={"viewer": viewer.page}) as writer:
     for step in range(3):
       writer.write(step, {"reward": step / 4, "loss": float("nan") if step == 1 else 1.0})
   # Rows at their steps (the NaN left out, as in TensorBoard), then the viewer page.

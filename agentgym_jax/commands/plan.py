@@ -1,11 +1,11 @@
 """agentgym-plan: per-device memory of a policy's RL update step and sampler on a mesh, from
-abstract arrays (agentgym_jax/tools/plan.py says what each figure is).
+abstract arrays (agentgym_jax/memory.py says what each figure is).
 
   agentgym-plan --model=qwen2.5-7b-instruct --mesh=1,8,1 --mesh=1,4,2 --batch=8 --seq=4096
   agentgym-plan --mesh=1,8,1 --batch=8 --seq=4096 --lora_rank=64
   agentgym-plan --sampler_mesh=1,4,1 --rows=64 --cache_slots=10240
 
-(From a checkout, `python -m agentgym_jax.tools.plan` with the same flags.) No weights are read:
+(From a checkout, `python launch/plan.py` with the same flags.) No weights are read:
 a 7B plan for an 8-chip mesh runs on a workstation, on virtual CPU devices (--devices, by
 default as many as the largest mesh needs).
 """
@@ -18,15 +18,14 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from agentgym_jax import cli, sharding
+from agentgym_jax import cli, memory, sharding
 from agentgym_jax.models import attention
 from agentgym_jax.models import lora as lora_lib
-from agentgym_jax.tools import plan
 
 _DTYPES = ["bfloat16", "float32", "float16"]
 _MODEL = flags.DEFINE_string(
     "model", "qwen2.5-7b-instruct",
-    f"One of {', '.join(plan.HF_CONFIGS)}, or a checkpoint directory or "
+    f"One of {', '.join(memory.HF_CONFIGS)}, or a checkpoint directory or "
     "config.json.")
 _MESH = flags.DEFINE_multi_string(
     "mesh", None, "data,fsdp,tensor of an update step (repeatable; default 1,8,1 and 1,4,2 "
@@ -90,7 +89,7 @@ def _plan() -> None:
     raise app.UsageError(f"--lora_targets: {', '.join(unknown)} is not one of "
                          f"{', '.join(lora_lib.TARGETS)}")
   try:
-    config = plan.model_config(_MODEL.value)
+    config = memory.model_config(_MODEL.value)
   except FileNotFoundError as error:
     raise app.UsageError(f"--model={_MODEL.value}: {error}") from None
   try:
@@ -118,19 +117,19 @@ def _plan() -> None:
   tables = []
   if meshes:
     tables.append(
-        plan.format_table(_MODEL.value, [
-            plan.plan(config, make_mesh(shape), _BATCH.value, _SEQ.value, remat=_REMAT.value,
-                      attention=_ATTENTION.value, logits_chunk=_LOGITS_CHUNK.value,
-                      micro_batch_rows=_MICRO_BATCH_ROWS.value, lora=lora,
-                      compile=not _NO_COMPILE.value, **dtypes) for shape in meshes
+        memory.format_table(_MODEL.value, [
+            memory.plan(config, make_mesh(shape), _BATCH.value, _SEQ.value, remat=_REMAT.value,
+                        attention=_ATTENTION.value, logits_chunk=_LOGITS_CHUNK.value,
+                        micro_batch_rows=_MICRO_BATCH_ROWS.value, lora=lora,
+                        compile=not _NO_COMPILE.value, **dtypes) for shape in meshes
         ]))
   if sampler_meshes:
     tables.append(
-        plan.format_sampler_table(_MODEL.value, [
-            plan.plan_sampler(config, make_mesh(shape), _ROWS.value, _CACHE_SLOTS.value,
-                              prefill_tokens=_PREFILL.value, max_new_tokens=_MAX_NEW_TOKENS.value,
-                              prefill_window=_PREFILL_WINDOW.value, copy=_SAMPLER_COPY.value,
-                              compile=not _NO_COMPILE.value, **dtypes) for shape in sampler_meshes
+        memory.format_sampler_table(_MODEL.value, [
+            memory.plan_sampler(config, make_mesh(shape), _ROWS.value, _CACHE_SLOTS.value,
+                                prefill_tokens=_PREFILL.value, max_new_tokens=_MAX_NEW_TOKENS.value,
+                                prefill_window=_PREFILL_WINDOW.value, copy=_SAMPLER_COPY.value,
+                                compile=not _NO_COMPILE.value, **dtypes) for shape in sampler_meshes
         ]))
   print("\n\n".join(tables))
 

@@ -1,2 +1,1 @@
-"""Tools around a run, outside the training path: the trajectory viewer, metric plots and the
-memory planner."""
+"""Tools around a run: the trajectory viewer and metric plots."""

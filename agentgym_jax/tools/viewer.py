@@ -193,12 +193,17 @@ def _asset(name: str) -> str:
   return importlib.resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
 
 
+def page(workdir: str | os.PathLike[str], max_steps: int = 0) -> str:
+  """The page for the run in `workdir` (load_run's `max_steps`)."""
+  return render_html(load_run(workdir, max_steps=max_steps))
+
+
 def write_viewer(workdir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None,
                  max_steps: int = 0) -> str:
   """Writes the page for the run in `workdir` to `out` (default workdir/viewer.html)."""
   out = os.fspath(out) if out else os.path.join(os.fspath(workdir), "viewer.html")
-  page = render_html(load_run(workdir, max_steps=max_steps))
+  page_text = page(workdir, max_steps=max_steps)
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   with open(out, "w", encoding="utf-8") as f:
-    f.write(page)
+    f.write(page_text)
   return out

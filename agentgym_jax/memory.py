@@ -4,7 +4,7 @@ No weights are read and no device memory is allocated: parameters, optimizer sta
 are `jax.ShapeDtypeStruct`s carrying their `NamedSharding`s, so a 7B plan for an 8-chip mesh runs
 on a workstation (the mesh is made of virtual CPU devices).
 
-    python -m agentgym_jax.tools.plan --model=qwen2.5-7b-instruct --mesh=1,8,1 --mesh=1,4,2 \
+    agentgym-plan --model=qwen2.5-7b-instruct --mesh=1,8,1 --mesh=1,4,2 \
         --batch=8 --seq=4096
 
 Per device, for one update step: the learner's own `update_step` (GRPO's clipped policy loss on
@@ -25,7 +25,7 @@ With LoRA (`--lora_rank=r`, `--lora_targets`) the step trains adapters over the 
 parameters (agentgym_jax/models/lora.py): params are then the frozen base, adapters the
 trained A and B, and optimizer AdamW's moments of the adapters only.
 
-    python -m agentgym_jax.tools.plan --mesh=1,8,1 --batch=8 --seq=4096 --lora_rank=64
+    agentgym-plan --mesh=1,8,1 --batch=8 --seq=4096 --lora_rank=64
 
 params, adapters and optimizer are exact: they follow from the shardings alone. temp is the XLA:CPU
 compiler's schedule of the same SPMD program; a TPU's differs (other fusions and layouts, and
@@ -39,7 +39,7 @@ prefill (appending `--prefill` tokens to every row, attending to `--prefill_wind
 by default all) and decode (`--max_new_tokens` per row, reading the slots the rows hold) on a
 [rows, cache_slots] KV cache:
 
-  python -m agentgym_jax.tools.plan --sampler_mesh=1,4,1 --rows=64 --cache_slots=10240
+  agentgym-plan --sampler_mesh=1,4,1 --rows=64 --cache_slots=10240
 
   cache       the KV cache's shard, exact: layers x rows x kv heads x slots x head_dim x 2 (keys
               and values) in the model's matmul dtype
@@ -63,7 +63,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from agentgym_jax import learner, run, sampling, sharding
+from agentgym_jax import learner, sampling, sharding
 from agentgym_jax.batch import Batch
 from agentgym_jax.models import decoder, lora as lora_lib, weights
 from agentgym_jax.models.config import ModelConfig
@@ -190,9 +190,9 @@ def _place(state: nnx.State, mesh: Mesh) -> nnx.State:
 def abstract_optimizer_state(optimizer: optax.GradientTransformation, trainable: Any,
                              mesh: Mesh) -> Any:
   """The optimizer state as ShapeDtypeStructs, laid out as the loops lay it out
-  (run.state_shardings: moments like their arrays, counters replicated)."""
+  (sharding.train_state_shardings: moments like their arrays, counters replicated)."""
   state = jax.eval_shape(optimizer.init, trainable)
-  _, shardings = run.state_shardings(trainable, state, mesh)
+  _, shardings = sharding.train_state_shardings(trainable, state, mesh)
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
                       shardings)
 
@@ -473,9 +473,3 @@ def format_sampler_table(model: str, plans: Sequence[SamplerPlan]) -> str:
                  f"{gib(p.cache_bytes):>8} {gib(p.prefill_bytes):>8} {gib(p.decode_bytes):>8} "
                  f"{gib(p.peak_bytes):>8} {compile_seconds:>9}")
   return "\n".join(lines)
-
-
-if __name__ == "__main__":
-  from agentgym_jax.commands.plan import main  # pylint: disable=import-outside-toplevel
-
-  main()
