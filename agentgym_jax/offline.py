@@ -229,7 +229,7 @@ def make_update(settings: run.Settings, graphdef: nnx.GraphDef, params: nnx.Stat
 
   update(params, opt_state, batch, frozen, dropout_key) for SFT, update(params, opt_state,
   pairs, ref_logprobs, frozen, dropout_key) for DPO (frozen: LoRA's base or None), returns
-  (params, opt_state, metrics) with the state on `state_shardings` and its input buffers
+  (params, opt_state, metrics) with the state on `train_state_shardings` and its input buffers
   donated; it compiles once per padded batch length.
   """
   optimizer = settings.optimizer

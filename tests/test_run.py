@@ -6,7 +6,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import config as config_lib
-from agentgym_jax import learner, run
+from agentgym_jax import learner, run, sharding
 
 
 def test_optimizer_moments_shard_like_their_arrays_and_counters_replicate():
@@ -16,7 +16,7 @@ def test_optimizer_moments_shard_like_their_arrays_and_counters_replicate():
   value_head = {"b": jnp.zeros(())}  # Not on the mesh yet: replicated over it.
   trainable = (params, value_head)
   optimizer = learner.make_optimizer(1e-3)
-  trainable_shardings, opt_shardings = run.state_shardings(
+  trainable_shardings, opt_shardings = sharding.train_state_shardings(
       trainable, jax.eval_shape(optimizer.init, trainable), mesh)
   assert trainable_shardings[0]["w"].spec == P("fsdp", None)
   assert trainable_shardings[1]["b"].spec == P()
