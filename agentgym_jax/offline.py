@@ -233,8 +233,8 @@ def make_update(settings: run.Settings, graphdef: nnx.GraphDef, params: nnx.Stat
   donated; it compiles once per padded batch length.
   """
   optimizer = settings.optimizer
-  param_shardings, opt_shardings = sharding.train_state_shardings(params,
-                                                       jax.eval_shape(optimizer.init, params), mesh)
+  param_shardings, opt_shardings = sharding.train_state_shardings(
+      params, jax.eval_shape(optimizer.init, params), mesh)
   if settings.mode == "sft":
     step = functools.partial(sft_step, graphdef, optimizer=optimizer, loss=settings.loss)
   else:

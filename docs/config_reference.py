@@ -1,7 +1,7 @@
 r"""Writes docs/config.md, the reference of every config key, from `base_config`'s own source:
-each key's default (the value `base_config()` returns) and its comments
-(`config.key_comments`). tests/test_config_reference.py fails when the
-page is stale; after changing a default or a comment in agentgym_jax/config.py, run
+each key's default (the value `base_config()` returns) and its comments (`config.key_comments`).
+tests/test_config_reference.py fails when the page is stale; after changing a default or a
+comment in agentgym_jax/config.py, run
 
   python docs/config_reference.py
 """

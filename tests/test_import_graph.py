@@ -27,8 +27,8 @@ def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
       found |= {alias.name for alias in node.names}
     elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
       found |= {
-          f"{node.module}.{alias.name}"
-          if f"{node.module}.{alias.name}" in modules else node.module for alias in node.names
+          f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+          for alias in node.names
       }
   return {name for name in found if name in modules}
 

@@ -27,8 +27,9 @@ def _order(success, seed=0, task_ids=range(30)):
 
 def test_a_tasks_weight_is_the_variance_of_its_success_plus_the_floor():
   # p (1 - p) + 0.01: 0.01, 0.25 x 0.75 + 0.01 = 0.1975, 0.26, 0.01.
-  np.testing.assert_allclose(task_sampling.learnability_weights(np.array([0.0, 0.25, 0.5, 1.0]), 0.01),
-                             [0.01, 0.1975, 0.26, 0.01])
+  np.testing.assert_allclose(
+      task_sampling.learnability_weights(np.array([0.0, 0.25, 0.5, 1.0]), 0.01),
+      [0.01, 0.1975, 0.26, 0.01])
 
 
 def test_a_weighted_order_draws_without_replacement_in_proportion_to_the_weights():
@@ -95,7 +96,8 @@ def test_success_estimates_are_moving_averages_over_visits():
   assert estimates.success == {3: 0.6875}
   # A checkpoint's JSON meta keeps them exactly (1/3 has no short decimal form).
   estimates.observe([_episode(7, True)] + [_episode(7, False)] * 2)
-  restored = task_sampling.SuccessEstimates.from_meta(0.5, json.loads(json.dumps(estimates.to_meta())))
+  restored = task_sampling.SuccessEstimates.from_meta(0.5,
+                                                      json.loads(json.dumps(estimates.to_meta())))
   assert restored.success == estimates.success and restored.success[7] == 0.5 + 0.5 * (1 / 3 - 0.5)
 
 
