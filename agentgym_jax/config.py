@@ -681,3 +681,37 @@ def apply_variants(c: ml_collections.ConfigDict, variant: str,
       raise ConfigError(f"unknown config variant {name!r}; expected some of {sorted(variants)}")
     variants[name](c)
   return c
+
+
+def set_key(c: ml_collections.ConfigDict, key: str, value: Any) -> None:
+  """Sets the dotted `key` (e.g. "model.lora.rank") of `c`; a key `base_config` lacks is refused,
+  except in its open sections (env.options: the adapter's own keyword arguments)."""
+  *sections, name = key.split(".")
+  node = c
+  for section in sections:
+    if not isinstance(node.get(section), ml_collections.ConfigDict):
+      raise ConfigError(f"unknown config key {key!r}: no section {section!r}")
+    node = node[section]
+  if name not in node and node.is_locked:
+    raise ConfigError(f"unknown config key {key!r}")
+  node[name] = value
+
+
+def experiment(env: str, settings: Mapping[str, Any] | None = None, *,
+               variants: Mapping[str, Variant] | None = None, short: int = 10,
+               long: int = 30) -> Callable[[str], ml_collections.ConfigDict]:
+  """The `get_config(variant)` of an RL experiment file: `base_config` on the environment `env`
+  with `settings` (dotted keys, e.g. {"algorithm.advantage": "gae"}), then the variants asked
+  for, chosen from the standard ones (`local`, fixed `short` / `long` turn caps) and `variants`.
+
+    get_config = config.experiment("textcraft", {"algorithm.advantage": "rloo"})
+  """
+
+  def get_config(variant: str = "") -> ml_collections.ConfigDict:
+    c = base_config()
+    c.env.name = env
+    for key, value in (settings or {}).items():
+      set_key(c, key, value)
+    return apply_variants(c, variant, {**standard_variants(short, long), **(variants or {})})
+
+  return get_config

@@ -1,19 +1,11 @@
-r"""GRPO on BabyAI with ScalingInter-RL: 16 tasks x 8 samples, turn caps [6, 13, 20] every 100
-steps (the paper's BabyAI script), otherwise the TextCraft recipe.
+"""GRPO on BabyAI with ScalingInter-RL: 16 tasks x 8 samples, turn caps [6, 13, 20] every 100
+steps (the paper's BabyAI script), otherwise the TextCraft recipe; `short` / `long` are fixed
+caps of 6 / 20 turns."""
 
-  python launch/train.py --config=configs/grpo_babyai.py --workdir=runs/grpo_babyai
-  python launch/train.py --config=configs/grpo_babyai.py:local --workdir=runs/babyai_local
+from agentgym_jax.config import experiment
 
-Variants: `local` (embedded SmolLM2 on a CPU), `short` / `long` (fixed 6 / 20 turns).
-"""
-
-from agentgym_jax.config import apply_variants, base_config, standard_variants
-
-
-def get_config(variant: str = ""):
-  c = base_config()
-  c.env.name = "babyai"
-  c.rollout.tasks_per_step = 16
-  c.horizon.caps = (6, 13, 20)
-  c.horizon.turns = 20
-  return apply_variants(c, variant, standard_variants(6, 20))
+get_config = experiment("babyai", {
+    "rollout.tasks_per_step": 16,
+    "horizon.caps": (6, 13, 20),
+    "horizon.turns": 20,
+}, short=6, long=20)

@@ -32,14 +32,6 @@ calls, and Qwen3 may run with thinking off:
 from agentgym_jax import config
 
 
-def get_config(variant: str = ""):
-  c = config.base_config()
-  c.env.name = "textcraft"
-  return config.apply_variants(c, variant, {
-      **config.standard_variants(), "local": local, "shallow": shallow, "agentgym": agentgym_goals
-  })
-
-
 def shallow(c):
   c.env.options.max_depth = 2
 
@@ -68,3 +60,7 @@ def local(c):
   # Each stage's policy on the 72 held-out goals of depth 1-2, greedy, all at once.
   c.eval.stages = True
   c.eval.rows = 72
+
+
+get_config = config.experiment(
+    "textcraft", variants={"local": local, "shallow": shallow, "agentgym": agentgym_goals})

@@ -1,16 +1,6 @@
-r"""RLOO (leave-one-out baseline) on TextCraft with ScalingInter-RL; everything else as grpo_textcraft.py.
+"""RLOO (leave-one-out baseline) on TextCraft with ScalingInter-RL; everything else as
+grpo_textcraft.py."""
 
-  python launch/train.py --config=configs/rloo_textcraft.py --workdir=runs/rloo_textcraft
-  python launch/train.py --config=configs/rloo_textcraft.py:local --workdir=runs/rloo_local
+from agentgym_jax.config import experiment
 
-Variants: `local` (embedded SmolLM2 on a CPU), `short` / `long` (fixed 10 / 30 turns).
-"""
-
-from agentgym_jax.config import apply_variants, base_config, standard_variants
-
-
-def get_config(variant: str = ""):
-  c = base_config()
-  c.env.name = "textcraft"
-  c.algorithm.advantage = "rloo"
-  return apply_variants(c, variant, standard_variants())
+get_config = experiment("textcraft", {"algorithm.advantage": "rloo"})

@@ -43,14 +43,6 @@ def jsonl_file(path, records):
   return path
 
 
-def set_key(c, key: str, value) -> None:
-  """Sets the dotted `key` (e.g. "model.lora.rank") of the config `c`."""
-  *sections, name = key.split(".")
-  for section in sections:
-    c = c[section]
-  c[name] = value
-
-
 def check_config(c, error: str | None = None):
   """Validates `c`; given `error`, checks instead that validation fails with a ConfigError that
   matches it, and returns that error."""

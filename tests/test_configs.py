@@ -7,7 +7,8 @@ import pytest
 
 from agentgym_jax import config as config_lib
 from agentgym_jax.models import MODELS
-from rl_helpers import check_config, set_key
+from agentgym_jax.config import set_key
+from rl_helpers import check_config
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 RL_CONFIGS = [
@@ -50,6 +51,19 @@ def test_paper_settings_per_environment():
 def test_unknown_variant_is_refused():
   with pytest.raises(ValueError, match="unknown config variant 'tiny'"):
     load("grpo_textcraft")("tiny")
+
+
+def test_experiment_sets_its_keys_and_refuses_unknown_ones():
+  c = config_lib.experiment("babyai", {"algorithm.gamma": 0.9, "horizon.caps": (2, 4)}, short=2,
+                            long=4)("local,short")
+  assert (c.env.name, c.algorithm.gamma, c.horizon.kind, c.horizon.turns) == ("babyai", 0.9,
+                                                                              "fixed", 2)
+  assert c.model.name == "smollm2-135m-instruct"
+  for key, message in [("algorithm.gama", "unknown config key 'algorithm.gama'"),
+                       ("algo.gamma", "no section 'algo'"),
+                       ("algorithm.gamma.x", "no section 'gamma'")]:
+    with pytest.raises(config_lib.ConfigError, match=message):
+      config_lib.experiment("babyai", {key: 1.0})("")
 
 
 @pytest.mark.parametrize("key, value, message", [

@@ -9,7 +9,8 @@ import pytest
 
 from agentgym_jax import config as config_lib
 from agentgym_jax import demonstrations, evaluation, metrics, pipeline, rollout, run, trainer
-from rl_helpers import check_config, conversation, jsonl_file, set_key
+from agentgym_jax.config import set_key
+from rl_helpers import check_config, conversation, jsonl_file
 
 # The runs use one device, as on a workstation.
 pytestmark = pytest.mark.usefixtures("single_device")
