@@ -1,0 +1,53 @@
+"""A restructuring changes no behaviour: tests/behaviour_runs.py's four tiny runs (GRPO + KL,
+PPO/GAE, SFT, DPO; each resumed once) log byte-identical metrics at the reference commit and at
+the working tree, on the same machine.
+
+REFERENCE is the last commit whose behaviour is the reference; a change meant to alter what a
+run computes (a fix, a new default) moves it to that change's commit, in the same commit.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+REFERENCE = "d28feb9e53904a6d55ac37fabbf739e9f327ff5b"
+RUNS = ("grpo_kl", "ppo_gae", "sft", "dpo")
+
+
+def _behaviour(tree: pathlib.Path, out: pathlib.Path) -> None:
+  """Runs behaviour_runs.py (this checkout's) on the package of `tree`, into `out`."""
+  env = {**os.environ, "PYTHONPATH": str(tree)}
+  done = subprocess.run(
+      [sys.executable, str(REPO / "tests" / "behaviour_runs.py"),
+       str(out)], cwd=out.parent, env=env, capture_output=True, text=True, timeout=1800,
+      check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert f"source tree: {tree}" in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+def test_the_tiny_runs_log_the_reference_commits_metrics_byte_for_byte(tmp_path):
+  has_reference = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", REFERENCE],
+                                 capture_output=True, check=False).returncode == 0
+  if not has_reference:
+    pytest.skip(f"needs a git checkout holding the reference commit {REFERENCE[:12]}")
+  reference = tmp_path / "reference"
+  subprocess.run(["git", "-C",
+                  str(REPO), "worktree", "add", "--detach",
+                  str(reference), REFERENCE], check=True, capture_output=True)
+  try:
+    _behaviour(reference, tmp_path / "before")
+  finally:
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "remove", "--force",
+         str(reference)], check=False, capture_output=True)
+  _behaviour(REPO, tmp_path / "after")
+  for name in RUNS:
+    before = (tmp_path / "before" / f"{name}.jsonl").read_text()
+    after = (tmp_path / "after" / f"{name}.jsonl").read_text()
+    assert before.count("\n") == 4, (name, before)
+    assert after == before, name
