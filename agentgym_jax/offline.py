@@ -53,7 +53,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
-from agentgym_jax import evaluation, learner, metrics, paths
+from agentgym_jax import evaluation, hooks, learner, metrics, paths
 from agentgym_jax import offline_data, rl, run, sharding
 from agentgym_jax.batch import Batch
 from agentgym_jax.models import Decoder
@@ -298,16 +298,14 @@ def train_offline(c: ml_collections.ConfigDict,
     logging.warning(
         "resuming with %s examples where the checkpoint saw %s: the data order "
         "differs from the interrupted run's", _data_size(batches), meta.get("data_size"))
-  metrics_writer = settings.metrics_writer(workdir, start_step)
 
   to_device = functools.partial(jax.device_put, device=sharding.batch_sharding(mesh, 1))
-  history = []
   with contextlib.ExitStack() as stack:
     evaluate_every = settings.evaluation.every
     evaluate = (make_evaluator(settings, mesh, model, chat, stack) if evaluate_every else None)
-    progress = stack.enter_context(
-        settings.progress((("loss", "reward_accuracy") if mode == "dpo" else
-                           ("loss",)) + ("time/update", "time/eval"), initial=start_step))
+    step_hooks = hooks.StepHooks(settings, workdir, checkpointer, start_step,
+                                 (("loss", "reward_accuracy") if mode == "dpo" else
+                                  ("loss",)) + ("time/update", "time/eval"))
     for step in range(start_step, settings.steps):
       timer = run.PhaseTimer()
       with timer("data"):
@@ -335,18 +333,10 @@ def train_offline(c: ml_collections.ConfigDict,
         with timer("eval"):
           step_metrics.update(evaluate(policy.sampler_params(state.params), done))
       step_metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
-      metrics_writer.write(done, step_metrics)
-      history.append(metrics_writer.latest)
-      settings.check_health(metrics_writer.latest)
-      progress.update(done, metrics_writer.latest)
-      if settings.checkpoint_every:
-        checkpointer.save(
-            done, state.tree(),
-            settings.meta(done, mode=mode, data_size=_data_size(batches),
-                          epoch=done / batches.steps_per_epoch), force=done == settings.steps)
-  checkpointer.wait()
-  checkpointer.close()
-  metrics_writer.close()
+      step_hooks.step_end(
+          done, step_metrics, state,
+          dict(mode=mode, data_size=_data_size(batches), epoch=done / batches.steps_per_epoch))
+    history = step_hooks.close()
   if settings.export_hf:
     settings.export_policy(policy.exported(policy.export_params(state.params)), tokenizer, workdir)
   return history

@@ -39,7 +39,7 @@ from flax import nnx
 from absl import logging
 from jax.experimental import multihost_utils
 
-from agentgym_jax import evaluation, learner, metrics, paths
+from agentgym_jax import evaluation, hooks, learner, paths
 from agentgym_jax import multihost, rollout, run, sharding, task_sampling
 from agentgym_jax.batch import Batch
 
@@ -191,37 +191,215 @@ def trajectory_records(trajectories: Sequence[rollout.Trajectory], advantages: j
   return records
 
 
+PROGRESS_KEYS = ("reward", "success", "horizon_cap", "time/rollout", "time/experience",
+                 "time/update", "time/eval")
+
+
+@dataclasses.dataclass
+class Actor:
+  """What plays the RL loop's episodes: this process's sampler of the policy, the chat layout,
+  and its share of each step's rows, played in waves of `wave` rows.
+
+  Attributes:
+    settings: the run's settings (sampling, context limit, groups of the step).
+    sampler: this process's sampler, `wave` rows wide.
+    chat: the policy's chat layout.
+    policy: the trained policy (the sampler runs its merged parameters with LoRA).
+    dtype: the sampler's matmul dtype.
+    processes: the run's processes (each plays its rows on its own devices).
+    rows: this process's rows of the step.
+    wave: rows played at once.
+  """
+
+  settings: run.Settings
+  sampler: Any
+  chat: Any
+  policy: run.Policy
+  dtype: Any
+  processes: multihost.Processes
+  rows: range
+  wave: int
+
+  @classmethod
+  def create(cls, settings: run.Settings, model: Any, chat: Any, policy: run.Policy,
+             processes: multihost.Processes) -> Actor:
+    rows = processes.rows(settings.rows)
+    wave = settings.wave(len(rows))
+    sampler = settings.sampler(model, processes.local_mesh, wave)
+    return cls(settings, sampler, chat, policy, model.dtype, processes, rows, wave)
+
+  def sampler_params(self, params: nnx.State) -> nnx.State:
+    """The policy as this process's sampler runs it (with LoRA, merged): once per rollout or
+    evaluation."""
+    return self.processes.sampler_copy(self.policy.sampler_params(params), self.dtype)
+
+  def task_orders(self, pool: Any, estimates: task_sampling.SuccessEstimates | None) -> list[Any]:
+    """Each curriculum stage's task order (learnability draws when `estimates` are kept)."""
+    settings = self.settings
+    order = task_sampling.TaskOrder if estimates is None else functools.partial(
+        task_sampling.LearnabilityOrder, estimates=estimates, floor=settings.task_sampling_floor)
+    return task_sampling.stage_task_orders(pool, settings.curriculum, settings.seed, order)
+
+  def play_step(self, pool: Any, params: nnx.State, draw: Callable[[int], list[int]], step: int,
+                cap: int, estimates: task_sampling.SuccessEstimates | None) -> StepRollout:
+    """Plays step `step`'s episodes (`play_step`) up to `cap` turns, with the policy of `params`;
+    the rows of every process are gathered, and the success `estimates` observe each round
+    before the next is drawn."""
+    settings = self.settings
+    step_key = jax.random.fold_in(jax.random.key(settings.seed), step)
+    sampler_params = self.sampler_params(params)  # Alive for the rollout.
+
+    def play(task_ids: list[int], round_index: int):
+      group_of = [(task_id, group) for group, task_id in enumerate(task_ids)
+                  for _ in range(settings.samples_per_task)]
+      played, stats = rollout.collect_waves(
+          self.sampler, sampler_params, pool, self.chat, group_of[self.rows.start:self.rows.stop],
+          wave_rows=self.wave, horizon=cap, sampling=settings.sampling,
+          max_context=settings.max_context,
+          key=jax.random.fold_in(step_key, round_index) if round_index else step_key,
+          first_row=self.rows.start, groups=settings.pipeline_groups)
+      played, stats = self.processes.gather_rollout(played, stats)
+      if estimates is not None:  # Before the next round's draw.
+        estimates.observe(played)
+      return played, stats
+
+    return play_step(play, draw, tasks_per_step=settings.tasks_per_step,
+                     samples_per_task=settings.samples_per_task,
+                     dynamic_sampling=settings.dynamic_sampling,
+                     max_rounds=settings.max_sampling_rounds,
+                     failed_episodes=settings.failed_episodes)
+
+  def evaluate(self, pool: Any, params: nnx.State, step: int) -> dict[str, float]:
+    """The eval/* metrics of the policy of `params` after step `step`: eval.split's tasks, each
+    process playing its share, with a key distinct from every step's."""
+    plan = self.settings.evaluation
+    eval_key = jax.random.fold_in(jax.random.key(self.settings.seed), 1 << 30)
+    task_ids = plan.tasks(pool)
+    _, played = evaluation.evaluate(self.sampler, self.sampler_params(params), pool, self.chat,
+                                    self.processes.share(task_ids),
+                                    samples_per_task=plan.samples_per_task, horizon=plan.horizon,
+                                    sampling=plan.sampling, max_context=self.settings.max_context,
+                                    key=jax.random.fold_in(eval_key, step),
+                                    rows_per_batch=self.wave, groups=self.settings.pipeline_groups)
+    summary = evaluation.summarize(self.processes.gather(played),
+                                   evaluation.task_categories(pool, task_ids))
+    return evaluation.as_metrics(summary)
+
+
+@dataclasses.dataclass
+class Learner:
+  """What the RL update trains and how: the policy (its graph and, with LoRA, its frozen base),
+  the KL's reference parameters, the value head's graph, the optimizer state's shardings and
+  the jitted update step.
+
+  Attributes:
+    policy: the trained policy (run.Policy).
+    reference: the reference parameters of a KL loss, or None.
+    value_graphdef: the value head's graph (PPO's critic), or None.
+    opt_shardings: the optimizer state's shardings on the mesh.
+    update_step: learner.update_step, jitted on the state's shardings.
+    offload_state: whether the optimizer state waits in pinned host memory between updates.
+  """
+
+  policy: run.Policy
+  reference: nnx.State | None
+  value_graphdef: nnx.GraphDef | None
+  opt_shardings: Any
+  update_step: Callable[..., Any]
+  offload_state: bool
+
+  @classmethod
+  def create(cls, settings: run.Settings, model: Any, mesh: Any) -> tuple[Learner, run.RunState]:
+    """The learner of `model` on `mesh`, and the run's initial state."""
+    loss = settings.loss
+    # What is trained: the model's parameters, or with LoRA adapters over the frozen model.
+    policy = settings.policy(model, mesh)
+    reference = policy.reference(model.dtype) if loss.uses_reference else None
+    value_graphdef = value_params = None
+    if loss.uses_critic:
+      value_graphdef, value_params = nnx.split(learner.ValueHead(model.config.hidden_size))
+    # Committed to the mesh, as the update's outputs will be: otherwise the first step's inputs
+    # differ from the next steps' and every jitted function compiles twice.
+    optimizer = settings.optimizer
+    trainable_shardings, opt_shardings = sharding.train_state_shardings(
+        (policy.params, value_params), jax.eval_shape(optimizer.init,
+                                                      (policy.params, value_params)), mesh)
+    value_params = jax.device_put(value_params, trainable_shardings[1])
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)((policy.params, value_params))
+    update_step = learner.jit_update_step(trainable_shardings, opt_shardings)
+    return (cls(policy, reference, value_graphdef, opt_shardings, update_step,
+                settings.offload_optimizer), run.RunState(policy.params, value_params, opt_state))
+
+  def place(self, opt_state: Any, on_host: bool | None = None) -> Any:
+    """The optimizer state where it waits between updates (on_host None) or where the update
+    reads it (on_host False)."""
+    return run.place_optimizer_state(opt_state, self.opt_shardings,
+                                     on_host=self.offload_state if on_host is None else on_host)
+
+  def experience(self, state: run.RunState, batch: Batch, settings: run.Settings,
+                 num_turns: int) -> tuple[learner.Experience, dict[str, Any]]:
+    """The experience pass over `batch`: old and reference log-probs, values, advantages."""
+    return learner.compute_experience(self.policy.graphdef, state.params, self.reference,
+                                      self.value_graphdef, state.value_params, batch,
+                                      loss=settings.loss, num_groups=2 * settings.rows,
+                                      num_turns=num_turns, frozen=self.policy.frozen)
+
+  def update(self, state: run.RunState, batch: Batch, row_groups: Any,
+             experience: learner.Experience, settings: run.Settings, step: int,
+             shards: int) -> tuple[run.RunState, list[dict[str, Any]]]:
+    """ppo_epochs passes of num_minibatches optimizer steps; the first runs on the
+    experience's parameters, so its ratio is exactly 1. Returns the state and the minibatches'
+    metrics."""
+    trainable = (state.params, state.value_params)
+    opt_state = self.place(state.opt_state, on_host=False)
+    rng = np.random.default_rng([settings.seed, step])
+    update_metrics = []
+    for update, rows in enumerate(
+        learner.minibatch_indices(settings.rows, settings.num_minibatches, settings.ppo_epochs, rng,
+                                  row_groups)):
+      minibatch = learner.take_batch(batch, rows, row_groups, shards)
+      trainable, opt_state, m = self.update_step(self.policy.graphdef, self.value_graphdef,
+                                                 trainable, opt_state, minibatch,
+                                                 learner.take_rows(experience, rows),
+                                                 optimizer=settings.optimizer, loss=settings.loss,
+                                                 frozen=self.policy.frozen,
+                                                 dropout_key=settings.dropout_key(step, update),
+                                                 on_policy=jnp.asarray(update == 0))
+      update_metrics.append(m)
+    state = run.RunState(*jax.block_until_ready((trainable[0], trainable[1],
+                                                 self.place(opt_state))))
+    return state, update_metrics
+
+
+def pack(step_rollout: StepRollout, settings: run.Settings, shards: int) -> tuple[Batch, Any]:
+  """The step's batch on the host, its untrained rows (dynamic sampling's fillers) left out of
+  the loss, and with shared prompts the packed rows of each trajectory (to draw minibatches of
+  whole tasks), else None."""
+  batch = rollout.pack(step_rollout.batch, turns=settings.schedule.max_turns,
+                       failed_episodes=settings.failed_episodes,
+                       shared_prompts=settings.shared_prompts, packed_rows_multiple=shards)
+  row_groups = None if batch.shared is None else batch.shared.rows
+  trained = np.asarray(step_rollout.trained, np.float32)[:, None]
+  return batch.replace(loss_mask=batch.loss_mask * trained), row_groups
+
+
 def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dict[str, Any]]:
   """Runs (or resumes) training in `workdir`; returns the per-step metrics of this call."""
   settings = run.Settings.from_config(c)
-  loss, optimizer, num_rows = settings.loss, settings.optimizer, settings.rows
   workdir = paths.path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   mesh, model, tokenizer = settings.load_policy(training=True)
   chat = settings.chat(tokenizer)
-  # What is trained: the model's parameters, or with LoRA adapters over the frozen model.
-  policy = settings.policy(model, mesh)
-  graphdef, params, frozen = policy.graphdef, policy.params, policy.frozen
-  ref_params = policy.reference(model.dtype) if loss.uses_reference else None
-  value_graphdef = value_params = None
-  if loss.uses_critic:
-    value_graphdef, value_params = nnx.split(learner.ValueHead(model.config.hidden_size))
-  # Committed to the mesh, as the update's outputs will be: otherwise the first step's inputs
-  # differ from the next steps' and every jitted function compiles twice.
-  trainable_shardings, opt_shardings = sharding.train_state_shardings(
-      (params, value_params), jax.eval_shape(optimizer.init, (params, value_params)), mesh)
-  value_params = jax.device_put(value_params, trainable_shardings[1])
-  opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)((params, value_params))
-  update_step = learner.jit_update_step(trainable_shardings, opt_shardings)
-  skip_no_signal = settings.skip_no_signal_updates and gradient_only_through_advantages(loss)
+  learner_, initial = Learner.create(settings, model, mesh)
+  policy, schedule, shards = learner_.policy, settings.schedule, sharding.batch_shards(mesh)
+  skip_no_signal = settings.skip_no_signal_updates and gradient_only_through_advantages(
+      settings.loss)
 
   # Resume from the newest complete checkpoint, if any. Steps count completed RL steps: the
   # checkpoint, metrics row and trajectory file of step k are written after k updates.
   checkpointer = settings.checkpointer(workdir)
-  state, start_step, meta = run.resume(checkpointer, run.RunState(params, value_params, opt_state))
-  offload = functools.partial(run.place_optimizer_state, shardings=opt_shardings,
-                              on_host=settings.offload_optimizer)
-  state.opt_state = offload(state.opt_state)
+  state, start_step, meta = run.resume(checkpointer, initial)
+  state.opt_state = learner_.place(state.opt_state)
   # The position in the task stream: tasks_per_step a step, more with dynamic sampling.
   cursor = int(meta.get("task_cursor", start_step * settings.tasks_per_step))
   # With learnability draws, the success estimates of the episodes played so far.
@@ -229,104 +407,42 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
   if settings.task_sampling == "learnability":
     estimates = task_sampling.SuccessEstimates.from_meta(settings.task_sampling_rate,
                                                          meta.get("task_success", ()))
-  metrics_writer = settings.metrics_writer(workdir, start_step)
-  trajectory_writer = metrics.TrajectoryWriter(workdir, resume_step=start_step)
-
-  schedule = settings.schedule
   # Each process plays its rows of the step on its own devices (all of them on one process).
   processes = multihost.Processes.of(mesh)
   settings.check_layout(mesh, processes.count)
-  # The policy as this process's sampler runs it (with LoRA, merged): once per rollout or eval.
-  sampler_policy = lambda params: processes.sampler_copy(policy.sampler_params(params), model.dtype)
-  process_rows = processes.rows(num_rows)
-  wave = settings.wave(len(process_rows))
-  sampler = settings.sampler(model, processes.local_mesh, wave)
-  base_key = jax.random.key(settings.seed)
-  eval_key = jax.random.fold_in(base_key, 1 << 30)  # Distinct from every step's fold_in.
-  history = []
-  with settings.env_pool(wave) as pool:
-    order = task_sampling.TaskOrder if estimates is None else functools.partial(
-        task_sampling.LearnabilityOrder, estimates=estimates, floor=settings.task_sampling_floor)
-    task_orders = task_sampling.stage_task_orders(pool, settings.curriculum, settings.seed, order)
-    progress = settings.progress(("reward", "success", "horizon_cap", "time/rollout",
-                                  "time/experience", "time/update", "time/eval"),
-                                 initial=start_step, shown=processes.index == 0)
+  actor = Actor.create(settings, model, chat, policy, processes)
+  hooks_ = hooks.StepHooks(settings, workdir, checkpointer, start_step, PROGRESS_KEYS,
+                           trajectory_log=True, shown=processes.index == 0)
+  with settings.env_pool(actor.wave) as pool:
+    task_orders = actor.task_orders(pool, estimates)
     for step in range(start_step, settings.steps):
       timer = run.PhaseTimer()
+      cap = schedule.cap(step)
       # 1. Rollout: B tasks x n samples, up to the current horizon cap (more rounds of B tasks
       # with dynamic sampling).
-      cap = schedule.cap(step)
-      step_key = jax.random.fold_in(base_key, step)
-
-      def play(sampler_params: Any, task_ids: list[int], round_index: int):
-        group_of = [(task_id, group) for group, task_id in enumerate(task_ids)
-                    for _ in range(settings.samples_per_task)]
-        played, stats = rollout.collect_waves(
-            sampler, sampler_params, pool, chat, group_of[process_rows.start:process_rows.stop],
-            wave_rows=wave, horizon=cap, sampling=settings.sampling,
-            max_context=settings.max_context,
-            key=jax.random.fold_in(step_key, round_index) if round_index else step_key,
-            first_row=process_rows.start, groups=settings.pipeline_groups)
-        played, stats = processes.gather_rollout(played, stats)
-        if estimates is not None:  # Before the next round's draw.
-          estimates.observe(played)
-        return played, stats
-
       with timer("rollout"):
-        # Alive for the rollout.
-        sampler_params = sampler_policy(state.params)
         tasks = task_orders[min(schedule.stage(step), len(task_orders) - 1)]
-        step_rollout = play_step(functools.partial(play, sampler_params),
-                                 tasks.draws(step, cursor, settings.tasks_per_step),
-                                 tasks_per_step=settings.tasks_per_step,
-                                 samples_per_task=settings.samples_per_task,
-                                 dynamic_sampling=settings.dynamic_sampling,
-                                 max_rounds=settings.max_sampling_rounds,
-                                 failed_episodes=settings.failed_episodes)
+        step_rollout = actor.play_step(pool, state.params,
+                                       tasks.draws(step, cursor, settings.tasks_per_step), step,
+                                       cap, estimates)
         cursor += step_rollout.rounds * settings.tasks_per_step
-        del sampler_params
-        trajectories = step_rollout.batch
-
       # 2. Experience: old and reference log-probs, values, advantages.
       with timer("experience"):
-        batch = rollout.pack(trajectories, turns=settings.schedule.max_turns,
-                             failed_episodes=settings.failed_episodes,
-                             shared_prompts=settings.shared_prompts,
-                             packed_rows_multiple=sharding.batch_shards(mesh))
-        # The packed row of each trajectory, on the host, to draw minibatches of whole tasks.
-        row_groups = None if batch.shared is None else batch.shared.rows
-        batch = batch.replace(loss_mask=batch.loss_mask *
-                              np.asarray(step_rollout.trained, np.float32)[:, None])
-        skip = skip_no_signal and no_signal_in_rewards(batch, loss)
+        batch, row_groups = pack(step_rollout, settings, shards)
+        skip = skip_no_signal and no_signal_in_rewards(batch, settings.loss)
         batch = jax.device_put(batch, sharding.batch_sharding(mesh, 1))
         experience, experience_metrics = None, {}
         if not skip:
-          experience, experience_metrics = learner.compute_experience(
-              graphdef, state.params, ref_params, value_graphdef, state.value_params, batch,
-              loss=loss, num_groups=2 * num_rows, num_turns=schedule.max_turns, frozen=frozen)
+          experience, experience_metrics = learner_.experience(state, batch, settings,
+                                                               schedule.max_turns)
           jax.block_until_ready(experience)  # So that the phase timers measure device work.
           skip = skip_no_signal and bool(no_signal(experience, batch.loss_mask))
-
-      # 3. Update: ppo_epochs passes of num_minibatches optimizer steps (none without signal);
-      # the first runs on the experience's parameters, so its ratio is exactly 1.
+      # 3. Update (none without signal).
       update_metrics = []
       if not skip:
         with timer("update"):
-          trainable = (state.params, state.value_params)
-          opt_state = run.place_optimizer_state(state.opt_state, opt_shardings, on_host=False)
-          rng = np.random.default_rng([settings.seed, step])
-          for update, rows in enumerate(
-              learner.minibatch_indices(num_rows, settings.num_minibatches, settings.ppo_epochs,
-                                        rng, row_groups)):
-            minibatch = learner.take_batch(batch, rows, row_groups, sharding.batch_shards(mesh))
-            trainable, opt_state, m = update_step(graphdef, value_graphdef, trainable, opt_state,
-                                                  minibatch, learner.take_rows(experience, rows),
-                                                  optimizer=optimizer, loss=loss, frozen=frozen,
-                                                  dropout_key=settings.dropout_key(step, update),
-                                                  on_policy=jnp.asarray(update == 0))
-            update_metrics.append(m)
-          state = run.RunState(*jax.block_until_ready((trainable[0], trainable[1],
-                                                       offload(opt_state))))
+          state, update_metrics = learner_.update(state, batch, row_groups, experience, settings,
+                                                  step, shards)
 
       done = step + 1
       step_metrics = _step_metrics(step_rollout.played, step_rollout.stats, experience_metrics,
@@ -341,38 +457,16 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
               settings.tasks_per_step, step_rollout.rounds)
       if settings.evaluation.every and done % settings.evaluation.every == 0:
         with timer("eval"):
-          task_ids = settings.evaluation.tasks(pool)
-          _, played = evaluation.evaluate(sampler, sampler_policy(state.params), pool, chat,
-                                          processes.share(task_ids),
-                                          samples_per_task=settings.evaluation.samples_per_task,
-                                          horizon=settings.evaluation.horizon,
-                                          sampling=settings.evaluation.sampling,
-                                          max_context=settings.max_context,
-                                          key=jax.random.fold_in(eval_key, done),
-                                          rows_per_batch=wave, groups=settings.pipeline_groups)
-          summary = evaluation.summarize(processes.gather(played),
-                                         evaluation.task_categories(pool, task_ids))
-        step_metrics.update(evaluation.as_metrics(summary))
+          step_metrics.update(actor.evaluate(pool, state.params, done))
         step_metrics["time/eval"] = timer.seconds["eval"]
-      metrics_writer.write(done, step_metrics)
-      history.append(metrics_writer.latest)
-      settings.check_health(metrics_writer.latest)
-      if settings.log_trajectories:
-        trajectory_writer.write(
-            done,
-            trajectory_records(trajectories, None if experience is None else experience.advantages,
-                               batch.loss_mask))
-      progress.update(done, metrics_writer.latest)
-      if settings.checkpoint_every:
-        learnability = {} if estimates is None else {"task_success": estimates.to_meta()}
-        checkpointer.save(
-            done, state.tree(),
-            settings.meta(done, horizon_stage=schedule.stage(done), horizon_cap=cap,
-                          task_cursor=cursor, **learnability), force=done == settings.steps)
-    progress.close()
-  checkpointer.wait()
-  checkpointer.close()
-  metrics_writer.close()
+      learnability = {} if estimates is None else {"task_success": estimates.to_meta()}
+      hooks_.step_end(
+          done, step_metrics, state,
+          dict(horizon_stage=schedule.stage(done), horizon_cap=cap, task_cursor=cursor,
+               **learnability), trajectories=lambda: trajectory_records(
+                   step_rollout.batch, None
+                   if experience is None else experience.advantages, batch.loss_mask))
+  history = hooks_.close()
   if settings.export_hf:
     exported = processes.local_copy(policy.export_params(state.params))
     if processes.index == 0:

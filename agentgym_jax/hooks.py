@@ -1,0 +1,67 @@
+"""The end of a training step and of a run, the same for the RL loop (trainer.py) and the
+SFT/DPO loop (offline.py).
+
+After each step, in this order: its metrics row (metrics.jsonl, TensorBoard, W&B), the health
+check on the fetched row (non-finite updates, a sampler that drifted off-policy), the step's
+trajectory log (RL), the progress line, and the checkpoint (every checkpoint.every steps and
+at the last). At the end of the run: the progress closed, the checkpoints written through, the
+writers closed.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Callable, Sequence
+
+from agentgym_jax import checkpoint, metrics, run
+
+
+class StepHooks:
+  """The step-end duties of a run that starts (or resumes) at `start_step`.
+
+  Args:
+    settings: the run's settings.
+    workdir: the run directory.
+    checkpointer: the run's checkpointer (already used to resume).
+    start_step: the first step this call of the loop runs.
+    progress_keys: the metrics the progress line shows.
+    trajectory_log: whether the loop logs trajectories (RL): the log's directory is kept in
+      step with the checkpoint (files after start_step deleted), and written when log.trajectories
+      is on.
+    shown: whether this process shows the progress line.
+  """
+
+  def __init__(self, settings: run.Settings, workdir: pathlib.Path,
+               checkpointer: checkpoint.Checkpointer, start_step: int, progress_keys: Sequence[str],
+               *, trajectory_log: bool = False, shown: bool = True):
+    self.settings, self.checkpointer = settings, checkpointer
+    self.metrics = settings.metrics_writer(workdir, start_step)
+    self.trajectories = (metrics.TrajectoryWriter(workdir, resume_step=start_step)
+                         if trajectory_log else None)
+    self.progress = settings.progress(tuple(progress_keys), initial=start_step, shown=shown)
+    self.history: list[dict[str, Any]] = []
+
+  def step_end(self, step: int, step_metrics: dict[str, Any], state: run.RunState, meta: dict[str,
+                                                                                              Any],
+               trajectories: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+    """After step `step` (steps done): writes its metrics, checks its health, logs its
+    trajectories (`trajectories()`, called only when logged), shows progress and checkpoints
+    `state` with `meta`."""
+    self.metrics.write(step, step_metrics)
+    latest = self.metrics.latest
+    self.history.append(latest)
+    self.settings.check_health(latest)
+    if self.trajectories is not None and self.settings.log_trajectories:
+      self.trajectories.write(step, trajectories())
+    self.progress.update(step, latest)
+    if self.settings.checkpoint_every:
+      self.checkpointer.save(step, state.tree(), self.settings.meta(step, **meta),
+                             force=step == self.settings.steps)
+
+  def close(self) -> list[dict[str, Any]]:
+    """Ends the run's logging and checkpointing; returns the metrics rows of this call."""
+    self.progress.close()
+    self.checkpointer.wait()
+    self.checkpointer.close()
+    self.metrics.close()
+    return self.history
