@@ -20,7 +20,7 @@ learner computes (logprobs, entropies, values, advantages) is aligned with the *
 tokens[:, 1:]; `Batch.inputs_and_targets()` returns the shifted views.
 
 Rollouts (rollout.pack) and offline data (offline_data) both build batches here, so offline and
-online training see the same layout, padded to the same `bucket` lengths.
+online training see the same layout, padded to the same `packed_length` lengths.
 
 The shared-prompt layout (`SharedPrompts`, built by `share_prompts`): the n samples of a task
 share their prompt, so the learner's forward pass packs each group as ONE row, the prompt once
@@ -51,12 +51,12 @@ import jax
 import numpy as np
 from flax import struct
 
-from agentgym_jax.sampling import bucket as sampling_bucket
+from agentgym_jax.sampling import bucket
 
 Array = jax.Array
 
 # The packed length of shared-prompt rows is at least this many tokens per sample of the largest
-# group: no more than the unshared layout's shortest rows (bucket's floor of 128) would hold, and
+# group: no more than the unshared layout's shortest rows (packed_length's floor of 128) would hold, and
 # short episodes (the early stages of a growing horizon) do not compile a packed length each.
 SHARED_MIN_TOKENS_PER_SAMPLE = 128
 
@@ -95,10 +95,10 @@ class Batch:
     return self.tokens[:, :-1], self.tokens[:, 1:], self.loss_mask[:, 1:]
 
 
-def bucket(length: int, minimum: int = 128) -> int:
+def packed_length(length: int, minimum: int = 128) -> int:
   """The packed length of a `length`-token row: `sampling.bucket` with a floor of `minimum`
   (at most a third of a row is padding; a 1300-token row packs to 1536, not 2048)."""
-  return sampling_bucket(length, minimum)
+  return bucket(length, minimum)
 
 
 def share_prompts(tokens: np.ndarray, lengths: np.ndarray, prompt_ends: np.ndarray,
@@ -109,7 +109,7 @@ def share_prompts(tokens: np.ndarray, lengths: np.ndarray, prompt_ends: np.ndarr
   Row n holds lengths[n] tokens, of which the first prompt_ends[n] precede its first trained
   token; rows with equal groups[n] are packed into one row, in order of first appearance, their
   continuations in row order. Empty rows (an episode that failed at reset) get an empty
-  continuation. The packed length is `length` or the longest packed group's `bucket`, at least
+  continuation. The packed length is `length` or the longest packed group's `packed_length`, at least
   SHARED_MIN_TOKENS_PER_SAMPLE per sample of the largest group; the packed rows are padded with
   empty ones to a multiple of `rows_multiple` (a mesh's batch shards).
   """
@@ -129,12 +129,12 @@ def share_prompts(tokens: np.ndarray, lengths: np.ndarray, prompt_ends: np.ndarr
     packed_groups.append((real[0] if real else members[0], max(common - 1, 0), members))
   sizes = [s + sum(max(int(lengths[m]) - s, 0) for m in members) for _, s, members in packed_groups]
   largest = max((len(members) for _, _, members in packed_groups), default=1)
-  packed_length = length or bucket(max(sizes, default=1), SHARED_MIN_TOKENS_PER_SAMPLE * largest)
-  if max(sizes, default=0) > packed_length:
+  width = length or packed_length(max(sizes, default=1), SHARED_MIN_TOKENS_PER_SAMPLE * largest)
+  if max(sizes, default=0) > width:
     raise ValueError(f"a packed group has {max(sizes)} tokens, more than the packed length "
-                     f"{packed_length}")
+                     f"{width}")
   num_packed = -(-len(packed_groups) // rows_multiple) * rows_multiple
-  packed = np.zeros((4, num_packed, packed_length), np.int32)
+  packed = np.zeros((4, num_packed, width), np.int32)
   packed_tokens, targets, positions, segments = packed
   segments[:] = -1
   rows = np.zeros((num_rows,), np.int32)

@@ -195,10 +195,10 @@ def parse_flags(argv: list[str], command: types.ModuleType) -> list[str]:
 def check_workdir(workdir: str) -> paths.Path:
   """The run's directory, local or gs://: it may exist (a resumed run) but must be a directory,
   and a bucket must be reachable and writable."""
-  return check_directory(workdir, f"--workdir={workdir}")
+  return directory_flag(workdir, f"--workdir={workdir}")
 
 
-def check_directory(value: str, what: str) -> paths.Path:
+def directory_flag(value: str, what: str) -> paths.Path:
   """`value` as a directory to write in, named `what` in the error (e.g. "--trajectories=x"):
   it may exist but must be a directory, made later under a directory this process may write
   in; in a bucket, the bucket reachable and writable."""
@@ -217,7 +217,7 @@ def check_output_file(value: str, what: str) -> None:
   reachable and writable."""
   target = paths.path(value)
   if paths.is_remote(value):
-    check_directory(str(target.parent), what)
+    directory_flag(str(target.parent), what)
     return
   if target.is_dir():
     raise app.UsageError(f"{what} is a directory, not a file")

@@ -218,14 +218,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval.samples_per_task = 1  # k of avg@k and pass@k.
   c.eval.max_tasks = 0  # 0: the whole split.
   c.eval.temperature = 0.0  # 0: greedy.
-  # Evaluate each stage of the recipe (pipeline.py): the initial policy, the warm-started one
+  # Evaluate each stage of the recipe (recipe.py): the initial policy, the warm-started one
   # and the trained one, into workdir/evaluation, ending with a table of the three.
   c.eval.stages = False
   c.eval.rows = 0  # Episodes played at once by a stage evaluation; 0: an RL step's rows.
   c.eval.horizon = 0  # Turn cap; 0: the horizon schedule's largest cap.
   # Where stage evaluations are kept by fingerprint (the model's files and the settings that
   # decide the outcome), so a policy is not played again on the same evaluation, in any
-  # workdir (pipeline.py); "": off.
+  # workdir (recipe.py); "": off.
   c.eval.cache_dir = EVALUATION_CACHE_DIR
 
   # Offline paradigms (mode sft or dpo): conversations instead of rollouts.
@@ -237,7 +237,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.dpo = ml_collections.ConfigDict()  # Direct preference optimisation (mode dpo).
   c.dpo.beta = 0.1  # DPO's inverse temperature.
 
-  # An RL run's SFT warm start on verified expert demonstrations (agentgym_jax/pipeline.py).
+  # An RL run's SFT warm start on verified expert demonstrations (agentgym_jax/recipe.py).
   c.warm_start = ml_collections.ConfigDict()
   c.warm_start.steps = 0  # SFT steps before RL; 0: off (the paper's recipe).
   c.warm_start.demonstrations = ""  # A JSONL of conversations; "": made with the env's expert.

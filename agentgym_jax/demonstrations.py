@@ -163,8 +163,8 @@ def expert_for(env_name: str) -> tuple[str, Expert]:
   return EXPERTS[env_name]
 
 
-def collect(env: base.Env, task_ids: Iterable[int], *, expert: Expert | None = None,
-            source: str | None = None) -> Demonstrations:
+def demonstrate_tasks(env: base.Env, task_ids: Iterable[int], *, expert: Expert | None = None,
+                      source: str | None = None) -> Demonstrations:
   """Verified demonstrations of `task_ids` by `expert` (default: `expert_for(env.name)`)."""
   if expert is None:
     source, expert = expert_for(env.name)

@@ -263,6 +263,6 @@ def source_fingerprint() -> str:
 
 def fingerprint(model: str, settings: Mapping[str, Any]) -> str:
   """The key of an evaluation: sha256 over the model's fingerprint and the JSON of `settings`
-  (what decides the evaluation's outcome; pipeline.evaluation_settings)."""
+  (what decides the evaluation's outcome; recipe.evaluation_settings)."""
   record = {"model": model_fingerprint(model), "settings": settings}
   return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()

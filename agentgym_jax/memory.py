@@ -437,7 +437,7 @@ def plan_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, *
   return SamplerPlan(**figures)
 
 
-def format_table(model: str, plans: Sequence[MemoryPlan]) -> str:
+def plan_table(model: str, plans: Sequence[MemoryPlan]) -> str:
   """A fixed-width table, one row per mesh layout, sizes in GiB per device (with an adapters
   column when a plan is LoRA's)."""
   gib = lambda n: "-" if n is None else f"{n / 2**30:.2f}"

@@ -14,7 +14,7 @@ conversation ends with a reply (a rollout does not append the observation that a
 reply).
 
 Batches are `batch.Batch`es of numpy arrays, rows right-padded with 0 to a bucketed length
-(`batch.bucket`, capped at `max_length`), so a run compiles one program per bucket. A
+(`batch.packed_length`, capped at `max_length`), so a run compiles one program per bucket. A
 conversation longer than `max_length` is dropped and counted, never cut: a cut would train on a
 reply without its end or on a context the policy never sees whole.
 
@@ -37,7 +37,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 from absl import logging
 
-from agentgym_jax.batch import Batch, bucket
+from agentgym_jax.batch import Batch, packed_length
 from agentgym_jax.models.tokenizer import ChatTemplate
 from environments.base import ENV_ERROR, ENV_TIMEOUT
 
@@ -216,7 +216,7 @@ def sft_batches(conversations: Sequence[Conversation], chat: ChatTemplate, batch
 
 
 def _padded_length(longest: int, max_length: int) -> int:
-  return min(bucket(longest), max_length)
+  return min(packed_length(longest), max_length)
 
 
 # --- DPO -----------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentgym_jax.batch import Batch, bucket, share_prompts
+from agentgym_jax.batch import Batch, packed_length, share_prompts
 from agentgym_jax.models.tokenizer import ChatTemplate
 from agentgym_jax.sampling import Sampler
 from environments import jsonl
@@ -422,7 +422,7 @@ def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns
     raise ValueError(f"failed_episodes={failed_episodes!r} is not 'exclude' or 'zero_reward'")
   num_rows = len(trajectories)
   longest = max((len(t.tokens) for t in trajectories), default=1)
-  length = length or bucket(longest)
+  length = length or packed_length(longest)
   if longest > length:
     raise ValueError(f"a trajectory has {longest} tokens, more than the packed length {length}")
   most_turns = max((t.num_turns for t in trajectories), default=0)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from agentgym_jax import checkpoint, config as config_lib, horizon, learner, metrics, rl, rollout
 from agentgym_jax import hardware, memory, multihost, paths, sharding
-from agentgym_jax.batch import bucket
+from agentgym_jax.batch import packed_length
 from agentgym_jax.models import Decoder, attention, decoder, load_model, lora as lora_lib, weights
 from agentgym_jax.models.tokenizer import ChatTemplate, Tokenizer
 from agentgym_jax.sampling import Sampler
@@ -216,7 +216,7 @@ class Settings:
     dtype = hardware.matmul_dtype(c.model.dtype)
     if c.model.dtype == "auto":
       logging.info("model.dtype=auto: %s, as %s", dtype, hardware.auto_dtype()[1])
-    implementation = attention.resolve(c.model.attention)
+    implementation = attention.choose(c.model.attention)
     if implementation == "splash" and jax.default_backend() != "tpu":
       raise config_lib.ConfigError(
           f"invalid config: model.attention=splash runs a TPU kernel; the backend is "
@@ -255,10 +255,10 @@ class Settings:
 
   def update_shape(self) -> tuple[int, int]:
     """(rows, tokens) of the run's largest update step: an RL minibatch of rollout rows packed
-    to bucket(max_context), or an offline batch of data.max_length rows (twice the rows for
+    to packed_length(max_context), or an offline batch of data.max_length rows (twice the rows for
     DPO, which scores both sides of each pair)."""
     if self.mode == "rl":
-      return self.rows // self.num_minibatches, bucket(self.max_context)
+      return self.rows // self.num_minibatches, packed_length(self.max_context)
     return self.data.batch_size * (2 if self.mode == "dpo" else 1), self.data.max_length
 
   def auto_remat(self, model: Decoder, mesh: Mesh) -> tuple[str, str]:

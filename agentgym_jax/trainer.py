@@ -371,13 +371,13 @@ class Learner:
     return state, update_metrics
 
 
-def pack(step_rollout: StepRollout, settings: run.Settings, shards: int) -> tuple[Batch, Any]:
+def pack_step(step_rollout: StepRollout, settings: run.Settings, shards: int) -> tuple[Batch, Any]:
   """The step's batch on the host, its untrained rows (dynamic sampling's fillers) left out of
   the loss, and with shared prompts the packed rows of each trajectory (to draw minibatches of
   whole tasks), else None."""
-  batch = rollout.pack(step_rollout.batch, turns=settings.schedule.max_turns,
-                       failed_episodes=settings.failed_episodes,
-                       shared_prompts=settings.shared_prompts, packed_rows_multiple=shards)
+  batch = rollout.pack_step(step_rollout.batch, turns=settings.schedule.max_turns,
+                            failed_episodes=settings.failed_episodes,
+                            shared_prompts=settings.shared_prompts, packed_rows_multiple=shards)
   row_groups = None if batch.shared is None else batch.shared.rows
   trained = np.asarray(step_rollout.trained, np.float32)[:, None]
   return batch.replace(loss_mask=batch.loss_mask * trained), row_groups
@@ -428,7 +428,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         cursor += step_rollout.rounds * settings.tasks_per_step
       # 2. Experience: old and reference log-probs, values, advantages.
       with timer("experience"):
-        batch, row_groups = pack(step_rollout, settings, shards)
+        batch, row_groups = pack_step(step_rollout, settings, shards)
         skip = skip_no_signal and no_signal_in_rewards(batch, settings.loss)
         batch = jax.device_put(batch, sharding.batch_sharding(mesh, 1))
         experience, experience_metrics = None, {}

@@ -128,12 +128,12 @@ def test_splash_kernel_runs_per_shard_under_a_mesh():
 
 
 def test_auto_picks_the_kernel_by_backend():
-  assert attention.resolve("auto", "tpu") == "splash"
-  assert attention.resolve("auto", "cpu") == "flash"
-  assert attention.resolve("auto", "gpu") == "flash"
-  assert attention.resolve("dense", "tpu") == "dense"
+  assert attention.choose("auto", "tpu") == "splash"
+  assert attention.choose("auto", "cpu") == "flash"
+  assert attention.choose("auto", "gpu") == "flash"
+  assert attention.choose("dense", "tpu") == "dense"
   with pytest.raises(ValueError, match="not one of"):
-    attention.resolve("flashy")
+    attention.choose("flashy")
 
 
 def test_flash_block_grows_only_to_bound_the_number_of_blocks():

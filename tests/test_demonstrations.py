@@ -31,7 +31,7 @@ def _replies(record):
 def test_oracle_demos_of_every_train_goal_up_to_depth_2_succeed_on_replay(textcraft):
   task_ids = [t for t in textcraft.task_ids("train") if textcraft.task_info(t)["depth"] <= 2]
   assert len(task_ids) == 352  # 113 goals of depth 1 and 239 of depth 2 in the train split
-  result = demos_lib.collect(textcraft, task_ids)
+  result = demos_lib.demonstrate_tasks(textcraft, task_ids)
   assert result.rejected == []
   assert [d["task_id"] for d in result.demos] == task_ids
   for demo in result.demos:
@@ -82,7 +82,7 @@ def test_replay_rejects_replies_that_do_not_finish_or_fail(textcraft):
 
 def test_demonstrations_are_deterministic(textcraft, babyai):
   for env, task_ids in ((textcraft, textcraft.task_ids("train")[:20]), (babyai, [92, 121])):
-    assert demos_lib.collect(env, task_ids) == demos_lib.collect(env, task_ids)
+    assert demos_lib.demonstrate_tasks(env, task_ids) == demos_lib.demonstrate_tasks(env, task_ids)
 
 
 # --- BabyAI --------------------------------------------------------------------------------
@@ -93,7 +93,7 @@ _BABYAI_TASKS = [90, 92, 93, 99, 101, 103, 109, 121, 127]
 
 
 def test_bot_demos_solve_babyai_tasks_on_replay(babyai):
-  result = demos_lib.collect(babyai, _BABYAI_TASKS)
+  result = demos_lib.demonstrate_tasks(babyai, _BABYAI_TASKS)
   assert result.rejected == []
   for demo in result.demos:
     assert demo["success"] and 0 < demo["reward"] <= 1
@@ -121,7 +121,7 @@ def test_high_level_demos_are_shorter_and_score_at_least_as_well(babyai):
 
 def test_tasks_the_bot_cannot_solve_are_rejected_with_the_reason(babyai):
   # Task 105 is KeyInBox (level 25, seed 2), which BabyAIBot does not solve.
-  result = demos_lib.collect(babyai, [105, 92])
+  result = demos_lib.demonstrate_tasks(babyai, [105, 92])
   assert [d["task_id"] for d in result.demos] == [92]
   assert len(result.rejected) == 1 and result.rejected[0][0] == 105
   assert result.rejected[0][1].startswith("expert failed: BabyAIBot failed")
@@ -140,7 +140,7 @@ def test_sciworld_gold_demos_succeed_on_replay(action_format):
     pytest.skip(str(error))
   with base.make("sciworld", action_format=action_format) as env:
     task_id = env.task_ids("train")[0]  # boil, variation 0: "examine" and "pour" as tool calls
-    result = demos_lib.collect(env, [task_id])
+    result = demos_lib.demonstrate_tasks(env, [task_id])
   assert result.rejected == []
   (demo,) = result.demos
   assert demo["success"] and demo["reward"] == pytest.approx(1.0)
@@ -244,7 +244,7 @@ def test_from_rollouts_rejects_records_without_messages(textcraft):
 
 
 def test_jsonl_round_trip_and_bad_lines(tmp_path, textcraft):
-  demos = demos_lib.collect(textcraft, textcraft.task_ids("train")[:3]).demos
+  demos = demos_lib.demonstrate_tasks(textcraft, textcraft.task_ids("train")[:3]).demos
   path = tmp_path / "sub" / "demos.jsonl"
   assert jsonl.write(path, demos) == 3
   assert jsonl.read(path) == demos
@@ -283,9 +283,9 @@ def _tool_calls(record):
 def test_oracle_demos_succeed_in_the_tool_call_format(textcraft):
   tool_env = base.make("textcraft", action_format="tool_call")
   task_ids = list(tool_env.task_ids("test"))
-  result = demos_lib.collect(tool_env, task_ids)
+  result = demos_lib.demonstrate_tasks(tool_env, task_ids)
   assert result.rejected == [] and len(result.demos) == 100
-  react = demos_lib.collect(textcraft, task_ids[:10]).demos
+  react = demos_lib.demonstrate_tasks(textcraft, task_ids[:10]).demos
   for demo, react_demo in zip(result.demos, react):
     assert demo["tools"] == base.tools_of(tool_env) and len(demo["tools"]) == 3
     assert demo["messages"][0]["content"].startswith(tool_env.instruction)
@@ -303,7 +303,7 @@ def test_oracle_demos_succeed_in_the_tool_call_format(textcraft):
 @pytest.mark.parametrize("action_format", base.ACTION_FORMATS)
 def test_searchqa_expert_answers_every_test_question(action_format):
   env = base.make("searchqa", action_format=action_format)
-  result = demos_lib.collect(env, env.task_ids("test"))
+  result = demos_lib.demonstrate_tasks(env, env.task_ids("test"))
   assert result.rejected == [] and len(result.demos) == 256
   for demo in result.demos:
     assert demo["source"] == "searchqa_hops" and demo["success"] and demo["reward"] == 1.0
@@ -331,7 +331,7 @@ def test_searchqa_has_no_expert_for_questions_without_hops():
 
 
 def test_bot_demos_succeed_in_the_tool_call_format(babyai_tools):
-  result = demos_lib.collect(babyai_tools, _BABYAI_TASKS[:4])
+  result = demos_lib.demonstrate_tasks(babyai_tools, _BABYAI_TASKS[:4])
   assert result.rejected == []
   for demo in result.demos:
     calls = _tool_calls(demo)

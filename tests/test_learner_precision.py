@@ -51,7 +51,7 @@ def _batch(length: int) -> Batch:
   trained on the replies, with REWARDS as outcomes."""
   env = base.make("textcraft", max_depth=2)
   try:
-    demos = demonstrations.collect(env, list(env.task_ids("train"))[:ROWS]).demos
+    demos = demonstrations.demonstrate_tasks(env, list(env.task_ids("train"))[:ROWS]).demos
   finally:
     env.close()
   chat = _smollm2()[1].chat_template()

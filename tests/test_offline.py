@@ -143,7 +143,7 @@ def test_sft_loss_is_the_token_mean_over_reply_tokens_only(checkpoint_dir, tiny_
 def test_sft_on_echo_demonstrations_solves_the_test_split(checkpoint_dir, tmp_path, single_device):
   env = base.make("echo", turns=2)
   # The expert answers each turn with the symbol it is shown.
-  demos = demonstrations.collect(
+  demos = demonstrations.demonstrate_tasks(
       env,
       env.task_ids("train")[:16], source="echo",
       expert=lambda env, task_id: list(env.task_info(task_id)["sequence"])).demos

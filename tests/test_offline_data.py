@@ -27,7 +27,7 @@ def tiny_chat(tmp_path_factory):
 @pytest.fixture(scope="module")
 def textcraft_demos():
   env = base.make("textcraft")
-  return demos_lib.collect(env, env.task_ids("train")[:12]).demos
+  return demos_lib.demonstrate_tasks(env, env.task_ids("train")[:12]).demos
 
 
 def _check_invariants(chat, messages):
@@ -91,7 +91,7 @@ def test_tool_call_demos_tokenize_with_their_tools(chat_family, tmp_path):
   tiny.write_tokenizer(tmp_path, chat_family)
   chat = Tokenizer.from_pretrained(tmp_path).chat
   env = base.make("textcraft", action_format="tool_call")
-  (demo,) = demos_lib.collect(env, env.task_ids("train")[:1]).demos
+  (demo,) = demos_lib.demonstrate_tasks(env, env.task_ids("train")[:1]).demos
   messages, tools = demo["messages"], demo["tools"]
   tokens, loss_mask = offline_data.tokenize_conversation(chat, messages, tools)
   # The prompt shows the tools as the template does; the rest follows turn by turn, up to what

@@ -93,10 +93,10 @@ def test_resumed_run_matches_uninterrupted_run(checkpoint_dir, tmp_path, single_
 
 
 def test_rows_pad_to_few_lengths_with_under_a_third_of_a_row_of_padding():
-  assert [batch.bucket(n) for n in (1, 128, 129, 193, 740, 769, 1025, 1300, 1537)
+  assert [batch.packed_length(n) for n in (1, 128, 129, 193, 740, 769, 1025, 1300, 1537)
          ] == [128, 128, 192, 256, 768, 1024, 1536, 1536, 2048]
   lengths = np.arange(129, 20000)
-  widths = np.array([batch.bucket(int(n)) for n in lengths])
+  widths = np.array([batch.packed_length(int(n)) for n in lengths])
   assert (widths >= lengths).all() and (widths < 1.5 * lengths).all()
   assert len(set(widths.tolist())) == 15  # 192, 256, 384, ..., 16384, 24576: two an octave.
 
@@ -160,7 +160,7 @@ def test_launch_train_local_config_on_embedded_model(tmp_path):
       "--config.horizon.caps=(2,)",
       "--config.checkpoint.every=1",
       # The recipe's warm start and stage evaluations are tested on the tiny model
-      # (tests/test_pipeline.py); here the RL run alone.
+      # (tests/test_recipe.py); here the RL run alone.
       "--config.warm_start.steps=0",
       "--config.eval.stages=False",
       devices=1,

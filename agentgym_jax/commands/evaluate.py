@@ -13,7 +13,7 @@ evaluation is played.
 
 from absl import app, flags
 
-from agentgym_jax import cli, evaluation, metrics, paths, pipeline, run
+from agentgym_jax import cli, evaluation, metrics, paths, recipe, run
 
 _CONFIG = cli.define_config()
 _MODEL = flags.DEFINE_string("model", None, "Registry name or HF directory; default: config's.")
@@ -30,7 +30,7 @@ def _evaluate() -> None:
   if _OUT.value:
     cli.check_output_file(_OUT.value, f"--out={_OUT.value}")
   if _TRAJECTORIES.value:
-    cli.check_directory(_TRAJECTORIES.value, f"--trajectories={_TRAJECTORIES.value}")
+    cli.directory_flag(_TRAJECTORIES.value, f"--trajectories={_TRAJECTORIES.value}")
   plan, bars = settings.evaluation, []
 
   def start(tasks: int):
@@ -40,7 +40,7 @@ def _evaluate() -> None:
     bars.append(metrics.ProgressBar(tasks * plan.samples_per_task, unit="episode"))
     return lambda done, _: bars[0].update(done)
 
-  summary, trajectories = pipeline.evaluate_policy(settings, _MODEL.value, _ROWS.value, start)
+  summary, trajectories = recipe.evaluate_policy(settings, _MODEL.value, _ROWS.value, start)
   for bar in bars:
     bar.close()
   print(evaluation.format_table(summary))

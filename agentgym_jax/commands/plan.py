@@ -117,7 +117,7 @@ def _plan() -> None:
   tables = []
   if meshes:
     tables.append(
-        memory.format_table(_MODEL.value, [
+        memory.plan_table(_MODEL.value, [
             memory.plan(config, make_mesh(shape), _BATCH.value, _SEQ.value, remat=_REMAT.value,
                         attention=_ATTENTION.value, logits_chunk=_LOGITS_CHUNK.value,
                         micro_batch_rows=_MICRO_BATCH_ROWS.value, lora=lora,

@@ -26,7 +26,7 @@ def _plot() -> None:
     raise app.UsageError(f"--smoothing={_SMOOTHING.value} must be in [0, 1)")
   cli.check_run_directory(_WORKDIR.value, f"--workdir={_WORKDIR.value}")
   out_dir = _OUT_DIR.value or os.path.join(_WORKDIR.value, "plots")
-  cli.check_directory(out_dir, f"--out_dir={out_dir}")
+  cli.directory_flag(out_dir, f"--out_dir={out_dir}")
   try:
     written = plots.write_plots(_WORKDIR.value, out_dir, smoothing=_SMOOTHING.value)
   except ValueError as error:  # A directory without metrics.

@@ -25,7 +25,7 @@ import os
 import jax
 from absl import app, flags
 
-from agentgym_jax import cli, offline, pipeline, sharding
+from agentgym_jax import cli, offline, recipe, sharding
 from agentgym_jax import config as config_lib
 
 _CONFIG = cli.define_config()
@@ -71,7 +71,7 @@ def _train() -> None:
   if config.mode != "rl":
     offline.train_offline(config, workdir)
   else:
-    pipeline.train(config, workdir)
+    recipe.train(config, workdir)
 
 
 def main() -> None:

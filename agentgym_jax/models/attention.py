@@ -17,7 +17,7 @@ A decode step (one new query per row against the row's cached keys) runs `decode
 which reads each row's live slots only, chunk by chunk (a split-K flash decode over ragged
 rows): its cost follows the tokens the rows hold, not the cache's size.
 
-`resolve` is the one place that picks an implementation by backend: splash on TPU, flash
+`choose` is the one place that picks an implementation by backend: splash on TPU, flash
 elsewhere. Segment ids [B, T] (optional) restrict attention to keys of the query's segment; a
 padded row carries its attention mask (1 real, 0 padding) as segment ids, which hides padding
 keys from every real query. Every query sees at least itself, so no softmax row is empty.
@@ -66,13 +66,13 @@ DECODE_CHUNK = 64
 CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
 
 
-def resolve(implementation: str, backend: str | None = None) -> str:
-  """The implementation `implementation` runs on `backend` (default: JAX's): auto is splash on
-  TPU and flash elsewhere."""
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"attention {implementation!r} is not one of {IMPLEMENTATIONS}")
-  if implementation != "auto":
-    return implementation
+def choose(name: str, backend: str | None = None) -> str:
+  """The implementation that attention `name` runs on `backend` (default: JAX's): auto is
+  splash on TPU and flash elsewhere."""
+  if name not in IMPLEMENTATIONS:
+    raise ValueError(f"attention {name!r} is not one of {IMPLEMENTATIONS}")
+  if name != "auto":
+    return name
   return "splash" if (backend or jax.default_backend()) == "tpu" else "flash"
 
 
@@ -86,7 +86,7 @@ def causal_attention(q: Array, k: Array, v: Array, segment_ids: Array | None, *,
   0 is a prompt every segment sees (the module docstring; needs segment ids, runs flash in place
   of splash).
   """
-  implementation = resolve(implementation)
+  implementation = choose(implementation)
   if shared_prompt and segment_ids is None:
     raise ValueError("a shared prompt needs segment ids")
   if implementation == "dense":

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from agentgym_jax import config as config_lib
-from agentgym_jax import demonstrations, evaluation, metrics, pipeline, rollout, run, trainer
+from agentgym_jax import demonstrations, evaluation, metrics, recipe, rollout, run, trainer
 from agentgym_jax.config import set_key
 from rl_helpers import check_config, conversation, jsonl_file
 
@@ -52,12 +52,12 @@ def test_rl_starts_from_the_warm_started_policy_and_a_stopped_warm_start_resumes
 
   monkeypatch.setattr(run.Settings, "export_policy", stop_once)
   with pytest.raises(KeyboardInterrupt):
-    pipeline.train(c, tmp_path / "run")
+    recipe.train(c, tmp_path / "run")
   policies = []
   rl_train = trainer.train
   monkeypatch.setattr(trainer, "train",
                       lambda rl, workdir: policies.append(rl.model.name) or rl_train(rl, workdir))
-  history = pipeline.train(c, tmp_path / "run")
+  history = recipe.train(c, tmp_path / "run")
 
   warm = tmp_path / "run" / "warm_start"
   # The SFT run resumed at its step-4 checkpoint: 4 logged steps, none twice, then exported.
@@ -66,9 +66,9 @@ def test_rl_starts_from_the_warm_started_policy_and_a_stopped_warm_start_resumes
   assert policies == [str(warm / "export")]
   assert [row["step"] for row in history] == [1, 2]
   # Started again once finished, the warm start is not run a second time.
-  monkeypatch.setattr(pipeline.offline, "train_offline",
+  monkeypatch.setattr(recipe.offline, "train_offline",
                       lambda *args: pytest.fail("the warm start ran twice"))
-  assert pipeline.warm_start(c, warm) == warm / "export"
+  assert recipe.warm_start(c, warm) == warm / "export"
 
 
 def test_demonstrations_are_made_with_the_expert_once(tmp_path, monkeypatch):
@@ -76,12 +76,13 @@ def test_demonstrations_are_made_with_the_expert_once(tmp_path, monkeypatch):
   c.env.name = "textcraft"
   c.warm_start.steps = 1
   c.warm_start.max_tasks = 2
-  path = pipeline.demonstrations_file(c, tmp_path)
+  path = recipe.demonstrations_file(c, tmp_path)
   records = [json.loads(line) for line in path.read_text().splitlines()]
   assert len(records) == 2 and all(
       r["success"] and r["source"] == demonstrations.ORACLE for r in records)
-  monkeypatch.setattr(demonstrations, "collect", lambda *a, **k: pytest.fail("made twice"))
-  assert pipeline.demonstrations_file(c, tmp_path) == path
+  monkeypatch.setattr(demonstrations, "demonstrate_tasks",
+                      lambda *a, **k: pytest.fail("made twice"))
+  assert recipe.demonstrations_file(c, tmp_path) == path
 
 
 def test_demonstrations_are_made_in_the_runs_action_format(tmp_path):
@@ -91,8 +92,7 @@ def test_demonstrations_are_made_in_the_runs_action_format(tmp_path):
   c.warm_start.steps = 1
   c.warm_start.max_tasks = 2
   records = [
-      json.loads(line)
-      for line in pipeline.demonstrations_file(c, tmp_path).read_text().splitlines()
+      json.loads(line) for line in recipe.demonstrations_file(c, tmp_path).read_text().splitlines()
   ]
   assert len(records) == 2 and all(r["source"] == demonstrations.HOPS for r in records)
   for record in records:
@@ -121,7 +121,7 @@ def test_each_stage_is_evaluated_once_and_tabled(checkpoint_dir, tmp_path, monke
   c.eval.stages = True
   c.eval.max_tasks = 4
   c.eval.horizon = 1
-  pipeline.train(c, tmp_path / "run")
+  recipe.train(c, tmp_path / "run")
   evaluated = tmp_path / "run" / "evaluation"
   summaries = {
       stage: json.loads((evaluated / f"{name}.json").read_text())
@@ -132,22 +132,22 @@ def test_each_stage_is_evaluated_once_and_tabled(checkpoint_dir, tmp_path, monke
     task_ids = [t["task_id"] for t in s["tasks"]]
     assert task_ids == sorted(task_ids) and all(len(t["success"]) == 1 for t in s["tasks"])
   # The RL stage is the exported policy, played as launch/evaluate.py plays it.
-  direct, _ = pipeline.evaluate_policy(run.Settings.from_config(c),
-                                       str(tmp_path / "run" / "export"), 4)
+  direct, _ = recipe.evaluate_policy(run.Settings.from_config(c), str(tmp_path / "run" / "export"),
+                                     4)
   assert direct == summaries["RL"]
   table = (evaluated / "table.txt").read_text()
-  assert table.strip() == pipeline.stage_table(summaries)
+  assert table.strip() == recipe.stage_table(summaries)
   assert [line.split(":")[0] for line in table.splitlines() if " -> " in line
          ] == ["initial -> warm start", "warm start -> RL"]
-  assert pipeline.stage_table(summaries) in capsys.readouterr().out
+  assert recipe.stage_table(summaries) in capsys.readouterr().out
   # Run again, nothing is played or trained twice and the table is the same; nor, with the
   # workdir's summaries gone, is a policy played again: each stage's is in the cache.
-  monkeypatch.setattr(pipeline, "evaluate_policy", lambda *a, **k: pytest.fail("played twice"))
-  pipeline.train(c, tmp_path / "run")
+  monkeypatch.setattr(recipe, "evaluate_policy", lambda *a, **k: pytest.fail("played twice"))
+  recipe.train(c, tmp_path / "run")
   assert (evaluated / "table.txt").read_text() == table
   assert len(list((tmp_path / "evaluation_cache").iterdir())) == 3
   shutil.rmtree(evaluated)
-  pipeline.train(c, tmp_path / "run")
+  recipe.train(c, tmp_path / "run")
   assert (evaluated / "table.txt").read_text() == table
   assert capsys.readouterr().out.count("reused the") == 3
 
@@ -162,7 +162,7 @@ def _summary(avg, pass_, by_category):
 
 
 def test_the_stage_table_has_a_row_per_category_and_a_column_pair_per_stage():
-  table = pipeline.stage_table({
+  table = recipe.stage_table({
       "initial": _summary(0.0, 0.0, {"depth1": (2, 0.0, 0.0), "depth2": (2, 0.0, 0.0)}),
       "RL": _summary(0.375, 0.5, {"depth1": (2, 0.75, 1.0), "depth2": (2, 0.0, 0.0)}),
   })
@@ -181,7 +181,7 @@ def test_the_stage_table_has_a_row_per_category_and_a_column_pair_per_stage():
 
 
 def test_a_stage_without_a_category_shows_dashes():
-  table = pipeline.stage_table({
+  table = recipe.stage_table({
       "initial": _summary(0.0, 0.0, {"depth1": (2, 0.0, 0.0)}),
       "RL": _summary(0.5, 0.5, {"depth1": (1, 1.0, 1.0), "depth2": (1, 0.0, 0.0)}),
   })
@@ -199,7 +199,7 @@ def _played(successes, categories):
 
 def test_the_stage_table_compares_each_stage_with_the_one_before_task_by_task():
   categories = {t: "depth1" if t < 5 else "depth2" for t in range(10)}
-  table = pipeline.stage_table({
+  table = recipe.stage_table({
       "initial": _played({9}, categories), "warm start": _played({9}, categories),
       "RL": _played(set(range(8)), categories)
   })
@@ -219,7 +219,7 @@ def test_a_stage_summary_without_per_task_records_is_tabled_without_a_paired_tes
   categories = {0: "all", 1: "all"}
   old, new = _played({0}, categories), _played({0, 1}, categories)
   del old["tasks"]
-  table = pipeline.stage_table({"initial": old, "RL": new})
+  table = recipe.stage_table({"initial": old, "RL": new})
   assert table.splitlines()[-1] == (
       "initial -> RL: the paired test needs per-task records; the summary of initial has none "
       "(written before they were kept; delete it to evaluate again)")
@@ -228,7 +228,7 @@ def test_a_stage_summary_without_per_task_records_is_tabled_without_a_paired_tes
 
 @pytest.fixture
 def plays(monkeypatch):
-  """The policies played by pipeline.evaluate_policy, which is replaced by one that plays
+  """The policies played by recipe.evaluate_policy, which is replaced by one that plays
   nothing and returns the summary of one solved and one failed task."""
   played = []
 
@@ -236,12 +236,12 @@ def plays(monkeypatch):
     played.append(model_name)
     return _played({0}, {0: "all", 1: "all"}), []
 
-  monkeypatch.setattr(pipeline, "evaluate_policy", play)
+  monkeypatch.setattr(recipe, "evaluate_policy", play)
   return played
 
 
 def evaluate(c, policy, workdir):
-  return pipeline.evaluate_stage(c, "initial", str(policy), workdir / "evaluation" / "initial.json")
+  return recipe.evaluate_stage(c, "initial", str(policy), workdir / "evaluation" / "initial.json")
 
 
 def test_a_policy_evaluated_with_the_same_settings_is_not_played_again_in_another_workdir(

@@ -150,7 +150,7 @@ def evaluation_settings(settings: run.Settings, rows: int) -> dict[str, Any]:
   c, plan = settings.config, settings.evaluation
   dtype = hardware.matmul_dtype(c.model.dtype)
   mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
-  implementation, device = attention.resolve(c.model.attention), jax.devices()[0]
+  implementation, device = attention.choose(c.model.attention), jax.devices()[0]
   return {
       "code": evaluation.source_fingerprint(), "env": c.env.name,
       "env_options": config_lib.env_options(c), "action_format": c.env.action_format,
@@ -277,7 +277,7 @@ def demonstrations_file(c: ml_collections.ConfigDict, directory: paths.Path) -> 
     task_ids = list(env.task_ids("train"))
     if c.warm_start.max_tasks:
       task_ids = task_ids[:c.warm_start.max_tasks]
-    made = demonstrations.collect(env, task_ids)
+    made = demonstrations.demonstrate_tasks(env, task_ids)
   finally:
     env.close()
   if not made.demos:
