@@ -1,4 +1,5 @@
-"""The learner: per-token log-probs of a batch of trajectories and the jitted policy update.
+"""The learner: per-token log-probs of a batch of trajectories and the jitted policy update,
+and the offline updates (an SFT step, a DPO step) that offline.py's loop runs.
 
 Every per-token array it computes (logprobs, entropies, values, advantages) is aligned with the
 *targets* tokens[:, 1:] of its `Batch` (agentgym_jax/batch.py).
@@ -484,3 +485,77 @@ def take_batch(batch: Batch, rows: np.ndarray, row_groups: np.ndarray | None = N
   local = {group: i for i, group in enumerate(used)}
   local_rows = np.asarray([local[g] for g in row_groups[rows].tolist()], np.int32)
   return taken.replace(shared=_take_shared(shared, rows, packed).replace(rows=local_rows))
+
+
+# --- the offline updates: SFT and DPO (offline.py's loop) ----------------------------------
+
+
+def sft_objective(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch, loss: LossConfig,
+                  frozen: nnx.State | None = None,
+                  dropout_key: Array | None = None) -> tuple[Array, dict[str, Array]]:
+  """The token-mean NLL of the reply tokens: sum m (-log pi(y_t | y_<t)) / sum m, with m = 1
+  exactly on the assistant reply tokens (and the turn end closing each reply)."""
+  logprobs, _, _ = token_logprobs(graphdef, params, batch, loss, None, frozen, dropout_key)
+  _, _, mask = batch.inputs_and_targets()
+  nll, out = rl.sft_loss(logprobs, mask, aggregation="token-mean")
+  out["trained_tokens"] = jnp.sum(mask)
+  return nll, out
+
+
+def policy_sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch,
+                             loss: LossConfig, frozen: nnx.State | None = None,
+                             dropout_key: Array | None = None) -> Array:
+  """f32[N]: log pi(y) summed over each row's reply tokens."""
+  logprobs, _, _ = token_logprobs(graphdef, params, batch, loss, None, frozen, dropout_key)
+  _, _, mask = batch.inputs_and_targets()
+  return rl.sequence_logprobs(logprobs, mask)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss"))
+def reference_logprobs(graphdef: nnx.GraphDef, ref_params: nnx.State, pairs: Batch, *,
+                       loss: LossConfig, frozen: nnx.State | None = None) -> Array:
+  """f32[2B]: the frozen reference's sequence log-probs of chosen-then-rejected rows."""
+  return policy_sequence_logprobs(graphdef, ref_params, pairs, loss, frozen)
+
+
+def dpo_objective(params: nnx.State, graphdef: nnx.GraphDef, pairs: Batch, ref_logprobs: Array,
+                  loss: LossConfig, beta: float, frozen: nnx.State | None = None,
+                  dropout_key: Array | None = None) -> tuple[Array, dict[str, Array]]:
+  """The DPO loss of chosen-then-rejected rows (offline.stack_pairs): the mean over pairs of
+  -log sigmoid(beta (log pi(y_w) - log pi_ref(y_w)) - beta (log pi(y_l) - log pi_ref(y_l)))."""
+  policy = policy_sequence_logprobs(graphdef, params, pairs, loss, frozen, dropout_key)
+  num_pairs = policy.shape[0] // 2
+  value, out = rl.dpo_loss(policy[:num_pairs], policy[num_pairs:], ref_logprobs[:num_pairs],
+                           ref_logprobs[num_pairs:], beta=beta)
+  out["chosen_logprob"] = jnp.mean(policy[:num_pairs])
+  out["rejected_logprob"] = jnp.mean(policy[num_pairs:])
+  return value, out
+
+
+def _apply_gradients(params: nnx.State, opt_state: optax.OptState, grads: nnx.State,
+                     optimizer: optax.GradientTransformation, out: dict[str, Array]):
+  out["grad_norm"] = optax.global_norm(grads)
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  out["nonfinite_steps"] = opt_state.notfinite_count
+  return optax.apply_updates(params, updates), opt_state, out
+
+
+def sft_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptState, batch: Batch,
+             frozen: nnx.State | None, dropout_key: Array | None, *,
+             optimizer: optax.GradientTransformation, loss: LossConfig):
+  """One SFT optimizer step. Returns (params, opt_state, metrics)."""
+  (value, out), grads = jax.value_and_grad(sft_objective, has_aux=True)(params, graphdef, batch,
+                                                                        loss, frozen, dropout_key)
+  out["loss"] = value
+  return _apply_gradients(params, opt_state, grads, optimizer, out)
+
+
+def dpo_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptState, pairs: Batch,
+             ref_logprobs: Array, frozen: nnx.State | None, dropout_key: Array | None, *,
+             optimizer: optax.GradientTransformation, loss: LossConfig, beta: float):
+  """One DPO optimizer step on chosen-then-rejected rows. Returns (params, opt_state, metrics)."""
+  (value, out), grads = jax.value_and_grad(dpo_objective,
+                                           has_aux=True)(params, graphdef, pairs, ref_logprobs,
+                                                         loss, beta, frozen, dropout_key)
+  out["loss"] = value
+  return _apply_gradients(params, opt_state, grads, optimizer, out)

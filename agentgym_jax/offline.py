@@ -45,16 +45,14 @@ import os
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
 from agentgym_jax import evaluation, hooks, learner, metrics, paths
-from agentgym_jax import offline_data, rl, run, sharding
+from agentgym_jax import offline_data, run, sharding
 from agentgym_jax.batch import Batch
 from agentgym_jax.models import Decoder
 from agentgym_jax.models.tokenizer import ChatTemplate
@@ -149,78 +147,6 @@ def conversation_tokens(batch: Batch) -> int:
   return int(np.sum(np.where(mask.any(axis=1), lengths, 0)))
 
 
-# --- losses and update steps --------------------------------------------------------------
-
-
-def sft_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch, loss: learner.LossConfig,
-             frozen: nnx.State | None = None,
-             dropout_key: Array | None = None) -> tuple[Array, dict[str, Array]]:
-  """The token-mean NLL of the reply tokens (module docstring, SFT)."""
-  logprobs, _, _ = learner.token_logprobs(graphdef, params, batch, loss, None, frozen, dropout_key)
-  _, _, mask = batch.inputs_and_targets()
-  nll, out = rl.sft_loss(logprobs, mask, aggregation="token-mean")
-  out["trained_tokens"] = jnp.sum(mask)
-  return nll, out
-
-
-def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch,
-                      loss: learner.LossConfig, frozen: nnx.State | None = None,
-                      dropout_key: Array | None = None) -> Array:
-  """f32[N]: log pi(y) summed over each row's reply tokens."""
-  logprobs, _, _ = learner.token_logprobs(graphdef, params, batch, loss, None, frozen, dropout_key)
-  _, _, mask = batch.inputs_and_targets()
-  return rl.sequence_logprobs(logprobs, mask)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "loss"))
-def reference_logprobs(graphdef: nnx.GraphDef, ref_params: nnx.State, pairs: Batch, *,
-                       loss: learner.LossConfig, frozen: nnx.State | None = None) -> Array:
-  """f32[2B]: the frozen reference's sequence log-probs of `stack_pairs` rows."""
-  return sequence_logprobs(graphdef, ref_params, pairs, loss, frozen)
-
-
-def dpo_loss(params: nnx.State, graphdef: nnx.GraphDef, pairs: Batch, ref_logprobs: Array,
-             loss: learner.LossConfig, beta: float, frozen: nnx.State | None = None,
-             dropout_key: Array | None = None) -> tuple[Array, dict[str, Array]]:
-  """The DPO loss of `stack_pairs` rows (module docstring, DPO)."""
-  policy = sequence_logprobs(graphdef, params, pairs, loss, frozen, dropout_key)
-  num_pairs = policy.shape[0] // 2
-  value, out = rl.dpo_loss(policy[:num_pairs], policy[num_pairs:], ref_logprobs[:num_pairs],
-                           ref_logprobs[num_pairs:], beta=beta)
-  out["chosen_logprob"] = jnp.mean(policy[:num_pairs])
-  out["rejected_logprob"] = jnp.mean(policy[num_pairs:])
-  return value, out
-
-
-def _apply(params: nnx.State, opt_state: optax.OptState, grads: nnx.State,
-           optimizer: optax.GradientTransformation, out: dict[str, Array]):
-  out["grad_norm"] = optax.global_norm(grads)
-  updates, opt_state = optimizer.update(grads, opt_state, params)
-  out["nonfinite_steps"] = opt_state.notfinite_count
-  return optax.apply_updates(params, updates), opt_state, out
-
-
-def sft_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptState, batch: Batch,
-             frozen: nnx.State | None, dropout_key: Array | None, *,
-             optimizer: optax.GradientTransformation, loss: learner.LossConfig):
-  """One SFT optimizer step. Returns (params, opt_state, metrics)."""
-  (value, out), grads = jax.value_and_grad(sft_loss, has_aux=True)(params, graphdef, batch, loss,
-                                                                   frozen, dropout_key)
-  out["loss"] = value
-  return _apply(params, opt_state, grads, optimizer, out)
-
-
-def dpo_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptState, pairs: Batch,
-             ref_logprobs: Array, frozen: nnx.State | None, dropout_key: Array | None, *,
-             optimizer: optax.GradientTransformation, loss: learner.LossConfig, beta: float):
-  """One DPO optimizer step on `stack_pairs` rows. Returns (params, opt_state, metrics)."""
-  (value, out), grads = jax.value_and_grad(dpo_loss,
-                                           has_aux=True)(params, graphdef, pairs, ref_logprobs,
-                                                         loss, beta, frozen, dropout_key)
-  out["loss"] = value
-  return _apply(params, opt_state, grads, optimizer, out)
-
-
 # --- the loop ------------------------------------------------------------------------------
 
 
@@ -236,9 +162,9 @@ def make_update(settings: run.Settings, graphdef: nnx.GraphDef, params: nnx.Stat
   param_shardings, opt_shardings = sharding.train_state_shardings(
       params, jax.eval_shape(optimizer.init, params), mesh)
   if settings.mode == "sft":
-    step = functools.partial(sft_step, graphdef, optimizer=optimizer, loss=settings.loss)
+    step = functools.partial(learner.sft_step, graphdef, optimizer=optimizer, loss=settings.loss)
   else:
-    step = functools.partial(dpo_step, graphdef, optimizer=optimizer, loss=settings.loss,
+    step = functools.partial(learner.dpo_step, graphdef, optimizer=optimizer, loss=settings.loss,
                              beta=settings.dpo_beta)
   return (jax.jit(optimizer.init, out_shardings=opt_shardings),
           jax.jit(step, donate_argnums=(0, 1),
@@ -318,7 +244,7 @@ def train_offline(c: ml_collections.ConfigDict,
       if mode == "dpo":
         with timer("reference"):
           inputs += (jax.block_until_ready(
-              reference_logprobs(graphdef, ref_params, batch, loss=loss, frozen=frozen)),)
+              learner.reference_logprobs(graphdef, ref_params, batch, loss=loss, frozen=frozen)),)
       with timer("update"):
         params, opt_state, step_metrics = update(state.params, state.opt_state, *inputs, frozen,
                                                  settings.dropout_key(step, 0))

@@ -155,7 +155,7 @@ class Settings:
                 max_length=c.data.max_length)
     return cls(config=c, mode=c.mode, seed=c.seed, steps=c.steps, schedule=schedule,
                sampling=turn(temperature=r.temperature), evaluation=evaluation,
-               optimizer=make_optimizer(c), offload_optimizer=c.optim.offload_state,
+               optimizer=configured_optimizer(c), offload_optimizer=c.optim.offload_state,
                loss=_loss_config(c), rows=r.tasks_per_step * r.samples_per_task,
                tasks_per_step=r.tasks_per_step, samples_per_task=r.samples_per_task,
                dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
@@ -485,7 +485,7 @@ def learning_rate_schedule(c: ml_collections.ConfigDict) -> optax.Schedule:
   return optax.constant_schedule(o.learning_rate)
 
 
-def make_optimizer(c: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def configured_optimizer(c: ml_collections.ConfigDict) -> optax.GradientTransformation:
   """The run's optimizer from config.optim (AdamW after clipping, non-finite steps skipped)."""
   return learner.make_optimizer(learning_rate_schedule(c), weight_decay=c.optim.weight_decay,
                                 b1=c.optim.b1, b2=c.optim.b2, eps=c.optim.eps,

@@ -69,7 +69,7 @@ def _trained_params(c, workdir):
   """The policy parameters of the newest checkpoint in `workdir`, restored as a resume does."""
   model, _ = load_model(c.model.name)
   _, params = nnx.split(model)
-  template = run.RunState(params, None, run.make_optimizer(c).init(params)).tree()
+  template = run.RunState(params, None, run.configured_optimizer(c).init(params)).tree()
   with checkpoint.Checkpointer(pathlib.Path(workdir) / "checkpoints") as checkpointer:
     restored, _ = checkpointer.restore(template)
   return restored["params"]
@@ -108,7 +108,7 @@ def test_sft_loss_is_the_token_mean_over_reply_tokens_only(checkpoint_dir, tiny_
   batches = offline_data.sft_batches(DEMOS[:2], tokenizer.chat, batch_size=2, max_length=32)
   batch = batches.batch(0)
   loss_config = learner.LossConfig(logprob_chunk=8)
-  loss, out = offline.sft_loss(params, graphdef, batch, loss_config)
+  loss, out = learner.sft_objective(params, graphdef, batch, loss_config)
 
   # Reference from full logits: -log p of each next token, averaged over the reply tokens.
   # The rows train 2 and 6 tokens: a token mean weighs the 8 tokens equally, where a mean of
@@ -131,8 +131,8 @@ def test_sft_loss_is_the_token_mean_over_reply_tokens_only(checkpoint_dir, tiny_
     written = observation[:perturbed.shape[1] - end]
     perturbed[row, end:end + len(written)] = written
   assert not np.array_equal(perturbed, batch.tokens)
-  loss_of = lambda **changes: offline.sft_loss(params, graphdef, batch.replace(**changes),
-                                               loss_config)[0]
+  loss_of = lambda **changes: learner.sft_objective(params, graphdef, batch.replace(**changes),
+                                                    loss_config)[0]
   np.testing.assert_allclose(loss_of(tokens=perturbed), loss, rtol=1e-6)
   # ... though a loss over every position would.
   unmasked = np.ones_like(batch.loss_mask)
