@@ -28,33 +28,28 @@ import agentgym_jax
 import environments
 from agentgym_jax import paths, rollout
 from agentgym_jax.models import gguf, lora, resolve
-from agentgym_jax.models.tokenizer import ChatTemplate
-from agentgym_jax.sampling import Sampler
 from environments.pool import EnvPool
 
 
 def evaluate(
-    sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate, task_ids: Sequence[int], *,
-    samples_per_task: int, horizon: int, sampling: rollout.TurnSampling, max_context: int,
-    key: jax.Array, rows_per_batch: int, groups: int = 1,
-    progress: Callable[[int, int], None] | None = None
+    player: rollout.Player, task_ids: Sequence[int], *, samples_per_task: int, horizon: int,
+    key: jax.Array, rows_per_batch: int, progress: Callable[[int, int], None] | None = None
 ) -> tuple[dict[str, Any], list[rollout.Trajectory]]:
-  """Plays every task `samples_per_task` times, `rows_per_batch` episodes at once in `groups`
-  pipelined groups (`rollout.collect`); returns (summary, trajectories). `progress(done, total)`
-  is called with the episodes played after each batch."""
+  """Plays every task `samples_per_task` times with `player`, `rows_per_batch` episodes at once
+  in the player's pipelined groups (`rollout.collect`); returns (summary, trajectories).
+  `progress(done, total)` is called with the episodes played after each batch."""
   plays = [
       (task_id, index) for index, task_id in enumerate(task_ids) for _ in range(samples_per_task)
   ]
   trajectories: list[rollout.Trajectory] = []
   for start in range(0, len(plays), rows_per_batch):
     chunk = plays[start:start + rows_per_batch]
-    played, _ = rollout.collect(sampler, params, pool, chat, chunk, horizon=horizon,
-                                sampling=sampling, max_context=max_context,
-                                key=jax.random.fold_in(key, start), groups=min(groups, len(chunk)))
+    played, _ = rollout.collect(player.in_groups(len(chunk)), chunk, horizon=horizon,
+                                key=jax.random.fold_in(key, start))
     trajectories.extend(played)
     if progress is not None:
       progress(len(trajectories), len(plays))
-  return summarize(trajectories, task_categories(pool, task_ids)), trajectories
+  return summarize(trajectories, task_categories(player.pool, task_ids)), trajectories
 
 
 def as_metrics(summary: dict[str, Any]) -> dict[str, float]:

@@ -16,7 +16,7 @@ it. Rollouts are played per process:
 
 Advantages are computed on the global batch, so a GRPO group is normalised over all its
 samples wherever they were played. The sampler draws row r's tokens from fold_in(key, r) with
-the global row r (`rollout.collect(first_row=...)`), so P processes sample what one process
+the global row r (`rollout.collect`'s first_row), so P processes sample what one process
 sampling all R rows would.
 
 On one process every function here is the identity: the sampler shares the training mesh and

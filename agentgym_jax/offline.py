@@ -183,11 +183,10 @@ def make_evaluator(settings: run.Settings, mesh: Mesh, model: Decoder, chat: Cha
   key = jax.random.key(settings.seed)
 
   def evaluate(params: nnx.State, step: int) -> dict[str, float]:
-    summary, _ = evaluation.evaluate(sampler, params, pool, chat, task_ids,
+    summary, _ = evaluation.evaluate(settings.player(sampler, params, pool, chat,
+                                                     plan.sampling), task_ids,
                                      samples_per_task=plan.samples_per_task, horizon=plan.horizon,
-                                     sampling=plan.sampling, max_context=settings.max_context,
-                                     key=jax.random.fold_in(key, step), rows_per_batch=rows,
-                                     groups=settings.pipeline_groups)
+                                     key=jax.random.fold_in(key, step), rows_per_batch=rows)
     return evaluation.as_metrics(summary)
 
   return evaluate

@@ -86,11 +86,10 @@ def evaluate_policy(
   sampler = settings.sampler(model, mesh, rows)
   with settings.env_pool(rows) as pool:
     task_ids = plan.tasks(pool)
-    return evaluation.evaluate(sampler, sampler.params, pool, settings.chat(tokenizer), task_ids,
-                               samples_per_task=plan.samples_per_task, horizon=plan.horizon,
-                               sampling=plan.sampling, max_context=settings.max_context,
-                               key=jax.random.key(settings.seed), rows_per_batch=rows,
-                               groups=settings.pipeline_groups,
+    player = settings.player(sampler, sampler.params, pool, settings.chat(tokenizer), plan.sampling)
+    return evaluation.evaluate(player, task_ids, samples_per_task=plan.samples_per_task,
+                               horizon=plan.horizon, key=jax.random.key(settings.seed),
+                               rows_per_batch=rows,
                                progress=start(len(task_ids)) if start else None)
 
 

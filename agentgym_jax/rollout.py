@@ -130,41 +130,60 @@ class RolloutStats:
     return cls(*(sum(getattr(s, f.name) for s in parts) for f in dataclasses.fields(cls)))
 
 
-def collect_waves(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
-                  tasks: Sequence[tuple[int, int]], *, wave_rows: int, first_row: int = 0,
-                  groups: int = 1, **kwargs: Any) -> tuple[list[Trajectory], RolloutStats]:
+@dataclasses.dataclass(frozen=True)
+class Player:
+  """What plays episodes: a sampler with the policy's parameters, the environment pool, the
+  chat layout, how each turn samples, the context limit, and the pipelined groups a call splits
+  its rows into (`collect`).
+  """
+
+  sampler: Sampler
+  params: Any
+  pool: EnvPool
+  chat: ChatTemplate
+  sampling: TurnSampling
+  max_context: int
+  groups: int = 1
+
+  def in_groups(self, rows: int) -> Player:
+    """This player for a call of `rows` rows: at most that many groups."""
+    return dataclasses.replace(self, groups=min(self.groups, rows))
+
+
+def collect_waves(player: Player, tasks: Sequence[tuple[int, int]], *, wave_rows: int, horizon: int,
+                  key: jax.Array, first_row: int = 0) -> tuple[list[Trajectory], RolloutStats]:
   """`collect` over `tasks` in consecutive waves of `wave_rows` trajectories, each wave on
   the sampler's rows and the pool's slots from 0. A trajectory draws from the keys of its row
   in the whole (first_row + its index), as in one call; only one wave's cache and episodes are
-  alive at a time. `kwargs` are `collect`'s."""
+  alive at a time."""
   played, stats = [], []
   for start in range(0, len(tasks), wave_rows):
     wave = tasks[start:start + wave_rows]
-    trajectories, wave_stats = collect(sampler, params, pool, chat, wave,
-                                       first_row=first_row + start, groups=min(groups,
-                                                                               len(wave)), **kwargs)
+    trajectories, wave_stats = collect(player.in_groups(len(wave)), wave, horizon=horizon, key=key,
+                                       first_row=first_row + start)
     played.extend(trajectories)
     stats.append(wave_stats)
   return played, RolloutStats.total(stats)
 
 
-def collect(sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
-            tasks: Sequence[tuple[int, int]], *, horizon: int, sampling: TurnSampling,
-            max_context: int, key: jax.Array, first_row: int = 0,
-            groups: int = 1) -> tuple[list[Trajectory], RolloutStats]:
-  """Plays one episode per (task_id, group) in `tasks`, all at once, up to `horizon` turns.
+def collect(player: Player, tasks: Sequence[tuple[int, int]], *, horizon: int, key: jax.Array,
+            first_row: int = 0) -> tuple[list[Trajectory], RolloutStats]:
+  """Plays one episode per (task_id, group) in `tasks` with `player`, all at once, up to
+  `horizon` turns.
 
   Trajectory i plays on slot i of the pool. The recorded log-probs are the sampler's log
   q(token) under the distribution it actually drew from. Turn t of trajectory i draws from
   fold_in(fold_in(key, t), first_row + i): a process playing rows from `first_row` of a larger
   batch samples what one sampler holding every row would.
 
-  Pipelining. The trajectories are split into `groups` groups of consecutive rows, each on its
-  own state of `sampler` (which needs as many rows as the largest group). The groups take
-  turns on the host: a group dispatches its decode (JAX returns before the device finishes) and
+  Pipelining. The trajectories are split into `player.groups` groups of consecutive rows, each
+  on its own state of the sampler (which needs as many rows as the largest group). The groups
+  take turns on the host: a group dispatches its decode (JAX returns before the device finishes) and
   hands over, so the host steps another group's environments while the device decodes. A
   trajectory samples exactly what it would in one group; only the decode batches are smaller.
   """
+  sampler, params, pool, chat = player.sampler, player.params, player.pool, player.chat
+  sampling, max_context, groups = player.sampling, player.max_context, player.groups
   if not 1 <= groups <= max(len(tasks), 1):
     raise ValueError(f"groups={groups} must be in [1, {len(tasks)}] for {len(tasks)} "
                      "trajectories")

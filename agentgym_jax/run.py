@@ -311,6 +311,13 @@ class Settings:
     return Sampler(model, cache_slots=self.max_context, max_batch=-(-rows // self.pipeline_groups),
                    cache_dtype=self.config.rollout.cache_dtype or None, mesh=mesh)
 
+  def player(self, sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
+             sampling: rollout.TurnSampling | None = None) -> rollout.Player:
+    """`sampler` with `params` playing `pool`'s environment in the run's context limit and
+    pipelined groups, sampling turns as the rollout does (or as `sampling` says)."""
+    return rollout.Player(sampler, params, pool, chat, sampling or self.sampling, self.max_context,
+                          self.pipeline_groups)
+
   def env_pool(self, rows: int) -> EnvPool:
     """A pool of `rows` episodes of the configured environment."""
     env = self.config.env

@@ -253,11 +253,10 @@ class Actor:
       group_of = [(task_id, group) for group, task_id in enumerate(task_ids)
                   for _ in range(settings.samples_per_task)]
       played, stats = rollout.collect_waves(
-          self.sampler, sampler_params, pool, self.chat, group_of[self.rows.start:self.rows.stop],
-          wave_rows=self.wave, horizon=cap, sampling=settings.sampling,
-          max_context=settings.max_context,
-          key=jax.random.fold_in(step_key, round_index) if round_index else step_key,
-          first_row=self.rows.start, groups=settings.pipeline_groups)
+          settings.player(self.sampler, sampler_params, pool,
+                          self.chat), group_of[self.rows.start:self.rows.stop], wave_rows=self.wave,
+          horizon=cap, key=jax.random.fold_in(step_key, round_index) if round_index else step_key,
+          first_row=self.rows.start)
       played, stats = self.processes.gather_rollout(played, stats)
       if estimates is not None:  # Before the next round's draw.
         estimates.observe(played)
@@ -275,12 +274,12 @@ class Actor:
     plan = self.settings.evaluation
     eval_key = jax.random.fold_in(jax.random.key(self.settings.seed), 1 << 30)
     task_ids = plan.tasks(pool)
-    _, played = evaluation.evaluate(self.sampler, self.sampler_params(params), pool, self.chat,
-                                    self.processes.share(task_ids),
+    player = self.settings.player(self.sampler, self.sampler_params(params), pool, self.chat,
+                                  plan.sampling)
+    _, played = evaluation.evaluate(player, self.processes.share(task_ids),
                                     samples_per_task=plan.samples_per_task, horizon=plan.horizon,
-                                    sampling=plan.sampling, max_context=self.settings.max_context,
-                                    key=jax.random.fold_in(eval_key, step),
-                                    rows_per_batch=self.wave, groups=self.settings.pipeline_groups)
+                                    key=jax.random.fold_in(eval_key,
+                                                           step), rows_per_batch=self.wave)
     summary = evaluation.summarize(self.processes.gather(played),
                                    evaluation.task_categories(pool, task_ids))
     return evaluation.as_metrics(summary)
@@ -375,7 +374,7 @@ def pack_step(step_rollout: StepRollout, settings: run.Settings, shards: int) ->
   """The step's batch on the host, its untrained rows (dynamic sampling's fillers) left out of
   the loss, and with shared prompts the packed rows of each trajectory (to draw minibatches of
   whole tasks), else None."""
-  batch = rollout.pack_step(step_rollout.batch, turns=settings.schedule.max_turns,
+  batch = rollout.pack(step_rollout.batch, turns=settings.schedule.max_turns,
                             failed_episodes=settings.failed_episodes,
                             shared_prompts=settings.shared_prompts, packed_rows_multiple=shards)
   row_groups = None if batch.shared is None else batch.shared.rows

@@ -80,10 +80,10 @@ def test_rollout_and_training_step_on_each_chat_family(checkpoint, chat, thinkin
   template = settings.chat(tokenizer)
   sampler = Sampler(model, cache_slots=128, max_batch=4)
   with EnvPool("echo", 4, options={"turns": 2}) as pool:
-    trajectories, _ = rollout.collect(sampler, sampler.params, pool, template, [(0, 0), (0, 0),
-                                                                                (1, 1), (1, 1)],
-                                      horizon=2, sampling=rollout.TurnSampling(max_new_tokens=3),
-                                      max_context=128, key=jax.random.key(0))
+    player = rollout.Player(sampler, sampler.params, pool, template,
+                            rollout.TurnSampling(max_new_tokens=3), max_context=128)
+    trajectories, _ = rollout.collect(player, [(0, 0), (0, 0), (1, 1), (1, 1)], horizon=2,
+                                      key=jax.random.key(0))
   # The text of the prompt each trajectory starts with (_check_turns: token for token).
   prompt = template.render_text(trajectories[0].messages[:1])
   if chat == "llama3":
@@ -113,10 +113,9 @@ def test_tool_call_episodes_play_on_the_tiny_model(checkpoint, env_name, chat):
   sampler = Sampler(model, cache_slots=4096, max_batch=2)
   with EnvPool(env_name, 2, options={"action_format": "tool_call"}) as pool:
     tools = pool.tools
-    trajectories, _ = rollout.collect(sampler, sampler.params, pool, tokenizer.chat, [(0, 0),
-                                                                                      (1, 1)],
-                                      horizon=3, sampling=rollout.TurnSampling(max_new_tokens=8),
-                                      max_context=4096, key=jax.random.key(0))
+    player = rollout.Player(sampler, sampler.params, pool, tokenizer.chat,
+                            rollout.TurnSampling(max_new_tokens=8), max_context=4096)
+    trajectories, _ = rollout.collect(player, [(0, 0), (1, 1)], horizon=3, key=jax.random.key(0))
   assert tools == base.tools_of(base.make(env_name, action_format="tool_call"))
   for trajectory in trajectories:
     assert trajectory.tools == tools and trajectory.to_json()["tools"] == tools

@@ -206,9 +206,9 @@ def test_rollout_records_each_observation_the_turns_answer(policy):
   tasks = [(100 + row // 8, row // 8) for row in range(16)]  # 2 echo tasks x 8 samples.
   sampler = Sampler(model, cache_slots=96, max_batch=len(tasks))
   with EnvPool("echo", len(tasks), options={"turns": 3}) as pool:
-    played, _ = rollout.collect(sampler, sampler.params, pool, chat, tasks, horizon=3,
-                                sampling=rollout.TurnSampling(max_new_tokens=2), max_context=96,
-                                key=jax.random.key(3))
+    player = rollout.Player(sampler, sampler.params, pool, chat,
+                            rollout.TurnSampling(max_new_tokens=2), max_context=96)
+    played, _ = rollout.collect(player, tasks, horizon=3, key=jax.random.key(3))
   cut = 0
   for t in played:
     users = [m["content"] for m in t.messages if m["role"] == "user"]

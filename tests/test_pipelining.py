@@ -1,6 +1,6 @@
-"""Pipelined rollouts (`rollout.collect(groups=G)`): the same episodes as one group, env steps
-of one group issued while another group's decode is in flight, env faults still per episode;
-rollouts in waves (`rollout.collect_waves`): the same episodes as all rows at once."""
+"""Pipelined rollouts (`rollout.collect` by a Player of G groups): the same episodes as one
+group, env steps of one group issued while another group's decode is in flight, env faults still
+per episode; rollouts in waves (`rollout.collect_waves`): the same episodes as all rows at once."""
 
 import functools
 
@@ -31,9 +31,9 @@ def play(policy, env, groups, tasks, *, horizon=4, step_timeout_s=60.0, sampler=
   model, tokenizer = policy
   sampler = sampler or Sampler(model, cache_slots=96, max_batch=len(tasks) // groups)
   with EnvPool(env, len(tasks), step_timeout_s=step_timeout_s) as pool:
-    return rollout.collect(sampler, sampler.params, pool, tokenizer.chat, tasks, horizon=horizon,
-                           sampling=rollout.TurnSampling(max_new_tokens=3), max_context=96,
-                           key=jax.random.key(7), first_row=5, groups=groups)
+    player = rollout.Player(sampler, sampler.params, pool, tokenizer.chat,
+                            rollout.TurnSampling(max_new_tokens=3), max_context=96, groups=groups)
+    return rollout.collect(player, tasks, horizon=horizon, key=jax.random.key(7), first_row=5)
 
 
 def echo_tasks():
@@ -106,11 +106,10 @@ def test_rollouts_in_waves_play_the_same_episodes_as_all_rows_at_once(policy, gr
   wave = 6  # 16 rows: waves of 6, 6 and 4.
   sampler = Sampler(model, cache_slots=96, max_batch=wave // groups)
   with EnvPool(ECHO, wave) as pool:
-    played, stats = rollout.collect_waves(sampler, sampler.params, pool, tokenizer.chat,
-                                          echo_tasks(), wave_rows=wave, horizon=4,
-                                          sampling=rollout.TurnSampling(max_new_tokens=3),
-                                          max_context=96, key=jax.random.key(7), first_row=5,
-                                          groups=groups)
+    player = rollout.Player(sampler, sampler.params, pool, tokenizer.chat,
+                            rollout.TurnSampling(max_new_tokens=3), max_context=96, groups=groups)
+    played, stats = rollout.collect_waves(player, echo_tasks(), wave_rows=wave, horizon=4,
+                                          key=jax.random.key(7), first_row=5)
   assert [(t.task_id, t.group) for t in played] == echo_tasks()
   # Each row draws from its keys in the whole batch.
   assert_same_episodes(expected, played)

@@ -142,10 +142,9 @@ def played(tmp_path_factory):
   batches = {}
   with EnvPool("echo", _ROWS, options={"turns": _TURNS}) as pool:
     for name, sampler_params in (("same", params), ("perturbed", perturbed)):
-      trajectories, _ = rollout.collect(sampler, sampler_params, pool, tokenizer.chat, tasks,
-                                        horizon=_TURNS,
-                                        sampling=rollout.TurnSampling(max_new_tokens=2),
-                                        max_context=96, key=jax.random.key(0))
+      player = rollout.Player(sampler, sampler_params, pool, tokenizer.chat,
+                              rollout.TurnSampling(max_new_tokens=2), max_context=96)
+      trajectories, _ = rollout.collect(player, tasks, horizon=_TURNS, key=jax.random.key(0))
       batches[name] = (trajectories, rollout.pack(trajectories))
   return graphdef, params, batches
 

@@ -181,10 +181,10 @@ def test_rollout_with_bf16_rematerialised_policy(checkpoint_dir):
   model, tokenizer = load_model(checkpoint_dir, dtype=jnp.bfloat16, remat="full")
   sampler = Sampler(model, cache_slots=64, max_batch=4)
   with EnvPool("echo", 4, options={"turns": 2}) as pool:
-    trajectories, _ = rollout.collect(sampler, sampler.params, pool, tokenizer.chat,
-                                      [(0, 0), (0, 0), (1, 1), (1, 1)], horizon=2,
-                                      sampling=rollout.TurnSampling(max_new_tokens=2),
-                                      max_context=64, key=jax.random.key(0))
+    player = rollout.Player(sampler, sampler.params, pool, tokenizer.chat,
+                            rollout.TurnSampling(max_new_tokens=2), max_context=64)
+    trajectories, _ = rollout.collect(player, [(0, 0), (0, 0), (1, 1), (1, 1)], horizon=2,
+                                      key=jax.random.key(0))
   for t in trajectories:
     assert t.num_turns >= 1 and sum(t.loss_mask) >= 1
     assert len(t.tokens) == len(t.loss_mask) == len(t.sampler_logprobs)
