@@ -1,6 +1,9 @@
 """Prints the table of the RL recipe trials under a directory (docs/rl_trials.sh): per trial its
 config overrides, held-out success of the warm start and of the RL policy (depth 1, depth 2,
-all), the goals gained and lost, the exact paired sign test's p-value, and its wall time.
+all), the goals gained and lost, the exact paired sign test's p-value, and its wall time; then,
+from the trajectory logs, each step's replies without an Action line (a turn the environment
+cannot execute), over the step's replies, and those of the held-out transcripts when a trial
+has them (NAME/transcripts/STAGE: `launch/evaluate.py --trajectories`).
 
   python docs/rl_trials.py runs/trials
 """
@@ -33,12 +36,37 @@ def row(trial: pathlib.Path) -> str | None:
       f" | {float(paired.p_value):.3f} | {minutes} |")
 
 
+def actionless(files: list[pathlib.Path]) -> str:
+  """"k/n": the assistant replies in the trajectory `files` without an Action line, of all."""
+  found = [
+      "Action:" not in message["content"] for path in files
+      for line in path.read_text().splitlines() for message in json.loads(line)["messages"]
+      if message["role"] == "assistant"
+  ]
+  return f"{sum(found)}/{len(found)}"
+
+
+def format_row(trial: pathlib.Path) -> str | None:
+  steps = sorted((trial / "trajectories").glob("step_*.jsonl"))
+  if not steps:
+    return None
+  held_out = ", ".join(f"{log.name} {actionless(sorted((log / 'trajectories').glob('*.jsonl')))}"
+                       for log in sorted((trial / "transcripts").glob("*")))
+  return f"| {trial.name} | {' '.join(actionless([path]) for path in steps)} | {held_out or '-'} |"
+
+
 def main(root: str) -> None:
   print("| trial | overrides | warm start: depth 1 / 2 / all % | RL: depth 1 / 2 / all % | "
         "goals | p | minutes |")
   print("|---|---|---|---|---|---:|---:|")
   for trial in sorted(pathlib.Path(root).iterdir()):
     line = row(trial) if trial.is_dir() else None
+    if line:
+      print(line)
+  print("\n| trial | replies without an Action line, step 1, 2, ... | held-out transcripts |")
+  print("|---|---|---|")
+  for trial in sorted(pathlib.Path(root).iterdir()):
+    line = format_row(trial) if trial.is_dir() else None
     if line:
       print(line)
 
