@@ -230,58 +230,69 @@ def lower_forward(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
     return jax.jit(forward).lower(params, abstract_batch(mesh, batch, seq))
 
 
-def lower_train_step(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *,
-                     dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, remat: str = "full",
-                     attention: str = "auto", logits_chunk: int = 1024, micro_batch_rows: int = 0,
-                     lora: lora_lib.LoraSettings | None = None) -> jax.stages.Lowered:
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+  """What an update step's memory depends on besides the model and the mesh: its minibatch of
+  `batch` rows of `seq` tokens, the numerics, the memory options, and with `lora` LoRA's
+  adapters over the frozen parameters."""
+
+  batch: int
+  seq: int
+  dtype: Any = jnp.bfloat16
+  param_dtype: Any = jnp.float32
+  remat: str = "full"
+  attention: str = "auto"
+  logits_chunk: int = 1024
+  micro_batch_rows: int = 0
+  lora: lora_lib.LoraSettings | None = None
+
+
+def lower_train_step(config: ModelConfig, mesh: Mesh, step: StepShape) -> jax.stages.Lowered:
   """The learner's `update_step` on one minibatch, lowered on abstract sharded inputs, jitted
   as the RL trainer jits it (learner.jit_update_step): parameters and optimizer state donated,
   returned with their own shardings. Its log-probs come from chunked logits, so [batch, seq,
   vocab] never exists at once. With micro_batch_rows the step accumulates its gradient over
   micro-batches of that many rows (learner.py). With `lora` the step trains the adapters over
   the frozen parameters."""
-  model = dict(dtype=dtype, param_dtype=param_dtype, remat=remat, attention=attention)
-  if lora is None:
+  model = dict(dtype=step.dtype, param_dtype=step.param_dtype, remat=step.remat,
+               attention=step.attention)
+  if step.lora is None:
     graphdef, params = abstract_params(config, mesh, **model)
     frozen = None
   else:
-    graphdef, params, frozen = abstract_lora(config, mesh, lora, **model)
+    graphdef, params, frozen = abstract_lora(config, mesh, step.lora, **model)
   optimizer = learner.make_optimizer(1e-6)
   trainable = (params, None)
   opt_state = abstract_optimizer_state(optimizer, trainable, mesh)
-  loss = learner.LossConfig(logprob_chunk=min(logits_chunk, seq - 1),
-                            micro_batch_rows=micro_batch_rows)
+  loss = learner.LossConfig(logprob_chunk=min(step.logits_chunk, step.seq - 1),
+                            micro_batch_rows=step.micro_batch_rows)
   shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
-  step = learner.jit_update_step(shardings(trainable), shardings(opt_state))
+  update = learner.jit_update_step(shardings(trainable), shardings(opt_state))
   with jax.set_mesh(mesh):
-    return step.lower(graphdef, None, trainable, opt_state, *abstract_minibatch(mesh, batch, seq),
-                      optimizer=optimizer, loss=loss, frozen=frozen)
+    return update.lower(graphdef, None, trainable, opt_state,
+                        *abstract_minibatch(mesh, step.batch, step.seq), optimizer=optimizer,
+                        loss=loss, frozen=frozen)
 
 
-def plan(config: ModelConfig, mesh: Mesh, batch: int, seq: int, *, dtype: Any = jnp.bfloat16,
-         param_dtype: Any = jnp.float32, remat: str = "full", attention: str = "auto",
-         logits_chunk: int = 1024, micro_batch_rows: int = 0,
-         lora: lora_lib.LoraSettings | None = None, compile: bool = True) -> MemoryPlan:
-  """Per-device memory of one update step (with `lora`, of LoRA's update over the frozen
+def plan(config: ModelConfig, mesh: Mesh, step: StepShape, *, compile: bool = True) -> MemoryPlan:
+  """Per-device memory of one update step (with step.lora, of LoRA's update over the frozen
   parameters); compiles the step unless `compile` is False."""
-  if lora is None:
-    _, params = abstract_params(config, mesh, dtype=dtype, param_dtype=param_dtype, remat=remat)
+  model = dict(dtype=step.dtype, param_dtype=step.param_dtype, remat=step.remat)
+  if step.lora is None:
+    _, params = abstract_params(config, mesh, **model)
     trained = params
   else:
-    _, trained, params = abstract_lora(config, mesh, lora, dtype=dtype, param_dtype=param_dtype,
-                                       remat=remat)
+    _, trained, params = abstract_lora(config, mesh, step.lora, **model)
   opt_state = abstract_optimizer_state(learner.make_optimizer(1e-6), (trained, None), mesh)
-  figures = dict(mesh_shape=tuple(mesh.shape[a] for a in sharding.MESH_AXES), batch=batch, seq=seq,
-                 num_params=config.num_params, param_bytes=device_bytes(params),
-                 adapter_bytes=0 if lora is None else device_bytes(trained),
-                 reference_bytes=reference_bytes(trained, dtype, lora is not None),
+  figures = dict(mesh_shape=tuple(mesh.shape[a] for a in sharding.MESH_AXES), batch=step.batch,
+                 seq=step.seq, num_params=config.num_params, param_bytes=device_bytes(params),
+                 adapter_bytes=0 if step.lora is None else device_bytes(trained),
+                 reference_bytes=reference_bytes(trained, step.dtype, step.lora is not None),
                  optimizer_bytes=device_bytes(opt_state),
-                 batch_bytes=device_bytes(abstract_minibatch(mesh, batch, seq)))
+                 batch_bytes=device_bytes(abstract_minibatch(mesh, step.batch, step.seq)))
   if compile:
     start = time.perf_counter()
-    compiled = lower_train_step(config, mesh, batch, seq, dtype=dtype, param_dtype=param_dtype,
-                                remat=remat, attention=attention, logits_chunk=logits_chunk,
-                                micro_batch_rows=micro_batch_rows, lora=lora).compile()
+    compiled = lower_train_step(config, mesh, step).compile()
     figures["compile_seconds"] = time.perf_counter() - start
     stats = compiled.memory_analysis()
     if stats is not None:
@@ -317,8 +328,8 @@ def choose_remat(peak_bytes: Callable[[str],
   MEMORY_HEADROOM of `device_bytes` per device, next to `resident_bytes` that live beside it
   (a reference model, a whole rollout batch); full when none fits.
 
-  `peak_bytes(remat)` is the step's peak per device under that policy, e.g. `plan(...,
-  remat=remat).peak_bytes` (None: the compiler gives no memory analysis).
+  `peak_bytes(remat)` is the step's peak per device under that policy, e.g. `plan(config,
+  mesh, dataclasses.replace(step, remat=remat)).peak_bytes` (None: the compiler gives no memory analysis).
   """
   budget = MEMORY_HEADROOM * device_bytes
   gib = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
@@ -374,24 +385,36 @@ def abstract_sampler_params(config: ModelConfig, mesh: Mesh, *, dtype: Any, para
   return graphdef, abstract_matmul_copy(params, dtype) if copy else params
 
 
-def lower_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, *,
-                  prefill_tokens: int, max_new_tokens: int, prefill_window: int | None = None,
-                  dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
-                  copy: bool = False) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
-  """The sampler's prefill and decode programs, as `Sampler` jits them, on abstract inputs.
+@dataclasses.dataclass(frozen=True)
+class SamplerShape:
+  """What the sampler's memory depends on besides the model and the mesh: `rows` rows of
+  `cache_slots` KV-cache slots, a prefill of `prefill_tokens` tokens a row reading
+  `prefill_window` slots (None: all) and decode calls of `max_new_tokens` tokens, the numerics,
+  and with `copy` a pod host's copy of the policy (its matmul weights in `dtype`,
+  multihost.Processes.sampler_copy) read instead of the parameters in `param_dtype`."""
 
-  Decode reads the rows' live slots, whatever their number (no window);
-  prefill reads `prefill_window` slots (default: all), e.g. the first prompt's own bucket.
-  With `copy` the sampler reads a pod host's copy of the policy, its matmul weights in `dtype`
-  (multihost.Processes.sampler_copy), instead of the parameters in `param_dtype`.
-  """
-  graphdef, params = abstract_sampler_params(config, mesh, dtype=dtype, param_dtype=param_dtype,
-                                             copy=copy)
-  state = abstract_sampler_state(config, mesh, rows, cache_slots, dtype)
-  per_row = lambda *shape: jax.ShapeDtypeStruct(
-      (rows,) + shape, jnp.int32, sharding=sharding.named_sharding(mesh, ("batch",) +
-                                                                   (None,) * len(shape),
-                                                                   (rows,) + shape))
+  rows: int
+  cache_slots: int
+  prefill_tokens: int = 1024
+  max_new_tokens: int = 512
+  prefill_window: int | None = None
+  dtype: Any = jnp.bfloat16
+  param_dtype: Any = jnp.float32
+  copy: bool = False
+
+
+def lower_sampler(config: ModelConfig, mesh: Mesh,
+                  shape: SamplerShape) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
+  """The sampler's prefill and decode programs, as `Sampler` jits them, on abstract inputs.
+  Decode reads the rows' live slots, whatever their number (no window)."""
+  graphdef, params = abstract_sampler_params(config, mesh, dtype=shape.dtype,
+                                             param_dtype=shape.param_dtype, copy=shape.copy)
+  rows = shape.rows
+  state = abstract_sampler_state(config, mesh, rows, shape.cache_slots, shape.dtype)
+  per_row = lambda *dims: jax.ShapeDtypeStruct(
+      (rows,) + dims, jnp.int32, sharding=sharding.named_sharding(mesh, ("batch",) +
+                                                                  (None,) * len(dims),
+                                                                  (rows,) + dims))
   replicated = NamedSharding(mesh, PartitionSpec())
   keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), rows))
   keys = jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=replicated)
@@ -402,32 +425,25 @@ def lower_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, 
   decode = jax.jit(functools.partial(sampling._decode, graphdef),
                    static_argnames=("width", "sampling"), donate_argnums=(1,))
   with jax.set_mesh(mesh):
-    return (prefill.lower(params, state, per_row(prefill_tokens), per_row(), window=prefill_window
-                          or cache_slots),
-            decode.lower(params, state, keys, per_row(), stop_ids, width=max_new_tokens,
+    return (prefill.lower(params, state, per_row(shape.prefill_tokens), per_row(),
+                          window=shape.prefill_window or shape.cache_slots),
+            decode.lower(params, state, keys, per_row(), stop_ids, width=shape.max_new_tokens,
                          sampling=sampling.SamplingParams()))
 
 
-def plan_sampler(config: ModelConfig, mesh: Mesh, rows: int, cache_slots: int, *,
-                 prefill_tokens: int = 1024, max_new_tokens: int = 512,
-                 prefill_window: int | None = None, dtype: Any = jnp.bfloat16,
-                 param_dtype: Any = jnp.float32, copy: bool = False,
+def plan_sampler(config: ModelConfig, mesh: Mesh, shape: SamplerShape, *,
                  compile: bool = True) -> SamplerPlan:
-  """Per-device memory of the sampler (with `copy`, reading a pod host's copy of the policy:
-  `lower_sampler`); compiles prefill and decode unless `compile` is False."""
-  _, params = abstract_sampler_params(config, mesh, dtype=dtype, param_dtype=param_dtype, copy=copy)
-  state = abstract_sampler_state(config, mesh, rows, cache_slots, dtype)
-  figures = dict(mesh_shape=tuple(mesh.shape[a] for a in sharding.MESH_AXES), rows=rows,
-                 cache_slots=cache_slots, param_bytes=device_bytes(params),
+  """Per-device memory of the sampler (`lower_sampler`); compiles prefill and decode unless
+  `compile` is False."""
+  _, params = abstract_sampler_params(config, mesh, dtype=shape.dtype,
+                                      param_dtype=shape.param_dtype, copy=shape.copy)
+  state = abstract_sampler_state(config, mesh, shape.rows, shape.cache_slots, shape.dtype)
+  figures = dict(mesh_shape=tuple(mesh.shape[a] for a in sharding.MESH_AXES), rows=shape.rows,
+                 cache_slots=shape.cache_slots, param_bytes=device_bytes(params),
                  cache_bytes=device_bytes((state.cache.k, state.cache.v)))
   if compile:
     start = time.perf_counter()
-    programs = [
-        lowered.compile()
-        for lowered in lower_sampler(config, mesh, rows, cache_slots, prefill_tokens=prefill_tokens,
-                                     max_new_tokens=max_new_tokens, prefill_window=prefill_window,
-                                     dtype=dtype, param_dtype=param_dtype, copy=copy)
-    ]
+    programs = [lowered.compile() for lowered in lower_sampler(config, mesh, shape)]
     figures["compile_seconds"] = time.perf_counter() - start
     stats = [program.memory_analysis() for program in programs]
     if None not in stats:

@@ -282,10 +282,11 @@ class Settings:
     if jax.process_count() > 1:
       device_bytes = min(multihost.all_gather_objects(device_bytes))
       source += ", the smallest of the processes'"
-    peak = lambda remat: memory.plan(
-        model.config, mesh, rows, tokens, dtype=model.dtype, param_dtype=param_dtype, remat=remat,
-        attention=model.attention, logits_chunk=self.loss.logprob_chunk, micro_batch_rows=self.loss.
-        micro_batch_rows, lora=self.lora).peak_bytes
+    step = memory.StepShape(rows, tokens, dtype=model.dtype, param_dtype=param_dtype,
+                            attention=model.attention, logits_chunk=self.loss.logprob_chunk,
+                            micro_batch_rows=self.loss.micro_batch_rows, lora=self.lora)
+    peak = lambda remat: memory.plan(model.config, mesh, dataclasses.replace(step, remat=remat)
+                                    ).peak_bytes
     remat, why = memory.choose_remat(peak, device_bytes, resident,
                                      memory.remat_preference(jax.default_backend()))
     return remat, f"a {rows} x {tokens} update step: {why} ({source})"

@@ -35,7 +35,8 @@ def test_qwen_7b_config_counts_its_published_parameters():
         ((1, 4, 2), (QWEN_7B.num_params - NORMS - BIASES) // 8 + BIASES // 2 + NORMS),
     ])
 def test_sharded_parameters_take_an_eighth_per_device(mesh_shape, per_device_params):
-  memory = plan.plan(QWEN_7B, sharding.make_mesh(*mesh_shape), batch=8, seq=4096, compile=False)
+  memory = plan.plan(QWEN_7B, sharding.make_mesh(*mesh_shape), plan.StepShape(8, 4096),
+                     compile=False)
   assert memory.param_bytes == 4 * per_device_params  # f32 parameters.
   # The replicated 0.3M norm and bias weights put it 0.03% above an even eighth.
   assert abs(memory.param_bytes / (4 * QWEN_7B.num_params / 8) - 1) < 5e-4
@@ -54,7 +55,7 @@ def test_forward_lowers_and_compiles_on_abstract_sharded_inputs():
   compiled = plan.lower_forward(QWEN_7B, mesh, batch=8, seq=128).compile()
   stats = compiled.memory_analysis()
   # The compiled program takes exactly the planned shards: nothing was gathered at the input.
-  expected = plan.plan(QWEN_7B, mesh, batch=8, seq=128, compile=False)
+  expected = plan.plan(QWEN_7B, mesh, plan.StepShape(8, 128), compile=False)
   assert stats.argument_size_in_bytes == expected.param_bytes + plan.device_bytes(
       plan.abstract_batch(mesh, 8, 128))
   # Logits [8, 128, 152064] f32 leave split over the 8 batch rows.
@@ -63,7 +64,7 @@ def test_forward_lowers_and_compiles_on_abstract_sharded_inputs():
 
 def test_train_step_compiles_with_donated_sharded_state():
   mesh = sharding.make_mesh(1, 4, 2)
-  memory = plan.plan(QWEN_7B, mesh, batch=8, seq=128, dtype=jnp.bfloat16, remat="full")
+  memory = plan.plan(QWEN_7B, mesh, plan.StepShape(8, 128, dtype=jnp.bfloat16, remat="full"))
   # The learner's own update step takes every parameter and moment shard as planned (a
   # gathered one would add gigabytes) and, jit dropping inputs it never reads, of the optimizer
   # state all but the non-finite guard's 1-byte `last_finite` flag (written, never read), and
@@ -93,21 +94,22 @@ SMALL = ModelConfig.from_hf({
     "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2
 })
+# 8 rows of 256 cache slots, prefills of 32 tokens, decode calls of 16.
+SAMPLER = plan.SamplerShape(8, 256, prefill_tokens=32, max_new_tokens=16)
 
 
 def test_sampler_plan_holds_the_cache_shard_and_updates_it_in_place():
   mesh = sharding.make_mesh(2, 2, 2)
-  memory = plan.plan_sampler(SMALL, mesh, rows=8, cache_slots=256, prefill_tokens=32,
-                             max_new_tokens=16)
+  memory = plan.plan_sampler(SMALL, mesh, SAMPLER)
   # Keys and values: 2 layers x 8 rows x 2 kv heads x 256 slots x 64 head_dim, bf16 bits; rows
   # split over data x fsdp (4-way), kv heads over tensor (2-way).
   assert memory.cache_bytes == 2 * (2 * 8 * 2 * 256 * 64 * 2) // 8
-  assert memory.param_bytes == plan.plan(SMALL, mesh, 8, 32, compile=False).param_bytes
+  assert memory.param_bytes == plan.plan(SMALL, mesh, plan.StepShape(8, 32),
+                                         compile=False).param_bytes
   assert memory.peak_bytes == (memory.param_bytes + memory.cache_bytes +
                                max(memory.prefill_bytes, memory.decode_bytes))
   prefill, decode = (
-      lowered.compile().memory_analysis()
-      for lowered in plan.lower_sampler(SMALL, mesh, 8, 256, prefill_tokens=32, max_new_tokens=16))
+      lowered.compile().memory_analysis() for lowered in plan.lower_sampler(SMALL, mesh, SAMPLER))
   # The donated state comes back in place: the cache is never copied.
   assert prefill.alias_size_in_bytes == decode.alias_size_in_bytes > memory.cache_bytes
   # Both take the planned shards of the parameters and the state: the cache, 2 rows' lengths
@@ -124,7 +126,7 @@ def test_train_step_with_the_tpu_attention_kernel_compiles_on_a_tpu_shaped_mesh(
   # The Pallas splash kernel (interpreted off TPU) inside the learner's update step, run per
   # shard: rows over fsdp, the 4 heads and 2 kv heads over tensor.
   mesh = sharding.make_mesh(1, 4, 2)
-  memory = plan.plan(SMALL, mesh, batch=8, seq=256, remat="none", attention="splash")
+  memory = plan.plan(SMALL, mesh, plan.StepShape(8, 256, remat="none", attention="splash"))
   # It takes the planned shards and nothing gathered (see the 7B test above): parameters and
   # moments less the 1-byte flag, and 2 rows a device of tokens and loss mask (256 positions)
   # and of old log-probs, advantages and rollout-correction weights (255 targets), and each
@@ -211,8 +213,8 @@ def test_lora_plan_trains_and_holds_moments_of_the_adapters_only():
 
   r = 64
   settings = lora.LoraSettings(rank=r, alpha=128.0)
-  full = plan.plan(QWEN_7B, sharding.make_mesh(1, 8, 1), batch=8, seq=4096, compile=False)
-  memory = plan.plan(QWEN_7B, sharding.make_mesh(1, 8, 1), batch=8, seq=4096, lora=settings,
+  full = plan.plan(QWEN_7B, sharding.make_mesh(1, 8, 1), plan.StepShape(8, 4096), compile=False)
+  memory = plan.plan(QWEN_7B, sharding.make_mesh(1, 8, 1), plan.StepShape(8, 4096, lora=settings),
                      compile=False)
   assert memory.param_bytes == full.param_bytes  # The frozen base, sharded as before.
   # Per layer, A takes its weight's input axes and B its output axes: on fsdp=8 the embed axes
@@ -234,8 +236,10 @@ def test_lora_step_donates_the_adapters_and_only_reads_the_base():
   config = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True)
   mesh = sharding.make_mesh(1, 4, 2)
-  memory = plan.plan(config, mesh, batch=8, seq=64, dtype=jnp.float32, remat="full",
-                     lora=lora.LoraSettings(rank=4, alpha=8.0))
+  memory = plan.plan(
+      config, mesh,
+      plan.StepShape(8, 64, dtype=jnp.float32, remat="full",
+                     lora=lora.LoraSettings(rank=4, alpha=8.0)))
   # Arguments: the frozen base, the adapters and their moments (less the guard's unread flag),
   # GRPO's minibatch (2 rows a device: tokens, mask; old log-probs, advantages, weights; kept).
   state = memory.adapter_bytes + memory.optimizer_bytes - 1

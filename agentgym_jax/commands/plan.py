@@ -114,22 +114,25 @@ def _plan() -> None:
   def make_mesh(shape):
     return sharding.make_mesh(*shape, devices=devices[:math.prod(shape)])
 
+  step = memory.StepShape(_BATCH.value, _SEQ.value, remat=_REMAT.value, attention=_ATTENTION.value,
+                          logits_chunk=_LOGITS_CHUNK.value,
+                          micro_batch_rows=_MICRO_BATCH_ROWS.value, lora=lora, **dtypes)
+  sampler = memory.SamplerShape(_ROWS.value, _CACHE_SLOTS.value, prefill_tokens=_PREFILL.value,
+                                max_new_tokens=_MAX_NEW_TOKENS.value,
+                                prefill_window=_PREFILL_WINDOW.value, copy=_SAMPLER_COPY.value,
+                                **dtypes)
   tables = []
   if meshes:
     tables.append(
         memory.plan_table(_MODEL.value, [
-            memory.plan(config, make_mesh(shape), _BATCH.value, _SEQ.value, remat=_REMAT.value,
-                        attention=_ATTENTION.value, logits_chunk=_LOGITS_CHUNK.value,
-                        micro_batch_rows=_MICRO_BATCH_ROWS.value, lora=lora,
-                        compile=not _NO_COMPILE.value, **dtypes) for shape in meshes
+            memory.plan(config, make_mesh(shape), step, compile=not _NO_COMPILE.value)
+            for shape in meshes
         ]))
   if sampler_meshes:
     tables.append(
         memory.format_sampler_table(_MODEL.value, [
-            memory.plan_sampler(config, make_mesh(shape), _ROWS.value, _CACHE_SLOTS.value,
-                                prefill_tokens=_PREFILL.value, max_new_tokens=_MAX_NEW_TOKENS.value,
-                                prefill_window=_PREFILL_WINDOW.value, copy=_SAMPLER_COPY.value,
-                                compile=not _NO_COMPILE.value, **dtypes) for shape in sampler_meshes
+            memory.plan_sampler(config, make_mesh(shape), sampler, compile=not _NO_COMPILE.value)
+            for shape in sampler_meshes
         ]))
   print("\n\n".join(tables))
 
