@@ -247,16 +247,16 @@ class Actor:
     before the next is drawn."""
     settings = self.settings
     step_key = jax.random.fold_in(jax.random.key(settings.seed), step)
-    sampler_params = self.sampler_params(params)  # Alive for the rollout.
+    # The sampler's copy of the policy, alive for the rollout.
+    player = settings.player(self.sampler, self.sampler_params(params), pool, self.chat)
 
     def play(task_ids: list[int], round_index: int):
       group_of = [(task_id, group) for group, task_id in enumerate(task_ids)
                   for _ in range(settings.samples_per_task)]
-      played, stats = rollout.collect_waves(
-          settings.player(self.sampler, sampler_params, pool,
-                          self.chat), group_of[self.rows.start:self.rows.stop], wave_rows=self.wave,
-          horizon=cap, key=jax.random.fold_in(step_key, round_index) if round_index else step_key,
-          first_row=self.rows.start)
+      key = jax.random.fold_in(step_key, round_index) if round_index else step_key
+      played, stats = rollout.collect_waves(player, group_of[self.rows.start:self.rows.stop],
+                                            wave_rows=self.wave, horizon=cap, key=key,
+                                            first_row=self.rows.start)
       played, stats = self.processes.gather_rollout(played, stats)
       if estimates is not None:  # Before the next round's draw.
         estimates.observe(played)
@@ -276,10 +276,10 @@ class Actor:
     task_ids = plan.tasks(pool)
     player = self.settings.player(self.sampler, self.sampler_params(params), pool, self.chat,
                                   plan.sampling)
+    key = jax.random.fold_in(eval_key, step)
     _, played = evaluation.evaluate(player, self.processes.share(task_ids),
                                     samples_per_task=plan.samples_per_task, horizon=plan.horizon,
-                                    key=jax.random.fold_in(eval_key,
-                                                           step), rows_per_batch=self.wave)
+                                    key=key, rows_per_batch=self.wave)
     summary = evaluation.summarize(self.processes.gather(played),
                                    evaluation.task_categories(pool, task_ids))
     return evaluation.as_metrics(summary)
@@ -375,8 +375,8 @@ def pack_step(step_rollout: StepRollout, settings: run.Settings, shards: int) ->
   the loss, and with shared prompts the packed rows of each trajectory (to draw minibatches of
   whole tasks), else None."""
   batch = rollout.pack(step_rollout.batch, turns=settings.schedule.max_turns,
-                            failed_episodes=settings.failed_episodes,
-                            shared_prompts=settings.shared_prompts, packed_rows_multiple=shards)
+                       failed_episodes=settings.failed_episodes,
+                       shared_prompts=settings.shared_prompts, packed_rows_multiple=shards)
   row_groups = None if batch.shared is None else batch.shared.rows
   trained = np.asarray(step_rollout.trained, np.float32)[:, None]
   return batch.replace(loss_mask=batch.loss_mask * trained), row_groups
