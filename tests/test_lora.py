@@ -393,7 +393,7 @@ def test_lora_config_errors_are_one_line_at_start_up(key, value, message):
   c = config_lib.base_config()
   c.model.lora.rank = 8
   config_lib.validate(c)
-  rl_helpers.set_key(c, key, value)
+  config_lib.set_key(c, key, value)
   assert "\n" not in str(rl_helpers.check_config(c, message))
 
 
