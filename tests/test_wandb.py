@@ -2,6 +2,8 @@
 is attached when the writer closes; in wandb's offline mode, which writes the run to a local
 directory and needs no network or account."""
 
+import time
+
 import wandb
 
 from agentgym_jax import metrics
@@ -37,5 +39,12 @@ def test_offline_run_holds_config_metrics_and_viewer(tmp_path, monkeypatch):
   [run] = (tmp_path / "wandb").glob("offline-run-*")
   [page] = (run / "files" / "media" / "html").glob("viewer_*.html")
   assert "<html" in page.read_text().lower()
-  record_log = next(run.glob("run-*.wandb")).read_bytes()  # Synced later by `wandb sync`.
+  # The record log, synced later by `wandb sync`, is written by wandb's service process, which
+  # may still be flushing it when finish() returns on a loaded machine: read it until it holds
+  # the config and the rows, for at most a minute.
+  deadline = time.monotonic() + 60
+  record_log = b""
+  while not (b"grpo" in record_log and b"reward" in record_log) and time.monotonic() < deadline:
+    time.sleep(0.2)
+    record_log = next(run.glob("run-*.wandb")).read_bytes()
   assert b"grpo" in record_log and b"reward" in record_log
