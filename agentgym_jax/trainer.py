@@ -297,7 +297,7 @@ class Learner:
     value_graphdef: the value head's graph (PPO's critic), or None.
     opt_shardings: the optimizer state's shardings on the mesh.
     update_step: learner.update_step, jitted on the state's shardings.
-    offload_state: whether the optimizer state waits in pinned host memory between updates.
+    settings: the run's settings (the loss, the optimizer, the minibatches).
   """
 
   policy: run.Policy
@@ -305,7 +305,7 @@ class Learner:
   value_graphdef: nnx.GraphDef | None
   opt_shardings: Any
   update_step: Callable[..., Any]
-  offload_state: bool
+  settings: run.Settings
 
   @classmethod
   def create(cls, settings: run.Settings, model: Any, mesh: Any) -> tuple[Learner, run.RunState]:
@@ -327,28 +327,32 @@ class Learner:
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)((policy.params, value_params))
     update_step = learner.jit_update_step(trainable_shardings, opt_shardings)
     return (cls(policy, reference, value_graphdef, opt_shardings, update_step,
-                settings.offload_optimizer), run.RunState(policy.params, value_params, opt_state))
+                settings), run.RunState(policy.params, value_params, opt_state))
 
   def place(self, opt_state: Any, on_host: bool | None = None) -> Any:
     """The optimizer state where it waits between updates (on_host None) or where the update
     reads it (on_host False)."""
-    return run.place_optimizer_state(opt_state, self.opt_shardings,
-                                     on_host=self.offload_state if on_host is None else on_host)
+    return run.place_optimizer_state(
+        opt_state, self.opt_shardings,
+        on_host=self.settings.offload_optimizer if on_host is None else on_host)
 
-  def experience(self, state: run.RunState, batch: Batch, settings: run.Settings,
-                 num_turns: int) -> tuple[learner.Experience, dict[str, Any]]:
+  def experience(self, state: run.RunState,
+                 batch: Batch) -> tuple[learner.Experience, dict[str, Any]]:
     """The experience pass over `batch`: old and reference log-probs, values, advantages."""
+    settings = self.settings
     return learner.compute_experience(self.policy.graphdef, state.params, self.reference,
                                       self.value_graphdef, state.value_params, batch,
                                       loss=settings.loss, num_groups=2 * settings.rows,
-                                      num_turns=num_turns, frozen=self.policy.frozen)
+                                      num_turns=settings.schedule.max_turns,
+                                      frozen=self.policy.frozen)
 
   def update(self, state: run.RunState, batch: Batch, row_groups: Any,
-             experience: learner.Experience, settings: run.Settings, step: int,
+             experience: learner.Experience, step: int,
              shards: int) -> tuple[run.RunState, list[dict[str, Any]]]:
     """ppo_epochs passes of num_minibatches optimizer steps; the first runs on the
     experience's parameters, so its ratio is exactly 1. Returns the state and the minibatches'
     metrics."""
+    settings = self.settings
     trainable = (state.params, state.value_params)
     opt_state = self.place(state.opt_state, on_host=False)
     rng = np.random.default_rng([settings.seed, step])
@@ -432,16 +436,15 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dic
         batch = jax.device_put(batch, sharding.batch_sharding(mesh, 1))
         experience, experience_metrics = None, {}
         if not skip:
-          experience, experience_metrics = learner_.experience(state, batch, settings,
-                                                               schedule.max_turns)
+          experience, experience_metrics = learner_.experience(state, batch)
           jax.block_until_ready(experience)  # So that the phase timers measure device work.
           skip = skip_no_signal and bool(no_signal(experience, batch.loss_mask))
       # 3. Update (none without signal).
       update_metrics = []
       if not skip:
         with timer("update"):
-          state, update_metrics = learner_.update(state, batch, row_groups, experience, settings,
-                                                  step, shards)
+          state, update_metrics = learner_.update(state, batch, row_groups, experience, step,
+                                                  shards)
 
       done = step + 1
       step_metrics = _step_metrics(step_rollout.played, step_rollout.stats, experience_metrics,
