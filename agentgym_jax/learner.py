@@ -19,8 +19,8 @@ aggregation's units (trained tokens for token-mean, rows for the sequence means)
 the gradient of the whole minibatch's loss. Micro-batch j of an [M, T] batch holds rows j, j + n,
 j + 2n, ... (n = M / micro_batch_rows), so on a mesh every micro-batch spans every device's rows.
 
-LoRA (agentgym_jax/models/lora.py). With `frozen` (the base parameters) given, `graphdef` is a
-lora.LoraModel's and the parameters are its adapters: the forward runs base + adapters and the
+LoRA (agentgym_jax/models/lora.py). With a frozen base (`Networks.frozen`, the base parameters)
+the graph is a lora.LoraModel's and the parameters are its adapters: the forward runs base + adapters and the
 gradient reaches the adapters only. The reference is then the initial adapters (B = 0), which
 is the base exactly. The update's `dropout_key` drops the adapters' input (model.lora.dropout);
 the experience pass runs without dropout.
@@ -99,6 +99,37 @@ class LossConfig:
   @property
   def uses_critic(self) -> bool:
     return rl.get_advantage_estimator(self.advantage_estimator).needs_values
+
+
+@struct.dataclass
+class Networks:
+  """The networks an update runs besides the weights it trains, as one argument.
+
+  Attributes:
+    graphdef: the policy's module graph (a Decoder's, or with LoRA a lora.LoraModel's).
+    value_graphdef: the value head's graph (PPO's critic), or None.
+    frozen: LoRA's base parameters, which the adapters train over, or None.
+
+  The graphs are static (jit compiles once per pair of graphs); the frozen base is an array
+  argument, never donated.
+  """
+
+  graphdef: nnx.GraphDef = struct.field(pytree_node=False)
+  value_graphdef: nnx.GraphDef | None = struct.field(pytree_node=False, default=None)
+  frozen: nnx.State | None = None
+
+  def value_head(self, value_params: nnx.State | None) -> ValueHead | None:
+    return None if self.value_graphdef is None else nnx.merge(self.value_graphdef, value_params)
+
+
+@struct.dataclass
+class UpdateState:
+  """What an optimizer step reads and replaces (its buffers donated): the trained parameters
+  and the optimizer's state of them. RL trains (policy or adapters, value head or None); SFT
+  and DPO the policy (or adapters) alone."""
+
+  trainable: Any
+  opt_state: optax.OptState
 
 
 class ValueHead(nnx.Module):
@@ -221,19 +252,20 @@ def _micro_token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batc
       jax.lax.map(lambda b: token_logprobs(graphdef, params, b, loss, value_head, frozen), parts))
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "value_graphdef", "loss", "num_groups", "num_turns"))
-def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nnx.State | None,
-                       value_graphdef: nnx.GraphDef | None, value_params: nnx.State | None,
-                       batch: Batch, *, loss: LossConfig, num_groups: int, num_turns: int = 0,
-                       frozen: nnx.State | None = None) -> tuple[Experience, dict[str, Array]]:
+@functools.partial(jax.jit, static_argnames=("loss", "num_groups", "num_turns"))
+def compute_experience(networks: Networks, trainable: tuple[nnx.State, nnx.State | None],
+                       ref_params: nnx.State | None, batch: Batch, *, loss: LossConfig,
+                       num_groups: int, num_turns: int = 0) -> tuple[Experience, dict[str, Array]]:
   """Old and reference log-probs, values, advantages and the rollout correction for one rollout
-  batch; its metrics include the sampler-learner mismatch of the first `num_turns` turns and,
-  for an estimator of turn-level credit (GiGPO), its step groups (`rl.step_group_metrics`).
-  With LoRA's `frozen` base, `params` and `ref_params` are adapters."""
-  value_head = nnx.merge(value_graphdef, value_params) if value_graphdef is not None else None
+  batch, from the trainable (policy, value head or None); its metrics include the
+  sampler-learner mismatch of the first `num_turns` turns and, for an estimator of turn-level
+  credit (GiGPO), its step groups (`rl.step_group_metrics`). With LoRA's frozen base, the
+  policy's and the reference's parameters are adapters."""
+  params, value_params = trainable
+  graphdef, frozen = networks.graphdef, networks.frozen
   old_logprobs, entropies, old_values = _micro_token_logprobs(graphdef, params, batch, loss,
-                                                              value_head, frozen)
+                                                              networks.value_head(value_params),
+                                                              frozen)
   _, _, mask = batch.inputs_and_targets()
   if loss.uses_reference:
     ref_logprobs, _, _ = _micro_token_logprobs(graphdef, ref_params, batch, loss, frozen=frozen)
@@ -282,13 +314,12 @@ def compute_experience(graphdef: nnx.GraphDef, params: nnx.State, ref_params: nn
                     correction.kept), metrics
 
 
-def _loss_fn(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.GraphDef,
-             value_graphdef: nnx.GraphDef | None, batch: Batch, experience: Experience,
-             loss: LossConfig, frozen: nnx.State | None = None, dropout_key: Array | None = None,
+def _loss_fn(trainable: tuple[nnx.State, nnx.State | None], networks: Networks, batch: Batch,
+             experience: Experience, loss: LossConfig, dropout_key: Array | None = None,
              on_policy: Array | None = None) -> tuple[Array, dict[str, Array]]:
   params, value_params = trainable
-  value_head = nnx.merge(value_graphdef, value_params) if value_graphdef is not None else None
-  logprobs, entropies, values = token_logprobs(graphdef, params, batch, loss, value_head, frozen,
+  logprobs, entropies, values = token_logprobs(networks.graphdef, params, batch, loss,
+                                               networks.value_head(value_params), networks.frozen,
                                                dropout_key)
   old_logprobs = experience.old_logprobs
   if on_policy is not None:
@@ -328,39 +359,33 @@ def _loss_fn(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.GraphD
   return total, metrics
 
 
-UPDATE_STATIC_ARGNAMES = ("graphdef", "value_graphdef", "optimizer", "loss")
-UPDATE_DONATE_ARGNAMES = ("trainable", "opt_state")
+UPDATE_STATIC_ARGNAMES = ("optimizer", "loss")
 
 
-def jit_update_step(trainable_shardings: Any, opt_state_shardings: Any):
-  """`update_step` compiled so that parameters and optimizer state keep their shardings.
+def jit_update_step(state_shardings: UpdateState):
+  """`update_step` compiled so that parameters and optimizer state keep their shardings, their
+  buffers donated.
 
   Without out_shardings the compiler may return updated parameters in any layout it likes, and
   over many steps the state drifts away from the mesh's logical rules.
   """
-  return jax.jit(update_step, static_argnames=UPDATE_STATIC_ARGNAMES,
-                 donate_argnames=UPDATE_DONATE_ARGNAMES,
-                 out_shardings=(trainable_shardings, opt_state_shardings, None))
+  return jax.jit(update_step, static_argnames=UPDATE_STATIC_ARGNAMES, donate_argnames="state",
+                 out_shardings=(state_shardings, None))
 
 
-def update_step(graphdef: nnx.GraphDef, value_graphdef: nnx.GraphDef | None,
-                trainable: tuple[nnx.State, nnx.State | None], opt_state: optax.OptState,
-                batch: Batch, experience: Experience, *, optimizer: optax.GradientTransformation,
-                loss: LossConfig, frozen: nnx.State | None = None, dropout_key: Array | None = None,
-                on_policy: Array | None = None):
-  """One optimizer step on one minibatch. Returns (trainable, opt_state, metrics).
+def update_step(networks: Networks, state: UpdateState, batch: Batch, experience: Experience, *,
+                optimizer: optax.GradientTransformation, loss: LossConfig,
+                dropout_key: Array | None = None,
+                on_policy: Array | None = None) -> tuple[UpdateState, dict[str, Array]]:
+  """One optimizer step on one minibatch. Returns (state, metrics).
 
-  `on_policy` (a bool scalar) says that `trainable` are the parameters the experience was
-  computed with (a step's first minibatch): the loss then takes its old log-probs from its own
-  forward pass, so that its ratio is exactly 1 (`_loss_fn`). With LoRA, trainable[0] are the
-  adapters and `frozen` the base (module docstring)."""
-  grads, metrics = _gradients(trainable, graphdef, value_graphdef, batch, experience, loss, frozen,
-                              dropout_key, on_policy)
-  metrics["grad_norm"] = optax.global_norm(grads)
-  updates, opt_state = optimizer.update(grads, opt_state, trainable)
-  trainable = optax.apply_updates(trainable, updates)
-  metrics["nonfinite_steps"] = opt_state.notfinite_count
-  return trainable, opt_state, metrics
+  `on_policy` (a bool scalar) says that the state's trainable are the parameters the
+  experience was computed with (a step's first minibatch): the loss then takes its old
+  log-probs from its own forward pass, so that its ratio is exactly 1 (`_loss_fn`). With LoRA,
+  trainable[0] are the adapters over the networks' frozen base (module docstring)."""
+  grads, metrics = _gradients(state.trainable, networks, batch, experience, loss, dropout_key,
+                              on_policy)
+  return _apply(state, grads, optimizer, metrics)
 
 
 # How micro-batches combine the update's metrics: losses (keys ending in "loss") as the loss
@@ -369,17 +394,15 @@ def update_step(graphdef: nnx.GraphDef, value_graphdef: nnx.GraphDef | None,
 MAX_METRICS = ("policy/ratio_max",)
 
 
-def _gradients(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.GraphDef,
-               value_graphdef: nnx.GraphDef | None, batch: Batch, experience: Experience,
-               loss: LossConfig, frozen: nnx.State | None = None, dropout_key: Array | None = None,
+def _gradients(trainable: tuple[nnx.State, nnx.State | None], networks: Networks, batch: Batch,
+               experience: Experience, loss: LossConfig, dropout_key: Array | None = None,
                on_policy: Array | None = None) -> tuple[Any, dict[str, Array]]:
   """(gradient of the minibatch's loss, its metrics), accumulated over micro-batches when
   loss.micro_batch_rows splits the minibatch (the module docstring's weighting); micro-batch j
   drops out with fold_in(dropout_key, j)."""
   grad_fn = jax.value_and_grad(functools.partial(_loss_fn, on_policy=on_policy), has_aux=True)
   if not _splits(batch.tokens.shape[0], loss):
-    (_, metrics), grads = grad_fn(trainable, graphdef, value_graphdef, batch, experience, loss,
-                                  frozen, dropout_key)
+    (_, metrics), grads = grad_fn(trainable, networks, batch, experience, loss, dropout_key)
     return grads, metrics
   # The loss's mask: trained tokens of the trajectories the rollout correction keeps.
   mask = lambda b, e: b.inputs_and_targets()[2] * e.kept[:, None]
@@ -391,8 +414,7 @@ def _gradients(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.Grap
   def accumulate(carry, micro):
     (micro_batch, micro_experience), index = micro
     key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
-    (_, metrics), grads = grad_fn(trainable, graphdef, value_graphdef, micro_batch,
-                                  micro_experience, loss, frozen, key)
+    (_, metrics), grads = grad_fn(trainable, networks, micro_batch, micro_experience, loss, key)
     share = units(micro_batch, micro_experience) / total_units
     token_share = tokens(micro_batch, micro_experience) / total_tokens
     sums, maxima = carry
@@ -405,9 +427,8 @@ def _gradients(trainable: tuple[nnx.State, nnx.State | None], graphdef: nnx.Grap
     return ((grads, means), maxima), None
 
   parts, _ = split_micro_batches(batch, experience, loss.micro_batch_rows)
-  shapes = jax.eval_shape(
-      lambda b, e: grad_fn(trainable, graphdef, value_graphdef, b, e, loss, frozen, dropout_key),
-      *jax.tree.map(lambda x: x[0], parts))
+  shapes = jax.eval_shape(lambda b, e: grad_fn(trainable, networks, b, e, loss, dropout_key),
+                          *jax.tree.map(lambda x: x[0], parts))
   (_, metric_shapes), grad_shapes = shapes
   zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
   sums = (zeros(grad_shapes),
@@ -490,40 +511,40 @@ def take_batch(batch: Batch, rows: np.ndarray, row_groups: np.ndarray | None = N
 # --- the offline updates: SFT and DPO (offline.py's loop) ----------------------------------
 
 
-def sft_objective(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch, loss: LossConfig,
-                  frozen: nnx.State | None = None,
+def sft_objective(params: nnx.State, networks: Networks, batch: Batch, loss: LossConfig,
                   dropout_key: Array | None = None) -> tuple[Array, dict[str, Array]]:
   """The token-mean NLL of the reply tokens: sum m (-log pi(y_t | y_<t)) / sum m, with m = 1
   exactly on the assistant reply tokens (and the turn end closing each reply)."""
-  logprobs, _, _ = token_logprobs(graphdef, params, batch, loss, None, frozen, dropout_key)
+  logprobs, _, _ = token_logprobs(networks.graphdef, params, batch, loss, None, networks.frozen,
+                                  dropout_key)
   _, _, mask = batch.inputs_and_targets()
   nll, out = rl.sft_loss(logprobs, mask, aggregation="token-mean")
   out["trained_tokens"] = jnp.sum(mask)
   return nll, out
 
 
-def policy_sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch,
-                             loss: LossConfig, frozen: nnx.State | None = None,
+def policy_sequence_logprobs(networks: Networks, params: nnx.State, batch: Batch, loss: LossConfig,
                              dropout_key: Array | None = None) -> Array:
   """f32[N]: log pi(y) summed over each row's reply tokens."""
-  logprobs, _, _ = token_logprobs(graphdef, params, batch, loss, None, frozen, dropout_key)
+  logprobs, _, _ = token_logprobs(networks.graphdef, params, batch, loss, None, networks.frozen,
+                                  dropout_key)
   _, _, mask = batch.inputs_and_targets()
   return rl.sequence_logprobs(logprobs, mask)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "loss"))
-def reference_logprobs(graphdef: nnx.GraphDef, ref_params: nnx.State, pairs: Batch, *,
-                       loss: LossConfig, frozen: nnx.State | None = None) -> Array:
+@functools.partial(jax.jit, static_argnames=("loss",))
+def reference_logprobs(networks: Networks, ref_params: nnx.State, pairs: Batch, *,
+                       loss: LossConfig) -> Array:
   """f32[2B]: the frozen reference's sequence log-probs of chosen-then-rejected rows."""
-  return policy_sequence_logprobs(graphdef, ref_params, pairs, loss, frozen)
+  return policy_sequence_logprobs(networks, ref_params, pairs, loss)
 
 
-def dpo_objective(params: nnx.State, graphdef: nnx.GraphDef, pairs: Batch, ref_logprobs: Array,
-                  loss: LossConfig, beta: float, frozen: nnx.State | None = None,
+def dpo_objective(params: nnx.State, networks: Networks, pairs: Batch, ref_logprobs: Array,
+                  loss: LossConfig, beta: float,
                   dropout_key: Array | None = None) -> tuple[Array, dict[str, Array]]:
   """The DPO loss of chosen-then-rejected rows (offline.stack_pairs): the mean over pairs of
   -log sigmoid(beta (log pi(y_w) - log pi_ref(y_w)) - beta (log pi(y_l) - log pi_ref(y_l)))."""
-  policy = policy_sequence_logprobs(graphdef, params, pairs, loss, frozen, dropout_key)
+  policy = policy_sequence_logprobs(networks, params, pairs, loss, dropout_key)
   num_pairs = policy.shape[0] // 2
   value, out = rl.dpo_loss(policy[:num_pairs], policy[num_pairs:], ref_logprobs[:num_pairs],
                            ref_logprobs[num_pairs:], beta=beta)
@@ -532,30 +553,32 @@ def dpo_objective(params: nnx.State, graphdef: nnx.GraphDef, pairs: Batch, ref_l
   return value, out
 
 
-def _apply_gradients(params: nnx.State, opt_state: optax.OptState, grads: nnx.State,
-                     optimizer: optax.GradientTransformation, out: dict[str, Array]):
-  out["grad_norm"] = optax.global_norm(grads)
-  updates, opt_state = optimizer.update(grads, opt_state, params)
-  out["nonfinite_steps"] = opt_state.notfinite_count
-  return optax.apply_updates(params, updates), opt_state, out
+def _apply(state: UpdateState, grads: Any, optimizer: optax.GradientTransformation,
+           metrics: dict[str, Array]) -> tuple[UpdateState, dict[str, Array]]:
+  """The optimizer step of `grads` on `state`; metrics gain the gradient's norm and the count
+  of non-finite steps skipped."""
+  metrics["grad_norm"] = optax.global_norm(grads)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.trainable)
+  metrics["nonfinite_steps"] = opt_state.notfinite_count
+  return UpdateState(optax.apply_updates(state.trainable, updates), opt_state), metrics
 
 
-def sft_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptState, batch: Batch,
-             frozen: nnx.State | None, dropout_key: Array | None, *,
-             optimizer: optax.GradientTransformation, loss: LossConfig):
-  """One SFT optimizer step. Returns (params, opt_state, metrics)."""
-  (value, out), grads = jax.value_and_grad(sft_objective, has_aux=True)(params, graphdef, batch,
-                                                                        loss, frozen, dropout_key)
+def sft_step(networks: Networks, state: UpdateState, batch: Batch, dropout_key: Array | None, *,
+             optimizer: optax.GradientTransformation,
+             loss: LossConfig) -> tuple[UpdateState, dict[str, Array]]:
+  """One SFT optimizer step. Returns (state, metrics)."""
+  (value, out), grads = jax.value_and_grad(sft_objective, has_aux=True)(state.trainable, networks,
+                                                                        batch, loss, dropout_key)
   out["loss"] = value
-  return _apply_gradients(params, opt_state, grads, optimizer, out)
+  return _apply(state, grads, optimizer, out)
 
 
-def dpo_step(graphdef: nnx.GraphDef, params: nnx.State, opt_state: optax.OptState, pairs: Batch,
-             ref_logprobs: Array, frozen: nnx.State | None, dropout_key: Array | None, *,
-             optimizer: optax.GradientTransformation, loss: LossConfig, beta: float):
-  """One DPO optimizer step on chosen-then-rejected rows. Returns (params, opt_state, metrics)."""
+def dpo_step(networks: Networks, state: UpdateState, pairs: Batch, ref_logprobs: Array,
+             dropout_key: Array | None, *, optimizer: optax.GradientTransformation,
+             loss: LossConfig, beta: float) -> tuple[UpdateState, dict[str, Array]]:
+  """One DPO optimizer step on chosen-then-rejected rows. Returns (state, metrics)."""
   (value, out), grads = jax.value_and_grad(dpo_objective,
-                                           has_aux=True)(params, graphdef, pairs, ref_logprobs,
-                                                         loss, beta, frozen, dropout_key)
+                                           has_aux=True)(state.trainable, networks, pairs,
+                                                         ref_logprobs, loss, beta, dropout_key)
   out["loss"] = value
-  return _apply_gradients(params, opt_state, grads, optimizer, out)
+  return _apply(state, grads, optimizer, out)

@@ -263,15 +263,14 @@ def lower_train_step(config: ModelConfig, mesh: Mesh, step: StepShape) -> jax.st
     graphdef, params, frozen = abstract_lora(config, mesh, step.lora, **model)
   optimizer = learner.make_optimizer(1e-6)
   trainable = (params, None)
-  opt_state = abstract_optimizer_state(optimizer, trainable, mesh)
+  state = learner.UpdateState(trainable, abstract_optimizer_state(optimizer, trainable, mesh))
   loss = learner.LossConfig(logprob_chunk=min(step.logits_chunk, step.seq - 1),
                             micro_batch_rows=step.micro_batch_rows)
-  shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
-  update = learner.jit_update_step(shardings(trainable), shardings(opt_state))
+  update = learner.jit_update_step(jax.tree.map(lambda x: x.sharding, state))
   with jax.set_mesh(mesh):
-    return update.lower(graphdef, None, trainable, opt_state,
+    return update.lower(learner.Networks(graphdef, frozen=frozen), state,
                         *abstract_minibatch(mesh, step.batch, step.seq), optimizer=optimizer,
-                        loss=loss, frozen=frozen)
+                        loss=loss)
 
 
 def plan(config: ModelConfig, mesh: Mesh, step: StepShape, *, compile: bool = True) -> MemoryPlan:

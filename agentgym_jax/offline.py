@@ -150,25 +150,25 @@ def conversation_tokens(batch: Batch) -> int:
 # --- the loop ------------------------------------------------------------------------------
 
 
-def make_update(settings: run.Settings, graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh):
+def make_update(settings: run.Settings, params: nnx.State, mesh: Mesh):
   """(init, update): the jitted optimizer-state init and the jitted update step of the mode.
 
-  update(params, opt_state, batch, frozen, dropout_key) for SFT, update(params, opt_state,
-  pairs, ref_logprobs, frozen, dropout_key) for DPO (frozen: LoRA's base or None), returns
-  (params, opt_state, metrics) with the state on `train_state_shardings` and its input buffers
-  donated; it compiles once per padded batch length.
+  update(networks, state, batch, dropout_key) for SFT, update(networks, state, pairs,
+  ref_logprobs, dropout_key) for DPO (learner.Networks, learner.UpdateState), returns (state,
+  metrics) with the state on `train_state_shardings` and its input buffers donated; it compiles
+  once per padded batch length.
   """
   optimizer = settings.optimizer
   param_shardings, opt_shardings = sharding.train_state_shardings(
       params, jax.eval_shape(optimizer.init, params), mesh)
   if settings.mode == "sft":
-    step = functools.partial(learner.sft_step, graphdef, optimizer=optimizer, loss=settings.loss)
+    step = functools.partial(learner.sft_step, optimizer=optimizer, loss=settings.loss)
   else:
-    step = functools.partial(learner.dpo_step, graphdef, optimizer=optimizer, loss=settings.loss,
+    step = functools.partial(learner.dpo_step, optimizer=optimizer, loss=settings.loss,
                              beta=settings.dpo_beta)
   return (jax.jit(optimizer.init, out_shardings=opt_shardings),
-          jax.jit(step, donate_argnums=(0, 1),
-                  out_shardings=(param_shardings, opt_shardings, None)))
+          jax.jit(step, donate_argnums=1,
+                  out_shardings=(learner.UpdateState(param_shardings, opt_shardings), None)))
 
 
 def make_evaluator(settings: run.Settings, mesh: Mesh, model: Decoder, chat: ChatTemplate,
@@ -213,9 +213,9 @@ def train_offline(c: ml_collections.ConfigDict,
   chat = settings.chat(tokenizer)
   batches = make_batches(settings, records, chat)
   policy = settings.policy(model, mesh)
-  graphdef, params, frozen = policy.graphdef, policy.params, policy.frozen
+  networks, params = learner.Networks(policy.graphdef, frozen=policy.frozen), policy.params
   ref_params = policy.reference(model.dtype) if mode == "dpo" else None
-  init, update = make_update(settings, graphdef, params, mesh)
+  init, update = make_update(settings, params, mesh)
   # Resume from the newest complete checkpoint; step k's checkpoint follows k updates.
   checkpointer = settings.checkpointer(workdir)
   state, start_step, meta = run.resume(checkpointer, run.RunState(params, None, init(params)))
@@ -243,12 +243,12 @@ def train_offline(c: ml_collections.ConfigDict,
       if mode == "dpo":
         with timer("reference"):
           inputs += (jax.block_until_ready(
-              learner.reference_logprobs(graphdef, ref_params, batch, loss=loss, frozen=frozen)),)
+              learner.reference_logprobs(networks, ref_params, batch, loss=loss)),)
       with timer("update"):
-        params, opt_state, step_metrics = update(state.params, state.opt_state, *inputs, frozen,
-                                                 settings.dropout_key(step, 0))
+        updated, step_metrics = update(networks, learner.UpdateState(state.params, state.opt_state),
+                                       *inputs, settings.dropout_key(step, 0))
         jax.block_until_ready(step_metrics)
-      state = run.RunState(params, None, opt_state)
+      state = run.RunState(updated.trainable, None, updated.opt_state)
 
       done = step + 1
       compute_s = timer.seconds["update"] + timer.seconds.get("reference", 0.0)

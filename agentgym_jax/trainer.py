@@ -294,7 +294,8 @@ class Learner:
   Attributes:
     policy: the trained policy (run.Policy).
     reference: the reference parameters of a KL loss, or None.
-    value_graphdef: the value head's graph (PPO's critic), or None.
+    networks: the policy's graph, the value head's (PPO's critic) or None, and LoRA's frozen
+      base or None.
     opt_shardings: the optimizer state's shardings on the mesh.
     update_step: learner.update_step, jitted on the state's shardings.
     settings: the run's settings (the loss, the optimizer, the minibatches).
@@ -302,7 +303,7 @@ class Learner:
 
   policy: run.Policy
   reference: nnx.State | None
-  value_graphdef: nnx.GraphDef | None
+  networks: learner.Networks
   opt_shardings: Any
   update_step: Callable[..., Any]
   settings: run.Settings
@@ -325,8 +326,9 @@ class Learner:
                                                       (policy.params, value_params)), mesh)
     value_params = jax.device_put(value_params, trainable_shardings[1])
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)((policy.params, value_params))
-    update_step = learner.jit_update_step(trainable_shardings, opt_shardings)
-    return (cls(policy, reference, value_graphdef, opt_shardings, update_step,
+    update_step = learner.jit_update_step(learner.UpdateState(trainable_shardings, opt_shardings))
+    networks = learner.Networks(policy.graphdef, value_graphdef, policy.frozen)
+    return (cls(policy, reference, networks, opt_shardings, update_step,
                 settings), run.RunState(policy.params, value_params, opt_state))
 
   def place(self, opt_state: Any, on_host: bool | None = None) -> Any:
@@ -340,11 +342,10 @@ class Learner:
                  batch: Batch) -> tuple[learner.Experience, dict[str, Any]]:
     """The experience pass over `batch`: old and reference log-probs, values, advantages."""
     settings = self.settings
-    return learner.compute_experience(self.policy.graphdef, state.params, self.reference,
-                                      self.value_graphdef, state.value_params, batch,
-                                      loss=settings.loss, num_groups=2 * settings.rows,
-                                      num_turns=settings.schedule.max_turns,
-                                      frozen=self.policy.frozen)
+    return learner.compute_experience(self.networks, (state.params, state.value_params),
+                                      self.reference, batch, loss=settings.loss,
+                                      num_groups=2 * settings.rows,
+                                      num_turns=settings.schedule.max_turns)
 
   def update(self, state: run.RunState, batch: Batch, row_groups: Any,
              experience: learner.Experience, step: int,
@@ -353,24 +354,22 @@ class Learner:
     experience's parameters, so its ratio is exactly 1. Returns the state and the minibatches'
     metrics."""
     settings = self.settings
-    trainable = (state.params, state.value_params)
-    opt_state = self.place(state.opt_state, on_host=False)
+    update_state = learner.UpdateState((state.params, state.value_params),
+                                       self.place(state.opt_state, on_host=False))
     rng = np.random.default_rng([settings.seed, step])
     update_metrics = []
     for update, rows in enumerate(
         learner.minibatch_indices(settings.rows, settings.num_minibatches, settings.ppo_epochs, rng,
                                   row_groups)):
       minibatch = learner.take_batch(batch, rows, row_groups, shards)
-      trainable, opt_state, m = self.update_step(self.policy.graphdef, self.value_graphdef,
-                                                 trainable, opt_state, minibatch,
-                                                 learner.take_rows(experience, rows),
-                                                 optimizer=settings.optimizer, loss=settings.loss,
-                                                 frozen=self.policy.frozen,
-                                                 dropout_key=settings.dropout_key(step, update),
-                                                 on_policy=jnp.asarray(update == 0))
+      update_state, m = self.update_step(self.networks, update_state, minibatch,
+                                         learner.take_rows(experience, rows),
+                                         optimizer=settings.optimizer, loss=settings.loss,
+                                         dropout_key=settings.dropout_key(step, update),
+                                         on_policy=jnp.asarray(update == 0))
       update_metrics.append(m)
-    state = run.RunState(*jax.block_until_ready((trainable[0], trainable[1],
-                                                 self.place(opt_state))))
+    (params, value_params), opt_state = update_state.trainable, update_state.opt_state
+    state = run.RunState(*jax.block_until_ready((params, value_params, self.place(opt_state))))
     return state, update_metrics
 
 

@@ -166,18 +166,18 @@ def ours_step(model, dtype: str, remat: str, attention: str,
   optimizer = learner.make_optimizer(1e-6)
   opt_state = jax.jit(optimizer.init)((params, None))
   opt_state = jax.device_put(opt_state, shardings_of(opt_state))
-  update = learner.jit_update_step(shardings_of((params, None)), shardings_of(opt_state))
+  state = learner.UpdateState((params, None), opt_state)
+  update = learner.jit_update_step(shardings_of(state))
   batch = jax.device_put(batch, jax.devices()[0])
-  state = {"trainable": (params, None), "opt_state": opt_state}
+  networks = learner.Networks(graphdef)
+  current = [state]
 
   def step():
-    experience, _ = learner.compute_experience(graphdef, state["trainable"][0], ref_params, None,
-                                               None, batch, loss=loss,
-                                               num_groups=2 * batch.tokens.shape[0])
-    trainable, opt_state, metrics = update(graphdef, None, state["trainable"], state["opt_state"],
-                                           batch, experience, optimizer=optimizer, loss=loss)
-    jax.block_until_ready((trainable, opt_state, metrics))
-    state.update(trainable=trainable, opt_state=opt_state)
+    experience, _ = learner.compute_experience(networks, current[0].trainable, ref_params, batch,
+                                               loss=loss, num_groups=2 * batch.tokens.shape[0])
+    current[0], metrics = update(networks, current[0], batch, experience, optimizer=optimizer,
+                                 loss=loss)
+    jax.block_until_ready((current[0], metrics))
 
   return step
 

@@ -240,8 +240,8 @@ def test_learner_computes_gigpo_from_the_packed_turns(policy):
       advantage_estimator="gigpo",
       advantage_options=(("eps", 0.0), ("gamma", 1.0), ("normalize_by_std", False),
                          ("std", "population"), ("step_weight", 2.0)))
-  experience, metrics = learner.compute_experience(graphdef, params, None, None, None, batch,
-                                                   loss=loss, num_groups=4)
+  experience, metrics = learner.compute_experience(learner.Networks(graphdef), (params, None), None,
+                                                   batch, loss=loss, num_groups=4)
   # Episode: rewards [1, 0] -> [1/2, -1/2]. Turn 0 (one prompt): returns [1, 0] -> [1/2, -1/2];
   # turn 1 answers different observations: singletons, 0. omega = 2.
   targets = batch.turn_index[:, 1:]

@@ -23,7 +23,7 @@ ROWS = 8
 GROUP = 4
 # Outcomes of the rows, groups of 4: one or three successes a group, so every advantage is +-.
 REWARDS = np.array([1, 0, 0, 0, 1, 1, 0, 1], np.float32)
-gradients = jax.jit(learner._gradients, static_argnums=(1, 2, 5))
+gradients = jax.jit(learner._gradients, static_argnums=4)
 
 
 @functools.cache
@@ -47,8 +47,8 @@ def _policy(num_layers: int, dtype) -> tuple[nnx.GraphDef, nnx.State]:
 @functools.cache
 def _batch(length: int) -> Batch:
   """The last `length` tokens of the oracle's demonstrations of ROWS TextCraft train goals in the
-  model's chat layout (the first rows' replies and observations, the prompt's end before them),
-  trained on the replies, with REWARDS as outcomes."""
+  model's chat layout (the first rows' replies and observations, the prompt's end before them;
+  a shorter conversation whole), trained on the replies, with REWARDS as outcomes."""
   env = base.make("textcraft", max_depth=2)
   try:
     demos = demonstrations.demonstrate_tasks(env, list(env.task_ids("train"))[:ROWS]).demos
@@ -56,8 +56,10 @@ def _batch(length: int) -> Batch:
     env.close()
   chat = _smollm2()[1].chat_template()
   rows = [tokenize_conversation(chat, demo["messages"]) for demo in demos]
-  tokens = np.stack([np.asarray(t[-length:], np.int32) for t, _ in rows])
-  loss_mask = np.stack([np.asarray(m[-length:], np.float32) for _, m in rows])
+  # Right-padded (token 0, outside the loss) where a whole conversation is shorter.
+  pad = lambda x, dtype: np.pad(np.asarray(x[-length:], dtype), (0, max(0, length - len(x))))
+  tokens = np.stack([pad(t, np.int32) for t, _ in rows])
+  loss_mask = np.stack([pad(m, np.float32) for _, m in rows])
   return Batch(tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(loss_mask),
                sampler_logprobs=jnp.zeros(tokens.shape, jnp.float32), rewards=jnp.asarray(REWARDS),
                group_ids=jnp.asarray(np.arange(ROWS) // GROUP, jnp.int32))
@@ -67,10 +69,10 @@ def _gradient(num_layers: int, dtype, batch: Batch, micro_batch_rows: int):
   """(flat gradient, metrics) of GRPO's loss on `batch` at the experience's parameters."""
   graphdef, params = _policy(num_layers, dtype)
   loss = learner.LossConfig(micro_batch_rows=micro_batch_rows, logprob_chunk=256)
-  experience, _ = learner.compute_experience(graphdef, params, None, None, None, batch, loss=loss,
-                                             num_groups=ROWS // GROUP)
-  grads, metrics = gradients((params, None), graphdef, None, batch, experience, loss, None, None,
-                             jnp.asarray(True))
+  experience, _ = learner.compute_experience(learner.Networks(graphdef), (params, None), None,
+                                             batch, loss=loss, num_groups=ROWS // GROUP)
+  grads, metrics = gradients((params, None), learner.Networks(graphdef), batch, experience, loss,
+                             None, jnp.asarray(True))
   flat = np.concatenate([np.ravel(g).astype(np.float64) for g in jax.tree.leaves(grads[0])])
   return flat, {k: float(v) for k, v in metrics.items()}
 
@@ -123,20 +125,19 @@ def test_one_update_moves_each_outcome_the_way_of_its_advantage():
   graphdef, params = _policy(30, jnp.bfloat16)
   batch = _batch(128)
   loss = learner.LossConfig(logprob_chunk=256)
-  experience, _ = learner.compute_experience(graphdef, params, None, None, None, batch, loss=loss,
-                                             num_groups=ROWS // GROUP)
+  experience, _ = learner.compute_experience(learner.Networks(graphdef), (params, None), None,
+                                             batch, loss=loss, num_groups=ROWS // GROUP)
   optimizer = learner.make_optimizer(1e-5)
-  opt_state = optimizer.init((params, None))
+  state = learner.UpdateState((params, None), optimizer.init((params, None)))
   before = jax.tree.map(jnp.copy, params)
-  (params, _), _, metrics = jax.jit(
-      learner.update_step,
-      static_argnames=learner.UPDATE_STATIC_ARGNAMES)(graphdef, None, (params, None), opt_state,
-                                                      batch, experience, optimizer=optimizer,
-                                                      loss=loss, on_policy=jnp.asarray(True))
+  state, metrics = jax.jit(learner.update_step, static_argnames=learner.UPDATE_STATIC_ARGNAMES)(
+      learner.Networks(graphdef), state, batch, experience, optimizer=optimizer, loss=loss,
+      on_policy=jnp.asarray(True))
+  params = state.trainable[0]
   logprobs = lambda p: learner.token_logprobs(graphdef, p, batch, loss)[0]
   mask = batch.loss_mask[:, 1:]
   moved = np.asarray(jnp.sum((logprobs(params) - logprobs(before)) * mask, axis=1))
   advantage = np.asarray(jnp.sum(experience.advantages * mask, axis=1) / jnp.sum(mask, axis=1))
   assert moved[advantage > 0].mean() > 0 > moved[advantage < 0].mean(), (moved, advantage)
-  _, after = gradients((params, None), graphdef, None, batch, experience, loss)
+  _, after = gradients((params, None), learner.Networks(graphdef), batch, experience, loss)
   assert float(after["policy/loss"]) < float(metrics["policy/loss"])

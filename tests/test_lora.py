@@ -169,24 +169,21 @@ def test_update_trains_only_the_adapters_whose_state_alone_the_optimizer_holds(
   base_before = jax.tree.map(np.asarray, policy.frozen)
   batch = jax.tree.map(jnp.asarray, _rollout_batch())
   ref = jax.tree.map(jnp.copy, policy.params)
-  experience, metrics_ = learner.compute_experience(policy.graphdef, policy.params, ref, None, None,
-                                                    batch, loss=settings.loss, num_groups=4,
-                                                    frozen=policy.frozen)
+  networks = learner.Networks(policy.graphdef, frozen=policy.frozen)
+  experience, metrics_ = learner.compute_experience(networks, (policy.params, None), ref, batch,
+                                                    loss=settings.loss, num_groups=4)
   # The reference is the base and the adapters start at B = 0: the KL to it is exactly 0.
   np.testing.assert_array_equal(experience.old_logprobs, experience.ref_logprobs)
   assert float(metrics_["kl_to_ref"]) == 0.0
-  trainable, opt_state, out = jax.jit(learner.update_step,
-                                      static_argnames=learner.UPDATE_STATIC_ARGNAMES)(
-                                          policy.graphdef, None,
-                                          (jax.tree.map(jnp.copy, policy.params), None), opt_state,
-                                          batch, experience, optimizer=settings.optimizer,
-                                          loss=settings.loss, frozen=policy.frozen,
-                                          dropout_key=settings.dropout_key(0, 0))
+  state, out = jax.jit(learner.update_step, static_argnames=learner.UPDATE_STATIC_ARGNAMES)(
+      networks, learner.UpdateState((jax.tree.map(jnp.copy, policy.params), None),
+                                    opt_state), batch, experience, optimizer=settings.optimizer,
+      loss=settings.loss, dropout_key=settings.dropout_key(0, 0))
   assert float(out["grad_norm"]) > 0
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, policy.frozen), base_before)
   moved = [
       float(jnp.abs(new - old).max())
-      for new, old in zip(jax.tree.leaves(trainable[0]), jax.tree.leaves(policy.params))
+      for new, old in zip(jax.tree.leaves(state.trainable[0]), jax.tree.leaves(policy.params))
   ]
   assert min(moved) > 0  # Every A and B moved (B from zero by Adam's first step, about lr).
 
@@ -197,13 +194,14 @@ def test_lora_gradients_accumulate_over_micro_batches(checkpoint_dir, tiny_model
   policy = settings.policy(tiny_model, None)
   adapters = _random_b(policy.params)  # Away from B = 0, where A gets no gradient.
   batch = jax.tree.map(jnp.asarray, _rollout_batch())
-  experience, _ = learner.compute_experience(policy.graphdef, adapters, None, None, None, batch,
-                                             loss=settings.loss, num_groups=4, frozen=policy.frozen)
+  networks = learner.Networks(policy.graphdef, frozen=policy.frozen)
+  experience, _ = learner.compute_experience(networks, (adapters, None), None, batch,
+                                             loss=settings.loss, num_groups=4)
   whole, _ = learner._gradients(  # pylint: disable=protected-access
-      (adapters, None), policy.graphdef, None, batch, experience, settings.loss, policy.frozen)
+      (adapters, None), networks, batch, experience, settings.loss)
   micro = dataclasses.replace(settings.loss, micro_batch_rows=2)
   parts, _ = learner._gradients(  # pylint: disable=protected-access
-      (adapters, None), policy.graphdef, None, batch, experience, micro, policy.frozen)
+      (adapters, None), networks, batch, experience, micro)
   for got, want in zip(jax.tree.leaves(parts), jax.tree.leaves(whole)):
     assert np.abs(want).max() > 0
     np.testing.assert_allclose(got, want, rtol=0,

@@ -20,7 +20,7 @@ CONFIG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermed
                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                      tie_word_embeddings=True)
 ROWS, LENGTH = 8, 24
-gradients = jax.jit(learner._gradients, static_argnums=(1, 2, 5))
+gradients = jax.jit(learner._gradients, static_argnums=4)
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +67,16 @@ def test_accumulated_gradients_equal_the_whole_minibatch(policy, micro_batch_row
   graphdef, params = policy
   batch = _batch()
   whole = _config(**changes)
-  experience, _ = learner.compute_experience(graphdef, params, params, None, None, batch,
-                                             loss=whole, num_groups=ROWS // 4)
+  networks = learner.Networks(graphdef)
+  experience, _ = learner.compute_experience(networks, (params, None), params, batch, loss=whole,
+                                             num_groups=ROWS // 4)
   # A trajectory the rollout correction dropped counts in no unit of the loss.
   experience = experience.replace(kept=jnp.asarray([1, 1, 0, 1, 1, 1, 1, 0], jnp.float32))
   # A policy one step away from the one that played, so ratios and the KL are not trivial.
   params = jax.tree.map(lambda p: p * 1.01, params)
-  expected, expected_metrics = gradients((params, None), graphdef, None, batch, experience, whole)
+  expected, expected_metrics = gradients((params, None), networks, batch, experience, whole)
   parts = dataclasses.replace(whole, micro_batch_rows=micro_batch_rows)
-  grads, metrics = gradients((params, None), graphdef, None, batch, experience, parts)
+  grads, metrics = gradients((params, None), networks, batch, experience, parts)
   tolerance = _grad_tolerance(expected)
   for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
     np.testing.assert_allclose(got, want, rtol=0, atol=tolerance)
@@ -89,9 +90,10 @@ def test_the_experience_pass_in_micro_batches_equals_one_pass(policy):
   graphdef, params = policy
   batch = _batch(seed=1)
   whole = _config()
-  expected, expected_metrics = learner.compute_experience(graphdef, params, params, None, None,
-                                                          batch, loss=whole, num_groups=ROWS // 4)
-  got, metrics = learner.compute_experience(graphdef, params, params, None, None, batch,
+  networks = learner.Networks(graphdef)
+  expected, expected_metrics = learner.compute_experience(networks, (params, None), params, batch,
+                                                          loss=whole, num_groups=ROWS // 4)
+  got, metrics = learner.compute_experience(networks, (params, None), params, batch,
                                             loss=dataclasses.replace(whole, micro_batch_rows=2),
                                             num_groups=ROWS // 4)
   # Each row's forward pass is the same computation on fewer rows: the reordering model of

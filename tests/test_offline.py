@@ -108,7 +108,7 @@ def test_sft_loss_is_the_token_mean_over_reply_tokens_only(checkpoint_dir, tiny_
   batches = offline_data.sft_batches(DEMOS[:2], tokenizer.chat, batch_size=2, max_length=32)
   batch = batches.batch(0)
   loss_config = learner.LossConfig(logprob_chunk=8)
-  loss, out = learner.sft_objective(params, graphdef, batch, loss_config)
+  loss, out = learner.sft_objective(params, learner.Networks(graphdef), batch, loss_config)
 
   # Reference from full logits: -log p of each next token, averaged over the reply tokens.
   # The rows train 2 and 6 tokens: a token mean weighs the 8 tokens equally, where a mean of
@@ -131,8 +131,8 @@ def test_sft_loss_is_the_token_mean_over_reply_tokens_only(checkpoint_dir, tiny_
     written = observation[:perturbed.shape[1] - end]
     perturbed[row, end:end + len(written)] = written
   assert not np.array_equal(perturbed, batch.tokens)
-  loss_of = lambda **changes: learner.sft_objective(params, graphdef, batch.replace(**changes),
-                                                    loss_config)[0]
+  loss_of = lambda **changes: learner.sft_objective(params, learner.Networks(graphdef),
+                                                    batch.replace(**changes), loss_config)[0]
   np.testing.assert_allclose(loss_of(tokens=perturbed), loss, rtol=1e-6)
   # ... though a loss over every position would.
   unmasked = np.ones_like(batch.loss_mask)
@@ -169,12 +169,11 @@ def test_update_compiles_once_per_batch_length(checkpoint_dir, tmp_path):
   model, tokenizer = load_model(checkpoint_dir, mesh=mesh)
   graphdef, params = nnx.split(model)
   c = offline_config(checkpoint_dir, tmp_path)
-  init, update = offline.make_update(run.Settings.from_config(c), graphdef, params, mesh)
-  opt_state = init(params)
+  init, update = offline.make_update(run.Settings.from_config(c), params, mesh)
+  state = learner.UpdateState(params, init(params))
   batches = offline_data.sft_batches(DEMOS, tokenizer.chat, c.data.batch_size, c.data.max_length)
   for step in range(3):
-    params, opt_state, _ = update(params, opt_state, jax.device_put(batches.batch(step)), None,
-                                  None)
+    state, _ = update(learner.Networks(graphdef), state, jax.device_put(batches.batch(step)), None)
   # The state comes back with the shardings it went in with, so later steps reuse the first
   # step's program (left to XLA, the returned state's shardings differ and step 2 recompiles).
   assert update._cache_size() == 1

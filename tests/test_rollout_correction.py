@@ -151,8 +151,8 @@ def played(tmp_path_factory):
 
 def _experience(graphdef, params, batch, method, cap=2.0):
   loss = learner.LossConfig(rollout_correction=method, rollout_correction_cap=cap, logprob_chunk=64)
-  return learner.compute_experience(graphdef, params, None, None, None, batch, loss=loss,
-                                    num_groups=2 * _ROWS, num_turns=_TURNS)
+  return learner.compute_experience(learner.Networks(graphdef), (params, None), None, batch,
+                                    loss=loss, num_groups=2 * _ROWS, num_turns=_TURNS)
 
 
 def _turn_of_each_target(trajectories, length):
@@ -242,7 +242,7 @@ def test_the_update_trains_only_kept_trajectories_with_their_weights(played):
   experience = experience.replace(advantages=jnp.where(batch.loss_mask[:, 1:] > 0, 1.0, 0.0))
 
   def policy_loss(experience):
-    return learner._loss_fn((params, None), graphdef, None, batch, experience,
+    return learner._loss_fn((params, None), learner.Networks(graphdef), batch, experience,
                             loss)[1]["policy/loss"]
 
   # Old log-probs are the learner's own, so every PPO ratio is 1 and the unweighted loss is

@@ -223,7 +223,7 @@ def test_logprobs_entropies_and_values_equal_the_unshared_rows(policy):
         np.asarray(want)[valid], rtol=0, atol=_tolerance(), err_msg=name)
 
 
-gradients = jax.jit(learner._gradients, static_argnums=(1, 2, 5))
+gradients = jax.jit(learner._gradients, static_argnums=4)
 
 
 def _assert_gradients_close(got, want, unshared: Batch, context: str = "") -> None:
@@ -258,16 +258,15 @@ def test_gradients_equal_the_unshared_rows_with_excluded_rows(policy, changes):
     head = learner.ValueHead(CONFIG.hidden_size)
     head.kernel.value = 0.1 * jax.random.normal(jax.random.key(2), (CONFIG.hidden_size,))
     value_graphdef, value_params = nnx.split(head)
-  experience, _ = learner.compute_experience(graphdef, params, params, value_graphdef, value_params,
-                                             unshared, loss=loss, num_groups=2 * len(trajectories))
+  networks = learner.Networks(graphdef, value_graphdef)
+  experience, _ = learner.compute_experience(networks, (params, value_params), params, unshared,
+                                             loss=loss, num_groups=2 * len(trajectories))
   # The rollout correction drops sample 5 from every term of the loss.
   experience = experience.replace(kept=experience.kept.at[5].set(0.0))
   # A policy one step away from the one that played, so ratios and the KL are not trivial.
   params = jax.tree.map(lambda p: p * 1.01, params)
-  want, want_metrics = gradients((params, value_params), graphdef, value_graphdef, unshared,
-                                 experience, loss)
-  got, metrics = gradients((params, value_params), graphdef, value_graphdef, shared, experience,
-                           loss)
+  want, want_metrics = gradients((params, value_params), networks, unshared, experience, loss)
+  got, metrics = gradients((params, value_params), networks, shared, experience, loss)
   _assert_gradients_close(got, want, unshared)
   for key in metrics:
     np.testing.assert_allclose(metrics[key], want_metrics[key], rtol=1e-4, atol=_tolerance(),
@@ -278,8 +277,8 @@ def test_experience_equals_the_unshared_rows(policy):
   graphdef, params = policy
   unshared, shared = _batches(_trajectories(seed=2))
   loss = learner.LossConfig(kl_coef=0.1, rollout_correction="token_tis", logprob_chunk=16)
-  run = lambda b: learner.compute_experience(graphdef, params, params, None, None, b, loss=loss,
-                                             num_groups=14, num_turns=3)
+  run = lambda b: learner.compute_experience(learner.Networks(graphdef), (params, None), params, b,
+                                             loss=loss, num_groups=14, num_turns=3)
   (want, want_metrics), (got, metrics) = run(unshared), run(shared)
   mask = np.asarray(unshared.loss_mask[:, 1:]) > 0
   for field in dataclasses.fields(want):
@@ -338,11 +337,12 @@ def test_a_minibatch_of_groups_and_its_micro_batches_give_the_unshared_gradient(
   row_groups = np.asarray(shared.shared.rows)
   loss = learner.LossConfig(kl_coef=0.1, entropy_coef=0.01, logprob_chunk=16,
                             aggregation="seq-mean-token-mean")
-  experience, _ = learner.compute_experience(graphdef, params, params, None, None, unshared,
-                                             loss=loss, num_groups=16)
+  networks = learner.Networks(graphdef)
+  experience, _ = learner.compute_experience(networks, (params, None), params, unshared, loss=loss,
+                                             num_groups=16)
   # The experience pass in micro-batches of 2 groups (4 samples) reads the samples back in order.
   micro = dataclasses.replace(loss, micro_batch_rows=4)
-  parted, _ = learner.compute_experience(graphdef, params, params, None, None, shared, loss=micro,
+  parted, _ = learner.compute_experience(networks, (params, None), params, shared, loss=micro,
                                          num_groups=16)
   mask = np.asarray(unshared.loss_mask[:, 1:]) > 0
   np.testing.assert_allclose(
@@ -351,12 +351,11 @@ def test_a_minibatch_of_groups_and_its_micro_batches_give_the_unshared_gradient(
   params = jax.tree.map(lambda p: p * 1.01, params)
   (rows,) = learner.minibatch_indices(8, 1, 1, np.random.default_rng(1), row_groups)
   rows = rows[::-1].copy()  # Any order of whole groups.
-  want, _ = gradients((params, None), graphdef, None, learner.take_rows(unshared, rows),
+  want, _ = gradients((params, None), networks, learner.take_rows(unshared, rows),
                       learner.take_rows(experience, rows), loss)
   minibatch = learner.take_batch(shared, rows, row_groups, rows_multiple=2)
   for micro_batch_rows in (0, 4, 2):  # One pass; 2 micro-batches of 2 groups; 4 of 1.
-    got, _ = gradients((params, None), graphdef, None, minibatch,
-                       learner.take_rows(experience, rows),
+    got, _ = gradients((params, None), networks, minibatch, learner.take_rows(experience, rows),
                        dataclasses.replace(loss, micro_batch_rows=micro_batch_rows))
     _assert_gradients_close(got, want, unshared, f"micro_batch_rows={micro_batch_rows} ")
 
