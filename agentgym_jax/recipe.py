@@ -141,7 +141,9 @@ def evaluation_settings(settings: run.Settings, rows: int) -> dict[str, Any]:
   """Every setting that decides what an evaluation of a policy scores, played `rows` episodes at
   a time (`evaluate_policy`): the environment, its options and action format, and its step
   timeout (a slow step ends an episode); the tasks (split, max_tasks); samples per task, turn
-  cap, turn sampling, context and seed; the chat (thinking); the numerics (matmul, parameter and
+  cap, turn sampling, context, and the seed of sampled turns (greedy decoding draws nothing,
+  and an environment's task is its id alone: another seed plays the same episodes); the chat
+  (thinking); the numerics (matmul, parameter and
   KV-cache dtypes, attention, mesh, device kind, JAX version); the batches (rows, pipeline
   groups: their episodes' keys, and batch shapes' rounding); and this project's code
   (evaluation.source_fingerprint). Not: what only decides how fast it plays (env.backend,
@@ -156,10 +158,11 @@ def evaluation_settings(settings: run.Settings, rows: int) -> dict[str, Any]:
       "step_timeout": c.env.step_timeout, "split": plan.split, "max_tasks": plan.max_tasks,
       "samples_per_task": plan.samples_per_task, "horizon": plan.horizon,
       "sampling": dataclasses.asdict(plan.sampling), "max_context": settings.max_context,
-      "seed": settings.seed, "thinking": settings.thinking, "dtype": dtype,
-      "param_dtype": c.model.param_dtype, "cache_dtype": c.rollout.cache_dtype or dtype,
-      "attention": implementation, "mesh": dict(mesh.shape), "device_kind": device.device_kind,
-      "jax": jax.__version__, "rows": rows, "pipeline_groups": settings.pipeline_groups
+      "seed": settings.seed if plan.sampling.temperature > 0 else None,
+      "thinking": settings.thinking, "dtype": dtype, "param_dtype": c.model.param_dtype,
+      "cache_dtype": c.rollout.cache_dtype or dtype, "attention": implementation,
+      "mesh": dict(mesh.shape), "device_kind": device.device_kind, "jax": jax.__version__,
+      "rows": rows, "pipeline_groups": settings.pipeline_groups
   }
 
 

@@ -262,7 +262,6 @@ def test_a_policy_evaluated_with_the_same_settings_is_not_played_again_in_anothe
 
 
 @pytest.mark.parametrize("key, value", [
-    ("seed", 1),
     ("eval.horizon", 2),
     ("eval.temperature", 0.5),
     ("eval.samples_per_task", 2),
@@ -279,6 +278,20 @@ def test_a_changed_setting_plays_the_evaluation_again(checkpoint_dir, tmp_path, 
   evaluate(c, checkpoint_dir, tmp_path / "b")
   assert plays == [checkpoint_dir] * 2
   assert len(list((tmp_path / "evaluation_cache").iterdir())) == 2
+
+
+def test_a_seed_changes_a_sampled_evaluation_not_a_greedy_one(checkpoint_dir, tmp_path, plays):
+  c = config(checkpoint_dir, tmp_path)
+  assert c.eval.temperature == 0
+  evaluate(c, checkpoint_dir, tmp_path / "a")
+  c.seed += 1
+  evaluate(c, checkpoint_dir, tmp_path / "b")
+  assert plays == [checkpoint_dir]
+  c.eval.temperature = 0.5
+  evaluate(c, checkpoint_dir, tmp_path / "c")
+  c.seed += 1
+  evaluate(c, checkpoint_dir, tmp_path / "d")
+  assert plays == [checkpoint_dir] * 3
 
 
 def test_changed_weights_play_the_evaluation_again(checkpoint_dir, tmp_path, plays):
