@@ -192,10 +192,11 @@ def make_evaluator(settings: run.Settings, mesh: Mesh, model: Decoder, chat: Cha
   return evaluate
 
 
-def train_offline(c: ml_collections.ConfigDict,
+def train_offline(c: ml_collections.ConfigDict | run.Settings,
                   workdir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-  """Runs (or resumes) SFT or DPO in `workdir`; returns the per-step metrics of this call."""
-  settings = run.Settings.from_config(c)
+  """Runs (or resumes) SFT or DPO in `workdir` with config (or settings) `c`; returns the
+  per-step metrics of this call."""
+  settings = run.Settings.of(c)
   loss, mode = settings.loss, settings.mode
   if mode not in MODES:
     raise ValueError(f"invalid config: mode={mode!r} is not an offline mode {MODES}")

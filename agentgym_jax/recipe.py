@@ -46,25 +46,27 @@ WARM_START_DIR = "warm_start"
 EVALUATION_DIR = "evaluation"
 
 
-def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dict[str, Any]]:
+def train(c: ml_collections.ConfigDict | run.Settings,
+          workdir: str | pathlib.Path) -> list[dict[str, Any]]:
   """Runs (or resumes) the warm start, if warm_start.steps > 0, then RL, each stage's policy
-  evaluated if eval.stages; returns RL's metrics."""
-  c = config_lib.validate(c)
+  evaluated if eval.stages; returns RL's metrics. `c` is the run's config (validated once,
+  here) or its settings."""
+  settings = run.Settings.of(c)
+  c = settings.config
   workdir = paths.path(workdir)
   summaries = {}
 
   def evaluate(stage: str, policy: str) -> None:
     if c.eval.stages:
       path = workdir / EVALUATION_DIR / f"{stage.replace(' ', '_').lower()}.json"
-      summaries[stage] = evaluate_stage(c, stage, policy, path)
+      summaries[stage] = evaluate_stage(settings, stage, policy, path)
 
   evaluate("initial", c.model.name)
   if c.warm_start.steps:
-    policy = warm_start(c, workdir / WARM_START_DIR)
+    policy = warm_start(settings, workdir / WARM_START_DIR)
     evaluate("warm start", str(policy))
-    c = ml_collections.ConfigDict(c.to_dict())
-    c.model.name = str(policy)
-  history = trainer.train(c, workdir)
+    settings = settings.with_model(str(policy))
+  history = trainer.train(settings, workdir)
   evaluate("RL", str(workdir / "export"))
   if summaries:
     table = stage_table(summaries)
@@ -93,7 +95,7 @@ def evaluate_policy(
                                progress=start(len(task_ids)) if start else None)
 
 
-def evaluate_stage(c: ml_collections.ConfigDict, stage: str, policy: str,
+def evaluate_stage(settings: run.Settings, stage: str, policy: str,
                    path: pathlib.Path) -> dict[str, Any]:
   """The summary of the `stage` policy `policy` on the evaluation, kept at `path` (read, if
   there, instead of played again) and in eval.cache_dir (copied from there, if the same model
@@ -101,7 +103,7 @@ def evaluate_stage(c: ml_collections.ConfigDict, stage: str, policy: str,
   scored, or where the summary was copied from."""
   if path.exists():
     return json.loads(path.read_text())
-  settings = run.Settings.from_config(c)
+  c = settings.config
   plan, started, rows = settings.evaluation, time.monotonic(), c.eval.rows or settings.rows
   cached = cache_entry(settings, policy, rows)
   if cached is not None and cache_hit(cached):
@@ -256,11 +258,13 @@ def paired_lines(before: str, after: str, a: dict[str, Any], b: dict[str, Any]) 
   return lines
 
 
-def warm_start(c: ml_collections.ConfigDict, directory: paths.Path) -> paths.Path:
-  """SFT of c's policy on demonstrations of c's environment; returns the exported policy."""
+def warm_start(settings: run.Settings, directory: paths.Path) -> paths.Path:
+  """SFT of the run's policy on demonstrations of its environment; returns the exported
+  policy."""
   export = directory / "export"
   if (export / "config.json").exists():
     return export
+  c = settings.config
   sft = sft_config(c, demonstrations_file(c, directory))
   offline.train_offline(sft, directory)
   return export
@@ -309,4 +313,4 @@ def sft_config(c: ml_collections.ConfigDict, data: paths.Path) -> ml_collections
   sft.checkpoint.export_format = "merged"
   sft.eval.every = 0
   sft.eval.stages = False
-  return config_lib.validate(sft)
+  return sft

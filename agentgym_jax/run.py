@@ -141,7 +141,15 @@ class Settings:
   thinking: bool
 
   @classmethod
+  def of(cls, c: ml_collections.ConfigDict | Settings) -> Settings:
+    """`c` itself if it is settings already, else its settings (`from_config`): a loop called
+    with a config validates it here, one called with settings (the recipe's stages, the
+    command) takes them as they are."""
+    return c if isinstance(c, Settings) else cls.from_config(c)
+
+  @classmethod
   def from_config(cls, c: ml_collections.ConfigDict) -> Settings:
+    """The settings of config `c`, which is validated (config.validate) on the way."""
     c = config_lib.validate(c)
     schedule = horizon.make_horizon_schedule(config_lib.horizon_options(c))
     turn = functools.partial(rollout.TurnSampling, max_new_tokens=c.rollout.max_new_tokens,
@@ -170,6 +178,12 @@ class Settings:
                export_format=c.checkpoint.export_format, lora=_lora_settings(c),
                log_trajectories=c.log.trajectories, data=data, dpo_beta=c.dpo.beta,
                thinking=c.model.thinking == "on")
+
+  def with_model(self, name: str) -> Settings:
+    """These settings with the policy at `name` (model.name), e.g. a warm start's export."""
+    c = ml_collections.ConfigDict(self.config.to_dict())
+    c.model.name = name
+    return dataclasses.replace(self, config=c)
 
   def check_layout(self, mesh: Mesh, process_count: int) -> None:
     """What the config can only be checked against once the mesh and processes are known."""

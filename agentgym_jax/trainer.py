@@ -39,6 +39,7 @@ from flax import nnx
 from absl import logging
 from jax.experimental import multihost_utils
 
+from agentgym_jax import config as config_lib
 from agentgym_jax import evaluation, hooks, learner, paths
 from agentgym_jax import multihost, rollout, run, sharding, task_sampling
 from agentgym_jax.batch import Batch
@@ -385,9 +386,15 @@ def pack_step(step_rollout: StepRollout, settings: run.Settings, shards: int) ->
   return batch.replace(loss_mask=batch.loss_mask * trained), row_groups
 
 
-def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> list[dict[str, Any]]:
-  """Runs (or resumes) training in `workdir`; returns the per-step metrics of this call."""
-  settings = run.Settings.from_config(c)
+def train(c: ml_collections.ConfigDict | run.Settings,
+          workdir: str | pathlib.Path) -> list[dict[str, Any]]:
+  """Runs (or resumes) RL in `workdir` with config (or settings) `c`; returns the per-step
+  metrics of this call."""
+  settings = run.Settings.of(c)
+  if settings.mode != "rl":
+    raise config_lib.ConfigError(
+        f"invalid config: mode={settings.mode!r}: trainer.train runs RL (mode='rl'); SFT and "
+        "DPO run with offline.train_offline, or launch/train.py for either")
   workdir = paths.path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   mesh, model, tokenizer = settings.load_policy(training=True)

@@ -55,8 +55,9 @@ def test_rl_starts_from_the_warm_started_policy_and_a_stopped_warm_start_resumes
     recipe.train(c, tmp_path / "run")
   policies = []
   rl_train = trainer.train
-  monkeypatch.setattr(trainer, "train",
-                      lambda rl, workdir: policies.append(rl.model.name) or rl_train(rl, workdir))
+  monkeypatch.setattr(
+      trainer, "train",
+      lambda rl, workdir: policies.append(rl.config.model.name) or rl_train(rl, workdir))
   history = recipe.train(c, tmp_path / "run")
 
   warm = tmp_path / "run" / "warm_start"
@@ -68,7 +69,7 @@ def test_rl_starts_from_the_warm_started_policy_and_a_stopped_warm_start_resumes
   # Started again once finished, the warm start is not run a second time.
   monkeypatch.setattr(recipe.offline, "train_offline",
                       lambda *args: pytest.fail("the warm start ran twice"))
-  assert recipe.warm_start(c, warm) == warm / "export"
+  assert recipe.warm_start(run.Settings.from_config(c), warm) == warm / "export"
 
 
 def test_demonstrations_are_made_with_the_expert_once(tmp_path, monkeypatch):
@@ -241,7 +242,8 @@ def plays(monkeypatch):
 
 
 def evaluate(c, policy, workdir):
-  return recipe.evaluate_stage(c, "initial", str(policy), workdir / "evaluation" / "initial.json")
+  return recipe.evaluate_stage(run.Settings.from_config(c), "initial", str(policy),
+                               workdir / "evaluation" / "initial.json")
 
 
 def test_a_policy_evaluated_with_the_same_settings_is_not_played_again_in_another_workdir(

@@ -110,6 +110,16 @@ def test_invalid_config_fails_at_start_with_one_line(checkpoint_dir, tmp_path):
     c.algorithm.clip_eps = 0.3
 
 
+def test_an_offline_config_is_refused_by_the_rl_loop(checkpoint_dir, tmp_path):
+  c = echo_config(checkpoint_dir)
+  c.mode = "sft"
+  c.data.path = str(tmp_path / "demos.jsonl")
+  with pytest.raises(ValueError,
+                     match=r"mode='sft': trainer.train runs RL .* offline.train_offline"):
+    trainer.train(c, tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+
+
 def test_a_minibatch_that_does_not_split_over_the_mesh_fails_at_start(checkpoint_dir, tmp_path):
   c = echo_config(checkpoint_dir)
   c.mesh.fsdp = -1  # The 8 test devices.

@@ -25,8 +25,7 @@ import os
 import jax
 from absl import app, flags
 
-from agentgym_jax import cli, offline, recipe, sharding
-from agentgym_jax import config as config_lib
+from agentgym_jax import cli, offline, recipe, run, sharding
 
 _CONFIG = cli.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Checkpoints, metrics, trajectories.")
@@ -62,16 +61,17 @@ def _check_processes() -> None:
 
 
 def _train() -> None:
-  config = config_lib.validate(_CONFIG.value)
   workdir = cli.check_workdir(_WORKDIR.value)
   _check_processes()
+  # Before the settings, whose defaults ask JAX for its backend.
   sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  if config.mode != "rl" and jax.process_count() > 1:
-    raise app.UsageError(f"mode={config.mode} runs on one process; only RL is multi-process")
-  if config.mode != "rl":
-    offline.train_offline(config, workdir)
+  settings = run.Settings.from_config(_CONFIG.value)
+  if settings.mode != "rl" and jax.process_count() > 1:
+    raise app.UsageError(f"mode={settings.mode} runs on one process; only RL is multi-process")
+  if settings.mode != "rl":
+    offline.train_offline(settings, workdir)
   else:
-    recipe.train(config, workdir)
+    recipe.train(settings, workdir)
 
 
 def main() -> None:
