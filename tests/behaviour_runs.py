@@ -8,7 +8,8 @@ working tree and compares).
 The runs: GRPO with a KL loss and PPO with GAE (value head) on 2-turn echo, SFT on echo
 conversations and DPO on preference pairs of them, all with tests/tiny.py's random model on one
 device in f32. It uses only what every version of the project offers: config.base_config,
-trainer.train and metrics.jsonl; the source tree is the one on PYTHONPATH.
+trainer.train (RL), offline.train_offline (SFT, DPO) and metrics.jsonl; the source tree is the
+one on PYTHONPATH.
 """
 
 import json
@@ -23,7 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import tiny  # pylint: disable=wrong-import-position
 from agentgym_jax import config as config_lib  # pylint: disable=wrong-import-position
-from agentgym_jax import trainer  # pylint: disable=wrong-import-position
+from agentgym_jax import offline, trainer  # pylint: disable=wrong-import-position
 
 RUNS = ("grpo_kl", "ppo_gae", "sft", "dpo")
 # Keys that measure the machine, not the computation: stamps, durations, rates.
@@ -83,10 +84,11 @@ def behaviour(name: str, checkpoint: pathlib.Path, data: dict[str, pathlib.Path]
   """The run's metrics.jsonl after 2 steps and a resume to 4, without wall-clock figures, as
   sorted JSON lines."""
   c = run_config(name, checkpoint, data)
+  train = trainer.train if c.mode == "rl" else offline.train_offline
   c.steps = 2
-  trainer.train(c, workdir)
+  train(c, workdir)
   c.steps = 4
-  trainer.train(c, workdir)
+  train(c, workdir)
   lines = []
   for line in (workdir / "metrics.jsonl").read_text().splitlines():
     record = {
