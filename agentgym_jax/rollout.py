@@ -28,6 +28,7 @@ import numpy as np
 
 from agentgym_jax.batch import Batch, packed_length, share_prompts
 from agentgym_jax.models.tokenizer import ChatTemplate
+from agentgym_jax.sampling import SamplingParams
 from agentgym_jax.sampling import Sampler
 from environments import jsonl
 from environments.base import CONTEXT, DONE, ENV_ERROR, ENV_TIMEOUT, HORIZON, EnvError
@@ -104,6 +105,10 @@ class TurnSampling:
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
+
+  def tokens(self) -> SamplingParams:
+    """How each token of a turn is drawn."""
+    return SamplingParams(self.temperature, self.top_p, self.top_k)
 
 
 @dataclasses.dataclass
@@ -263,8 +268,7 @@ class _Episodes:
       state, output = sampler.generate(state, row_keys, max_new_tokens=sampling.max_new_tokens,
                                        stop_ids=chat.turn_end_ids,
                                        rows=np.flatnonzero(live).tolist(),
-                                       temperature=sampling.temperature, top_p=sampling.top_p,
-                                       top_k=sampling.top_k, params=self.params,
+                                       sampling=sampling.tokens(), params=self.params,
                                        lengths=self._lengths(rows))
       self.timeline.device(started, output)
       yield  # The device decodes this group while the others step their envs.

@@ -3,7 +3,7 @@
     sampler = Sampler(model, cache_slots=4096, max_batch=64)
     state = sampler.start(prompts)                        # list[list[int]], one per row
     state, out = sampler.generate(state, key, max_new_tokens=512, stop_ids=chat.turn_end_ids,
-                                  temperature=1.0)
+                                  sampling=SamplingParams(temperature=1.0))
     state = sampler.append(state, {0: observation_ids})   # row -> ids of the next user turn
     state, out = sampler.generate(state, key2, rows=[0], max_new_tokens=512, ...)
 
@@ -489,8 +489,7 @@ class Sampler:
 
   def generate(self, state: SamplerState, key: Array, *, max_new_tokens: int,
                stop_ids: Sequence[int] = (), rows: Sequence[int] | None = None,
-               temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-               params: nnx.State | None = None,
+               sampling: SamplingParams = SamplingParams(), params: nnx.State | None = None,
                lengths: Sequence[int] | None = None) -> tuple[SamplerState, SampleOutput]:
     """Samples up to max_new_tokens per row, continuing each row from its live cache.
 
@@ -500,7 +499,7 @@ class Sampler:
       max_new_tokens: the per-row budget of this call.
       stop_ids: a row stops after sampling any of these (e.g. the chat turn end).
       rows: the rows to decode (default: every row holding tokens); others generate nothing.
-      temperature, top_p, top_k: see `SamplingParams`.
+      sampling: how each token is drawn (temperature, top_p, top_k).
       params: policy params to use instead of the sampler's own.
       lengths: the tokens each row holds ([max_batch]), if the caller keeps count; otherwise
         they are read back from the state, which waits for the device to finish the state's
@@ -509,7 +508,6 @@ class Sampler:
     Returns:
       The new state and a `SampleOutput` of width max_new_tokens.
     """
-    sampling = SamplingParams(temperature, top_p, top_k)
     if max_new_tokens <= 0:
       raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
     if len(stop_ids) > MAX_STOP_IDS:

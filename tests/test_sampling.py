@@ -60,7 +60,8 @@ def test_greedy_equals_the_argmax_continuation_of_forward_passes(model, forward)
   sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
   prompts = _prompts([3, 9, 1])
   state = sampler.start(prompts)
-  state, out = sampler.generate(state, jax.random.key(0), max_new_tokens=12, temperature=0.0)
+  state, out = sampler.generate(state, jax.random.key(0), max_new_tokens=12,
+                                sampling=SamplingParams(temperature=0.0))
   assert out.lengths.tolist() == [12, 12, 12, 0]  # row 3 holds nothing and is skipped
   for row, prompt in enumerate(prompts):
     sequence = list(prompt)
@@ -87,8 +88,7 @@ def test_logprobs_equal_the_forward_pass_over_a_multi_turn_episode(model, forwar
   for turn in range(4):
     rows = [0, 2] if turn >= 2 else None  # ...and generates nothing from turn 2 on.
     state, out = sampler.generate(state, jax.random.key(turn), rows=rows,
-                                  max_new_tokens=5 + 2 * turn, temperature=sampling.temperature,
-                                  top_k=sampling.top_k)
+                                  max_new_tokens=5 + 2 * turn, sampling=sampling)
     for row, tokens in enumerate(out.token_lists()[:3]):
       assert len(tokens) == (0 if rows and row not in rows else 5 + 2 * turn)
       for t, token in enumerate(tokens):
@@ -182,12 +182,12 @@ def test_rows_stop_independently_on_stop_ids_budget_or_a_full_cache(model):
   sampler = Sampler(model, cache_slots=32, max_batch=BATCH, min_window=8)
   prompts = _prompts([4, 4, 28])
   _, greedy = sampler.generate(sampler.start(prompts), jax.random.key(0), max_new_tokens=8,
-                               temperature=0.0)
+                               sampling=SamplingParams(temperature=0.0))
   row_0 = greedy.token_lists()[0]
   ends = next(i for i in range(1, 8) if row_0[i] not in row_0[:i])
   stop = row_0[ends]
   state, out = sampler.generate(sampler.start(prompts), jax.random.key(0), max_new_tokens=8,
-                                temperature=0.0, stop_ids=[stop])
+                                sampling=SamplingParams(temperature=0.0), stop_ids=[stop])
   tokens = out.token_lists()
   # Row 0 ends on the first occurrence of the stop id, kept as its last token; row 1 runs to
   # its budget unless it meets the stop id; row 2 has 32 - 28 = 4 free slots.
@@ -208,9 +208,9 @@ def test_top_k_1_equals_greedy(model):
   sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
   prompts = _prompts([5, 7, 2, 3])
   _, greedy = sampler.generate(sampler.start(prompts), jax.random.key(0), max_new_tokens=10,
-                               temperature=0.0)
+                               sampling=SamplingParams(temperature=0.0))
   _, top1 = sampler.generate(sampler.start(prompts), jax.random.key(5), max_new_tokens=10,
-                             temperature=1.3, top_k=1)
+                             sampling=SamplingParams(temperature=1.3, top_k=1))
   np.testing.assert_array_equal(np.asarray(top1.tokens), np.asarray(greedy.tokens))
   np.testing.assert_allclose(np.asarray(top1.logprobs), np.asarray(greedy.logprobs), atol=1e-6)
   np.testing.assert_array_equal(np.asarray(top1.sampling_logprobs), 0.0)
@@ -271,7 +271,8 @@ def test_compilations_are_bounded_over_multi_turn_episodes(model):
     state = sampler.start(_prompts(rng.randint(1, 17, size=BATCH), seed))
     for turn in range(6):
       state, _ = sampler.generate(state, jax.random.key(turn), max_new_tokens=12 + turn,
-                                  temperature=1.0, stop_ids=[int(rng.randint(96))])
+                                  sampling=SamplingParams(temperature=1.0),
+                                  stop_ids=[int(rng.randint(96))])
       state = sampler.append(state, {row: [3] * int(rng.randint(0, 15)) for row in range(BATCH)})
     return state
 
@@ -372,7 +373,7 @@ def test_greedy_matches_transformers_on_smollm2(tmp_path):
   ]
   sampler = Sampler(model, cache_slots=256, max_batch=4)
   _, out = sampler.generate(sampler.start(prompts), jax.random.key(0), max_new_tokens=40,
-                            temperature=0.0)
+                            sampling=SamplingParams(temperature=0.0))
   for row, prompt in enumerate(prompts):
     with torch.inference_mode():
       expected = reference.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
@@ -464,7 +465,8 @@ def test_rows_sharing_a_prompt_prefill_it_once_and_continue_as_their_own(model, 
   assert np.asarray(state.lengths).tolist() == [9, 9, 4, 9]
   # Each row then decodes as if it had been prefilled alone: greedy equals the argmax
   # continuation of plain forward passes over its own sequence.
-  state, out = sampler.generate(state, jax.random.key(0), max_new_tokens=6, temperature=0.0)
+  state, out = sampler.generate(state, jax.random.key(0), max_new_tokens=6,
+                                sampling=SamplingParams(temperature=0.0))
   _assert_greedy_as_if_alone(forward, [shared, shared, other, shared], out)
   # Appending to rows that hold tokens takes the plain prefill, attending to what they hold.
   state = sampler.append(state, {0: [5, 6], 1: [5, 6]})
@@ -494,7 +496,8 @@ def test_prompts_prefill_their_common_prefix_once_and_decode_as_if_alone(
   # 16 of the 19 common tokens once, then the three distinct rests (3 + 5, 3 + 9, 3 + 1 tokens).
   assert [(prefix.shape, tokens.shape) for prefix, tokens in calls] == [((16,), (3, 12))]
   assert np.asarray(state.lengths).tolist() == [24, 28, 20, 28]
-  state, out = sampler.generate(state, jax.random.key(0), max_new_tokens=6, temperature=0.0)
+  state, out = sampler.generate(state, jax.random.key(0), max_new_tokens=6,
+                                sampling=SamplingParams(temperature=0.0))
   _assert_greedy_as_if_alone(forward, prompts, out)
 
 
@@ -526,7 +529,7 @@ def test_a_matmul_copy_samples_what_the_parameters_sample():
   assert copy["layers"]["q_proj"].dtype == jnp.bfloat16
   assert copy["layers"]["q_bias"].dtype == jnp.float32
   sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
-  sampling = dict(max_new_tokens=8, temperature=0.9, top_k=40)
+  sampling = dict(max_new_tokens=8, sampling=SamplingParams(temperature=0.9, top_k=40))
 
   def episode(params):
     state = sampler.start(_prompts([5, 9, 3]), params)

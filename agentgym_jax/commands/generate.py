@@ -25,7 +25,7 @@ from absl import app, flags
 
 import agentgym_jax
 from agentgym_jax import cli
-from agentgym_jax.sampling import Sampler
+from agentgym_jax.sampling import Sampler, SamplingParams
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Registry name or HF directory.")
 _PROMPT = flags.DEFINE_string("prompt", None, "Reply to this one message and exit.")
@@ -107,9 +107,10 @@ def _stream_reply(sampler: Sampler, state, key: jax.Array, chat) -> tuple[object
   tokenizer, reply, shown = chat.tokenizer, [], ""
   while len(reply) < _MAX_NEW_TOKENS.value:
     budget = min(_STREAM_TOKENS.value, _MAX_NEW_TOKENS.value - len(reply))
-    state, out = sampler.generate(state, jax.random.fold_in(key, len(reply)), max_new_tokens=budget,
-                                  stop_ids=chat.turn_end_ids, temperature=_TEMPERATURE.value,
-                                  top_p=_TOP_P.value, top_k=_TOP_K.value)
+    state, out = sampler.generate(
+        state, jax.random.fold_in(key, len(reply)), max_new_tokens=budget,
+        stop_ids=chat.turn_end_ids, sampling=SamplingParams(_TEMPERATURE.value, _TOP_P.value,
+                                                            _TOP_K.value))
     chunk = out.token_lists()[0]
     reply += chunk
     # Decoding the whole reply, not the chunk: a character may span tokens of two chunks.
