@@ -334,10 +334,9 @@ def _loss_fn(trainable: tuple[nnx.State, nnx.State | None], networks: Networks, 
   mask = mask * experience.kept[:, None]
   aggregation = dict(aggregation=loss.aggregation, scale_tokens=loss.loss_scale_tokens)
   policy_loss = rl.get_policy_loss(loss.policy_loss)
-  clip = dict(clip_eps_low=loss.clip_eps_low, clip_eps_high=loss.clip_eps_high)
-  if policy_loss.dual_clip:
-    clip["dual_clip_c"] = loss.dual_clip_c
-  total, metrics = policy_loss.fn(logprobs, old_logprobs, experience.advantages, mask, **clip,
+  clip = rl.Clip(loss.clip_eps_low, loss.clip_eps_high,
+                 loss.dual_clip_c if policy_loss.dual_clip else None)
+  total, metrics = policy_loss.fn(logprobs, old_logprobs, experience.advantages, mask, clip=clip,
                                   **aggregation, importance_weights=experience.rollout_weights)
   metrics = {f"policy/{k}": v for k, v in metrics.items()}
   metrics["policy/loss"] = total

@@ -13,9 +13,7 @@ import tolerances
 
 # Exercised under jit throughout: proves static shapes and keeps the file fast.
 aggregate = jax.jit(losses.aggregate, static_argnames=("aggregation",))
-policy_gradient_loss = jax.jit(
-    losses.policy_gradient_loss,
-    static_argnames=("clip_eps_low", "clip_eps_high", "dual_clip_c", "aggregation"))
+policy_gradient_loss = jax.jit(losses.policy_gradient_loss, static_argnames=("clip", "aggregation"))
 kl_divergence = jax.jit(losses.kl_divergence, static_argnames=("estimator",))
 value_loss = jax.jit(losses.value_loss, static_argnames=("clip_eps", "aggregation"))
 dpo_loss = jax.jit(losses.dpo_loss, static_argnames=("beta",))
@@ -78,7 +76,7 @@ def test_clip_higher_only_widens_the_upper_bound():
   # eps_high 0.6: rho 1.5 with A +1 now sits inside [0.8, 1.6] -> -1.5, unclipped.
   # The lower bound is still 0.8 (rho 0.5, A -1 stays clipped at 0.8).
   # Loss (-0.5 - 1.5 + 0.8 + 1.5 - 2.0) / 5 = -0.34; 1 of 5 clipped.
-  loss, metrics = policy_gradient_loss(_NEW, _OLD, _ADVANTAGES, _ONES, clip_eps_high=0.6)
+  loss, metrics = policy_gradient_loss(_NEW, _OLD, _ADVANTAGES, _ONES, clip=losses.Clip(0.2, 0.6))
   assert float(loss) == pytest.approx(-0.34, abs=1e-6)
   assert float(metrics["clip_fraction"]) == pytest.approx(0.2)
 
@@ -92,11 +90,12 @@ def test_dual_clip_bounds_negative_advantages_only():
   mask = jnp.ones((1, 2))
   plain, _ = policy_gradient_loss(new, old, advantages, mask)
   assert float(plain) == pytest.approx((5.0 - 1.2) / 2, abs=1e-5)
-  dual, metrics = policy_gradient_loss(new, old, advantages, mask, dual_clip_c=3.0)
+  dual, metrics = policy_gradient_loss(new, old, advantages, mask,
+                                       clip=losses.Clip(0.2, dual_c=3.0))
   assert float(dual) == pytest.approx((3.0 - 1.2) / 2, abs=1e-5)
   assert float(metrics["dual_clip_fraction"]) == pytest.approx(0.5)
-  grad = jax.grad(
-      lambda logp: policy_gradient_loss(logp, old, advantages, mask, dual_clip_c=3.0)[0])(new)
+  grad = jax.grad(lambda logp: policy_gradient_loss(logp, old, advantages, mask, clip=losses.Clip(
+      0.2, dual_c=3.0))[0])(new)
   np.testing.assert_array_equal(grad, 0.0)
 
 
@@ -113,9 +112,11 @@ def test_policy_loss_ignores_untrained_tokens():
 
 def test_policy_loss_rejects_bad_clip_settings():
   with pytest.raises(ValueError, match="dual_clip_c must be > 1"):
-    losses.policy_gradient_loss(_NEW, _OLD, _ADVANTAGES, _ONES, dual_clip_c=0.5)
+    losses.Clip(0.2, dual_c=0.5)
   with pytest.raises(ValueError, match="Clip epsilons must be > 0"):
-    losses.policy_gradient_loss(_NEW, _OLD, _ADVANTAGES, _ONES, clip_eps_high=0.0)
+    losses.Clip(0.2, 0.0)
+  with pytest.raises(ValueError, match="GSPO has no dual clip"):
+    losses.gspo_loss(_NEW, _OLD, _ADVANTAGES, _ONES, clip=losses.Clip(3e-4, dual_c=3.0))
 
 
 def test_kl_estimators_worked_values():

@@ -13,7 +13,7 @@ from rl_helpers import check_config
 from test_losses import _ADVANTAGES, _MASK, _NEW, _OLD, _ONES, _PER_TOKEN
 
 aggregate = jax.jit(losses.aggregate, static_argnames=("aggregation", "scale_tokens"))
-_STATIC = ("clip_eps_low", "clip_eps_high", "aggregation", "scale_tokens")
+_STATIC = ("clip", "aggregation", "scale_tokens")
 gspo_loss = jax.jit(losses.gspo_loss, static_argnames=_STATIC)
 cispo_loss = jax.jit(losses.cispo_loss, static_argnames=_STATIC)
 policy_gradient_loss = jax.jit(losses.policy_gradient_loss, static_argnames=_STATIC)
@@ -53,15 +53,15 @@ _GSPO_MASK = jnp.ones((2, 2))
 
 
 def test_gspo_clips_one_length_normalised_ratio_per_trajectory():
-  loss, metrics = gspo_loss(_GSPO_NEW, _GSPO_OLD, _GSPO_ADVANTAGES, _GSPO_MASK, clip_eps_low=0.2,
-                            clip_eps_high=0.2)
+  loss, metrics = gspo_loss(_GSPO_NEW, _GSPO_OLD, _GSPO_ADVANTAGES, _GSPO_MASK,
+                            clip=losses.Clip(0.2, 0.2))
   assert float(loss) == pytest.approx(-0.1, abs=1e-6)
   assert float(metrics["clip_fraction"]) == pytest.approx(0.5)  # Row 0's two tokens.
   assert float(metrics["ratio_mean"]) == pytest.approx((2 * 1.5 + 2 * 1.0) / 4, abs=1e-6)
   assert float(metrics["ratio_max"]) == pytest.approx(1.5, abs=1e-6)
   # d loss / d logp_1,t = (1/2 rows) (1/2 tokens) (-A_1 s_1) = 0.25; row 0 is clipped: 0.
-  grad = jax.grad(lambda logp: gspo_loss(logp, _GSPO_OLD, _GSPO_ADVANTAGES, _GSPO_MASK,
-                                         clip_eps_low=0.2, clip_eps_high=0.2)[0])(_GSPO_NEW)
+  grad = jax.grad(lambda logp: gspo_loss(logp, _GSPO_OLD, _GSPO_ADVANTAGES, _GSPO_MASK, clip=losses.
+                                         Clip(0.2, 0.2))[0])(_GSPO_NEW)
   np.testing.assert_allclose(grad, [[0.0, 0.0], [0.25, 0.25]], atol=1e-6)
 
 
@@ -119,18 +119,17 @@ _CISPO_ADVANTAGES = jnp.array([[1.0, -1.0, 1.0]])
 
 def test_cispo_clips_a_stop_gradient_weight_and_keeps_every_token_gradient():
   mask = jnp.ones((1, 3))
-  loss, metrics = cispo_loss(_CISPO_NEW, _CISPO_OLD, _CISPO_ADVANTAGES, mask, clip_eps_low=0.2,
-                             clip_eps_high=0.2)
+  loss, metrics = cispo_loss(_CISPO_NEW, _CISPO_OLD, _CISPO_ADVANTAGES, mask,
+                             clip=losses.Clip(0.2, 0.2))
   new = np.asarray(_CISPO_NEW)[0]
   expected = (-0.9 * new[0] + 1.2 * new[1] - 1.2 * new[2]) / 3
   assert float(loss) == pytest.approx(expected, abs=1e-6)
   assert float(metrics["clip_fraction"]) == pytest.approx(2 / 3)
-  grad = jax.grad(lambda logp: cispo_loss(logp, _CISPO_OLD, _CISPO_ADVANTAGES, mask,
-                                          clip_eps_low=0.2, clip_eps_high=0.2)[0])(_CISPO_NEW)
+  grad = jax.grad(lambda logp: cispo_loss(logp, _CISPO_OLD, _CISPO_ADVANTAGES, mask, clip=losses.
+                                          Clip(0.2, 0.2))[0])(_CISPO_NEW)
   np.testing.assert_allclose(grad, [[-0.9 / 3, 1.2 / 3, -1.2 / 3]], rtol=1e-5)
   ppo_grad = jax.grad(lambda logp: policy_gradient_loss(logp, _CISPO_OLD, _CISPO_ADVANTAGES, mask,
-                                                        clip_eps_low=0.2, clip_eps_high=0.2)[0])(
-                                                            _CISPO_NEW)
+                                                        clip=losses.Clip(0.2, 0.2))[0])(_CISPO_NEW)
   np.testing.assert_allclose(ppo_grad, [[-0.9 / 3, 1.5 / 3, 0.0]], rtol=1e-5)
 
 

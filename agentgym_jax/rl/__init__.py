@@ -25,6 +25,7 @@ from agentgym_jax.rl.losses import aggregate
 from agentgym_jax.rl.losses import aggregation_units
 from agentgym_jax.rl.losses import chunked_token_logprobs_and_entropy
 from agentgym_jax.rl.losses import cispo_loss
+from agentgym_jax.rl.losses import Clip
 from agentgym_jax.rl.losses import dpo_loss
 from agentgym_jax.rl.losses import entropy_bonus
 from agentgym_jax.rl.losses import get_policy_loss

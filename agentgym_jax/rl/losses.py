@@ -130,13 +130,31 @@ def _ratio_metrics(ratio: jax.Array, token_log_ratio: jax.Array, loss_mask: jax.
   }
 
 
-def _check_clip(clip_eps_low: float, clip_eps_high: float | None) -> float:
-  """eps_high (eps_low when None), after checking both are > 0."""
-  clip_eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
-  if clip_eps_low <= 0 or clip_eps_high <= 0:
-    raise ValueError(
-        f"Clip epsilons must be > 0, got eps_low={clip_eps_low}, eps_high={clip_eps_high}.")
-  return clip_eps_high
+@dataclasses.dataclass(frozen=True)
+class Clip:
+  """A policy loss's clip range, checked when made: ratios (or CISPO's weights) are kept in
+  [1 - low, 1 + high], high defaulting to low (symmetric); `dual_c` > 1 bounds PPO's loss of a
+  token with negative advantage (dual clip; None: none). Hashable, so static under jit."""
+
+  low: float
+  high: float | None = None
+  dual_c: float | None = None
+
+  def __post_init__(self):
+    if self.low <= 0 or self.upper <= 0:
+      raise ValueError(f"Clip epsilons must be > 0, got eps_low={self.low}, eps_high={self.high}.")
+    if self.dual_c is not None and self.dual_c <= 1:
+      raise ValueError(f"dual_clip_c must be > 1 (or None), got {self.dual_c}.")
+
+  @property
+  def upper(self) -> float:
+    """eps_high: `high`, or `low` when None."""
+    return self.low if self.high is None else self.high
+
+
+def _no_dual_clip(clip: Clip, loss: str) -> None:
+  if clip.dual_c is not None:
+    raise ValueError(f"{loss} has no dual clip; got dual_c={clip.dual_c}.")
 
 
 def _weighted(per_token: jax.Array, importance_weights: jax.Array | None) -> jax.Array:
@@ -147,8 +165,7 @@ def _weighted(per_token: jax.Array, importance_weights: jax.Array | None) -> jax
 
 
 def policy_gradient_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
-                         loss_mask: jax.Array, *, clip_eps_low: float = 0.2,
-                         clip_eps_high: float | None = None, dual_clip_c: float | None = None,
+                         loss_mask: jax.Array, *, clip: Clip = Clip(0.2),
                          aggregation: str = "token-mean", scale_tokens: float | None = None,
                          importance_weights: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
   """PPO clipped surrogate, with optional clip-higher and dual-clip.
@@ -168,9 +185,7 @@ def policy_gradient_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantage
     old_logprobs: f32[B, T] log-probs under the policy that generated the rollout.
     advantages: f32[B, T].
     loss_mask: [B, T].
-    clip_eps_low: eps_low > 0.
-    clip_eps_high: eps_high > 0; defaults to eps_low (symmetric clipping).
-    dual_clip_c: c > 1, or None for no dual clip.
+    clip: eps_low, eps_high and the dual clip's c (`Clip`).
     aggregation: one of AGGREGATIONS.
     scale_tokens: the constant divisor of a scaled aggregation.
     importance_weights: f32[B, T] per-token weights w, or None for w = 1.
@@ -182,20 +197,16 @@ def policy_gradient_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantage
       approx_kl:          KL(old || new) by the k3 estimator, mean over trained tokens
       ratio_mean, ratio_max: of rho over trained tokens
   """
-  clip_eps_high = _check_clip(clip_eps_low, clip_eps_high)
-  if dual_clip_c is not None and dual_clip_c <= 1:
-    raise ValueError(f"dual_clip_c must be > 1 (or None), got {dual_clip_c}.")
-
   log_ratio = jnp.clip(logprobs - old_logprobs, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
   ratio = jnp.exp(log_ratio)
   unclipped = -advantages * ratio
-  clipped = -advantages * jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+  clipped = -advantages * jnp.clip(ratio, 1.0 - clip.low, 1.0 + clip.upper)
   per_token = jnp.maximum(unclipped, clipped)
   clip_active = clipped > unclipped
-  if dual_clip_c is None:
+  if clip.dual_c is None:
     dual_clip_active = jnp.zeros_like(clip_active)
   else:
-    dual_bound = -dual_clip_c * advantages
+    dual_bound = -clip.dual_c * advantages
     dual_clip_active = (advantages < 0) & (per_token > dual_bound)
     per_token = jnp.where(dual_clip_active, dual_bound, per_token)
 
@@ -209,9 +220,8 @@ def policy_gradient_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantage
 
 
 def gspo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
-              loss_mask: jax.Array, *, clip_eps_low: float = 3e-4,
-              clip_eps_high: float | None = 4e-4, aggregation: str = "seq-mean-token-mean",
-              scale_tokens: float | None = None,
+              loss_mask: jax.Array, *, clip: Clip = Clip(3e-4, 4e-4),
+              aggregation: str = "seq-mean-token-mean", scale_tokens: float | None = None,
               importance_weights: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
   """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): PPO's clip on one
   length-normalised ratio per trajectory instead of one per token.
@@ -231,7 +241,7 @@ def gspo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Arra
   tokens of clipped trajectories, ratio_mean and ratio_max are of s over trained tokens, and
   approx_kl is the per-token k3 estimate.
   """
-  clip_eps_high = _check_clip(clip_eps_low, clip_eps_high)
+  _no_dual_clip(clip, "GSPO")
   token_log_ratio = jnp.clip(logprobs - old_logprobs, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
   sequence_log_ratio = masked.masked_mean(token_log_ratio, loss_mask, axis=1)[:, None]
   # (log pi - sg[log pi]) + sg[log s_i]: the value of log s_i, the gradient of log pi. The
@@ -241,7 +251,7 @@ def gspo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Arra
                jax.lax.stop_gradient(sequence_log_ratio))
   ratio = jnp.exp(log_ratio)
   unclipped = -advantages * ratio
-  clipped = -advantages * jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+  clipped = -advantages * jnp.clip(ratio, 1.0 - clip.low, 1.0 + clip.upper)
   per_token = jnp.maximum(unclipped, clipped)
   metrics = {
       "clip_fraction": masked.masked_mean((clipped > unclipped).astype(jnp.float32), loss_mask),
@@ -252,9 +262,8 @@ def gspo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Arra
 
 
 def cispo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
-               loss_mask: jax.Array, *, clip_eps_low: float = 1.0,
-               clip_eps_high: float | None = 5.0, aggregation: str = "token-mean",
-               scale_tokens: float | None = None,
+               loss_mask: jax.Array, *, clip: Clip = Clip(1.0, 5.0),
+               aggregation: str = "token-mean", scale_tokens: float | None = None,
                importance_weights: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
   """CISPO (MiniMax-M1, 2025): REINFORCE with a clipped, stop-gradient importance weight.
 
@@ -271,10 +280,10 @@ def cispo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Arr
   Args and returns as `policy_gradient_loss` (no dual clip); clip_fraction counts the trained
   tokens whose weight is clipped.
   """
-  clip_eps_high = _check_clip(clip_eps_low, clip_eps_high)
+  _no_dual_clip(clip, "CISPO")
   log_ratio = jnp.clip(logprobs - old_logprobs, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
   ratio = jnp.exp(log_ratio)
-  weight = jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+  weight = jnp.clip(ratio, 1.0 - clip.low, 1.0 + clip.upper)
   per_token = -jax.lax.stop_gradient(weight * advantages) * logprobs
   metrics = {
       "clip_fraction": masked.masked_mean((weight != ratio).astype(jnp.float32), loss_mask),
@@ -286,9 +295,9 @@ def cispo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Arr
 
 @dataclasses.dataclass(frozen=True)
 class PolicyLoss:
-  """A registry entry: `fn(logprobs, old_logprobs, advantages, loss_mask, *, clip_eps_low,
-  clip_eps_high, aggregation, scale_tokens, importance_weights)` (plus dual_clip_c if
-  `dual_clip`), and the algorithm.* config keys of its clip range."""
+  """A registry entry: `fn(logprobs, old_logprobs, advantages, loss_mask, *, clip, aggregation,
+  scale_tokens, importance_weights)` (a `Clip` with a dual clip's c only if `dual_clip`), and
+  the algorithm.* config keys of its clip range."""
 
   name: str
   fn: Callable[..., tuple[jax.Array, Metrics]]
