@@ -20,10 +20,10 @@ the gradient of the whole minibatch's loss. Micro-batch j of an [M, T] batch hol
 j + 2n, ... (n = M / micro_batch_rows), so on a mesh every micro-batch spans every device's rows.
 
 LoRA (agentgym_jax/models/lora.py). With a frozen base (`Networks.frozen`, the base parameters)
-the graph is a lora.LoraModel's and the parameters are its adapters: the forward runs base + adapters and the
-gradient reaches the adapters only. The reference is then the initial adapters (B = 0), which
-is the base exactly. The update's `dropout_key` drops the adapters' input (model.lora.dropout);
-the experience pass runs without dropout.
+the graph is a lora.LoraModel's and the parameters are its adapters: the forward runs base +
+adapters and the gradient reaches the adapters only. The reference is then the initial adapters
+(B = 0), which is the base exactly. The update's `dropout_key` drops the adapters' input
+(model.lora.dropout); the experience pass runs without dropout.
 
 Shared prompts (Batch.shared, agentgym_jax/batch.py): the forward passes run on packed rows, one
 per task, and every per-token array is read back per sample, so advantages, masks, the rollout

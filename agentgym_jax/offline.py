@@ -214,7 +214,7 @@ def train_offline(c: ml_collections.ConfigDict | run.Settings,
   chat = settings.chat(tokenizer)
   batches = make_batches(settings, records, chat)
   policy = settings.policy(model, mesh)
-  networks, params = learner.Networks(policy.graphdef, frozen=policy.frozen), policy.params
+  networks, params = policy.networks(), policy.params
   ref_params = policy.reference(model.dtype) if mode == "dpo" else None
   init, update = make_update(settings, params, mesh)
   # Resume from the newest complete checkpoint; step k's checkpoint follows k updates.

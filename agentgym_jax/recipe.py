@@ -160,7 +160,7 @@ def evaluation_settings(settings: run.Settings, rows: int) -> dict[str, Any]:
       "step_timeout": c.env.step_timeout, "split": plan.split, "max_tasks": plan.max_tasks,
       "samples_per_task": plan.samples_per_task, "horizon": plan.horizon,
       "sampling": dataclasses.asdict(plan.sampling), "max_context": settings.max_context,
-      "seed": settings.seed if plan.sampling.temperature > 0 else None,
+      "seed": None if plan.sampling.tokens().greedy else settings.seed,
       "thinking": settings.thinking, "dtype": dtype, "param_dtype": c.model.param_dtype,
       "cache_dtype": c.rollout.cache_dtype or dtype, "attention": implementation,
       "mesh": dict(mesh.shape), "device_kind": device.device_kind, "jax": jax.__version__,

@@ -28,8 +28,7 @@ import numpy as np
 
 from agentgym_jax.batch import Batch, packed_length, share_prompts
 from agentgym_jax.models.tokenizer import ChatTemplate
-from agentgym_jax.sampling import SamplingParams
-from agentgym_jax.sampling import Sampler
+from agentgym_jax.sampling import Sampler, SamplingParams
 from environments import jsonl
 from environments.base import CONTEXT, DONE, ENV_ERROR, ENV_TIMEOUT, HORIZON, EnvError
 from environments.pool import EnvPool

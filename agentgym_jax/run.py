@@ -446,6 +446,11 @@ class Policy:
       return jax.tree.map(jnp.copy, self.params)
     return decoder.matmul_copy(self.params, dtype)
 
+  def networks(self, value_graphdef: nnx.GraphDef | None = None) -> learner.Networks:
+    """What the learner's passes run besides the trained parameters: this policy's graph and
+    frozen base, with a value head's graph (PPO's critic) if given."""
+    return learner.Networks(self.graphdef, value_graphdef, self.frozen)
+
   def sampler_params(self, params: nnx.State) -> nnx.State:
     """The decoder's parameters of the policy whose trained parameters are `params`."""
     return params if self.frozen is None else self.merge(params, self.frozen)

@@ -328,8 +328,7 @@ class Learner:
     value_params = jax.device_put(value_params, trainable_shardings[1])
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)((policy.params, value_params))
     update_step = learner.jit_update_step(learner.UpdateState(trainable_shardings, opt_shardings))
-    networks = learner.Networks(policy.graphdef, value_graphdef, policy.frozen)
-    return (cls(policy, reference, networks, opt_shardings, update_step,
+    return (cls(policy, reference, policy.networks(value_graphdef), opt_shardings, update_step,
                 settings), run.RunState(policy.params, value_params, opt_state))
 
   def place(self, opt_state: Any, on_host: bool | None = None) -> Any:

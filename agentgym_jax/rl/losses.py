@@ -142,7 +142,7 @@ class Clip:
 
   def __post_init__(self):
     if self.low <= 0 or self.upper <= 0:
-      raise ValueError(f"Clip epsilons must be > 0, got eps_low={self.low}, eps_high={self.high}.")
+      raise ValueError(f"Clip epsilons must be > 0, got eps_low={self.low}, eps_high={self.upper}.")
     if self.dual_c is not None and self.dual_c <= 1:
       raise ValueError(f"dual_clip_c must be > 1 (or None), got {self.dual_c}.")
 
