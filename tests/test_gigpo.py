@@ -16,7 +16,7 @@ from agentgym_jax.sampling import Sampler
 from environments.pool import EnvPool
 from rl_helpers import check_config
 
-gigpo = jax.jit(adv.gigpo_advantages, static_argnames=("num_groups", "normalize_by_std", "std"))
+gigpo = jax.jit(adv.gigpo_advantages, static_argnames=("num_groups",))
 
 # Three samples of one TextCraft task ("craft a stick"), three turns each; observations:
 #   P  the prompt (goal and crafting commands), which every sample starts from
@@ -36,8 +36,9 @@ TEXTCRAFT_TURN_REWARDS = np.array([[0, 0, 1], [0, 0, 0], [0, 0, 0]], np.float32)
 
 def textcraft(**options):
   mask = (TEXTCRAFT_TURN_INDEX >= 0).astype(np.float32)
-  return gigpo(jnp.array([1.0, 0.0, 0.0]), mask, jnp.zeros(3, jnp.int32), TEXTCRAFT_TURN_INDEX,
-               TEXTCRAFT_TURN_REWARDS, TEXTCRAFT_ANCHORS, num_groups=1, **options)
+  turns = adv.Turns(TEXTCRAFT_TURN_INDEX, TEXTCRAFT_TURN_REWARDS, TEXTCRAFT_ANCHORS)
+  return gigpo(jnp.array([1.0, 0.0, 0.0]), mask, jnp.zeros(3, jnp.int32), turns, num_groups=1,
+               **options)
 
 
 def per_turn(token_values):
@@ -58,7 +59,7 @@ def test_textcraft_worked_example_without_std():
   # X = {A1, B2, C1}: [0.5, 0, 0], mean 1/6 -> [1/3, -1/6, -1/6]; Y, Z, W singletons -> 0.
   # A = A^E + A^S: A [5/6, 1, 2/3], B [-5/12, -1/3, -1/2], C [-5/12, -1/2, -1/3]: B's move
   # at X (crafting a stick without planks) is worse than its inventory check.
-  out = textcraft(gamma=0.5, normalize_by_std=False)
+  out = textcraft(gamma=0.5, scoring=adv.GroupScoring(normalize_by_std=False))
   np.testing.assert_allclose(per_turn(
       out.advantages), [[5 / 6, 1, 2 / 3], [-5 / 12, -1 / 3, -1 / 2], [-5 / 12, -1 / 2, -1 / 3]],
                              atol=1e-6)
@@ -71,12 +72,13 @@ def test_textcraft_worked_example_with_std_and_step_weight():
   # (2v/3, -v/3, -v/3) / (sqrt(2) v / 3) = [sqrt(2), -1/sqrt(2), -1/sqrt(2)]: the episode level,
   # P and X alike. omega = 0.5: A = [s2 + s2/2, s2 + s2/2, s2] for A, ...
   s2, h = np.sqrt(2), 1 / np.sqrt(2)
-  out = textcraft(gamma=0.5, step_weight=0.5, eps=0.0)
+  out = textcraft(gamma=0.5, step_weight=0.5, scoring=adv.GroupScoring(eps=0.0))
   np.testing.assert_allclose(
       per_turn(out.advantages),
       [[1.5 * s2, 1.5 * s2, s2], [-1.5 * h, -h, -1.5 * h], [-1.5 * h, -1.5 * h, -h]], rtol=1e-5)
   # torch.std (Bessel) divides by sqrt(3/2) more at both levels: scores times sqrt(2/3).
-  unbiased = textcraft(gamma=0.5, step_weight=0.5, eps=0.0, std="unbiased")
+  unbiased = textcraft(gamma=0.5, step_weight=0.5,
+                       scoring=adv.GroupScoring(std="unbiased", eps=0.0))
   np.testing.assert_allclose(unbiased.advantages,
                              np.asarray(out.advantages) * np.sqrt(2 / 3), rtol=1e-5)
 
@@ -101,8 +103,9 @@ def test_babyai_state_revisited_within_an_episode_and_across_tasks():
   mask = (turn_index >= 0).astype(np.float32)
   anchors = np.array([[0, 1], [0, 0], [2, 3]], np.int32)
   turn_rewards = np.array([[0, 1], [0, 0], [0, 1]], np.float32)
-  out = gigpo(jnp.array([1.0, 0.0, 1.0]), mask, jnp.array([0, 0, 1]), turn_index, turn_rewards,
-              anchors, num_groups=2, normalize_by_std=False)
+  out = gigpo(jnp.array([1.0, 0.0, 1.0]), mask, jnp.array([0, 0, 1]),
+              adv.Turns(turn_index, turn_rewards, anchors), num_groups=2,
+              scoring=adv.GroupScoring(normalize_by_std=False))
   np.testing.assert_allclose(
       np.asarray(out.advantages)[:, [1, 3]],
       [[1 / 2 + 2 / 3, 1 / 2], [-1 / 2 - 1 / 3, -1 / 2 - 1 / 3], [0, 0]], atol=1e-6)
@@ -113,9 +116,9 @@ def test_slots_without_a_turn_do_not_enter_any_group():
   # group of row 0's second turn, nor lower its mean. Row 0 turn 1 is alone -> 0.
   turn_index = np.array([[0, -1, 1], [0, -1, -1]], np.int32)
   mask = (turn_index >= 0).astype(np.float32)
-  out = gigpo(jnp.array([1.0, 0.0]), mask, jnp.zeros(2, jnp.int32), turn_index,
-              jnp.array([[0.0, 1.0], [0.0, 0.0]]), jnp.array([[0, 1], [0, -1]]), num_groups=1,
-              normalize_by_std=False)
+  turns = adv.Turns(turn_index, jnp.array([[0.0, 1.0], [0.0, 0.0]]), jnp.array([[0, 1], [0, -1]]))
+  out = gigpo(jnp.array([1.0, 0.0]), mask, jnp.zeros(2, jnp.int32), turns, num_groups=1,
+              scoring=adv.GroupScoring(normalize_by_std=False))
   # Episode: [1/2, -1/2]. Step group 0: returns [1, 0] -> [1/2, -1/2].
   np.testing.assert_allclose(out.advantages, [[1, 0, 1 / 2], [-1, 0, 0]], atol=1e-6)
 

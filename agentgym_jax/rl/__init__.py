@@ -6,6 +6,7 @@ from agentgym_jax.rl.advantages import Advantages
 from agentgym_jax.rl.advantages import gae_advantages
 from agentgym_jax.rl.advantages import get_advantage_estimator
 from agentgym_jax.rl.advantages import gigpo_advantages
+from agentgym_jax.rl.advantages import GroupScoring
 from agentgym_jax.rl.advantages import group_mean_and_std
 from agentgym_jax.rl.advantages import group_scores
 from agentgym_jax.rl.advantages import grpo_advantages
@@ -14,6 +15,7 @@ from agentgym_jax.rl.advantages import reinforce_plus_plus_advantages
 from agentgym_jax.rl.advantages import rloo_advantages
 from agentgym_jax.rl.advantages import step_group_metrics
 from agentgym_jax.rl.advantages import turn_returns
+from agentgym_jax.rl.advantages import Turns
 from agentgym_jax.rl.advantages import weight_negatives
 from agentgym_jax.rl.correction import Correction
 from agentgym_jax.rl.correction import CORRECTIONS

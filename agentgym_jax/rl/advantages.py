@@ -11,8 +11,9 @@ All functions are pure, jittable and work on a batch of right-padded token array
   turn_rewards:  f32[B, K]  the environment's reward for turn k of each row, 0 past its turns
   turn_anchors:  int[B, K]  the anchor state of turn k (GiGPO), -1 for no turn
 
+GiGPO takes the last three as one `Turns`, and its group scoring options as one `GroupScoring`.
 `num_groups`, `normalize_by_std` and `std` are static under jit; gamma, lam, eps and GiGPO's step
-weight may be traced.
+weight may be traced (a GroupScoring is a pytree whose one leaf is eps).
 Every returned advantage is 0 on untrained tokens. A trajectory alternates assistant turns
 (trained) with observation turns (untrained), so the trained tokens of a row are not contiguous.
 The token-level estimators (REINFORCE++, GAE) run over the *trained-token subsequence* of each
@@ -31,6 +32,7 @@ where `returns` is the regression target for a critic (GAE) or the per-token ret
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -44,6 +46,29 @@ from agentgym_jax.rl import registry
 class Advantages(NamedTuple):
   advantages: jax.Array  # f32[B, T], 0 on untrained tokens
   returns: jax.Array  # f32[B, T], 0 on untrained tokens
+
+
+class Turns(NamedTuple):
+  """The turn structure of a batch, which GiGPO credits turn by turn (module docstring)."""
+
+  index: jax.Array  # int[B, T] aligned with loss_mask: k on the tokens of turn k, -1 elsewhere
+  rewards: jax.Array  # f32[B, K] the environment's reward for each turn slot, 0 past its turns
+  anchors: jax.Array  # int[B, K] step-group id of each turn slot, -1 for a slot without a turn
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["eps"],
+                   meta_fields=["normalize_by_std", "std"])
+@dataclasses.dataclass(frozen=True)
+class GroupScoring:
+  """How `group_scores` scores each value against its group: divided by the group's std or
+  not, the std "population" or "unbiased", and the eps added to it (see `group_scores`).
+
+  A pytree: eps is its leaf (it may be traced), normalize_by_std and std are static.
+  """
+
+  normalize_by_std: bool = True
+  std: str = "population"
+  eps: float = 1e-6
 
 
 def place_on_last_trained_token(rewards: jax.Array, loss_mask: jax.Array) -> jax.Array:
@@ -294,11 +319,9 @@ def turn_returns(turn_rewards: jax.Array, gamma: float = 1.0) -> jax.Array:
   return returns.T
 
 
-def gigpo_advantages(rewards: jax.Array, loss_mask: jax.Array, group_ids: jax.Array,
-                     turn_index: jax.Array, turn_rewards: jax.Array, turn_anchors: jax.Array, *,
-                     num_groups: int, step_weight: float = 1.0, gamma: float = 1.0,
-                     normalize_by_std: bool = True, std: str = "population",
-                     eps: float = 1e-6) -> Advantages:
+def gigpo_advantages(rewards: jax.Array, loss_mask: jax.Array, group_ids: jax.Array, turns: Turns,
+                     *, num_groups: int, step_weight: float = 1.0, gamma: float = 1.0,
+                     scoring: GroupScoring = GroupScoring()) -> Advantages:
   """Group-in-Group Policy Optimization (Feng et al. 2025): GRPO's episode-level advantage plus
   a step-level advantage that compares the turns taken from the same state.
 
@@ -314,38 +337,42 @@ def gigpo_advantages(rewards: jax.Array, loss_mask: jax.Array, group_ids: jax.Ar
     A_{i,k}    = A^E_i + omega * A^S_{i,k}                        (omega = step_weight)
 
   and every trained token of turn k gets A_{i,k}. Both levels score as GRPO does
-  (`group_scores`: mean/std with `normalize_by_std`, `std` and `eps`); a turn whose anchor no
-  other turn shares has A^S = 0. The first turn's anchor is the prompt, which a task's samples
-  share, so for outcome rewards and gamma = 1 its step group is the episode group. (verl-agent
-  takes the episode-level mean and std over a group's turns rather than its trajectories; here
-  A^E is the paper's per-trajectory GRPO advantage.)
+  (`group_scores`: mean/std with `scoring`'s normalize_by_std, std and eps); a turn whose
+  anchor no other turn shares has A^S = 0. The first turn's anchor is the prompt, which a
+  task's samples share, so for outcome rewards and gamma = 1 its step group is the episode
+  group. (verl-agent takes the episode-level mean and std over a group's turns rather than its
+  trajectories; here A^E is the paper's per-trajectory GRPO advantage.)
 
   Args:
     rewards: f32[B] outcome rewards (the sum of each row's turn rewards).
     loss_mask: [B, T] trained-token mask.
     group_ids: int[B] task group of each row, in [0, num_groups).
-    turn_index: int[B, T] aligned with `loss_mask`: k on the tokens of turn k, -1 elsewhere.
-    turn_rewards: f32[B, K] reward of each turn slot, 0 past a row's turns.
-    turn_anchors: int[B, K] step-group id of each turn in [0, B * K), -1 for a slot without
-      a turn; turns share an id exactly when their task and anchor state are the same.
+    turns: the turn structure (`Turns`): index int[B, T] aligned with `loss_mask`, k on the
+      tokens of turn k and -1 elsewhere; rewards f32[B, K] of each turn slot, 0 past a row's
+      turns; anchors int[B, K], the step-group id of each turn in [0, B * K), -1 for a slot
+      without a turn: turns share an id exactly when their task and anchor state are the same.
+    num_groups: static number of task groups.
+    step_weight: omega.
+    gamma: the turn returns' discount.
+    scoring: how both levels score against their group (`GroupScoring`).
 
   Returns:
     Advantages(advantages=A, returns=G of each token's turn), both f32[B, T] and 0 on
     untrained tokens.
   """
-  scoring = dict(normalize_by_std=normalize_by_std, std=std, eps=eps)
-  episode = grpo_advantages(rewards, loss_mask, group_ids, num_groups=num_groups, **scoring)
-  returns = turn_returns(turn_rewards, gamma)
-  num_turns = turn_anchors.size
-  is_turn = turn_anchors >= 0
+  options = dict(normalize_by_std=scoring.normalize_by_std, std=scoring.std, eps=scoring.eps)
+  episode = grpo_advantages(rewards, loss_mask, group_ids, num_groups=num_groups, **options)
+  returns = turn_returns(turns.rewards, gamma)
+  num_turns = turns.anchors.size
+  is_turn = turns.anchors >= 0
   # Slots without a turn share one extra group, whose scores are dropped.
-  step_groups = jnp.where(is_turn, turn_anchors, num_turns).reshape(-1)
-  step = group_scores(returns.reshape(-1), step_groups, num_turns + 1, **scoring)
-  step = jnp.where(is_turn, step.reshape(turn_anchors.shape), 0.0)
+  step_groups = jnp.where(is_turn, turns.anchors, num_turns).reshape(-1)
+  step = group_scores(returns.reshape(-1), step_groups, num_turns + 1, **options)
+  step = jnp.where(is_turn, step.reshape(turns.anchors.shape), 0.0)
 
   def per_token(per_turn: jax.Array) -> jax.Array:
-    taken = jnp.take_along_axis(per_turn, jnp.maximum(turn_index, 0), axis=1)
-    return jnp.where(turn_index >= 0, taken, 0.0) * loss_mask.astype(jnp.float32)
+    taken = jnp.take_along_axis(per_turn, jnp.maximum(turns.index, 0), axis=1)
+    return jnp.where(turns.index >= 0, taken, 0.0) * loss_mask.astype(jnp.float32)
 
   return Advantages(episode + step_weight * per_token(step), per_token(returns))
 
@@ -400,6 +427,16 @@ def _with_outcome_returns(advantages_fn: Callable[..., jax.Array]) -> Callable[.
                       _outcome_returns(rewards, loss_mask))
 
   return estimate
+
+
+def _gigpo_estimate(rewards: jax.Array, loss_mask: jax.Array, *, turn_index: jax.Array,
+                    turn_rewards: jax.Array, turn_anchors: jax.Array, **inputs) -> Advantages:
+  """`gigpo_advantages` called as the registry calls an estimator: the turn structure as three
+  batch inputs, the group scoring as the hyperparameters of its fields (GRPO's)."""
+  names = [field.name for field in dataclasses.fields(GroupScoring)]
+  scoring = GroupScoring(**{name: inputs.pop(name) for name in names if name in inputs})
+  return gigpo_advantages(rewards, loss_mask, turns=Turns(turn_index, turn_rewards, turn_anchors),
+                          scoring=scoring, **inputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,7 +497,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
         AdvantageEstimator("gae", gae_advantages, needs=("values",), accepts=(
             "token_rewards",), hyperparameters=(("gamma", "gamma"), ("lam", "lam"))),
         AdvantageEstimator(
-            "gigpo", gigpo_advantages, needs=_GROUPS +
+            "gigpo", _gigpo_estimate, needs=_GROUPS +
             _TURNS, hyperparameters=(("step_weight", "gigpo_step_weight"), ("gamma", "gamma"),
                                      ("normalize_by_std", "grpo_normalize_by_std"),
                                      ("std", "grpo_std"), ("eps", "grpo_eps"))))
