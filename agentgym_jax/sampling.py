@@ -65,7 +65,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from agentgym_jax import sharding
-from agentgym_jax.models.decoder import Decoder, KVCache
+from agentgym_jax.models.decoder import Cached, Decoder, KVCache
 
 Array = jax.Array
 MAX_STOP_IDS = 8
@@ -287,8 +287,8 @@ def _prefill(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, tok
   """
   model = nnx.merge(graphdef, params)
   mask = jnp.arange(tokens.shape[1])[None, :] < counts[:, None]
-  hidden, cache = model.hidden_states(tokens, attention_mask=mask, cache=state.cache,
-                                      cache_window=window)
+  hidden, cache = model.hidden_states(tokens, attention_mask=mask,
+                                      cached=Cached(state.cache, window))
   last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
   hidden = jnp.where((counts > 0)[:, None], last, state.hidden)
   return _constrain(SamplerState(cache=cache, hidden=hidden))
@@ -311,12 +311,12 @@ def _prefill_shared(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerSta
     prompts = KVCache.zeros(model.config, distinct, window, state.cache.dtype)
   else:
     prompts = KVCache.zeros(model.config, 1, window, state.cache.dtype)
-    _, prompts = model.hidden_states(prefix[None], cache=prompts, cache_window=prefix.shape[0])
+    _, prompts = model.hidden_states(prefix[None], cached=Cached(prompts, prefix.shape[0]))
     rows = lambda bits: tuple(jnp.broadcast_to(x, (distinct,) + x.shape[1:]) for x in bits)
     prompts = prompts.replace(k=rows(prompts.k), v=rows(prompts.v),
                               lengths=jnp.broadcast_to(prompts.lengths, (distinct,)))
   mask = jnp.arange(tokens.shape[1])[None, :] < counts[:, None]
-  hidden, prompts = model.hidden_states(tokens, attention_mask=mask, cache=prompts)
+  hidden, prompts = model.hidden_states(tokens, attention_mask=mask, cached=Cached(prompts))
   last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
   copied = sources >= 0
   source = jnp.maximum(sources, 0)
@@ -370,7 +370,7 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys
                        sampling_logprobs=column(out.sampling_logprobs, sampling_logprobs),
                        lengths=out.lengths + live, stopped=out.stopped | stop)
     hidden, cache = model.hidden_states(tokens[:, None], attention_mask=live[:, None],
-                                        cache=state.cache, layers=layers)
+                                        cached=Cached(state.cache, layers=layers))
     state = SamplerState(cache=cache, hidden=jnp.where(live[:, None], hidden[:, 0], state.hidden))
     done = done | stop | (out.lengths >= budget)
     return step + 1, state, done, out

@@ -232,6 +232,27 @@ class DecodeLayer:
   k_norm: Array | None = None  # [D]
 
 
+class Cached(NamedTuple):
+  """The cached (sampling) path of `Decoder.hidden_states`: the KV cache the new tokens are
+  appended to; the slots [0, window) that a forward pass of several tokens reads (static;
+  None: all of them); and the weights of `Decoder.cached_layers()`, when the caller took them
+  out once for many calls (a decode loop; None: they are taken per call)."""
+
+  cache: KVCache
+  window: int | None = None
+  layers: Sequence[DecodeLayer] | None = None
+
+
+class _CacheUpdate(NamedTuple):
+  """One layer's part of a cached forward pass (`Decoder._block`)."""
+
+  slots: Array  # [B, T] the slots the new tokens' keys and values are written at
+  window: int  # the slots [0, window) that several new tokens attend over
+  k_bits: Array  # this layer's cached keys, raw bits of `dtype` (see `KVCache`)
+  v_bits: Array  # this layer's cached values, likewise
+  dtype: Any  # the cache's dtype
+
+
 class Unembedding(NamedTuple):
   """The vocabulary projection: its weight, [V, E] when `vocab_major` (a tied embedding) else
   [E, V], and the matmul dtype of its inputs."""
@@ -281,44 +302,45 @@ class Decoder(nnx.Module):
     return self.logits(hidden)
 
   def hidden_states(self, input_ids: Array, positions: Array | None = None,
-                    attention_mask: Array | None = None, cache: KVCache | None = None, *,
-                    cache_window: int | None = None, segment_ids: Array | None = None,
-                    shared_prompt: bool = False, adapters: Any = None,
-                    dropout_key: Array | None = None,
-                    layers: Sequence[DecodeLayer] | None = None) -> tuple[Array, KVCache | None]:
-    """Final-normed hidden states [B, T, E] (f32) and the updated cache.
+                    attention_mask: Array | None = None, cached: Cached | None = None, *,
+                    segment_ids: Array | None = None, shared_prompt: bool = False,
+                    adapters: Any = None,
+                    dropout_key: Array | None = None) -> tuple[Array, KVCache | None]:
+    """Final-normed hidden states [B, T, E] (f32) and the updated cache (None without one).
 
     Without a cache a token attends to the earlier tokens of its row that attention_mask keeps
     (padding queries see only padding: their outputs mean nothing), or, given segment_ids
     [B, T] in place of a mask, to the earlier tokens of its segment; with `shared_prompt` also
     to segment 0, the prompt that the row's continuations share (attention.causal_attention;
     the positions then restart for each continuation).
-    With a cache the tokens are appended to each row's live slots (see the module docstring);
-    the cache's lengths grow by attention_mask.sum(-1) (by T without a mask). One token per row
-    (T = 1) reads only the slots its row holds, and a masked row reads nothing. Several read
-    the slots [0, cache_window) (static, default: all), below which every real token must sit.
-    `layers` are the weights of `cached_layers()`, when the caller took them out once for many
-    calls (a decode loop); by default they are taken here.
+    With a cache (`cached`, a `Cached`: the cache, a window and optionally the decode layers)
+    the tokens are appended to each row's live slots (see the module docstring); the cache's
+    lengths grow by attention_mask.sum(-1) (by T without a mask). One token per row (T = 1)
+    reads only the slots its row holds, and a masked row reads nothing. Several read the slots
+    [0, cached.window) (static, default: all), below which every real token must sit.
+    cached.layers are the weights of `cached_layers()`, when the caller took them out once for
+    many calls (a decode loop); by default they are taken here.
 
     `adapters` (a lora.Adapters, stacked on the layers axis like the weights) adds each
     adapted projection's low-rank term, its input dropped out with `dropout_key` (None: no
     dropout); the cached path takes no adapters (the sampler runs merged weights).
     """
     config = self.config
-    if adapters is not None and cache is not None:
+    if adapters is not None and cached is not None:
       raise ValueError("adapters apply to the uncached (learner) path; sample with merged weights")
     batch, length = input_ids.shape
-    if (segment_ids is not None or shared_prompt) and (cache is not None
+    if (segment_ids is not None or shared_prompt) and (cached is not None
                                                        or attention_mask is not None):
       raise ValueError("segment ids replace the attention mask and take no cache")
-    if cache is None:
+    if cached is None:
       slots = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
       # Causal by index; real tokens and padding are two segments.
       mask = segment_ids if attention_mask is None else attention_mask.astype(jnp.int32)
     else:
-      window = cache.slots if cache_window is None else cache_window
+      cache = cached.cache
+      window = cache.slots if cached.window is None else cached.window
       if not 0 < window <= cache.slots:
-        raise ValueError(f"cache_window={cache_window} is not in [1, {cache.slots}]")
+        raise ValueError(f"cached.window={cached.window} is not in [1, {cache.slots}]")
       slots = cache.lengths[:, None] + jnp.arange(length, dtype=jnp.int32)
       if length == 1:
         # visible[b]: row b attends to its slots [0, visible[b]), the new token's included.
@@ -331,7 +353,7 @@ class Decoder(nnx.Module):
       positions = slots
 
     x = jnp.take(self.embed_tokens.value, input_ids, axis=0).astype(jnp.float32)
-    x = sharding.constrain(x, _residual_axes(cached=cache is not None))
+    x = sharding.constrain(x, _residual_axes(cached=cached is not None))
     inv_freq = rope_frequencies(config)
     layer_graph, layer_params = nnx.split(self.layers)
     adapter_graph, adapter_params = nnx.split(adapters) if adapters is not None else (None, None)
@@ -343,9 +365,9 @@ class Decoder(nnx.Module):
         layer_adapters, layer = adapted
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, layer)
         lora = (nnx.merge(adapter_graph, layer_adapters), key)
-      return self._block(p, x, positions, mask, inv_freq, slots, cache_update, lora, shared_prompt)
+      return self._block(p, x, positions, mask, inv_freq, cache_update, lora, shared_prompt)
 
-    if cache is None:
+    if cached is None:
       policy = REMAT_POLICIES[self.remat]
       # Rematerialisation only matters for a backward pass; the cached (sampling) path has none.
       if self.remat != "none":
@@ -360,11 +382,11 @@ class Decoder(nnx.Module):
       x, _ = jax.lax.scan(body, x, (layer_params, adapted))
       new_cache = None
     else:
-      layers = self.cached_layers() if layers is None else layers
+      layers = self.cached_layers() if cached.layers is None else cached.layers
       k_bits, v_bits = [], []
       for layer, k, v in zip(layers, cache.k, cache.v):
-        x, (k, v) = self._block(layer, x, positions, mask, inv_freq, slots,
-                                (window, k, v, cache.dtype))
+        x, (k, v) = self._block(layer, x, positions, mask, inv_freq,
+                                _CacheUpdate(slots, window, k, v, cache.dtype))
         k_bits.append(k)
         v_bits.append(v)
       added = length if attention_mask is None else attention_mask.sum(-1).astype(jnp.int32)
@@ -422,15 +444,15 @@ class Decoder(nnx.Module):
         if logits.ndim == 3 else logits
 
   def _block(self, p: Layers | DecodeLayer, x: Array, positions: Array, mask: Array | None,
-             inv_freq: Array, slots: Array, cache_update: tuple[int, Array, Array, Any] | None,
+             inv_freq: Array, cache_update: _CacheUpdate | None,
              lora: tuple[Any, Array | None] | None = None, shared_prompt: bool = False):
     """One transformer block, on one layer of the stacked `Layers` or a `DecodeLayer`.
 
     Without a cache `mask` is the segment ids [B, T] (or None; with `shared_prompt` segment 0 is
-    the prompt every segment sees). With `cache_update` = (window, k_bits, v_bits,
-    cache_dtype), this layer's cache (raw bits, see `KVCache`), the new keys and values are
-    written at `slots` [B, T] and `mask` is, for T = 1, the visible slots [B] of each row, else
-    the mask [B, T, window] of visible cache slots. Returns x and the updated (k_bits, v_bits),
+    the prompt every segment sees). With `cache_update` (a `_CacheUpdate`: the slots [B, T], the
+    window, this layer's cache as raw bits, see `KVCache`, and the cache's dtype), the new keys
+    and values are written at the slots and `mask` is, for T = 1, the visible slots [B] of each
+    row, else the mask [B, T, window] of visible cache slots. Returns x and the updated (k_bits, v_bits),
     or None without a cache. `lora` = (this layer's adapters, its dropout key or None) adds the
     adapters' terms to the projections they target (`Layers` only: the sampler's
     `DecodeLayer`s hold merged weights).
@@ -455,7 +477,7 @@ class Decoder(nnx.Module):
 
     caches = None
     if cache_update is not None:
-      window, k_bits, v_bits, cache_dtype = cache_update
+      slots, window, k_bits, v_bits, cache_dtype = cache_update
       rows = jnp.arange(x.shape[0])[:, None]
       # Out-of-range slots (padding past the cache end) are dropped, never wrapped around.
       # new [B, T, K, D] goes to [b, :, slots[b, t]] of the [B, K, S, D] cache.
