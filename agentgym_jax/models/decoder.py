@@ -452,10 +452,10 @@ class Decoder(nnx.Module):
     the prompt every segment sees). With `cache_update` (a `_CacheUpdate`: the slots [B, T], the
     window, this layer's cache as raw bits, see `KVCache`, and the cache's dtype), the new keys
     and values are written at the slots and `mask` is, for T = 1, the visible slots [B] of each
-    row, else the mask [B, T, window] of visible cache slots. Returns x and the updated (k_bits, v_bits),
-    or None without a cache. `lora` = (this layer's adapters, its dropout key or None) adds the
-    adapters' terms to the projections they target (`Layers` only: the sampler's
-    `DecodeLayer`s hold merged weights).
+    row, else the mask [B, T, window] of visible cache slots. Returns x and the updated
+    (k_bits, v_bits), or None without a cache. `lora` = (this layer's adapters, its dropout key
+    or None) adds the adapters' terms to the projections they target (`Layers` only: the
+    sampler's `DecodeLayer`s hold merged weights).
     """
     config, dtype = self.config, self.dtype
     eps = config.rms_norm_eps
