@@ -102,3 +102,55 @@ def test_plot_command_line(tmp_path):
       cwd=os.path.join(os.path.dirname(__file__), ".."), capture_output=True, text=True, check=True)
   assert result.stdout.split() == [str(out_dir / plots.OVERVIEW_FILE), str(out_dir / "reward.png")]
   assert _png_size(out_dir / "reward.png") == _PANEL_PIXELS
+
+
+def test_moving_average_is_trailing_mean_worked_example():
+  # Window 3 over [1, 0, 0, 1, 1]: 1/1, 1/2, 1/3, 1/3, 2/3.
+  assert plots.moving_average([1.0, 0.0, 0.0, 1.0, 1.0],
+                              3) == pytest.approx([1.0, 0.5, 1 / 3, 1 / 3, 2 / 3])
+  assert plots.moving_average([0.2, 0.4], 1) == [0.2, 0.4]
+  with pytest.raises(ValueError, match="window"):
+    plots.moving_average([1.0], 0)
+
+
+def _stage(successes: dict[int, tuple[str, float]]) -> dict:
+  """A stage summary of tasks {task id: (category, success)} as evaluation.summarize writes it."""
+  by_category = {}
+  for category, success in successes.values():
+    by_category.setdefault(category, []).append(success)
+  return {
+      "k":
+          1, "num_tasks":
+              len(successes), "avg@k":
+                  sum(s for _, s in successes.values()) / len(successes), "categories": {
+                      name: {"num_tasks": len(values), "avg@k": sum(values) / len(values)}
+                      for name, values in by_category.items()
+                  }, "tasks": [{"task_id": task, "category": category, "success": [success]}
+                               for task, (category, success) in successes.items()]
+  }
+
+
+def test_stage_figure_of_a_recipe_workdir(tmp_path):
+  rows = [{"step": s, "success": s / 4, "horizon_cap": 3 if s < 3 else 5} for s in range(1, 5)]
+  workdir = _write_metrics(tmp_path / "run", rows)
+  os.makedirs(tmp_path / "run" / "evaluation")
+  tasks = {1: "depth1", 2: "depth1", 3: "depth2", 4: "depth2"}
+  stages = {"initial": [0, 0, 0, 0], "warm_start": [1, 1, 0, 0], "rl": [1, 0, 1, 1]}
+  for name, outcomes in stages.items():
+    summary = _stage({task: (tasks[task], float(s)) for task, s in zip(tasks, outcomes)})
+    (tmp_path / "run" / "evaluation" / f"{name}.json").write_text(json.dumps(summary))
+  summaries = plots.stage_summaries(workdir)
+  assert list(summaries) == ["initial", "warm start", "RL"]
+  assert plots.stage_points(summaries) == {
+      "depth1": [0.0, 1.0, 0.5], "depth2": [0.0, 0.0, 1.0], "all": [0.0, 0.5, 0.75]
+  }
+  # initial -> warm start gains tasks 1 and 2 (sign test: 2 of 2, p = 2 * 1/4 = 0.5); warm start
+  # -> RL gains 3 and 4 and loses 2 (p = 2 * P(X <= 1 | n = 3) = 2 * 4/8 = 1).
+  assert plots.stage_labels(summaries) == [
+      "initial", "warm start\n+2 -0, p = 0.5", "RL\n+2 -1, p = 1"
+  ]
+  paths = plots.write_plots(workdir, tmp_path / "plots")
+  assert os.path.basename(paths[-1]) == plots.STAGE_FILE
+  assert _png_size(paths[-1]) == (2 * 600, int(1.25 * 360))
+  # A plain RL run's workdir has no stage figure.
+  assert plots.write_stage_figure(_write_metrics(tmp_path / "plain", rows), tmp_path) is None

@@ -5,7 +5,9 @@
 (From a checkout, `python launch/plot.py` with the same flags.) Writes training_curves.png
 (every panel) and one <panel>.png per quantity the run logged: reward, success (with
 per-category evaluation success), horizon cap, turns, KL, entropy, tokens/s, phase times, loss,
-gradient norm, clipped fraction, log-prob gap, episode endings.
+gradient norm, clipped fraction, log-prob gap, episode endings; and for a recipe's workdir
+(the first command's) stages.png: RL training success as a moving average beside each stage's
+held-out success, with the goals gained and lost between stages.
 """
 
 import os

@@ -9,20 +9,29 @@ shares the success panel.
 
 Noisy curves are drawn raw (faint) and smoothed with a debiased exponential moving average
 (TensorBoard's smoothing), see `smooth`.
+
+A recipe's workdir (recipe.py: evaluation/<stage>.json beside the RL run's metrics) also gets
+stages.png (`write_stage_figure`): RL training success as a trailing moving average with the
+horizon caps, next to each stage's held-out success per category and, between consecutive
+stages, the goals gained and lost with the paired test's p-value.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from agentgym_jax import metrics
+from agentgym_jax import evaluation, metrics
 from environments import jsonl
 
 OVERVIEW_FILE = "training_curves.png"
+STAGE_FILE = "stages.png"
+# The recipe's stage evaluations (workdir/evaluation/<stage>.json), in the order it plays them.
+RECIPE_STAGES = (("initial", "initial"), ("warm_start", "warm start"), ("rl", "RL"))
 PANEL_SIZE = (6.0, 3.6)  # Inches; at DPI this is 600 x 360 pixels per panel image.
 DPI = 100
 _COLUMNS = 3
@@ -104,6 +113,105 @@ def smooth(values: Sequence[float], weight: float) -> list[float]:
   return smoothed
 
 
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+  """The trailing mean of `values` over up to `window` points (fewer at the start)."""
+  if window < 1:
+    raise ValueError(f"window must be at least 1, got {window}.")
+  return [
+      sum(values[max(0, i + 1 - window):i + 1]) / min(i + 1, window) for i in range(len(values))
+  ]
+
+
+def stage_summaries(workdir: str | os.PathLike[str]) -> dict[str, Mapping[str, Any]]:
+  """The recipe's stage evaluations in `workdir` (RECIPE_STAGES that have a summary), by label."""
+  found = {}
+  for name, label in RECIPE_STAGES:
+    path = os.path.join(os.fspath(workdir), "evaluation", f"{name}.json")
+    if os.path.exists(path):
+      with open(path, encoding="utf-8") as f:
+        found[label] = json.load(f)
+  return found
+
+
+def stage_points(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, list[float | None]]:
+  """Held-out success (avg@k) of every stage, per category and "all" (None where a stage's
+  summary lacks the category)."""
+  names = sorted({name for s in summaries.values() for name in s["categories"]})
+  points = {
+      name: [s["categories"].get(name, {}).get("avg@k") for s in summaries.values()]
+      for name in names
+  }
+  points["all"] = [s["avg@k"] for s in summaries.values()]
+  return points
+
+
+def stage_labels(summaries: Mapping[str, Mapping[str, Any]]) -> list[str]:
+  """Each stage's name and, from the second on, its paired comparison with the stage before
+  (evaluation.compare): "+gained -lost, p = ..." (or no comparison without per-task records)."""
+  labels, stages = [], list(summaries.items())
+  for index, (label, summary) in enumerate(stages):
+    if index and "tasks" in summary and "tasks" in stages[index - 1][1]:
+      paired = evaluation.compare(stages[index - 1][1], summary)
+      label += f"\n+{paired.gained} -{paired.lost}, p = {float(paired.p_value):.2g}"
+    labels.append(label)
+  return labels
+
+
+def write_stage_figure(workdir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
+                       window: int = 3) -> str | None:
+  """Draws STAGE_FILE in `out_dir` for the recipe run in `workdir`; returns its path, or None if
+  the workdir has no stage evaluations. Left: RL training success per step (dots) and its
+  trailing `window`-step mean, the horizon cap on a second axis; right: held-out success per
+  stage, one line per category and one for all, the x labels carrying the paired tests."""
+  from matplotlib.figure import Figure
+
+  summaries = stage_summaries(workdir)
+  if not summaries:
+    return None
+  rows = metrics.read_metrics(os.fspath(workdir))
+  figure = Figure(figsize=(PANEL_SIZE[0] * 2, PANEL_SIZE[1] * 1.25), dpi=DPI, layout="constrained")
+  train, held_out = figure.subplots(1, 2)
+  steps, success = metric_series(rows, "success")
+  if steps:
+    train.plot(steps, success, "o", color="C0", alpha=0.35, markersize=4, label="per step")
+    train.plot(steps, moving_average(success, window), color="C0", linewidth=2,
+               label=f"{window}-step mean")
+    cap_steps, caps = metric_series(rows, "horizon_cap")
+    if cap_steps:
+      turns = train.twinx()
+      turns.plot(cap_steps, caps, drawstyle="steps-post", color="C7", linestyle="--")
+      turns.set_ylabel("horizon cap (turns, dashed)", fontsize=8)
+      turns.set_ylim(0, max(caps) + 1)
+      turns.tick_params(labelsize=8)
+    train.legend(fontsize=7, loc="upper left")
+  train.set_ylim(-0.05, 1.05)
+  train.set_title("RL training success", fontsize=10)
+  train.set_xlabel("RL step", fontsize=8)
+  train.tick_params(labelsize=8)
+  train.grid(alpha=0.3)
+  positions = list(range(len(summaries)))
+  for index, (name, values) in enumerate(stage_points(summaries).items()):
+    shown = [(x, 100 * v) for x, v in zip(positions, values) if v is not None]
+    style = dict(color="k", linewidth=2.2) if name == "all" else dict(color=f"C{index + 1}")
+    tasks = next(s["num_tasks"] if name == "all" else s["categories"][name]["num_tasks"]
+                 for s, v in zip(summaries.values(), values) if v is not None)
+    held_out.plot(*zip(*shown), marker="o", label=f"{name} ({tasks})", **style)
+    if name == "all":
+      for x, y in shown:
+        held_out.annotate(f"{y:.1f}%", (x, y), textcoords="offset points", xytext=(0, 7),
+                          ha="center", fontsize=8)
+  held_out.set_xticks(positions, stage_labels(summaries), fontsize=8)
+  held_out.set_ylim(-5, 105)
+  k = next(iter(summaries.values()))["k"]
+  held_out.set_title(f"Held-out success (avg@{k}) of each stage's policy", fontsize=10)
+  held_out.tick_params(axis="y", labelsize=8)
+  held_out.grid(alpha=0.3)
+  held_out.legend(fontsize=7, loc="upper left")
+  path = os.path.join(os.fspath(out_dir), STAGE_FILE)
+  figure.savefig(path)
+  return path
+
+
 def _draw(axes: Any, rows: Sequence[Mapping[str, Any]], panel: Panel, names: Sequence[str],
           smoothing: float) -> None:
   for index, name in enumerate(names):
@@ -128,7 +236,8 @@ def _draw(axes: Any, rows: Sequence[Mapping[str, Any]], panel: Panel, names: Seq
 
 def write_plots(workdir: str | os.PathLike[str], out_dir: str | os.PathLike[str] | None = None,
                 smoothing: float = 0.6) -> list[str]:
-  """Draws the curves of the run in `workdir`; returns the written PNG paths, overview first.
+  """Draws the curves of the run in `workdir`; returns the written PNG paths, overview first
+  (and STAGE_FILE last, for a recipe's workdir).
 
   Args:
     workdir: the run directory (its metrics.jsonl).
@@ -169,4 +278,5 @@ def write_plots(workdir: str | os.PathLike[str], out_dir: str | os.PathLike[str]
     paths.append(os.path.join(out_dir, f"{panel.name}.png"))
     figure.savefig(paths[-1])
   overview.savefig(paths[0])
-  return paths
+  stages = write_stage_figure(workdir, out_dir)
+  return paths + ([stages] if stages else [])
