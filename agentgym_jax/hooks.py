@@ -51,10 +51,10 @@ class StepHooks:
     latest = self.metrics.latest
     self.history.append(latest)
     self.settings.check_health(latest)
-    if self.trajectories is not None and self.settings.log_trajectories:
+    if self.trajectories is not None and self.settings.log.trajectories:
       self.trajectories.write(step, trajectories())
     self.progress.update(step, latest)
-    if self.settings.checkpoint_every:
+    if self.settings.checkpoint.every:
       self.checkpointer.save(step, state.tree(), self.settings.meta(step, **meta),
                              force=step == self.settings.steps)
 

@@ -177,7 +177,7 @@ def make_evaluator(settings: run.Settings, mesh: Mesh, model: Decoder, chat: Cha
   RL trainer plays it (eval.* sampling, rollout.tasks_per_step x samples_per_task episodes at a
   time). The environment pool closes with `stack`."""
   rows, plan = settings.rows, settings.evaluation
-  pool = stack.enter_context(settings.env_pool(rows))
+  pool = stack.enter_context(settings.env.pool(rows))
   sampler = settings.sampler(model, mesh, rows)
   task_ids = plan.tasks(pool)
   key = jax.random.key(settings.seed)
@@ -263,7 +263,7 @@ def train_offline(c: ml_collections.ConfigDict | run.Settings,
           done, step_metrics, state,
           dict(mode=mode, data_size=_data_size(batches), epoch=done / batches.steps_per_epoch))
     history = step_hooks.close()
-  if settings.export_hf:
+  if settings.checkpoint.export_hf:
     settings.export_policy(policy.exported(policy.export_params(state.params)), tokenizer, workdir)
   return history
 

@@ -37,7 +37,7 @@ from absl import logging
 
 from agentgym_jax import config as config_lib
 from agentgym_jax import paths
-from agentgym_jax import demonstrations, evaluation, hardware, metrics, multihost, offline, rollout
+from agentgym_jax import demonstrations, evaluation, metrics, multihost, offline, rollout
 from agentgym_jax import run, sharding, trainer
 from agentgym_jax.models import attention
 from environments import base, jsonl
@@ -52,17 +52,16 @@ def train(c: ml_collections.ConfigDict | run.Settings,
   evaluated if eval.stages; returns RL's metrics. `c` is the run's config (validated once,
   here) or its settings."""
   settings = run.Settings.of(c)
-  c = settings.config
   workdir = paths.path(workdir)
   summaries = {}
 
   def evaluate(stage: str, policy: str) -> None:
-    if c.eval.stages:
+    if settings.evaluation.stages:
       path = workdir / EVALUATION_DIR / f"{stage.replace(' ', '_').lower()}.json"
       summaries[stage] = evaluate_stage(settings, stage, policy, path)
 
-  evaluate("initial", c.model.name)
-  if c.warm_start.steps:
+  evaluate("initial", settings.model.name)
+  if settings.warm_start.steps:
     policy = warm_start(settings, workdir / WARM_START_DIR)
     evaluate("warm start", str(policy))
     settings = settings.with_model(str(policy))
@@ -86,7 +85,7 @@ def evaluate_policy(
   plan = settings.evaluation
   mesh, model, tokenizer = settings.load_policy(model_name)
   sampler = settings.sampler(model, mesh, rows)
-  with settings.env_pool(rows) as pool:
+  with settings.env.pool(rows) as pool:
     task_ids = plan.tasks(pool)
     player = settings.player(sampler, sampler.params, pool, settings.chat(tokenizer), plan.sampling)
     return evaluation.evaluate(player, task_ids, samples_per_task=plan.samples_per_task,
@@ -103,8 +102,8 @@ def evaluate_stage(settings: run.Settings, stage: str, policy: str,
   scored, or where the summary was copied from."""
   if path.exists():
     return json.loads(path.read_text())
-  c = settings.config
-  plan, started, rows = settings.evaluation, time.monotonic(), c.eval.rows or settings.rows
+  plan, started = settings.evaluation, time.monotonic()
+  rows = plan.rows or settings.rows
   cached = cache_entry(settings, policy, rows)
   if cached is not None and cache_hit(cached):
     text = cached.read_text()
@@ -118,8 +117,8 @@ def evaluate_stage(settings: run.Settings, stage: str, policy: str,
 
   def start(tasks: int) -> Callable[[int, int], None]:
     print(
-        f"evaluating the {stage} policy: {tasks} {c.env.name} tasks of the {plan.split} split, "
-        f"k = {plan.samples_per_task}, up to {plan.horizon} turns", flush=True)
+        f"evaluating the {stage} policy: {tasks} {settings.env.name} tasks of the "
+        f"{plan.split} split, k = {plan.samples_per_task}, up to {plan.horizon} turns", flush=True)
     return episodes_done
 
   def episodes_done(done: int, total: int) -> None:
@@ -150,21 +149,20 @@ def evaluation_settings(settings: run.Settings, rows: int) -> dict[str, Any]:
   groups: their episodes' keys, and batch shapes' rounding); and this project's code
   (evaluation.source_fingerprint). Not: what only decides how fast it plays (env.backend,
   eval.every)."""
-  c, plan = settings.config, settings.evaluation
-  dtype = hardware.matmul_dtype(c.model.dtype)
-  mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
-  implementation, device = attention.choose(c.model.attention), jax.devices()[0]
+  model, env, plan = settings.model, settings.env, settings.evaluation
+  dtype = model.matmul_dtype()
+  implementation, device = attention.choose(model.attention), jax.devices()[0]
   return {
-      "code": evaluation.source_fingerprint(), "env": c.env.name,
-      "env_options": config_lib.env_options(c), "action_format": c.env.action_format,
-      "step_timeout": c.env.step_timeout, "split": plan.split, "max_tasks": plan.max_tasks,
-      "samples_per_task": plan.samples_per_task, "horizon": plan.horizon,
-      "sampling": dataclasses.asdict(plan.sampling), "max_context": settings.max_context,
+      "code": evaluation.source_fingerprint(), "env": env.name, "env_options": env.options,
+      "action_format": env.action_format, "step_timeout": env.step_timeout, "split": plan.split,
+      "max_tasks": plan.max_tasks, "samples_per_task": plan.samples_per_task,
+      "horizon": plan.horizon, "sampling": dataclasses.asdict(plan.sampling
+                                                             ), "max_context": settings.max_context,
       "seed": None if plan.sampling.tokens().greedy else settings.seed,
-      "thinking": settings.thinking, "dtype": dtype, "param_dtype": c.model.param_dtype,
-      "cache_dtype": c.rollout.cache_dtype or dtype, "attention": implementation,
-      "mesh": dict(mesh.shape), "device_kind": device.device_kind, "jax": jax.__version__,
-      "rows": rows, "pipeline_groups": settings.pipeline_groups
+      "thinking": model.thinking == "on", "dtype": dtype, "param_dtype": model.param_dtype,
+      "cache_dtype": model.cache_dtype or dtype, "attention": implementation,
+      "mesh": dict(model.make_mesh().shape), "device_kind": device.device_kind,
+      "jax": jax.__version__, "rows": rows, "pipeline_groups": settings.pipeline_groups
   }
 
 
@@ -172,7 +170,7 @@ def cache_entry(settings: run.Settings, policy: str, rows: int) -> paths.Path | 
   """Where eval.cache_dir keeps the summary of `policy` evaluated with `settings`, `rows`
   episodes at a time: <fingerprint>.json (evaluation.fingerprint); None if eval.cache_dir is
   ""."""
-  cache_dir = settings.config.eval.cache_dir
+  cache_dir = settings.evaluation.cache_dir
   if not cache_dir:
     return None
   sharding.initialize_distributed()  # Before the settings ask JAX about the devices.
@@ -259,58 +257,37 @@ def paired_lines(before: str, after: str, a: dict[str, Any], b: dict[str, Any]) 
 
 
 def warm_start(settings: run.Settings, directory: paths.Path) -> paths.Path:
-  """SFT of the run's policy on demonstrations of its environment; returns the exported
-  policy."""
+  """SFT of the run's policy on demonstrations of its environment (`Settings.warm_start_run`);
+  returns the exported policy."""
   export = directory / "export"
   if (export / "config.json").exists():
     return export
-  c = settings.config
-  sft = sft_config(c, demonstrations_file(c, directory))
-  offline.train_offline(sft, directory)
+  offline.train_offline(settings.warm_start_run(demonstrations_file(settings, directory)),
+                        directory)
   return export
 
 
-def demonstrations_file(c: ml_collections.ConfigDict, directory: paths.Path) -> paths.Path:
+def demonstrations_file(settings: run.Settings, directory: paths.Path) -> paths.Path:
   """warm_start.demonstrations, or the environment expert's verified demonstrations of up to
   warm_start.max_tasks train tasks, made once and kept in `directory` (either local or gs://)."""
-  if c.warm_start.demonstrations:
-    return paths.path(c.warm_start.demonstrations)
+  w, env_settings = settings.warm_start, settings.env
+  if w.demonstrations:
+    return paths.path(w.demonstrations)
   path = directory / "demos.jsonl"
   if path.exists():
     return path
-  env = base.make(c.env.name, **config_lib.env_options(c))
+  env = base.make(env_settings.name, **env_settings.options)
   try:
     task_ids = list(env.task_ids("train"))
-    if c.warm_start.max_tasks:
-      task_ids = task_ids[:c.warm_start.max_tasks]
+    if w.max_tasks:
+      task_ids = task_ids[:w.max_tasks]
     made = demonstrations.demonstrate_tasks(env, task_ids)
   finally:
     env.close()
   if not made.demos:
     raise config_lib.ConfigError(
-        f"invalid config: the {c.env.name} expert solved none of {len(task_ids)} train tasks, "
-        f"so there is nothing to warm-start on ({made.rejected[:3]})")
+        f"invalid config: the {env_settings.name} expert solved none of {len(task_ids)} train "
+        f"tasks, so there is nothing to warm-start on ({made.rejected[:3]})")
   logging.info("warm start: %d demonstrations of %d tasks", len(made.demos), len(task_ids))
   paths.replace_file(path, "".join(map(jsonl.to_line, made.demos)))
   return path
-
-
-def sft_config(c: ml_collections.ConfigDict, data: paths.Path) -> ml_collections.ConfigDict:
-  """The warm start's SFT run: c's policy, environment and logging, warm_start's schedule."""
-  sft = ml_collections.ConfigDict(c.to_dict())
-  w = c.warm_start
-  sft.mode = "sft"
-  sft.warm_start.steps = 0
-  sft.steps = w.steps
-  sft.data.path = str(data)
-  sft.data.batch_size = w.batch_size
-  sft.data.max_length = c.rollout.max_context
-  sft.optim.learning_rate = w.learning_rate
-  sft.optim.schedule = "constant"
-  sft.optim.warmup_steps = 0
-  sft.checkpoint.export_hf = True
-  # RL starts from the warm start's export: a whole model (with LoRA, its adapters merged).
-  sft.checkpoint.export_format = "merged"
-  sft.eval.every = 0
-  sft.eval.stages = False
-  return sft

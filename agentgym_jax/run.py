@@ -8,6 +8,7 @@ module; neither imports the other.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import pathlib
@@ -38,7 +39,9 @@ from environments.pool import EnvPool
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
   """How a run evaluates: every `every` steps (0: never), the first `max_tasks` tasks (0: all)
-  of `split`, `samples_per_task` episodes each, turns sampled by `sampling` up to `horizon`."""
+  of `split`, `samples_per_task` episodes each, turns sampled by `sampling` up to `horizon`;
+  the recipe's stage evaluations (`stages`) play `rows` episodes at once (0: a step's rows) and
+  are kept by fingerprint in `cache_dir` ("": not kept)."""
 
   every: int
   split: str
@@ -46,6 +49,9 @@ class Evaluation:
   samples_per_task: int
   sampling: rollout.TurnSampling
   horizon: int
+  stages: bool
+  rows: int
+  cache_dir: str
 
   def tasks(self, pool: EnvPool) -> list[int]:
     task_ids = list(pool.task_ids(self.split))
@@ -65,6 +71,105 @@ class Data:
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelSettings:
+  """The policy (config groups model and mesh, and rollout.cache_dtype): the checkpoint `name`,
+  its numerics as configured (`dtype` auto is resolved by `matmul_dtype`), the learner's
+  attention and remat, model.thinking (on | off), the (data, fsdp, tensor) mesh, the KV
+  cache's dtype ("": the matmul dtype) and LoRA (None: every weight is trained)."""
+
+  name: str
+  dtype: str
+  param_dtype: str
+  attention: str
+  remat: str
+  thinking: str
+  mesh: tuple[int, int, int]
+  cache_dtype: str
+  lora: lora_lib.LoraSettings | None
+
+  @classmethod
+  def from_config(cls, c: ml_collections.ConfigDict) -> ModelSettings:
+    m = c.model
+    return cls(name=m.name, dtype=m.dtype, param_dtype=m.param_dtype, attention=m.attention,
+               remat=m.remat, thinking=m.thinking, mesh=(c.mesh.data, c.mesh.fsdp, c.mesh.tensor),
+               cache_dtype=c.rollout.cache_dtype, lora=_lora_settings(c))
+
+  def matmul_dtype(self) -> str:
+    """model.dtype with auto resolved for this machine (hardware.matmul_dtype)."""
+    return hardware.matmul_dtype(self.dtype)
+
+  def make_mesh(self) -> Mesh:
+    return sharding.make_mesh(*self.mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSettings:
+  """The environment (config group env): its registered `name`, its adapters' keyword arguments
+  (`options`: env.options, and the action format when it is not react), how its episodes run
+  (backend, step_timeout) and how its faults enter the loss (failed_episodes)."""
+
+  name: str
+  options: dict[str, Any]
+  action_format: str
+  backend: str
+  step_timeout: float
+  failed_episodes: str
+
+  @classmethod
+  def from_config(cls, c: ml_collections.ConfigDict) -> EnvSettings:
+    e = c.env
+    return cls(name=e.name, options=config_lib.env_options(c), action_format=e.action_format,
+               backend=e.backend, step_timeout=e.step_timeout, failed_episodes=e.failed_episodes)
+
+  def pool(self, rows: int) -> EnvPool:
+    """A pool of `rows` episodes of the environment."""
+    return EnvPool(self.name, rows, options=self.options, backend=self.backend,
+                   step_timeout_s=self.step_timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSettings:
+  """Checkpoints and the export (config group checkpoint): every `every` steps (0: only the
+  last), the newest `keep` kept; the run ends by exporting its policy if `export_hf`, in
+  `export_format` (merged | peft) and `export_dtype`."""
+
+  every: int
+  keep: int
+  export_hf: bool
+  export_format: str
+  export_dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSettings:
+  """What a run logs beside metrics.jsonl (config group log): TensorBoard, Weights & Biases
+  (project, run name: "" for the workdir's), the console progress bar and RL trajectories."""
+
+  tensorboard: bool
+  wandb: bool
+  wandb_project: str
+  wandb_run_name: str
+  progress_bar: bool
+  trajectories: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStart:
+  """An RL run's SFT warm start (config group warm_start): `steps` SFT steps (0: none) on the
+  demonstrations in `demonstrations`, or on the environment expert's of up to `max_tasks`
+  train tasks (0: all) when that is ""."""
+
+  steps: int
+  demonstrations: str
+  max_tasks: int
+
+
+def _group(cls: type[Any], group: ml_collections.ConfigDict) -> Any:
+  """A settings dataclass whose fields are keys of the config `group`, read from it."""
+  return cls(**{field.name: group[field.name] for field in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
   """What a run derives from its config, built and validated once (`from_config`) and handed
   to the loops, which read nothing else: their plain values, the objects they run with
@@ -72,8 +177,10 @@ class Settings:
   open (policy, sampler, environment pool, checkpointer, writers).
 
   Attributes:
-    config: the validated config, for the factories below and the checkpoints' meta.
+    record: the validated config as plain data, recorded in checkpoints' meta and wandb.
     mode, seed, steps: the run's kind (rl | sft | dpo), its seed and its number of steps.
+    model, env, checkpoint, log, warm_start: the config groups of the same names
+      (`ModelSettings`, `EnvSettings`, `CheckpointSettings`, `LogSettings`, `WarmStart`).
     schedule: the ScalingInter-RL horizon schedule (the turn cap of every step).
     sampling: how rollout turns are sampled.
     evaluation: what, how and how often the run evaluates.
@@ -90,21 +197,15 @@ class Settings:
     max_context, pipeline_groups: tokens per trajectory (KV-cache slots), and the row groups
       whose environment steps overlap the other groups' decoding.
     wave_rows: the rows a process plays at once (0: all of its rows); see `wave`.
-    failed_episodes: how environment faults enter the loss (exclude | zero_reward).
     num_minibatches, ppo_epochs: an RL step's updates.
     shared_prompts: whether the learner packs each task's samples as one row (batch.py).
     skip_no_signal_updates: whether a step without learning signal skips its update
       (algorithm.skip_no_signal_updates; trainer.py).
-    checkpoint_every: steps between checkpoints (0: none but the last).
-    export_hf: whether the run ends by exporting its policy (`export_policy`).
-    export_format: checkpoint.export_format: merged (a Hugging Face directory) | peft.
-    lora: model.lora, or None when every weight is trained (rank 0).
-    log_trajectories: whether RL steps log their trajectories.
     data, dpo_beta: an offline run's conversations, and DPO's beta.
-    thinking: model.thinking: whether generation prompts leave the think block to the model.
+    max_consecutive_nonfinite, max_logprob_gap: when `check_health` stops the run.
   """
 
-  config: ml_collections.ConfigDict
+  record: dict[str, Any]
   mode: str
   seed: int
   steps: int
@@ -126,19 +227,19 @@ class Settings:
   max_context: int
   pipeline_groups: int
   wave_rows: int
-  failed_episodes: str
   num_minibatches: int
   ppo_epochs: int
   shared_prompts: bool
   skip_no_signal_updates: bool
-  checkpoint_every: int
-  export_hf: bool
-  export_format: str
-  lora: lora_lib.LoraSettings | None
-  log_trajectories: bool
   data: Data
   dpo_beta: float
-  thinking: bool
+  model: ModelSettings
+  env: EnvSettings
+  checkpoint: CheckpointSettings
+  log: LogSettings
+  warm_start: WarmStart
+  max_consecutive_nonfinite: int
+  max_logprob_gap: float
 
   @classmethod
   def of(cls, c: ml_collections.ConfigDict | Settings) -> Settings:
@@ -158,10 +259,11 @@ class Settings:
     evaluation = Evaluation(every=e.every, split=e.split, max_tasks=e.max_tasks,
                             samples_per_task=e.samples_per_task,
                             sampling=turn(temperature=e.temperature), horizon=e.horizon
-                            or schedule.max_turns)
+                            or schedule.max_turns, stages=e.stages, rows=e.rows,
+                            cache_dir=e.cache_dir)
     data = Data(path=c.data.path, min_reward=c.data.min_reward, batch_size=c.data.batch_size,
                 max_length=c.data.max_length)
-    return cls(config=c, mode=c.mode, seed=c.seed, steps=c.steps, schedule=schedule,
+    return cls(record=c.to_dict(), mode=c.mode, seed=c.seed, steps=c.steps, schedule=schedule,
                sampling=turn(temperature=r.temperature), evaluation=evaluation,
                optimizer=configured_optimizer(c), offload_optimizer=c.optim.offload_state,
                loss=_loss_config(c), rows=r.tasks_per_step * r.samples_per_task,
@@ -170,20 +272,46 @@ class Settings:
                curriculum=tuple(tuple(stage) for stage in r.curriculum), max_context=r.max_context,
                task_sampling=r.task_sampling, task_sampling_floor=r.task_sampling_floor,
                task_sampling_rate=r.task_sampling_rate, pipeline_groups=r.pipeline_groups,
-               wave_rows=r.wave_rows, failed_episodes=c.env.failed_episodes,
-               num_minibatches=c.algorithm.num_minibatches, ppo_epochs=c.algorithm.ppo_epochs,
-               shared_prompts=c.mode == "rl" and c.algorithm.shared_prompts,
-               skip_no_signal_updates=c.algorithm.skip_no_signal_updates,
-               checkpoint_every=c.checkpoint.every, export_hf=c.checkpoint.export_hf,
-               export_format=c.checkpoint.export_format, lora=_lora_settings(c),
-               log_trajectories=c.log.trajectories, data=data, dpo_beta=c.dpo.beta,
-               thinking=c.model.thinking == "on")
+               wave_rows=r.wave_rows, num_minibatches=c.algorithm.num_minibatches,
+               ppo_epochs=c.algorithm.ppo_epochs, shared_prompts=c.mode == "rl"
+               and c.algorithm.shared_prompts,
+               skip_no_signal_updates=c.algorithm.skip_no_signal_updates, data=data,
+               dpo_beta=c.dpo.beta, model=ModelSettings.from_config(c),
+               env=EnvSettings.from_config(c), checkpoint=_group(
+                   CheckpointSettings,
+                   c.checkpoint), log=_group(LogSettings, c.log), warm_start=_group(
+                       WarmStart,
+                       c.warm_start), max_consecutive_nonfinite=c.optim.max_consecutive_nonfinite,
+               max_logprob_gap=c.rollout.max_logprob_gap)
 
   def with_model(self, name: str) -> Settings:
     """These settings with the policy at `name` (model.name), e.g. a warm start's export."""
-    c = ml_collections.ConfigDict(self.config.to_dict())
-    c.model.name = name
-    return dataclasses.replace(self, config=c)
+    record = copy.deepcopy(self.record)
+    record["model"]["name"] = name
+    return dataclasses.replace(self, record=record,
+                               model=dataclasses.replace(self.model, name=name))
+
+  def warm_start_run(self, demonstrations: paths.Path) -> Settings:
+    """The settings of the run's warm start: SFT of its policy on `demonstrations` for
+    warm_start.steps steps (warm_start's batch size and constant learning rate, conversations
+    of up to rollout.max_context tokens), with the run's environment and logging, ending in a
+    merged export (RL starts from a whole model) and evaluating nothing."""
+    sft = ml_collections.ConfigDict(copy.deepcopy(self.record))
+    w = sft.warm_start
+    sft.mode = "sft"
+    sft.steps = w.steps
+    sft.warm_start.steps = 0
+    sft.data.path = str(demonstrations)
+    sft.data.batch_size = w.batch_size
+    sft.data.max_length = sft.rollout.max_context
+    sft.optim.learning_rate = w.learning_rate
+    sft.optim.schedule = "constant"
+    sft.optim.warmup_steps = 0
+    sft.checkpoint.export_hf = True
+    sft.checkpoint.export_format = "merged"
+    sft.eval.every = 0
+    sft.eval.stages = False
+    return Settings.from_config(sft)
 
   def check_layout(self, mesh: Mesh, process_count: int) -> None:
     """What the config can only be checked against once the mesh and processes are known."""
@@ -224,24 +352,24 @@ class Settings:
     """(mesh, model, tokenizer): the policy (model.name, or `model_name`) loaded sharded on
     the configured mesh. model.remat=auto is resolved for the run's update step when
     `training` (see `auto_remat`), and is none otherwise (sampling has no backward pass)."""
-    c = self.config
+    m = self.model
     sharding.initialize_distributed()
-    mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
-    dtype = hardware.matmul_dtype(c.model.dtype)
-    if c.model.dtype == "auto":
+    mesh = m.make_mesh()
+    dtype = m.matmul_dtype()
+    if m.dtype == "auto":
       logging.info("model.dtype=auto: %s, as %s", dtype, hardware.auto_dtype()[1])
-    implementation = attention.choose(c.model.attention)
+    implementation = attention.choose(m.attention)
     if implementation == "splash" and jax.default_backend() != "tpu":
       raise config_lib.ConfigError(
           f"invalid config: model.attention=splash runs a TPU kernel; the backend is "
           f"{jax.default_backend()} (use auto, flash or dense)")
-    logging.info("model.attention=%s: %s attention on %s", c.model.attention, implementation,
+    logging.info("model.attention=%s: %s attention on %s", m.attention, implementation,
                  jax.default_backend())
-    model, tokenizer = load_model(model_name or c.model.name, dtype=jnp.dtype(dtype),
-                                  param_dtype=jnp.dtype(c.model.param_dtype),
-                                  remat="none" if c.model.remat == "auto" else c.model.remat,
-                                  attention=c.model.attention, mesh=mesh)
-    if c.model.remat == "auto" and training:
+    model, tokenizer = load_model(model_name or m.name, dtype=jnp.dtype(dtype),
+                                  param_dtype=jnp.dtype(m.param_dtype),
+                                  remat="none" if m.remat == "auto" else m.remat,
+                                  attention=m.attention, mesh=mesh)
+    if m.remat == "auto" and training:
       model.remat, why = self.auto_remat(model, mesh)
       logging.info("model.remat=auto: %s, as %s", model.remat, why)
     return mesh, model, tokenizer
@@ -250,19 +378,20 @@ class Settings:
     """The loaded `model` split into what the run trains and what stays frozen (`Policy`):
     with LoRA, fresh adapters from the run's seed over the frozen model."""
     graphdef, params = nnx.split(model)
-    if self.lora is None:
-      return Policy(graphdef, params, None, graphdef, None, self.export_format)
-    adapters = lora_lib.init_adapters(model.config, self.lora, self.seed, mesh)
+    lora, export_format = self.model.lora, self.checkpoint.export_format
+    if lora is None:
+      return Policy(graphdef, params, None, graphdef, None, export_format)
+    adapters = lora_lib.init_adapters(model.config, lora, self.seed, mesh)
     lora_graphdef, adapter_params, base = lora_lib.split(lora_lib.LoraModel(model, adapters))
     merge = jax.jit(functools.partial(lora_lib.merged_params, lora_graphdef),
                     out_shardings=jax.tree.map(lambda x: x.sharding, params))
-    return Policy(lora_graphdef, adapter_params, base, graphdef, merge, self.export_format)
+    return Policy(lora_graphdef, adapter_params, base, graphdef, merge, export_format)
 
   def dropout_key(self, step: int, update: int) -> jax.Array | None:
     """The key of LoRA's dropout in optimizer update `update` of step `step` (a pure function
     of the seed, so a resumed run drops what an uninterrupted one drops); None without
     dropout."""
-    if self.lora is None or not self.lora.dropout:
+    if self.model.lora is None or not self.model.lora.dropout:
       return None
     stream = jax.random.fold_in(jax.random.key(self.seed), DROPOUT_STREAM)
     return jax.random.fold_in(jax.random.fold_in(stream, step), update)
@@ -282,13 +411,13 @@ class Settings:
     experience). A device's memory is the smallest any process reports, so every process picks
     the same policy."""
     rows, tokens = self.update_shape()
-    param_dtype = jnp.dtype(self.config.model.param_dtype)
+    param_dtype = jnp.dtype(self.model.param_dtype)
     _, params = memory.abstract_params(model.config, mesh, dtype=model.dtype,
                                        param_dtype=param_dtype)
     resident = 0
     # The reference (Policy.reference): of the whole model, or of LoRA's adapters, left out
     # here as small beside the step.
-    if (self.loss.uses_reference or self.mode == "dpo") and self.lora is None:
+    if (self.loss.uses_reference or self.mode == "dpo") and self.model.lora is None:
       resident += memory.reference_bytes(params, model.dtype)
     if self.mode == "rl":
       resident += memory.device_bytes(memory.abstract_minibatch(mesh, self.rows, tokens))
@@ -298,7 +427,7 @@ class Settings:
       source += ", the smallest of the processes'"
     step = memory.StepShape(rows, tokens, dtype=model.dtype, param_dtype=param_dtype,
                             attention=model.attention, logits_chunk=self.loss.logprob_chunk,
-                            micro_batch_rows=self.loss.micro_batch_rows, lora=self.lora)
+                            micro_batch_rows=self.loss.micro_batch_rows, lora=self.model.lora)
     peak = lambda remat: memory.plan(model.config, mesh, dataclasses.replace(step, remat=remat)
                                     ).peak_bytes
     remat, why = memory.choose_remat(peak, device_bytes, resident,
@@ -309,11 +438,11 @@ class Settings:
     """The policy's chat template with model.thinking; a template this project cannot lay out
     (or, thinking off, one without a thinking switch) is a ConfigError."""
     try:
-      return tokenizer.chat_template(thinking=self.thinking)
+      return tokenizer.chat_template(thinking=self.model.thinking == "on")
     except ValueError as error:
       raise config_lib.ConfigError(
-          f"invalid config: model.name={self.config.model.name!r}, model.thinking="
-          f"{self.config.model.thinking!r}: {error}") from None
+          f"invalid config: model.name={self.model.name!r}, model.thinking="
+          f"{self.model.thinking!r}: {error}") from None
 
   def wave(self, rows: int) -> int:
     """How many of a process's `rows` it plays at once: rollout.wave_rows, at most `rows`."""
@@ -324,7 +453,7 @@ class Settings:
     max_context slots each (every group of rows has its own state on it), the KV cache in
     rollout.cache_dtype."""
     return Sampler(model, cache_slots=self.max_context, max_batch=-(-rows // self.pipeline_groups),
-                   cache_dtype=self.config.rollout.cache_dtype or None, mesh=mesh)
+                   cache_dtype=self.model.cache_dtype or None, mesh=mesh)
 
   def player(self, sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
              sampling: rollout.TurnSampling | None = None) -> rollout.Player:
@@ -333,22 +462,16 @@ class Settings:
     return rollout.Player(sampler, params, pool, chat, sampling or self.sampling, self.max_context,
                           self.pipeline_groups)
 
-  def env_pool(self, rows: int) -> EnvPool:
-    """A pool of `rows` episodes of the configured environment."""
-    env = self.config.env
-    return EnvPool(env.name, rows, options=config_lib.env_options(self.config), backend=env.backend,
-                   step_timeout_s=env.step_timeout)
-
   def checkpointer(self, workdir: pathlib.Path) -> checkpoint.Checkpointer:
     """workdir/checkpoints, saved every checkpoint_every steps (or only at the last step),
     keeping the newest checkpoint.keep."""
-    return checkpoint.Checkpointer(workdir / "checkpoints", keep=self.config.checkpoint.keep,
-                                   save_every=self.checkpoint_every or self.steps)
+    return checkpoint.Checkpointer(workdir / "checkpoints", keep=self.checkpoint.keep,
+                                   save_every=self.checkpoint.every or self.steps)
 
   def metrics_writer(self, workdir: pathlib.Path, start_step: int) -> metrics.MetricsWriter:
-    log = self.config.log
+    log = self.log
     wandb = (dict(project=log.wandb_project, name=log.wandb_run_name or workdir.name,
-                  config=self.config.to_dict()) if log.wandb else None)
+                  config=copy.deepcopy(self.record)) if log.wandb else None)
     return metrics.MetricsWriter(workdir, tensorboard=log.tensorboard, resume_step=start_step,
                                  wandb=wandb, wandb_pages={"viewer": viewer.page})
 
@@ -356,22 +479,22 @@ class Settings:
                shown: bool = True) -> metrics.ProgressBar:
     """The console progress of the run's steps, off if log.progress_bar is or not `shown`."""
     return metrics.ProgressBar(self.steps, keys=keys, initial=initial,
-                               enabled=None if self.config.log.progress_bar and shown else False)
+                               enabled=None if self.log.progress_bar and shown else False)
 
   def meta(self, step: int, **extra: Any) -> dict[str, Any]:
     """A checkpoint's meta: the step, `extra`, the seed and the config."""
-    return {"step": step, **extra, "seed": self.seed, "config": self.config.to_dict()}
+    return {"step": step, **extra, "seed": self.seed, "config": copy.deepcopy(self.record)}
 
   # --- the end of each step, and of the run
 
   def check_health(self, fetched: dict[str, Any]) -> None:
     """Stops the run with a clear message when the numbers say it is broken."""
-    most_nonfinite = self.config.optim.max_consecutive_nonfinite
+    most_nonfinite = self.max_consecutive_nonfinite
     if fetched.get("nonfinite_steps", 0) >= most_nonfinite:
       raise FloatingPointError(
           f"{int(fetched['nonfinite_steps'])} consecutive updates had non-finite gradients; "
           f"stopping (optim.max_consecutive_nonfinite={most_nonfinite})")
-    gap, most_gap = fetched.get("logprob_gap_mean"), self.config.rollout.max_logprob_gap
+    gap, most_gap = fetched.get("logprob_gap_mean"), self.max_logprob_gap
     if gap is not None and gap > most_gap:
       raise RuntimeError(
           f"the sampler's and the learner's log-probs differ by {gap:.3g} nats per token on "
@@ -384,9 +507,9 @@ class Settings:
     a decoder as a Hugging Face directory, LoRA's adapters as a PEFT adapter directory; the
     tokenizer beside either."""
     if not paths.is_remote(workdir):
-      dtype = self.config.checkpoint.export_dtype
+      dtype = self.checkpoint.export_dtype
       if isinstance(model, lora_lib.Adapters):
-        lora_lib.save_peft(model, workdir / "export", self.config.model.name, dtype=dtype)
+        lora_lib.save_peft(model, workdir / "export", self.model.name, dtype=dtype)
       else:
         weights.save_hf(model, workdir / "export", dtype=dtype)
       tokenizer.save_pretrained(workdir / "export")

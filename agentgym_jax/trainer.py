@@ -267,7 +267,7 @@ class Actor:
                      samples_per_task=settings.samples_per_task,
                      dynamic_sampling=settings.dynamic_sampling,
                      max_rounds=settings.max_sampling_rounds,
-                     failed_episodes=settings.failed_episodes)
+                     failed_episodes=settings.env.failed_episodes)
 
   def evaluate(self, pool: Any, params: nnx.State, step: int) -> dict[str, float]:
     """The eval/* metrics of the policy of `params` after step `step`: eval.split's tasks, each
@@ -378,7 +378,7 @@ def pack_step(step_rollout: StepRollout, settings: run.Settings, shards: int) ->
   the loss, and with shared prompts the packed rows of each trajectory (to draw minibatches of
   whole tasks), else None."""
   batch = rollout.pack(step_rollout.batch, turns=settings.schedule.max_turns,
-                       failed_episodes=settings.failed_episodes,
+                       failed_episodes=settings.env.failed_episodes,
                        shared_prompts=settings.shared_prompts, packed_rows_multiple=shards)
   row_groups = None if batch.shared is None else batch.shared.rows
   trained = np.asarray(step_rollout.trained, np.float32)[:, None]
@@ -421,7 +421,7 @@ def train(c: ml_collections.ConfigDict | run.Settings,
   actor = Actor.create(settings, model, chat, policy, processes)
   hooks_ = hooks.StepHooks(settings, workdir, checkpointer, start_step, PROGRESS_KEYS,
                            trajectory_log=True, shown=processes.index == 0)
-  with settings.env_pool(actor.wave) as pool:
+  with settings.env.pool(actor.wave) as pool:
     task_orders = actor.task_orders(pool, estimates)
     for step in range(start_step, settings.steps):
       timer = run.PhaseTimer()
@@ -474,7 +474,7 @@ def train(c: ml_collections.ConfigDict | run.Settings,
                    step_rollout.batch, None
                    if experience is None else experience.advantages, batch.loss_mask))
   history = hooks_.close()
-  if settings.export_hf:
+  if settings.checkpoint.export_hf:
     exported = processes.local_copy(policy.export_params(state.params))
     if processes.index == 0:
       settings.export_policy(policy.exported(exported), tokenizer, workdir)

@@ -247,7 +247,7 @@ def test_env_options_goals_from_the_command_line_plays_the_544_agentgym_goals(tm
             "from agentgym_jax import cli, run\n"
             "from agentgym_jax.commands import train\n"
             "cli.parse_flags(sys.argv, train)\n"
-            "with run.Settings.from_config(flags.FLAGS.config).env_pool(1) as pool:\n"
+            "with run.Settings.from_config(flags.FLAGS.config).env.pool(1) as pool:\n"
             "  print(len(pool.task_ids('train')), len(pool.task_ids('test')))\n")
 
   result = subprocess.run([

@@ -138,7 +138,7 @@ def test_method_configs_and_variants_validate_and_select_their_method(name, vari
   assert settings.dynamic_sampling == (name == "dapo_textcraft")
   assert settings.loss.policy_loss == c.algorithm.policy_loss
   assert settings.loss.rollout_correction == c.algorithm.rollout_correction
-  assert (settings.lora is not None) == (name == "lora_textcraft")
+  assert (settings.model.lora is not None) == (name == "lora_textcraft")
   assert settings.loss.advantage_estimator == c.algorithm.advantage
 
 

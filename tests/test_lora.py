@@ -77,7 +77,7 @@ def _lora_config(checkpoint_dir, rank=4, **algorithm):
 
 def test_rank_zero_trains_the_whole_model(checkpoint_dir, tiny_model):
   settings = run.Settings.from_config(_lora_config(checkpoint_dir, rank=0))
-  assert settings.lora is None
+  assert settings.model.lora is None
   policy = settings.policy(tiny_model, None)
   assert policy.frozen is None and policy.graphdef == policy.decoder_graphdef
   assert policy.sampler_params(policy.params) is policy.params

@@ -15,7 +15,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 import tiny
 from agentgym_jax import config as config_lib
-from agentgym_jax import metrics, models, offline, paths, recipe
+from agentgym_jax import metrics, models, offline, paths, recipe, run
 from agentgym_jax.models import weights
 from environments import jsonl
 from environments.textcraft import TextCraftEnv
@@ -110,11 +110,12 @@ def test_demonstrations_file_in_the_bucket_is_read_for_the_warm_start(bucket):
   c = config_lib.base_config()
   c.warm_start.demonstrations = "gs://data/demos.jsonl"
   c.warm_start.steps = 2
-  source = recipe.demonstrations_file(c, paths.path("gs://runs/grpo/warm_start"))
+  settings = run.Settings.from_config(c)
+  source = recipe.demonstrations_file(settings, paths.path("gs://runs/grpo/warm_start"))
   assert str(source) == "gs://data/demos.jsonl"
   assert offline.load_records(source) == offline.load_records(str(source)) == demos
   # What the SFT run is given: the bucket path, not a local "gs:" folder.
-  assert recipe.sft_config(c, source).data.path == "gs://data/demos.jsonl"
+  assert settings.warm_start_run(source).data.path == "gs://data/demos.jsonl"
   # Faults name the bucket path.
   paths.path("gs://data/bad.jsonl").write_text(jsonl.to_line(demos[0]) + "{not json\n")
   with pytest.raises(ValueError, match=r"gs://data/bad.jsonl:2 is not valid JSON"):
@@ -127,7 +128,8 @@ def test_demonstrations_made_by_the_expert_are_kept_in_the_bucket(bucket):
   c = config_lib.base_config()
   c.env.name = "textcraft"
   c.warm_start.max_tasks = 2
-  made = recipe.demonstrations_file(c, paths.path("gs://runs/grpo/warm_start"))
+  made = recipe.demonstrations_file(run.Settings.from_config(c),
+                                    paths.path("gs://runs/grpo/warm_start"))
   assert str(made) == "gs://runs/grpo/warm_start/demos.jsonl"
   records = offline.load_records(made)
   assert [r["task_id"] for r in records] == list(TextCraftEnv().task_ids("train")[:2])

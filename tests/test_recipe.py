@@ -55,9 +55,8 @@ def test_rl_starts_from_the_warm_started_policy_and_a_stopped_warm_start_resumes
     recipe.train(c, tmp_path / "run")
   policies = []
   rl_train = trainer.train
-  monkeypatch.setattr(
-      trainer, "train",
-      lambda rl, workdir: policies.append(rl.config.model.name) or rl_train(rl, workdir))
+  monkeypatch.setattr(trainer, "train",
+                      lambda rl, workdir: policies.append(rl.model.name) or rl_train(rl, workdir))
   history = recipe.train(c, tmp_path / "run")
 
   warm = tmp_path / "run" / "warm_start"
@@ -77,13 +76,13 @@ def test_demonstrations_are_made_with_the_expert_once(tmp_path, monkeypatch):
   c.env.name = "textcraft"
   c.warm_start.steps = 1
   c.warm_start.max_tasks = 2
-  path = recipe.demonstrations_file(c, tmp_path)
+  path = recipe.demonstrations_file(run.Settings.from_config(c), tmp_path)
   records = [json.loads(line) for line in path.read_text().splitlines()]
   assert len(records) == 2 and all(
       r["success"] and r["source"] == demonstrations.ORACLE for r in records)
   monkeypatch.setattr(demonstrations, "demonstrate_tasks",
                       lambda *a, **k: pytest.fail("made twice"))
-  assert recipe.demonstrations_file(c, tmp_path) == path
+  assert recipe.demonstrations_file(run.Settings.from_config(c), tmp_path) == path
 
 
 def test_demonstrations_are_made_in_the_runs_action_format(tmp_path):
@@ -93,7 +92,8 @@ def test_demonstrations_are_made_in_the_runs_action_format(tmp_path):
   c.warm_start.steps = 1
   c.warm_start.max_tasks = 2
   records = [
-      json.loads(line) for line in recipe.demonstrations_file(c, tmp_path).read_text().splitlines()
+      json.loads(line) for line in recipe.demonstrations_file(run.Settings.from_config(c),
+                                                              tmp_path).read_text().splitlines()
   ]
   assert len(records) == 2 and all(r["source"] == demonstrations.HOPS for r in records)
   for record in records:

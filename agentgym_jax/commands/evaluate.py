@@ -35,7 +35,7 @@ def _evaluate() -> None:
 
   def start(tasks: int):
     print(
-        f"{tasks} {settings.config.env.name} tasks of the {plan.split} split, "
+        f"{tasks} {settings.env.name} tasks of the {plan.split} split, "
         f"k = {plan.samples_per_task} sample(s) each, up to {plan.horizon} turns", flush=True)
     bars.append(metrics.ProgressBar(tasks * plan.samples_per_task, unit="episode"))
     return lambda done, _: bars[0].update(done)
