@@ -176,7 +176,7 @@ def make_evaluator(settings: run.Settings, mesh: Mesh, model: Decoder, chat: Cha
   """evaluate(params, step) -> eval/* metrics: success on eval.split of env.name, played as the
   RL trainer plays it (eval.* sampling, rollout.tasks_per_step x samples_per_task episodes at a
   time). The environment pool closes with `stack`."""
-  rows, plan = settings.rows, settings.evaluation
+  rows, plan = settings.rollout.rows, settings.evaluation
   pool = stack.enter_context(settings.env.pool(rows))
   sampler = settings.sampler(model, mesh, rows)
   task_ids = plan.tasks(pool)

@@ -103,7 +103,7 @@ def evaluate_stage(settings: run.Settings, stage: str, policy: str,
   if path.exists():
     return json.loads(path.read_text())
   plan, started = settings.evaluation, time.monotonic()
-  rows = plan.rows or settings.rows
+  rows = plan.rows or settings.rollout.rows
   cached = cache_entry(settings, policy, rows)
   if cached is not None and cache_hit(cached):
     text = cached.read_text()
@@ -156,13 +156,13 @@ def evaluation_settings(settings: run.Settings, rows: int) -> dict[str, Any]:
       "code": evaluation.source_fingerprint(), "env": env.name, "env_options": env.options,
       "action_format": env.action_format, "step_timeout": env.step_timeout, "split": plan.split,
       "max_tasks": plan.max_tasks, "samples_per_task": plan.samples_per_task,
-      "horizon": plan.horizon, "sampling": dataclasses.asdict(plan.sampling
-                                                             ), "max_context": settings.max_context,
+      "horizon": plan.horizon, "sampling": dataclasses.asdict(plan.sampling),
+      "max_context": settings.rollout.max_context,
       "seed": None if plan.sampling.tokens().greedy else settings.seed,
       "thinking": model.thinking == "on", "dtype": dtype, "param_dtype": model.param_dtype,
       "cache_dtype": model.cache_dtype or dtype, "attention": implementation,
       "mesh": dict(model.make_mesh().shape), "device_kind": device.device_kind,
-      "jax": jax.__version__, "rows": rows, "pipeline_groups": settings.pipeline_groups
+      "jax": jax.__version__, "rows": rows, "pipeline_groups": settings.rollout.pipeline_groups
   }
 
 

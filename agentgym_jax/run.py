@@ -71,6 +71,46 @@ class Data:
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+  """How an RL step plays its episodes (config group rollout).
+
+  Attributes:
+    sampling: how turns are sampled.
+    tasks_per_step, samples_per_task: a step's tasks and the size of each task's group.
+    dynamic_sampling, max_sampling_rounds: whether a step keeps only groups whose rewards
+      differ, playing up to max_sampling_rounds rounds of tasks_per_step tasks (DAPO).
+    curriculum: per horizon stage, the categories of the tasks it trains on (() for all).
+    task_sampling, task_sampling_floor, task_sampling_rate: how a step draws its tasks from its
+      stage's (permutation | learnability; trainer.py).
+    max_context, pipeline_groups: tokens per trajectory (KV-cache slots), and the row groups
+      whose environment steps overlap the other groups' decoding.
+    wave_rows: the rows a process plays at once (0: all of its rows); see `wave`.
+  """
+
+  sampling: rollout.TurnSampling
+  tasks_per_step: int
+  samples_per_task: int
+  dynamic_sampling: bool
+  max_sampling_rounds: int
+  curriculum: tuple[tuple[str, ...], ...]
+  task_sampling: str
+  task_sampling_floor: float
+  task_sampling_rate: float
+  max_context: int
+  pipeline_groups: int
+  wave_rows: int
+
+  @property
+  def rows(self) -> int:
+    """Trajectories per step: tasks_per_step x samples_per_task."""
+    return self.tasks_per_step * self.samples_per_task
+
+  def wave(self, rows: int) -> int:
+    """How many of a process's `rows` it plays at once: rollout.wave_rows, at most `rows`."""
+    return min(self.wave_rows or rows, rows)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSettings:
   """The policy (config groups model and mesh, and rollout.cache_dtype): the checkpoint `name`,
   its numerics as configured (`dtype` auto is resolved by `matmul_dtype`), the learner's
@@ -182,21 +222,11 @@ class Settings:
     model, env, checkpoint, log, warm_start: the config groups of the same names
       (`ModelSettings`, `EnvSettings`, `CheckpointSettings`, `LogSettings`, `WarmStart`).
     schedule: the ScalingInter-RL horizon schedule (the turn cap of every step).
-    sampling: how rollout turns are sampled.
     evaluation: what, how and how often the run evaluates.
     optimizer: AdamW over the run's optimizer updates.
     loss: the static loss settings compiled into the update (offline modes read only the
       log-prob chunk and score the model's own distribution, temperature 1).
-    rows: trajectories per RL step (tasks_per_step x samples_per_task).
-    tasks_per_step, samples_per_task: an RL step's tasks and the size of each task's group.
-    dynamic_sampling, max_sampling_rounds: whether a step keeps only groups whose rewards
-      differ, playing up to max_sampling_rounds rounds of tasks_per_step tasks (DAPO).
-    curriculum: per horizon stage, the categories of the tasks it trains on (() for all).
-    task_sampling, task_sampling_floor, task_sampling_rate: how a step draws its tasks from its
-      stage's (permutation | learnability; trainer.py).
-    max_context, pipeline_groups: tokens per trajectory (KV-cache slots), and the row groups
-      whose environment steps overlap the other groups' decoding.
-    wave_rows: the rows a process plays at once (0: all of its rows); see `wave`.
+    rollout: how an RL step plays its episodes (`RolloutSettings`).
     num_minibatches, ppo_epochs: an RL step's updates.
     shared_prompts: whether the learner packs each task's samples as one row (batch.py).
     skip_no_signal_updates: whether a step without learning signal skips its update
@@ -210,23 +240,11 @@ class Settings:
   seed: int
   steps: int
   schedule: horizon.HorizonSchedule
-  sampling: rollout.TurnSampling
+  rollout: RolloutSettings
   evaluation: Evaluation
   optimizer: optax.GradientTransformation
   offload_optimizer: bool
   loss: learner.LossConfig
-  rows: int
-  tasks_per_step: int
-  samples_per_task: int
-  dynamic_sampling: bool
-  max_sampling_rounds: int
-  curriculum: tuple[tuple[str, ...], ...]
-  task_sampling: str
-  task_sampling_floor: float
-  task_sampling_rate: float
-  max_context: int
-  pipeline_groups: int
-  wave_rows: int
   num_minibatches: int
   ppo_epochs: int
   shared_prompts: bool
@@ -261,27 +279,25 @@ class Settings:
                             sampling=turn(temperature=e.temperature), horizon=e.horizon
                             or schedule.max_turns, stages=e.stages, rows=e.rows,
                             cache_dir=e.cache_dir)
+    rollout_settings = RolloutSettings(
+        sampling=turn(temperature=r.temperature), tasks_per_step=r.tasks_per_step,
+        samples_per_task=r.samples_per_task, dynamic_sampling=r.dynamic_sampling,
+        max_sampling_rounds=r.max_sampling_rounds,
+        curriculum=tuple(tuple(stage) for stage in r.curriculum), task_sampling=r.task_sampling,
+        task_sampling_floor=r.task_sampling_floor, task_sampling_rate=r.task_sampling_rate,
+        max_context=r.max_context, pipeline_groups=r.pipeline_groups, wave_rows=r.wave_rows)
     data = Data(path=c.data.path, min_reward=c.data.min_reward, batch_size=c.data.batch_size,
                 max_length=c.data.max_length)
     return cls(record=c.to_dict(), mode=c.mode, seed=c.seed, steps=c.steps, schedule=schedule,
-               sampling=turn(temperature=r.temperature), evaluation=evaluation,
-               optimizer=configured_optimizer(c), offload_optimizer=c.optim.offload_state,
-               loss=_loss_config(c), rows=r.tasks_per_step * r.samples_per_task,
-               tasks_per_step=r.tasks_per_step, samples_per_task=r.samples_per_task,
-               dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
-               curriculum=tuple(tuple(stage) for stage in r.curriculum), max_context=r.max_context,
-               task_sampling=r.task_sampling, task_sampling_floor=r.task_sampling_floor,
-               task_sampling_rate=r.task_sampling_rate, pipeline_groups=r.pipeline_groups,
-               wave_rows=r.wave_rows, num_minibatches=c.algorithm.num_minibatches,
-               ppo_epochs=c.algorithm.ppo_epochs, shared_prompts=c.mode == "rl"
-               and c.algorithm.shared_prompts,
+               rollout=rollout_settings, evaluation=evaluation, optimizer=configured_optimizer(c),
+               offload_optimizer=c.optim.offload_state, loss=_loss_config(c),
+               num_minibatches=c.algorithm.num_minibatches, ppo_epochs=c.algorithm.ppo_epochs,
+               shared_prompts=c.mode == "rl" and c.algorithm.shared_prompts,
                skip_no_signal_updates=c.algorithm.skip_no_signal_updates, data=data,
                dpo_beta=c.dpo.beta, model=ModelSettings.from_config(c),
-               env=EnvSettings.from_config(c), checkpoint=_group(
-                   CheckpointSettings,
-                   c.checkpoint), log=_group(LogSettings, c.log), warm_start=_group(
-                       WarmStart,
-                       c.warm_start), max_consecutive_nonfinite=c.optim.max_consecutive_nonfinite,
+               env=EnvSettings.from_config(c), checkpoint=_group(CheckpointSettings, c.checkpoint),
+               log=_group(LogSettings, c.log), warm_start=_group(WarmStart, c.warm_start),
+               max_consecutive_nonfinite=c.optim.max_consecutive_nonfinite,
                max_logprob_gap=c.rollout.max_logprob_gap)
 
   def with_model(self, name: str) -> Settings:
@@ -315,17 +331,18 @@ class Settings:
 
   def check_layout(self, mesh: Mesh, process_count: int) -> None:
     """What the config can only be checked against once the mesh and processes are known."""
-    process_rows = self.rows // process_count
-    if process_rows % self.pipeline_groups:
+    r = self.rollout
+    process_rows = r.rows // process_count
+    if process_rows % r.pipeline_groups:
       raise config_lib.ConfigError(
-          f"invalid config: rollout.pipeline_groups={self.pipeline_groups} does not divide "
+          f"invalid config: rollout.pipeline_groups={r.pipeline_groups} does not divide "
           f"the {process_rows} trajectories of each of the {process_count} processes")
-    if self.wave(process_rows) % self.pipeline_groups:
+    if r.wave(process_rows) % r.pipeline_groups:
       raise config_lib.ConfigError(
-          f"invalid config: rollout.pipeline_groups={self.pipeline_groups} does not divide "
-          f"a wave of {self.wave(process_rows)} of each process's {process_rows} trajectories")
+          f"invalid config: rollout.pipeline_groups={r.pipeline_groups} does not divide "
+          f"a wave of {r.wave(process_rows)} of each process's {process_rows} trajectories")
     batch_shards = sharding.batch_shards(mesh)
-    minibatch = self.rows // self.num_minibatches
+    minibatch = r.rows // self.num_minibatches
     if minibatch % batch_shards:
       raise config_lib.ConfigError(
           f"invalid config: a minibatch of {minibatch} trajectories (tasks_per_step x "
@@ -338,9 +355,9 @@ class Settings:
           f"{batch_shards} devices of the mesh's data x fsdp axes")
     # Packed rows are padded with empty ones to split over the devices, but micro-batches take
     # every count-th packed row (learner.split_micro_batches), which padding would unbalance.
-    if self.shared_prompts and micro and (micro // self.samples_per_task) % batch_shards:
+    if self.shared_prompts and micro and (micro // r.samples_per_task) % batch_shards:
       raise config_lib.ConfigError(
-          f"invalid config: the {micro // self.samples_per_task} tasks of a micro-batch "
+          f"invalid config: the {micro // r.samples_per_task} tasks of a micro-batch "
           f"(algorithm.micro_batch_rows / rollout.samples_per_task) do not split over the "
           f"{batch_shards} devices of the mesh's data x fsdp axes; change them or set "
           "algorithm.shared_prompts=False")
@@ -401,7 +418,7 @@ class Settings:
     to packed_length(max_context), or an offline batch of data.max_length rows (twice the rows for
     DPO, which scores both sides of each pair)."""
     if self.mode == "rl":
-      return self.rows // self.num_minibatches, packed_length(self.max_context)
+      return self.rollout.rows // self.num_minibatches, packed_length(self.rollout.max_context)
     return self.data.batch_size * (2 if self.mode == "dpo" else 1), self.data.max_length
 
   def auto_remat(self, model: Decoder, mesh: Mesh) -> tuple[str, str]:
@@ -420,7 +437,7 @@ class Settings:
     if (self.loss.uses_reference or self.mode == "dpo") and self.model.lora is None:
       resident += memory.reference_bytes(params, model.dtype)
     if self.mode == "rl":
-      resident += memory.device_bytes(memory.abstract_minibatch(mesh, self.rows, tokens))
+      resident += memory.device_bytes(memory.abstract_minibatch(mesh, self.rollout.rows, tokens))
     device_bytes, source = hardware.device_memory()
     if jax.process_count() > 1:
       device_bytes = min(multihost.all_gather_objects(device_bytes))
@@ -444,23 +461,20 @@ class Settings:
           f"invalid config: model.name={self.model.name!r}, model.thinking="
           f"{self.model.thinking!r}: {error}") from None
 
-  def wave(self, rows: int) -> int:
-    """How many of a process's `rows` it plays at once: rollout.wave_rows, at most `rows`."""
-    return min(self.wave_rows or rows, rows)
-
   def sampler(self, model: Decoder, mesh: Mesh | None, rows: int) -> Sampler:
     """The sampler for playing `rows` episodes at once: rows / pipeline_groups rows of
     max_context slots each (every group of rows has its own state on it), the KV cache in
     rollout.cache_dtype."""
-    return Sampler(model, cache_slots=self.max_context, max_batch=-(-rows // self.pipeline_groups),
+    return Sampler(model, cache_slots=self.rollout.max_context,
+                   max_batch=-(-rows // self.rollout.pipeline_groups),
                    cache_dtype=self.model.cache_dtype or None, mesh=mesh)
 
   def player(self, sampler: Sampler, params: Any, pool: EnvPool, chat: ChatTemplate,
              sampling: rollout.TurnSampling | None = None) -> rollout.Player:
     """`sampler` with `params` playing `pool`'s environment in the run's context limit and
     pipelined groups, sampling turns as the rollout does (or as `sampling` says)."""
-    return rollout.Player(sampler, params, pool, chat, sampling or self.sampling, self.max_context,
-                          self.pipeline_groups)
+    return rollout.Player(sampler, params, pool, chat, sampling or self.rollout.sampling,
+                          self.rollout.max_context, self.rollout.pipeline_groups)
 
   def checkpointer(self, workdir: pathlib.Path) -> checkpoint.Checkpointer:
     """workdir/checkpoints, saved every checkpoint_every steps (or only at the last step),

@@ -224,8 +224,8 @@ class Actor:
   @classmethod
   def create(cls, settings: run.Settings, model: Any, chat: Any, policy: run.Policy,
              processes: multihost.Processes) -> Actor:
-    rows = processes.rows(settings.rows)
-    wave = settings.wave(len(rows))
+    rows = processes.rows(settings.rollout.rows)
+    wave = settings.rollout.wave(len(rows))
     sampler = settings.sampler(model, processes.local_mesh, wave)
     return cls(settings, sampler, chat, policy, model.dtype, processes, rows, wave)
 
@@ -238,8 +238,9 @@ class Actor:
     """Each curriculum stage's task order (learnability draws when `estimates` are kept)."""
     settings = self.settings
     order = task_sampling.TaskOrder if estimates is None else functools.partial(
-        task_sampling.LearnabilityOrder, estimates=estimates, floor=settings.task_sampling_floor)
-    return task_sampling.stage_task_orders(pool, settings.curriculum, settings.seed, order)
+        task_sampling.LearnabilityOrder, estimates=estimates,
+        floor=settings.rollout.task_sampling_floor)
+    return task_sampling.stage_task_orders(pool, settings.rollout.curriculum, settings.seed, order)
 
   def play_step(self, pool: Any, params: nnx.State, draw: Callable[[int], list[int]], step: int,
                 cap: int, estimates: task_sampling.SuccessEstimates | None) -> StepRollout:
@@ -253,7 +254,7 @@ class Actor:
 
     def play(task_ids: list[int], round_index: int):
       group_of = [(task_id, group) for group, task_id in enumerate(task_ids)
-                  for _ in range(settings.samples_per_task)]
+                  for _ in range(settings.rollout.samples_per_task)]
       key = jax.random.fold_in(step_key, round_index) if round_index else step_key
       played, stats = rollout.collect_waves(player, group_of[self.rows.start:self.rows.stop],
                                             wave_rows=self.wave, horizon=cap, key=key,
@@ -263,10 +264,10 @@ class Actor:
         estimates.observe(played)
       return played, stats
 
-    return play_step(play, draw, tasks_per_step=settings.tasks_per_step,
-                     samples_per_task=settings.samples_per_task,
-                     dynamic_sampling=settings.dynamic_sampling,
-                     max_rounds=settings.max_sampling_rounds,
+    return play_step(play, draw, tasks_per_step=settings.rollout.tasks_per_step,
+                     samples_per_task=settings.rollout.samples_per_task,
+                     dynamic_sampling=settings.rollout.dynamic_sampling,
+                     max_rounds=settings.rollout.max_sampling_rounds,
                      failed_episodes=settings.env.failed_episodes)
 
   def evaluate(self, pool: Any, params: nnx.State, step: int) -> dict[str, float]:
@@ -344,7 +345,7 @@ class Learner:
     settings = self.settings
     return learner.compute_experience(self.networks, (state.params, state.value_params),
                                       self.reference, batch, loss=settings.loss,
-                                      num_groups=2 * settings.rows,
+                                      num_groups=2 * settings.rollout.rows,
                                       num_turns=settings.schedule.max_turns)
 
   def update(self, state: run.RunState, batch: Batch, row_groups: Any,
@@ -359,8 +360,8 @@ class Learner:
     rng = np.random.default_rng([settings.seed, step])
     update_metrics = []
     for update, rows in enumerate(
-        learner.minibatch_indices(settings.rows, settings.num_minibatches, settings.ppo_epochs, rng,
-                                  row_groups)):
+        learner.minibatch_indices(settings.rollout.rows, settings.num_minibatches,
+                                  settings.ppo_epochs, rng, row_groups)):
       minibatch = learner.take_batch(batch, rows, row_groups, shards)
       update_state, m = self.update_step(self.networks, update_state, minibatch,
                                          learner.take_rows(experience, rows),
@@ -409,11 +410,11 @@ def train(c: ml_collections.ConfigDict | run.Settings,
   state, start_step, meta = run.resume(checkpointer, initial)
   state.opt_state = learner_.place(state.opt_state)
   # The position in the task stream: tasks_per_step a step, more with dynamic sampling.
-  cursor = int(meta.get("task_cursor", start_step * settings.tasks_per_step))
+  cursor = int(meta.get("task_cursor", start_step * settings.rollout.tasks_per_step))
   # With learnability draws, the success estimates of the episodes played so far.
   estimates = None
-  if settings.task_sampling == "learnability":
-    estimates = task_sampling.SuccessEstimates.from_meta(settings.task_sampling_rate,
+  if settings.rollout.task_sampling == "learnability":
+    estimates = task_sampling.SuccessEstimates.from_meta(settings.rollout.task_sampling_rate,
                                                          meta.get("task_success", ()))
   # Each process plays its rows of the step on its own devices (all of them on one process).
   processes = multihost.Processes.of(mesh)
@@ -431,9 +432,9 @@ def train(c: ml_collections.ConfigDict | run.Settings,
       with timer("rollout"):
         tasks = task_orders[min(schedule.stage(step), len(task_orders) - 1)]
         step_rollout = actor.play_step(pool, state.params,
-                                       tasks.draws(step, cursor, settings.tasks_per_step), step,
-                                       cap, estimates)
-        cursor += step_rollout.rounds * settings.tasks_per_step
+                                       tasks.draws(step, cursor, settings.rollout.tasks_per_step),
+                                       step, cap, estimates)
+        cursor += step_rollout.rounds * settings.rollout.tasks_per_step
       # 2. Experience: old and reference log-probs, values, advantages.
       with timer("experience"):
         batch, row_groups = pack_step(step_rollout, settings, shards)
@@ -455,13 +456,13 @@ def train(c: ml_collections.ConfigDict | run.Settings,
       step_metrics = _step_metrics(step_rollout.played, step_rollout.stats, experience_metrics,
                                    update_metrics, state.opt_state.notfinite_count, cap,
                                    schedule.stage(step), timer)
-      if settings.dynamic_sampling:
-        step_metrics.update(step_rollout.metrics(settings.tasks_per_step))
+      if settings.rollout.dynamic_sampling:
+        step_metrics.update(step_rollout.metrics(settings.rollout.tasks_per_step))
         if step_metrics["dynamic_sampling/filled_groups"]:
           logging.warning(
               "step %d: %d of %d groups have signal after rollout.max_sampling_rounds=%d "
               "rounds; training on those only", done, step_rollout.signal_groups,
-              settings.tasks_per_step, step_rollout.rounds)
+              settings.rollout.tasks_per_step, step_rollout.rounds)
       if settings.evaluation.every and done % settings.evaluation.every == 0:
         with timer("eval"):
           step_metrics.update(actor.evaluate(pool, state.params, done))

@@ -135,7 +135,7 @@ def test_method_configs_and_variants_validate_and_select_their_method(name, vari
   assert c[block][key] == value
   assert c.env.name == "textcraft"
   settings = run.Settings.from_config(c)
-  assert settings.dynamic_sampling == (name == "dapo_textcraft")
+  assert settings.rollout.dynamic_sampling == (name == "dapo_textcraft")
   assert settings.loss.policy_loss == c.algorithm.policy_loss
   assert settings.loss.rollout_correction == c.algorithm.rollout_correction
   assert (settings.model.lora is not None) == (name == "lora_textcraft")

@@ -192,7 +192,7 @@ def test_training_in_waves_matches_all_rows_at_once(tmp_path, single_device):
   c = echo_config(str(tiny.make_checkpoint(tmp_path / "tiny")), steps=2)
   whole = trainer.train(c, tmp_path / "whole")
   c.rollout.wave_rows = 16  # 64 rows a step in 4 waves.
-  assert run.Settings.from_config(c).wave(64) == 16
+  assert run.Settings.from_config(c).rollout.wave(64) == 16
   waves = trainer.train(c, tmp_path / "waves")
   for a, b in zip(whole, waves):
     for key in ("reward", "turns", "tokens_generated", "loss", "grad_norm"):
