@@ -25,7 +25,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from agentgym_jax import evaluation, metrics
+from agentgym_jax import metrics
 from environments import jsonl
 
 OVERVIEW_FILE = "training_curves.png"
@@ -148,6 +148,10 @@ def stage_points(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, list[f
 def stage_labels(summaries: Mapping[str, Mapping[str, Any]]) -> list[str]:
   """Each stage's name and, from the second on, its paired comparison with the stage before
   (evaluation.compare): "+gained -lost, p = ..." (or no comparison without per-task records)."""
+  # Imported here, not at the top: evaluation brings the models and environments, which the
+  # HTML viewer (a user of this module's metric helpers) does not need.
+  from agentgym_jax import evaluation
+
   labels, stages = [], list(summaries.items())
   for index, (label, summary) in enumerate(stages):
     if index and "tasks" in summary and "tasks" in stages[index - 1][1]:
