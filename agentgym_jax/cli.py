@@ -12,7 +12,7 @@ them.
 --config (`define_config`) takes a packaged config's name (agentgym_jax.configs, the
 repository's configs/ directory), e.g. `--config=grpo_textcraft:local`, or a config file's
 path; --config.KEY=VALUE overrides a key, and the config's env.options take any keyword of the
-environment's adapter (checked by config.validate). --help exits 0 with the command's
+environment's adapter (checked by settings.EnvSettings). --help exits 0 with the command's
 docstring, its flags and the config's groups; --print_config prints the validated config.
 """
 
@@ -31,6 +31,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from agentgym_jax import config as config_lib
+from agentgym_jax import settings as settings_lib
 from agentgym_jax import paths
 from agentgym_jax.models import weights
 from environments import base as env_base
@@ -67,7 +68,7 @@ def config_file(value: str) -> str:
 class _ConfigParser(flags.ArgumentParser):
   """Loads --config from `config_file(...)` with ml_collections' own parser (`loader`). The
   config comes back locked but for env.options, whose keys are the adapter's own
-  (config.validate checks them against its constructor)."""
+  (settings.EnvSettings checks them against its constructor)."""
 
   def __init__(self, loader: flags.ArgumentParser):
     self._loader = loader
@@ -264,7 +265,8 @@ def run(main: Callable[[], None]) -> None:
       if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
       if "print_config" in flags.FLAGS and flags.FLAGS.print_config:
-        print(format_config(config_lib.validate(flags.FLAGS.config)))
+        settings_lib.Settings.from_config(flags.FLAGS.config)
+        print(format_config(flags.FLAGS.config))
         return
       main()
     except (config_lib.ConfigError, weights.WeightsNotFoundError, env_base.AdapterImportError,

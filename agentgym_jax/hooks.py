@@ -10,10 +10,14 @@ writers closed.
 
 from __future__ import annotations
 
+import copy
 import pathlib
 from typing import Any, Callable, Sequence
 
-from agentgym_jax import checkpoint, metrics, run
+from agentgym_jax import checkpoint, metrics
+from agentgym_jax.settings import Settings
+from agentgym_jax.state import RunState
+from agentgym_jax.tools import viewer
 
 
 class StepHooks:
@@ -31,18 +35,24 @@ class StepHooks:
     shown: whether this process shows the progress line.
   """
 
-  def __init__(self, settings: run.Settings, workdir: pathlib.Path,
+  def __init__(self, settings: Settings, workdir: pathlib.Path,
                checkpointer: checkpoint.Checkpointer, start_step: int, progress_keys: Sequence[str],
                *, trajectory_log: bool = False, shown: bool = True):
     self.settings, self.checkpointer = settings, checkpointer
-    self.metrics = settings.metrics_writer(workdir, start_step)
+    log = settings.log
+    wandb = (dict(project=log.wandb_project, name=log.wandb_run_name or workdir.name,
+                  config=copy.deepcopy(settings.record)) if log.wandb else None)
+    self.metrics = metrics.MetricsWriter(workdir, tensorboard=log.tensorboard,
+                                         resume_step=start_step, wandb=wandb,
+                                         wandb_pages={"viewer": viewer.page})
     self.trajectories = (metrics.TrajectoryWriter(workdir, resume_step=start_step)
                          if trajectory_log else None)
-    self.progress = settings.progress(tuple(progress_keys), initial=start_step, shown=shown)
+    self.progress = metrics.ProgressBar(settings.steps, keys=tuple(progress_keys),
+                                        initial=start_step,
+                                        enabled=None if log.progress_bar and shown else False)
     self.history: list[dict[str, Any]] = []
 
-  def step_end(self, step: int, step_metrics: dict[str, Any], state: run.RunState, meta: dict[str,
-                                                                                              Any],
+  def step_end(self, step: int, step_metrics: dict[str, Any], state: RunState, meta: dict[str, Any],
                trajectories: Callable[[], list[dict[str, Any]]] | None = None) -> None:
     """After step `step` (steps done): writes its metrics, checks its health, logs its
     trajectories (`trajectories()`, called only when logged), shows progress and checkpoints
@@ -50,7 +60,7 @@ class StepHooks:
     self.metrics.write(step, step_metrics)
     latest = self.metrics.latest
     self.history.append(latest)
-    self.settings.check_health(latest)
+    self.settings.health.check(latest)
     if self.trajectories is not None and self.settings.log.trajectories:
       self.trajectories.write(step, trajectories())
     self.progress.update(step, latest)

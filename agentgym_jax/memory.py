@@ -18,7 +18,7 @@ chunked log-probs, forward + backward, AdamW after clipping) on a [batch, seq] m
               logits at a time, and the fusions' working space
   peak        arguments + outputs that do not reuse a donated argument + temp
   reference   a KL loss's (or DPO's) frozen reference, resident beside the step: the
-              parameters with their matmul weights in the matmul dtype (run.Policy.reference);
+              parameters with their matmul weights in the matmul dtype (state.Policy.reference);
               + ref = peak + reference
 
 With LoRA (`--lora_rank=r`, `--lora_targets`) the step trains adapters over the frozen
@@ -116,7 +116,7 @@ class MemoryPlan:
   optimizer_bytes: int
   batch_bytes: int
   adapter_bytes: int = 0  # LoRA's trained adapters (the optimizer's moments are of these).
-  reference_bytes: int = 0  # A KL loss's or DPO's frozen reference (run.Policy.reference).
+  reference_bytes: int = 0  # A KL loss's or DPO's frozen reference (state.Policy.reference).
   temp_bytes: int | None = None
   argument_bytes: int | None = None
   output_bytes: int | None = None
@@ -147,7 +147,7 @@ def abstract_matmul_copy(params: nnx.State, dtype: Any) -> nnx.State:
 
 
 def reference_bytes(trained: nnx.State, dtype: Any, lora: bool = False) -> int:
-  """Bytes one device holds of the frozen reference (run.Policy.reference) of the `trained`
+  """Bytes one device holds of the frozen reference (state.Policy.reference) of the `trained`
   parameters: LoRA's adapters as they are, a model's with its matmul weights in `dtype`."""
   return device_bytes(trained if lora else abstract_matmul_copy(trained, dtype))
 

@@ -34,7 +34,7 @@ anew, so it is the same on resume.
 LoRA (model.lora.rank > 0) trains adapters over the frozen model as the RL loop does
 (agentgym_jax/learner.py): the checkpoints hold the adapters, DPO's reference is the initial
 adapters (the base exactly), and the update of step s drops the adapters' input with
-`Settings.dropout_key(s, 0)`.
+`state.dropout_key(settings, s, 0)`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from agentgym_jax import evaluation, hooks, learner, metrics, paths
-from agentgym_jax import offline_data, run, sharding
+from agentgym_jax import settings as settings_lib
+from agentgym_jax import state as state_lib
+from agentgym_jax import offline_data, sharding
 from agentgym_jax.batch import Batch
 from agentgym_jax.models import Decoder
 from agentgym_jax.models.tokenizer import ChatTemplate
@@ -101,7 +103,7 @@ def preference_pairs(records: Sequence[dict[str, Any]],
   ]
 
 
-def make_batches(settings: run.Settings, records: Sequence[dict[str, Any]],
+def make_batches(settings: settings_lib.Settings, records: Sequence[dict[str, Any]],
                  chat: ChatTemplate) -> offline_data.SFTBatches | offline_data.DPOBatches:
   """The run's batch source: `records` (from data.path) selected and tokenized as the module
   docstring ("Data") says."""
@@ -150,7 +152,7 @@ def conversation_tokens(batch: Batch) -> int:
 # --- the loop ------------------------------------------------------------------------------
 
 
-def make_update(settings: run.Settings, params: nnx.State, mesh: Mesh):
+def make_update(settings: settings_lib.Settings, params: nnx.State, mesh: Mesh):
   """(init, update): the jitted optimizer-state init and the jitted update step of the mode.
 
   update(networks, state, batch, dropout_key) for SFT, update(networks, state, pairs,
@@ -158,46 +160,46 @@ def make_update(settings: run.Settings, params: nnx.State, mesh: Mesh):
   metrics) with the state on `train_state_shardings` and its input buffers donated; it compiles
   once per padded batch length.
   """
-  optimizer = settings.optimizer
+  optimizer = settings.update.optimizer
   param_shardings, opt_shardings = sharding.train_state_shardings(
       params, jax.eval_shape(optimizer.init, params), mesh)
   if settings.mode == "sft":
-    step = functools.partial(learner.sft_step, optimizer=optimizer, loss=settings.loss)
+    step = functools.partial(learner.sft_step, optimizer=optimizer, loss=settings.update.loss)
   else:
-    step = functools.partial(learner.dpo_step, optimizer=optimizer, loss=settings.loss,
-                             beta=settings.dpo_beta)
+    step = functools.partial(learner.dpo_step, optimizer=optimizer, loss=settings.update.loss,
+                             beta=settings.data.dpo_beta)
   return (jax.jit(optimizer.init, out_shardings=opt_shardings),
           jax.jit(step, donate_argnums=1,
                   out_shardings=(learner.UpdateState(param_shardings, opt_shardings), None)))
 
 
-def make_evaluator(settings: run.Settings, mesh: Mesh, model: Decoder, chat: ChatTemplate,
+def make_evaluator(settings: settings_lib.Settings, mesh: Mesh, model: Decoder, chat: ChatTemplate,
                    stack: contextlib.ExitStack):
   """evaluate(params, step) -> eval/* metrics: success on eval.split of env.name, played as the
   RL trainer plays it (eval.* sampling, rollout.tasks_per_step x samples_per_task episodes at a
   time). The environment pool closes with `stack`."""
   rows, plan = settings.rollout.rows, settings.evaluation
   pool = stack.enter_context(settings.env.pool(rows))
-  sampler = settings.sampler(model, mesh, rows)
+  sampler = settings.rollout.sampler(model, mesh, rows)
   task_ids = plan.tasks(pool)
   key = jax.random.key(settings.seed)
 
   def evaluate(params: nnx.State, step: int) -> dict[str, float]:
-    summary, _ = evaluation.evaluate(settings.player(sampler, params, pool, chat,
-                                                     plan.sampling), task_ids,
-                                     samples_per_task=plan.samples_per_task, horizon=plan.horizon,
-                                     key=jax.random.fold_in(key, step), rows_per_batch=rows)
+    summary, _ = evaluation.evaluate(
+        settings.rollout.player(sampler, params, pool, chat,
+                                plan.sampling), task_ids, samples_per_task=plan.samples_per_task,
+        horizon=plan.horizon, key=jax.random.fold_in(key, step), rows_per_batch=rows)
     return evaluation.as_metrics(summary)
 
   return evaluate
 
 
-def train_offline(c: ml_collections.ConfigDict | run.Settings,
+def train_offline(c: ml_collections.ConfigDict | settings_lib.Settings,
                   workdir: str | os.PathLike[str]) -> list[dict[str, Any]]:
   """Runs (or resumes) SFT or DPO in `workdir` with config (or settings) `c`; returns the
   per-step metrics of this call."""
-  settings = run.Settings.of(c)
-  loss, mode = settings.loss, settings.mode
+  settings = settings_lib.Settings.of(c)
+  loss, mode = settings.update.loss, settings.mode
   if mode not in MODES:
     raise ValueError(f"invalid config: mode={mode!r} is not an offline mode {MODES}")
   workdir = paths.path(workdir)
@@ -205,21 +207,22 @@ def train_offline(c: ml_collections.ConfigDict | run.Settings,
   records = load_records(settings.data.path)  # Before the model: a bad path fails at once.
 
   # The policy, for DPO its frozen reference, the optimizer and the jitted update.
-  mesh, model, tokenizer = settings.load_policy(training=True)
+  mesh, model, tokenizer = state_lib.load_policy(settings, training=True)
   batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
   if settings.data.batch_size % batch_devices:
     raise ValueError(f"invalid config: data.batch_size={settings.data.batch_size} must be a "
                      f"multiple of mesh data x fsdp = {batch_devices} (the rows are split over "
                      "them)")
-  chat = settings.chat(tokenizer)
+  chat = settings.model.chat(tokenizer)
   batches = make_batches(settings, records, chat)
-  policy = settings.policy(model, mesh)
+  policy = state_lib.Policy.of(settings, model, mesh)
   networks, params = policy.networks(), policy.params
   ref_params = policy.reference(model.dtype) if mode == "dpo" else None
   init, update = make_update(settings, params, mesh)
   # Resume from the newest complete checkpoint; step k's checkpoint follows k updates.
-  checkpointer = settings.checkpointer(workdir)
-  state, start_step, meta = run.resume(checkpointer, run.RunState(params, None, init(params)))
+  checkpointer = settings.checkpoint.checkpointer(workdir, settings.steps)
+  state, start_step, meta = state_lib.resume(checkpointer,
+                                             state_lib.RunState(params, None, init(params)))
   if start_step and meta.get("data_size") != _data_size(batches):
     logging.warning(
         "resuming with %s examples where the checkpoint saw %s: the data order "
@@ -233,7 +236,7 @@ def train_offline(c: ml_collections.ConfigDict | run.Settings,
                                  (("loss", "reward_accuracy") if mode == "dpo" else
                                   ("loss",)) + ("time/update", "time/eval"))
     for step in range(start_step, settings.steps):
-      timer = run.PhaseTimer()
+      timer = state_lib.PhaseTimer()
       with timer("data"):
         if mode == "sft":
           host_batch = batches.batch(step)
@@ -247,9 +250,9 @@ def train_offline(c: ml_collections.ConfigDict | run.Settings,
               learner.reference_logprobs(networks, ref_params, batch, loss=loss)),)
       with timer("update"):
         updated, step_metrics = update(networks, learner.UpdateState(state.params, state.opt_state),
-                                       *inputs, settings.dropout_key(step, 0))
+                                       *inputs, state_lib.dropout_key(settings, step, 0))
         jax.block_until_ready(step_metrics)
-      state = run.RunState(updated.trainable, None, updated.opt_state)
+      state = state_lib.RunState(updated.trainable, None, updated.opt_state)
 
       done = step + 1
       compute_s = timer.seconds["update"] + timer.seconds.get("reference", 0.0)
@@ -264,7 +267,8 @@ def train_offline(c: ml_collections.ConfigDict | run.Settings,
           dict(mode=mode, data_size=_data_size(batches), epoch=done / batches.steps_per_epoch))
     history = step_hooks.close()
   if settings.checkpoint.export_hf:
-    settings.export_policy(policy.exported(policy.export_params(state.params)), tokenizer, workdir)
+    state_lib.export_policy(settings, policy.exported(policy.export_params(state.params)),
+                            tokenizer, workdir)
   return history
 
 

@@ -36,9 +36,11 @@ import ml_collections
 from absl import logging
 
 from agentgym_jax import config as config_lib
+from agentgym_jax import settings as settings_lib
+from agentgym_jax import state as state_lib
 from agentgym_jax import paths
 from agentgym_jax import demonstrations, evaluation, metrics, multihost, offline, rollout
-from agentgym_jax import run, sharding, trainer
+from agentgym_jax import sharding, trainer
 from agentgym_jax.models import attention
 from environments import base, jsonl
 
@@ -46,12 +48,12 @@ WARM_START_DIR = "warm_start"
 EVALUATION_DIR = "evaluation"
 
 
-def train(c: ml_collections.ConfigDict | run.Settings,
+def train(c: ml_collections.ConfigDict | settings_lib.Settings,
           workdir: str | pathlib.Path) -> list[dict[str, Any]]:
   """Runs (or resumes) the warm start, if warm_start.steps > 0, then RL, each stage's policy
   evaluated if eval.stages; returns RL's metrics. `c` is the run's config (validated once,
   here) or its settings."""
-  settings = run.Settings.of(c)
+  settings = settings_lib.Settings.of(c)
   workdir = paths.path(workdir)
   summaries = {}
 
@@ -75,7 +77,7 @@ def train(c: ml_collections.ConfigDict | run.Settings,
 
 
 def evaluate_policy(
-    settings: run.Settings, model_name: str | None, rows: int,
+    settings: settings_lib.Settings, model_name: str | None, rows: int,
     start: Callable[[int], Callable[[int, int], None]] | None = None
 ) -> tuple[dict[str, Any], list[rollout.Trajectory]]:
   """(summary, trajectories): the policy `model_name` (the config's by default) played on
@@ -83,18 +85,19 @@ def evaluate_policy(
   `start(tasks)`, if given, is called before the first episode and returns the progress
   callback, called with (episodes done, episodes) after each batch."""
   plan = settings.evaluation
-  mesh, model, tokenizer = settings.load_policy(model_name)
-  sampler = settings.sampler(model, mesh, rows)
+  mesh, model, tokenizer = state_lib.load_policy(settings, model_name)
+  sampler = settings.rollout.sampler(model, mesh, rows)
   with settings.env.pool(rows) as pool:
     task_ids = plan.tasks(pool)
-    player = settings.player(sampler, sampler.params, pool, settings.chat(tokenizer), plan.sampling)
+    player = settings.rollout.player(sampler, sampler.params, pool, settings.model.chat(tokenizer),
+                                     plan.sampling)
     return evaluation.evaluate(player, task_ids, samples_per_task=plan.samples_per_task,
                                horizon=plan.horizon, key=jax.random.key(settings.seed),
                                rows_per_batch=rows,
                                progress=start(len(task_ids)) if start else None)
 
 
-def evaluate_stage(settings: run.Settings, stage: str, policy: str,
+def evaluate_stage(settings: settings_lib.Settings, stage: str, policy: str,
                    path: pathlib.Path) -> dict[str, Any]:
   """The summary of the `stage` policy `policy` on the evaluation, kept at `path` (read, if
   there, instead of played again) and in eval.cache_dir (copied from there, if the same model
@@ -138,7 +141,7 @@ def evaluate_stage(settings: run.Settings, stage: str, policy: str,
   return summary
 
 
-def evaluation_settings(settings: run.Settings, rows: int) -> dict[str, Any]:
+def evaluation_settings(settings: settings_lib.Settings, rows: int) -> dict[str, Any]:
   """Every setting that decides what an evaluation of a policy scores, played `rows` episodes at
   a time (`evaluate_policy`): the environment, its options and action format, and its step
   timeout (a slow step ends an episode); the tasks (split, max_tasks); samples per task, turn
@@ -160,13 +163,13 @@ def evaluation_settings(settings: run.Settings, rows: int) -> dict[str, Any]:
       "max_context": settings.rollout.max_context,
       "seed": None if plan.sampling.tokens().greedy else settings.seed,
       "thinking": model.thinking == "on", "dtype": dtype, "param_dtype": model.param_dtype,
-      "cache_dtype": model.cache_dtype or dtype, "attention": implementation,
+      "cache_dtype": settings.rollout.cache_dtype or dtype, "attention": implementation,
       "mesh": dict(model.make_mesh().shape), "device_kind": device.device_kind,
       "jax": jax.__version__, "rows": rows, "pipeline_groups": settings.rollout.pipeline_groups
   }
 
 
-def cache_entry(settings: run.Settings, policy: str, rows: int) -> paths.Path | None:
+def cache_entry(settings: settings_lib.Settings, policy: str, rows: int) -> paths.Path | None:
   """Where eval.cache_dir keeps the summary of `policy` evaluated with `settings`, `rows`
   episodes at a time: <fingerprint>.json (evaluation.fingerprint); None if eval.cache_dir is
   ""."""
@@ -256,7 +259,7 @@ def paired_lines(before: str, after: str, a: dict[str, Any], b: dict[str, Any]) 
   return lines
 
 
-def warm_start(settings: run.Settings, directory: paths.Path) -> paths.Path:
+def warm_start(settings: settings_lib.Settings, directory: paths.Path) -> paths.Path:
   """SFT of the run's policy on demonstrations of its environment (`Settings.warm_start_run`);
   returns the exported policy."""
   export = directory / "export"
@@ -267,7 +270,7 @@ def warm_start(settings: run.Settings, directory: paths.Path) -> paths.Path:
   return export
 
 
-def demonstrations_file(settings: run.Settings, directory: paths.Path) -> paths.Path:
+def demonstrations_file(settings: settings_lib.Settings, directory: paths.Path) -> paths.Path:
   """warm_start.demonstrations, or the environment expert's verified demonstrations of up to
   warm_start.max_tasks train tasks, made once and kept in `directory` (either local or gs://)."""
   w, env_settings = settings.warm_start, settings.env

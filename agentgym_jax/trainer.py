@@ -40,8 +40,10 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from agentgym_jax import config as config_lib
+from agentgym_jax import settings as settings_lib
+from agentgym_jax import state as state_lib
 from agentgym_jax import evaluation, hooks, learner, paths
-from agentgym_jax import multihost, rollout, run, sharding, task_sampling
+from agentgym_jax import multihost, rollout, sharding, task_sampling
 from agentgym_jax.batch import Batch
 
 
@@ -212,21 +214,21 @@ class Actor:
     wave: rows played at once.
   """
 
-  settings: run.Settings
+  settings: settings_lib.Settings
   sampler: Any
   chat: Any
-  policy: run.Policy
+  policy: state_lib.Policy
   dtype: Any
   processes: multihost.Processes
   rows: range
   wave: int
 
   @classmethod
-  def create(cls, settings: run.Settings, model: Any, chat: Any, policy: run.Policy,
+  def create(cls, settings: settings_lib.Settings, model: Any, chat: Any, policy: state_lib.Policy,
              processes: multihost.Processes) -> Actor:
     rows = processes.rows(settings.rollout.rows)
     wave = settings.rollout.wave(len(rows))
-    sampler = settings.sampler(model, processes.local_mesh, wave)
+    sampler = settings.rollout.sampler(model, processes.local_mesh, wave)
     return cls(settings, sampler, chat, policy, model.dtype, processes, rows, wave)
 
   def sampler_params(self, params: nnx.State) -> nnx.State:
@@ -250,7 +252,7 @@ class Actor:
     settings = self.settings
     step_key = jax.random.fold_in(jax.random.key(settings.seed), step)
     # The sampler's copy of the policy, alive for the rollout.
-    player = settings.player(self.sampler, self.sampler_params(params), pool, self.chat)
+    player = settings.rollout.player(self.sampler, self.sampler_params(params), pool, self.chat)
 
     def play(task_ids: list[int], round_index: int):
       group_of = [(task_id, group) for group, task_id in enumerate(task_ids)
@@ -276,8 +278,8 @@ class Actor:
     plan = self.settings.evaluation
     eval_key = jax.random.fold_in(jax.random.key(self.settings.seed), 1 << 30)
     task_ids = plan.tasks(pool)
-    player = self.settings.player(self.sampler, self.sampler_params(params), pool, self.chat,
-                                  plan.sampling)
+    player = self.settings.rollout.player(self.sampler, self.sampler_params(params), pool,
+                                          self.chat, plan.sampling)
     key = jax.random.fold_in(eval_key, step)
     _, played = evaluation.evaluate(player, self.processes.share(task_ids),
                                     samples_per_task=plan.samples_per_task, horizon=plan.horizon,
@@ -294,7 +296,7 @@ class Learner:
   the jitted update step.
 
   Attributes:
-    policy: the trained policy (run.Policy).
+    policy: the trained policy (state.Policy).
     reference: the reference parameters of a KL loss, or None.
     networks: the policy's graph, the value head's (PPO's critic) or None, and LoRA's frozen
       base or None.
@@ -303,26 +305,27 @@ class Learner:
     settings: the run's settings (the loss, the optimizer, the minibatches).
   """
 
-  policy: run.Policy
+  policy: state_lib.Policy
   reference: nnx.State | None
   networks: learner.Networks
   opt_shardings: Any
   update_step: Callable[..., Any]
-  settings: run.Settings
+  settings: settings_lib.Settings
 
   @classmethod
-  def create(cls, settings: run.Settings, model: Any, mesh: Any) -> tuple[Learner, run.RunState]:
+  def create(cls, settings: settings_lib.Settings, model: Any,
+             mesh: Any) -> tuple[Learner, state_lib.RunState]:
     """The learner of `model` on `mesh`, and the run's initial state."""
-    loss = settings.loss
+    loss = settings.update.loss
     # What is trained: the model's parameters, or with LoRA adapters over the frozen model.
-    policy = settings.policy(model, mesh)
+    policy = state_lib.Policy.of(settings, model, mesh)
     reference = policy.reference(model.dtype) if loss.uses_reference else None
     value_graphdef = value_params = None
     if loss.uses_critic:
       value_graphdef, value_params = nnx.split(learner.ValueHead(model.config.hidden_size))
     # Committed to the mesh, as the update's outputs will be: otherwise the first step's inputs
     # differ from the next steps' and every jitted function compiles twice.
-    optimizer = settings.optimizer
+    optimizer = settings.update.optimizer
     trainable_shardings, opt_shardings = sharding.train_state_shardings(
         (policy.params, value_params), jax.eval_shape(optimizer.init,
                                                       (policy.params, value_params)), mesh)
@@ -330,27 +333,27 @@ class Learner:
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)((policy.params, value_params))
     update_step = learner.jit_update_step(learner.UpdateState(trainable_shardings, opt_shardings))
     return (cls(policy, reference, policy.networks(value_graphdef), opt_shardings, update_step,
-                settings), run.RunState(policy.params, value_params, opt_state))
+                settings), state_lib.RunState(policy.params, value_params, opt_state))
 
   def place(self, opt_state: Any, on_host: bool | None = None) -> Any:
     """The optimizer state where it waits between updates (on_host None) or where the update
     reads it (on_host False)."""
-    return run.place_optimizer_state(
+    return state_lib.place_optimizer_state(
         opt_state, self.opt_shardings,
-        on_host=self.settings.offload_optimizer if on_host is None else on_host)
+        on_host=self.settings.update.offload_optimizer if on_host is None else on_host)
 
-  def experience(self, state: run.RunState,
+  def experience(self, state: state_lib.RunState,
                  batch: Batch) -> tuple[learner.Experience, dict[str, Any]]:
     """The experience pass over `batch`: old and reference log-probs, values, advantages."""
     settings = self.settings
     return learner.compute_experience(self.networks, (state.params, state.value_params),
-                                      self.reference, batch, loss=settings.loss,
+                                      self.reference, batch, loss=settings.update.loss,
                                       num_groups=2 * settings.rollout.rows,
                                       num_turns=settings.schedule.max_turns)
 
-  def update(self, state: run.RunState, batch: Batch, row_groups: Any,
+  def update(self, state: state_lib.RunState, batch: Batch, row_groups: Any,
              experience: learner.Experience, step: int,
-             shards: int) -> tuple[run.RunState, list[dict[str, Any]]]:
+             shards: int) -> tuple[state_lib.RunState, list[dict[str, Any]]]:
     """ppo_epochs passes of num_minibatches optimizer steps; the first runs on the
     experience's parameters, so its ratio is exactly 1. Returns the state and the minibatches'
     metrics."""
@@ -360,54 +363,57 @@ class Learner:
     rng = np.random.default_rng([settings.seed, step])
     update_metrics = []
     for update, rows in enumerate(
-        learner.minibatch_indices(settings.rollout.rows, settings.num_minibatches,
-                                  settings.ppo_epochs, rng, row_groups)):
+        learner.minibatch_indices(settings.rollout.rows, settings.update.num_minibatches,
+                                  settings.update.ppo_epochs, rng, row_groups)):
       minibatch = learner.take_batch(batch, rows, row_groups, shards)
       update_state, m = self.update_step(self.networks, update_state, minibatch,
                                          learner.take_rows(experience, rows),
-                                         optimizer=settings.optimizer, loss=settings.loss,
-                                         dropout_key=settings.dropout_key(step, update),
+                                         optimizer=settings.update.optimizer,
+                                         loss=settings.update.loss,
+                                         dropout_key=state_lib.dropout_key(settings, step, update),
                                          on_policy=jnp.asarray(update == 0))
       update_metrics.append(m)
     (params, value_params), opt_state = update_state.trainable, update_state.opt_state
-    state = run.RunState(*jax.block_until_ready((params, value_params, self.place(opt_state))))
+    state = state_lib.RunState(*jax.block_until_ready((params, value_params,
+                                                       self.place(opt_state))))
     return state, update_metrics
 
 
-def pack_step(step_rollout: StepRollout, settings: run.Settings, shards: int) -> tuple[Batch, Any]:
+def pack_step(step_rollout: StepRollout, settings: settings_lib.Settings,
+              shards: int) -> tuple[Batch, Any]:
   """The step's batch on the host, its untrained rows (dynamic sampling's fillers) left out of
   the loss, and with shared prompts the packed rows of each trajectory (to draw minibatches of
   whole tasks), else None."""
   batch = rollout.pack(step_rollout.batch, turns=settings.schedule.max_turns,
                        failed_episodes=settings.env.failed_episodes,
-                       shared_prompts=settings.shared_prompts, packed_rows_multiple=shards)
+                       shared_prompts=settings.update.shared_prompts, packed_rows_multiple=shards)
   row_groups = None if batch.shared is None else batch.shared.rows
   trained = np.asarray(step_rollout.trained, np.float32)[:, None]
   return batch.replace(loss_mask=batch.loss_mask * trained), row_groups
 
 
-def train(c: ml_collections.ConfigDict | run.Settings,
+def train(c: ml_collections.ConfigDict | settings_lib.Settings,
           workdir: str | pathlib.Path) -> list[dict[str, Any]]:
   """Runs (or resumes) RL in `workdir` with config (or settings) `c`; returns the per-step
   metrics of this call."""
-  settings = run.Settings.of(c)
+  settings = settings_lib.Settings.of(c)
   if settings.mode != "rl":
     raise config_lib.ConfigError(
         f"invalid config: mode={settings.mode!r}: trainer.train runs RL (mode='rl'); SFT and "
         "DPO run with offline.train_offline, or launch/train.py for either")
   workdir = paths.path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  mesh, model, tokenizer = settings.load_policy(training=True)
-  chat = settings.chat(tokenizer)
+  mesh, model, tokenizer = state_lib.load_policy(settings, training=True)
+  chat = settings.model.chat(tokenizer)
   learner_, initial = Learner.create(settings, model, mesh)
   policy, schedule, shards = learner_.policy, settings.schedule, sharding.batch_shards(mesh)
-  skip_no_signal = settings.skip_no_signal_updates and gradient_only_through_advantages(
-      settings.loss)
+  skip_no_signal = settings.update.skip_no_signal_updates and gradient_only_through_advantages(
+      settings.update.loss)
 
   # Resume from the newest complete checkpoint, if any. Steps count completed RL steps: the
   # checkpoint, metrics row and trajectory file of step k are written after k updates.
-  checkpointer = settings.checkpointer(workdir)
-  state, start_step, meta = run.resume(checkpointer, initial)
+  checkpointer = settings.checkpoint.checkpointer(workdir, settings.steps)
+  state, start_step, meta = state_lib.resume(checkpointer, initial)
   state.opt_state = learner_.place(state.opt_state)
   # The position in the task stream: tasks_per_step a step, more with dynamic sampling.
   cursor = int(meta.get("task_cursor", start_step * settings.rollout.tasks_per_step))
@@ -425,7 +431,7 @@ def train(c: ml_collections.ConfigDict | run.Settings,
   with settings.env.pool(actor.wave) as pool:
     task_orders = actor.task_orders(pool, estimates)
     for step in range(start_step, settings.steps):
-      timer = run.PhaseTimer()
+      timer = state_lib.PhaseTimer()
       cap = schedule.cap(step)
       # 1. Rollout: B tasks x n samples, up to the current horizon cap (more rounds of B tasks
       # with dynamic sampling).
@@ -438,7 +444,7 @@ def train(c: ml_collections.ConfigDict | run.Settings,
       # 2. Experience: old and reference log-probs, values, advantages.
       with timer("experience"):
         batch, row_groups = pack_step(step_rollout, settings, shards)
-        skip = skip_no_signal and no_signal_in_rewards(batch, settings.loss)
+        skip = skip_no_signal and no_signal_in_rewards(batch, settings.update.loss)
         batch = jax.device_put(batch, sharding.batch_sharding(mesh, 1))
         experience, experience_metrics = None, {}
         if not skip:
@@ -478,14 +484,14 @@ def train(c: ml_collections.ConfigDict | run.Settings,
   if settings.checkpoint.export_hf:
     exported = processes.local_copy(policy.export_params(state.params))
     if processes.index == 0:
-      settings.export_policy(policy.exported(exported), tokenizer, workdir)
+      state_lib.export_policy(settings, policy.exported(exported), tokenizer, workdir)
   return history
 
 
 def _step_metrics(trajectories: Sequence[rollout.Trajectory], stats: rollout.RolloutStats,
                   experience_metrics: dict[str, jax.Array],
                   update_metrics: list[dict[str, jax.Array]], nonfinite_steps: jax.Array, cap: int,
-                  stage: int, timer: run.PhaseTimer) -> dict[str, Any]:
+                  stage: int, timer: state_lib.PhaseTimer) -> dict[str, Any]:
   """Host-side rollout statistics plus device metrics (fetched once by the writer): those of
   the experience pass and the update when they ran (update/skipped says whether it did), and
   the optimizer's count of consecutive non-finite updates, which a skipped step leaves as it

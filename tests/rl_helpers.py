@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from agentgym_jax import config as config_lib
+from agentgym_jax import settings as settings_lib
 from agentgym_jax import trainer
 from agentgym_jax.models import weights
 from environments import jsonl
@@ -47,9 +48,9 @@ def check_config(c, error: str | None = None):
   """Validates `c`; given `error`, checks instead that validation fails with a ConfigError that
   matches it, and returns that error."""
   if error is None:
-    return config_lib.validate(c)
+    return settings_lib.Settings.from_config(c)
   with pytest.raises(config_lib.ConfigError, match=error) as raised:
-    config_lib.validate(c)
+    settings_lib.Settings.from_config(c)
   return raised.value
 
 

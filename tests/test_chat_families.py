@@ -12,7 +12,8 @@ import pytest
 
 import tiny
 from agentgym_jax import config as config_lib
-from agentgym_jax import rollout, run, trainer
+from agentgym_jax import settings as settings_lib
+from agentgym_jax import rollout, trainer
 from agentgym_jax.models import load_model
 from agentgym_jax.models.tokenizer import Tokenizer
 from agentgym_jax.sampling import Sampler
@@ -75,9 +76,9 @@ def _echo_config(checkpoint_dir, thinking):
 def test_rollout_and_training_step_on_each_chat_family(checkpoint, chat, thinking, tmp_path,
                                                        monkeypatch):
   c = _echo_config(checkpoint(chat), thinking)
-  settings = run.Settings.from_config(c)
+  settings = settings_lib.Settings.from_config(c)
   model, tokenizer = load_model(c.model.name, dtype=jnp.float32)
-  template = settings.chat(tokenizer)
+  template = settings.model.chat(tokenizer)
   sampler = Sampler(model, cache_slots=128, max_batch=4)
   with EnvPool("echo", 4, options={"turns": 2}) as pool:
     player = rollout.Player(sampler, sampler.params, pool, template,
@@ -137,4 +138,4 @@ def test_a_chat_the_model_cannot_have_is_a_config_error(checkpoint):
   with pytest.raises(
       config_lib.ConfigError, match=r"^invalid config: model.name='.*', model.thinking='off': "
       r"thinking off needs a chat template with a thinking switch"):
-    run.Settings.from_config(c).chat(tokenizer)
+    settings_lib.Settings.from_config(c).model.chat(tokenizer)

@@ -14,6 +14,7 @@ import pytest
 
 import tiny
 from agentgym_jax import cli
+from agentgym_jax import settings as settings_lib
 from agentgym_jax import config as config_lib
 import environments
 from environments import base as env_base
@@ -244,10 +245,10 @@ def test_env_options_goals_from_the_command_line_plays_the_544_agentgym_goals(tm
   TextCraft's 544 goals (444 train, 100 test) instead of the default set's 551."""
   script = ("import sys\n"
             "from absl import flags\n"
-            "from agentgym_jax import cli, run\n"
+            "from agentgym_jax import cli, settings as settings_lib\n"
             "from agentgym_jax.commands import train\n"
             "cli.parse_flags(sys.argv, train)\n"
-            "with run.Settings.from_config(flags.FLAGS.config).env.pool(1) as pool:\n"
+            "with settings_lib.Settings.from_config(flags.FLAGS.config).env.pool(1) as pool:\n"
             "  print(len(pool.task_ids('train')), len(pool.task_ids('test')))\n")
 
   result = subprocess.run([
@@ -289,7 +290,7 @@ def test_the_help_describes_every_group_of_the_config():
 
 
 def test_env_options_are_checked_against_the_adapters_constructor(monkeypatch):
-  check = config_lib.env_options_problem
+  check = settings_lib.env_options_problem
   assert check("textcraft", {"goals": "agentgym", "max_depth": 2}, "env.options.") is None
   assert check("sciworld", {"jvm_heap_mb": 512}, "env.options.") is None
   assert check("http", {"base_url": "http://h:1", "env": "textcraft"}, "env.options.") is None

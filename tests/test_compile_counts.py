@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from jax import monitoring
 
-from agentgym_jax import metrics, rollout, run, sharding, trainer
+from agentgym_jax import metrics, rollout, sharding, trainer
+from agentgym_jax import settings as settings_lib
 from agentgym_jax.sampling import Sampler
 from rl_helpers import echo_config
 
@@ -64,7 +65,7 @@ def test_horizon_stages_compile_only_the_first_continuation_prefill(shared_promp
   batches = []
   pack = rollout.pack
   monkeypatch.setattr(rollout, "pack", lambda *a, **k: batches.append(pack(*a, **k)) or batches[-1])
-  monkeypatch.setattr(run, "Sampler", RecordedSampler)
+  monkeypatch.setattr(settings_lib, "Sampler", RecordedSampler)
   c = echo_config(checkpoint_dir, steps=5)
   c.env.options.turns = 3
   c.horizon.kind = "stepwise"

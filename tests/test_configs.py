@@ -6,6 +6,7 @@ import pathlib
 import pytest
 
 from agentgym_jax import config as config_lib
+from agentgym_jax import settings as settings_lib
 from agentgym_jax.models import MODELS
 from agentgym_jax.config import set_key
 from rl_helpers import check_config
@@ -27,7 +28,8 @@ def load(name: str):
 @pytest.mark.parametrize("name", RL_CONFIGS)
 @pytest.mark.parametrize("variant", ["", "local", "short", "long", "short,local"])
 def test_rl_config_and_variants_validate(name, variant):
-  c = config_lib.validate(load(name)(variant))
+  c = load(name)(variant)
+  settings_lib.Settings.from_config(c)
   if "local" in variant:
     assert c.model.name == "smollm2-135m-instruct"
     assert max(c.horizon.caps) == 8
@@ -75,7 +77,7 @@ def test_rollout_pipeline_and_cache_keys_are_validated(key, value, message):
   c = load("grpo_textcraft")("")
   c.rollout.pipeline_groups = 4
   c.rollout.cache_dtype = "bfloat16"
-  config_lib.validate(c)
+  settings_lib.Settings.from_config(c)
   c.rollout[key] = value
   check_config(c, message)
 
@@ -128,18 +130,16 @@ METHOD_CONFIGS = {
 @pytest.mark.parametrize("name", sorted(METHOD_CONFIGS))
 @pytest.mark.parametrize("variant", ["", "local", "short,local"])
 def test_method_configs_and_variants_validate_and_select_their_method(name, variant):
-  from agentgym_jax import run
-
-  c = config_lib.validate(load(name)(variant))
+  c = load(name)(variant)
   block, key, value = METHOD_CONFIGS[name]
   assert c[block][key] == value
   assert c.env.name == "textcraft"
-  settings = run.Settings.from_config(c)
+  settings = settings_lib.Settings.from_config(c)
   assert settings.rollout.dynamic_sampling == (name == "dapo_textcraft")
-  assert settings.loss.policy_loss == c.algorithm.policy_loss
-  assert settings.loss.rollout_correction == c.algorithm.rollout_correction
+  assert settings.update.loss.policy_loss == c.algorithm.policy_loss
+  assert settings.update.loss.rollout_correction == c.algorithm.rollout_correction
   assert (settings.model.lora is not None) == (name == "lora_textcraft")
-  assert settings.loss.advantage_estimator == c.algorithm.advantage
+  assert settings.update.loss.advantage_estimator == c.algorithm.advantage
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -157,9 +157,9 @@ def test_model_remat_and_attention_are_validated(key, value, message):
 def test_grpo_textcraft_takes_any_registry_model_in_either_action_format(name):
   c = load("grpo_textcraft")("")
   c.model.name = name
-  config_lib.validate(c)
+  settings_lib.Settings.from_config(c)
   c.env.action_format = "tool_call"
-  assert config_lib.env_options(config_lib.validate(c)) == {"action_format": "tool_call"}
+  assert settings_lib.Settings.from_config(c).env.options == {"action_format": "tool_call"}
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -174,15 +174,16 @@ def test_chat_keys_are_validated(key, value, message):
   c = load("grpo_textcraft")("")
   c.env.action_format = "tool_call"
   c.model.thinking = "off"
-  config_lib.validate(c)
+  settings_lib.Settings.from_config(c)
   set_key(c, key, value)
   check_config(c, message)
-  assert config_lib.env_options(load("grpo_textcraft")("")) == {}  # react: the options only.
+  assert settings_lib.Settings.from_config(load("grpo_textcraft")("")).env.options == {
+  }  # react: the options only.
 
 
 def test_textcraft_goal_set_variant_and_its_validation():
-  c = config_lib.validate(load("grpo_textcraft")("local,agentgym"))
-  assert config_lib.env_options(c) == {"max_depth": 2, "goals": "agentgym"}
+  c = load("grpo_textcraft")("local,agentgym")
+  assert settings_lib.Settings.from_config(c).env.options == {"max_depth": 2, "goals": "agentgym"}
   c.env.options.goals = "original"
   check_config(c, r"env.options.goals='original' is not one of \('default', 'agentgym'\)")
 
@@ -191,10 +192,23 @@ def test_gigpo_echo_variants_differ_only_in_the_advantage_estimator():
   grpo, gigpo = (load("gigpo_echo")(variant) for variant in ("grpo", "gigpo"))
   for c in (grpo, gigpo):
     c.model.name = "tiny"  # The caller's checkpoint (notebooks/gigpo_ablation.ipynb).
-    config_lib.validate(c)
+    settings_lib.Settings.from_config(c)
   assert (grpo.algorithm.advantage, gigpo.algorithm.advantage) == ("grpo", "gigpo")
   gigpo.algorithm.advantage = "grpo"
   assert gigpo.to_dict() == grpo.to_dict()
   assert grpo.env.options.turns == grpo.horizon.turns == 3
   with pytest.raises(ValueError, match="unknown variant 'ppo'"):
     load("gigpo_echo")("ppo")
+
+
+def test_the_loss_settings_carry_what_the_estimator_reads_from_the_config():
+  c = config_lib.base_config()
+  c.algorithm.grpo_std = "unbiased"
+  c.algorithm.grpo_eps = 1e-4
+  loss = settings_lib.Settings.from_config(c).update.loss
+  assert loss.advantage_options == (("eps", 1e-4), ("normalize_by_std", True), ("std", "unbiased"))
+  # The in-reward penalty's estimator is its own key, k1 by default, whatever the loss's is.
+  assert (loss.kl_estimator, loss.kl_in_reward_estimator) == ("low_var_kl", "k1")
+  c.algorithm.advantage = "gae"
+  assert settings_lib.Settings.from_config(c).update.loss.advantage_options == (("gamma", 1.0),
+                                                                                ("lam", 1.0))

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from agentgym_jax import config as config_lib
+from agentgym_jax import settings as settings_lib
 from agentgym_jax import checkpoint, metrics, rollout, task_sampling, trainer
 from environments.base import ENV_ERROR
 from rl_helpers import assert_resumed_run_matches, check_config, echo_config
@@ -114,7 +115,7 @@ def test_a_permutation_steps_rounds_read_the_task_stream_from_the_cursor():
 def test_dynamic_sampling_keys_are_validated_at_start_up():
   c = config_lib.base_config()
   c.rollout.dynamic_sampling = True
-  config_lib.validate(c)
+  settings_lib.Settings.from_config(c)
   c.rollout.max_sampling_rounds = 0
   check_config(c, r"rollout.max_sampling_rounds=0 must be >= 1")
   c.rollout.max_sampling_rounds = 2

@@ -4,7 +4,9 @@ import jax.numpy as jnp
 import pytest
 
 import tiny
-from agentgym_jax import config as config_lib, hardware, learner, run
+from agentgym_jax import config as config_lib, hardware, learner
+from agentgym_jax import state as state_lib
+from agentgym_jax import settings as settings_lib
 
 
 @pytest.mark.parametrize(
@@ -56,7 +58,7 @@ def test_a_run_with_auto_loads_its_policy_in_the_picked_dtype(tmp_path):
   c = config_lib.base_config()
   c.model.name = str(tiny.make_checkpoint(tmp_path))
   c.model.dtype = "auto"
-  _, model, _ = run.Settings.from_config(c).load_policy()
+  _, model, _ = state_lib.load_policy(settings_lib.Settings.from_config(c))
   assert jnp.dtype(model.dtype) == jnp.dtype(hardware.auto_dtype()[0])
 
 
@@ -64,7 +66,7 @@ def test_an_unknown_dtype_fails_at_start_up():
   c = config_lib.base_config()
   c.model.dtype = "fp8"
   with pytest.raises(config_lib.ConfigError, match=r"model.dtype='fp8' is not one of .*'auto'"):
-    config_lib.validate(c)
+    settings_lib.Settings.from_config(c)
 
 
 def test_cpu_devices_share_the_hosts_memory():
@@ -81,4 +83,4 @@ def test_splash_attention_off_tpu_fails_at_start_up(tmp_path):
   c.model.name = str(tiny.make_checkpoint(tmp_path))
   c.model.attention = "splash"
   with pytest.raises(config_lib.ConfigError, match="model.attention=splash runs a TPU kernel"):
-    run.Settings.from_config(c).load_policy()
+    state_lib.load_policy(settings_lib.Settings.from_config(c))

@@ -17,7 +17,9 @@ import test_models
 import test_offline
 import tiny
 import tolerances
-from agentgym_jax import checkpoint, config as config_lib, learner, offline, run
+from agentgym_jax import checkpoint, config as config_lib, learner, offline
+from agentgym_jax import settings as settings_lib
+from agentgym_jax import state as state_lib
 from agentgym_jax import sharding, trainer
 from agentgym_jax.batch import Batch
 from agentgym_jax.models import load_model, lora, weights
@@ -76,9 +78,9 @@ def _lora_config(checkpoint_dir, rank=4, **algorithm):
 
 
 def test_rank_zero_trains_the_whole_model(checkpoint_dir, tiny_model):
-  settings = run.Settings.from_config(_lora_config(checkpoint_dir, rank=0))
+  settings = settings_lib.Settings.from_config(_lora_config(checkpoint_dir, rank=0))
   assert settings.model.lora is None
-  policy = settings.policy(tiny_model, None)
+  policy = state_lib.Policy.of(settings, tiny_model, None)
   assert policy.frozen is None and policy.graphdef == policy.decoder_graphdef
   assert policy.sampler_params(policy.params) is policy.params
 
@@ -151,15 +153,15 @@ def test_update_trains_only_the_adapters_whose_state_alone_the_optimizer_holds(
   c = _lora_config(checkpoint_dir, logprob_chunk=8, kl_coef=1e-2)
   c.model.lora.dropout = 0.1
   c.optim.learning_rate = 1e-2
-  settings = run.Settings.from_config(c)
+  settings = settings_lib.Settings.from_config(c)
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-  policy = settings.policy(tiny_model, mesh)
+  policy = state_lib.Policy.of(settings, tiny_model, mesh)
   adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(policy.params))
   # 7 targets x 2 layers: q, k, v, o, gate, up, down are 64x64, 64x32, 64x32, 64x64, 64x128,
   # 64x128, 128x64 (in x out); each adapter holds r (in + out) f32 values.
   assert adapter_bytes == 4 * 2 * 4 * sum(
       i + o for i, o in [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)])
-  opt_state = settings.optimizer.init((policy.params, None))
+  opt_state = settings.update.optimizer.init((policy.params, None))
   # AdamW's two f32 moments of each adapter and a few counters: no moment of a base weight.
   opt_bytes = sum(x.nbytes for x in jax.tree.leaves(opt_state))
   assert 2 * adapter_bytes <= opt_bytes < 2 * adapter_bytes + 64
@@ -171,14 +173,14 @@ def test_update_trains_only_the_adapters_whose_state_alone_the_optimizer_holds(
   ref = jax.tree.map(jnp.copy, policy.params)
   networks = learner.Networks(policy.graphdef, frozen=policy.frozen)
   experience, metrics_ = learner.compute_experience(networks, (policy.params, None), ref, batch,
-                                                    loss=settings.loss, num_groups=4)
+                                                    loss=settings.update.loss, num_groups=4)
   # The reference is the base and the adapters start at B = 0: the KL to it is exactly 0.
   np.testing.assert_array_equal(experience.old_logprobs, experience.ref_logprobs)
   assert float(metrics_["kl_to_ref"]) == 0.0
   state, out = jax.jit(learner.update_step, static_argnames=learner.UPDATE_STATIC_ARGNAMES)(
-      networks, learner.UpdateState((jax.tree.map(jnp.copy, policy.params), None),
-                                    opt_state), batch, experience, optimizer=settings.optimizer,
-      loss=settings.loss, dropout_key=settings.dropout_key(0, 0))
+      networks, learner.UpdateState((jax.tree.map(jnp.copy, policy.params), None), opt_state),
+      batch, experience, optimizer=settings.update.optimizer, loss=settings.update.loss,
+      dropout_key=state_lib.dropout_key(settings, 0, 0))
   assert float(out["grad_norm"]) > 0
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, policy.frozen), base_before)
   moved = [
@@ -190,16 +192,17 @@ def test_update_trains_only_the_adapters_whose_state_alone_the_optimizer_holds(
 
 @pytest.mark.slow
 def test_lora_gradients_accumulate_over_micro_batches(checkpoint_dir, tiny_model):
-  settings = run.Settings.from_config(_lora_config(checkpoint_dir, logprob_chunk=8, kl_coef=0.0))
-  policy = settings.policy(tiny_model, None)
+  settings = settings_lib.Settings.from_config(
+      _lora_config(checkpoint_dir, logprob_chunk=8, kl_coef=0.0))
+  policy = state_lib.Policy.of(settings, tiny_model, None)
   adapters = _random_b(policy.params)  # Away from B = 0, where A gets no gradient.
   batch = jax.tree.map(jnp.asarray, _rollout_batch())
   networks = learner.Networks(policy.graphdef, frozen=policy.frozen)
   experience, _ = learner.compute_experience(networks, (adapters, None), None, batch,
-                                             loss=settings.loss, num_groups=4)
+                                             loss=settings.update.loss, num_groups=4)
   whole, _ = learner._gradients(  # pylint: disable=protected-access
-      (adapters, None), networks, batch, experience, settings.loss)
-  micro = dataclasses.replace(settings.loss, micro_batch_rows=2)
+      (adapters, None), networks, batch, experience, settings.update.loss)
+  micro = dataclasses.replace(settings.update.loss, micro_batch_rows=2)
   parts, _ = learner._gradients(  # pylint: disable=protected-access
       (adapters, None), networks, batch, experience, micro)
   for got, want in zip(jax.tree.leaves(parts), jax.tree.leaves(whole)):
@@ -210,15 +213,16 @@ def test_lora_gradients_accumulate_over_micro_batches(checkpoint_dir, tiny_model
 
 def test_a_lora_checkpoint_holds_and_restores_the_adapters_alone(checkpoint_dir, tiny_model,
                                                                  tmp_path):
-  settings = run.Settings.from_config(_lora_config(checkpoint_dir))
-  policy = settings.policy(tiny_model, None)
+  settings = settings_lib.Settings.from_config(_lora_config(checkpoint_dir))
+  policy = state_lib.Policy.of(settings, tiny_model, None)
   adapters = _random_b(policy.params)
-  state = run.RunState(adapters, None, settings.optimizer.init((adapters, None)))
+  state = state_lib.RunState(adapters, None, settings.update.optimizer.init((adapters, None)))
   with checkpoint.Checkpointer(tmp_path) as checkpointer:
     checkpointer.save(1, state.tree(), settings.meta(1))
-  fresh = run.RunState(policy.params, None, settings.optimizer.init((policy.params, None)))
+  fresh = state_lib.RunState(policy.params, None,
+                             settings.update.optimizer.init((policy.params, None)))
   with checkpoint.Checkpointer(tmp_path) as checkpointer:
-    restored, start, _ = run.resume(checkpointer, fresh)
+    restored, start, _ = state_lib.resume(checkpointer, fresh)
     saved = checkpoint._leaf_shapes(  # pylint: disable=protected-access
         checkpointer._manager.item_metadata(1)["state"].tree)  # pylint: disable=protected-access
   assert start == 1
@@ -390,7 +394,7 @@ def test_a_peft_directory_loads_as_its_base_with_the_adapters_merged(checkpoint_
 def test_lora_config_errors_are_one_line_at_start_up(key, value, message):
   c = config_lib.base_config()
   c.model.lora.rank = 8
-  config_lib.validate(c)
+  settings_lib.Settings.from_config(c)
   config_lib.set_key(c, key, value)
   assert "\n" not in str(rl_helpers.check_config(c, message))
 
@@ -401,6 +405,6 @@ def test_peft_export_needs_lora_and_stage_evaluations_need_a_merged_export():
   rl_helpers.check_config(
       c, r"export_format='peft' writes LoRA adapters: it needs model.lora.rank > 0")
   c.model.lora.rank = 8
-  config_lib.validate(c)
+  settings_lib.Settings.from_config(c)
   c.eval.stages = True
   rl_helpers.check_config(c, r"checkpoint.export_format='merged'")

@@ -157,7 +157,7 @@ def test_bf16_checkpoint_loads_exactly(family, tmp_path):
 @pytest.mark.parametrize("family", ["qwen2", "llama"])  # untied LM head; tied embeddings
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_matmul_copy_gives_the_same_logits_from_new_buffers(family, dtype, tmp_path):
-  """A KL or DPO reference (run.Policy.reference) stores the matmul weights in the matmul
+  """A KL or DPO reference (state.Policy.reference) stores the matmul weights in the matmul
   dtype, which every matmul casts them to anyway: the logits are equal to the last bit."""
   random_hf_model(family).save_pretrained(tmp_path)
   graphdef, params = nnx.split(_load(tmp_path, dtype=dtype))

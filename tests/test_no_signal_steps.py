@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agentgym_jax import checkpoint, learner, metrics, rl, run, trainer
+from agentgym_jax import checkpoint, learner, metrics, rl, trainer
+from agentgym_jax import state as state_lib
 from agentgym_jax.batch import Batch
 from rl_helpers import assert_same_tensors, echo_config
 
@@ -125,7 +126,7 @@ def _record_states(monkeypatch):
   """The run's state as it starts (key "start") and as each checkpoint saves it (its step), on
   the host."""
   states = {}
-  resume, save = run.resume, checkpoint.Checkpointer.save
+  resume, save = state_lib.resume, checkpoint.Checkpointer.save
 
   def recorded_resume(checkpointer, state):
     state, step, meta = resume(checkpointer, state)
@@ -136,7 +137,7 @@ def _record_states(monkeypatch):
     states[step] = jax.device_get(state)
     return save(self, step, state, meta, force)
 
-  monkeypatch.setattr(run, "resume", recorded_resume)
+  monkeypatch.setattr(state_lib, "resume", recorded_resume)
   monkeypatch.setattr(checkpoint.Checkpointer, "save", recorded_save)
   return states
 

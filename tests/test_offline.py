@@ -9,7 +9,9 @@ import pytest
 from flax import nnx
 
 from agentgym_jax import checkpoint, config as config_lib, demonstrations, learner, metrics
-from agentgym_jax import offline, offline_data, run, sharding
+from agentgym_jax import settings as settings_lib
+from agentgym_jax import state as state_lib
+from agentgym_jax import offline, offline_data, sharding
 from agentgym_jax.models import load_model
 from environments import base
 from rl_helpers import conversation, jsonl_file, launch_train
@@ -69,7 +71,9 @@ def _trained_params(c, workdir):
   """The policy parameters of the newest checkpoint in `workdir`, restored as a resume does."""
   model, _ = load_model(c.model.name)
   _, params = nnx.split(model)
-  template = run.RunState(params, None, run.configured_optimizer(c).init(params)).tree()
+  template = state_lib.RunState(
+      params, None,
+      settings_lib.Settings.from_config(c).update.optimizer.init(params)).tree()
   with checkpoint.Checkpointer(pathlib.Path(workdir) / "checkpoints") as checkpointer:
     restored, _ = checkpointer.restore(template)
   return restored["params"]
@@ -169,7 +173,7 @@ def test_update_compiles_once_per_batch_length(checkpoint_dir, tmp_path):
   model, tokenizer = load_model(checkpoint_dir, mesh=mesh)
   graphdef, params = nnx.split(model)
   c = offline_config(checkpoint_dir, tmp_path)
-  init, update = offline.make_update(run.Settings.from_config(c), params, mesh)
+  init, update = offline.make_update(settings_lib.Settings.from_config(c), params, mesh)
   state = learner.UpdateState(params, init(params))
   batches = offline_data.sft_batches(DEMOS, tokenizer.chat, c.data.batch_size, c.data.max_length)
   for step in range(3):
@@ -222,7 +226,8 @@ def test_run_workdir_data_filtered_for_sft_and_paired_for_dpo(checkpoint_dir, ti
   c.data.min_reward = 1.0
   records = offline.load_records(tmp_path)
   assert len(records) == 8
-  batches = lambda: offline.make_batches(run.Settings.from_config(c), records, tokenizer.chat)
+  batches = lambda: offline.make_batches(settings_lib.Settings.from_config(c), records, tokenizer.
+                                         chat)
   assert batches().num_examples == 4  # The successes.
   c.mode = "dpo"
   assert batches().num_pairs == 4
@@ -261,7 +266,8 @@ def test_launch_train_runs_sft_from_the_config_file(checkpoint_dir, tmp_path):
 @pytest.mark.parametrize("variant", ["", "local"])
 @pytest.mark.parametrize("name", ["sft_textcraft", "dpo_textcraft"])
 def test_offline_configs_validate(name, variant):
-  c = config_lib.validate(load(name)(variant))
+  c = load(name)(variant)
+  settings_lib.Settings.from_config(c)
   assert c.mode == name.split("_")[0] and c.env.name == "textcraft"
   if c.mode == "sft":
     assert c.data.path == "data/textcraft_train_demos.jsonl"

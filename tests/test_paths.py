@@ -15,7 +15,8 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 import tiny
 from agentgym_jax import config as config_lib
-from agentgym_jax import metrics, models, offline, paths, recipe, run
+from agentgym_jax import settings as settings_lib
+from agentgym_jax import metrics, models, offline, paths, recipe
 from agentgym_jax.models import weights
 from environments import jsonl
 from environments.textcraft import TextCraftEnv
@@ -110,7 +111,7 @@ def test_demonstrations_file_in_the_bucket_is_read_for_the_warm_start(bucket):
   c = config_lib.base_config()
   c.warm_start.demonstrations = "gs://data/demos.jsonl"
   c.warm_start.steps = 2
-  settings = run.Settings.from_config(c)
+  settings = settings_lib.Settings.from_config(c)
   source = recipe.demonstrations_file(settings, paths.path("gs://runs/grpo/warm_start"))
   assert str(source) == "gs://data/demos.jsonl"
   assert offline.load_records(source) == offline.load_records(str(source)) == demos
@@ -128,7 +129,7 @@ def test_demonstrations_made_by_the_expert_are_kept_in_the_bucket(bucket):
   c = config_lib.base_config()
   c.env.name = "textcraft"
   c.warm_start.max_tasks = 2
-  made = recipe.demonstrations_file(run.Settings.from_config(c),
+  made = recipe.demonstrations_file(settings_lib.Settings.from_config(c),
                                     paths.path("gs://runs/grpo/warm_start"))
   assert str(made) == "gs://runs/grpo/warm_start/demos.jsonl"
   records = offline.load_records(made)

@@ -12,7 +12,8 @@ import pytest
 import faulty_env
 import tiny
 import tolerances
-from agentgym_jax import config as config_lib, rollout, run, trainer
+from agentgym_jax import config as config_lib, rollout, trainer
+from agentgym_jax import settings as settings_lib
 from agentgym_jax.models import load_model
 from agentgym_jax.sampling import Sampler
 from environments.pool import EnvPool
@@ -159,12 +160,12 @@ def test_the_configured_sampler_has_a_group_of_rows_and_the_cache_dtype(policy):
   c.rollout.max_new_tokens = 32
   c.rollout.pipeline_groups = 2
   c.rollout.cache_dtype = "bfloat16"
-  sampler = run.Settings.from_config(c).sampler(model, None, 16)
+  sampler = settings_lib.Settings.from_config(c).rollout.sampler(model, None, 16)
   assert (sampler.max_batch, sampler.cache_slots) == (8, 96)
   # The cache holds 16-bit values as raw bits: half the bytes of the f32 model's default.
   assert sampler.cache_dtype == jnp.bfloat16 and sampler.empty().cache.k[0].dtype.itemsize == 2
   c.rollout.cache_dtype = ""
-  default = run.Settings.from_config(c).sampler(model, None, 16)
+  default = settings_lib.Settings.from_config(c).rollout.sampler(model, None, 16)
   assert default.cache_dtype == jnp.float32 and default.empty().cache.k[0].dtype.itemsize == 4
 
 
@@ -192,7 +193,7 @@ def test_training_in_waves_matches_all_rows_at_once(tmp_path, single_device):
   c = echo_config(str(tiny.make_checkpoint(tmp_path / "tiny")), steps=2)
   whole = trainer.train(c, tmp_path / "whole")
   c.rollout.wave_rows = 16  # 64 rows a step in 4 waves.
-  assert run.Settings.from_config(c).rollout.wave(64) == 16
+  assert settings_lib.Settings.from_config(c).rollout.wave(64) == 16
   waves = trainer.train(c, tmp_path / "waves")
   for a, b in zip(whole, waves):
     for key in ("reward", "turns", "tokens_generated", "loss", "grad_norm"):

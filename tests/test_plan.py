@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 from agentgym_jax import sharding
+from agentgym_jax import settings as settings_lib
+from agentgym_jax import state as state_lib
 from agentgym_jax import memory as plan  # The memory planner.
 from agentgym_jax.models.config import ModelConfig
 
@@ -176,7 +178,7 @@ def test_a_training_run_resolves_remat_auto_from_its_compiled_update_step(
   import re
 
   import tiny
-  from agentgym_jax import config as config_lib, hardware, run
+  from agentgym_jax import config as config_lib, hardware
 
   c = config_lib.base_config()
   c.model.name = str(tiny.make_checkpoint(tmp_path))
@@ -184,25 +186,25 @@ def test_a_training_run_resolves_remat_auto_from_its_compiled_update_step(
   c.rollout.tasks_per_step, c.rollout.samples_per_task = 4, 4
   c.rollout.max_new_tokens, c.rollout.max_context = 32, 256
   c.algorithm.num_minibatches = 2  # Update steps of 8 rows x 256 tokens.
-  settings = run.Settings.from_config(c)
-  assert settings.update_shape() == (8, 256)
+  settings = settings_lib.Settings.from_config(c)
+  assert state_lib.update_shape(settings) == (8, 256)
   monkeypatch.setattr(hardware, "device_memory", lambda: (1 << 40, "a test budget"))
   # On XLA:CPU the only policy tried is full, the fastest there.
   with caplog.at_level(logging.INFO):
-    mesh, model, _ = settings.load_policy(training=True)
+    mesh, model, _ = state_lib.load_policy(settings, training=True)
   assert model.remat == "full"
   assert re.search(
       r"model.remat=auto: full, as a 8 x 256 update step: full needs [\d.]+ MiB "
       r"per device, within 90% of 1024.00 GiB \(a test budget\)", caplog.text)
   # Sampling-only loads (evaluation) never compile an update step.
-  assert settings.load_policy()[1].remat == "none"
+  assert state_lib.load_policy(settings)[1].remat == "none"
   # An accelerator's order, none first.
   monkeypatch.setitem(plan.REMAT_PREFERENCE, "cpu", plan.ACCELERATOR_REMAT)
-  assert settings.auto_remat(model, mesh)[0] == "none"
+  assert state_lib.auto_remat(settings, model, mesh)[0] == "none"
   # A device too small for any policy: full, the smallest; the compiled steps' needs shrink
   # as the backward pass recomputes more.
   monkeypatch.setattr(hardware, "device_memory", lambda: (1, "one byte"))
-  remat, why = settings.auto_remat(model, mesh)
+  remat, why = state_lib.auto_remat(settings, model, mesh)
   needs = [float(n) for n in re.findall(r"(?:none|dots|full) needs ([\d.]+) MiB", why)]
   assert remat == "full" and "none fits" in why and len(needs) == 3
   assert needs[0] > needs[1] > needs[2], why

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from agentgym_jax import config as config_lib
+from agentgym_jax import settings as settings_lib
 from agentgym_jax.rl import losses
 from rl_helpers import check_config
 from test_losses import _ADVANTAGES, _MASK, _NEW, _OLD, _ONES, _PER_TOKEN
@@ -179,24 +180,23 @@ def test_policy_loss_registry_names_each_loss_and_its_config_keys():
 def test_policy_loss_keys_are_validated_at_start_up(key, value, message):
   c = config_lib.base_config()
   c.algorithm.policy_loss = "gspo"
-  config_lib.validate(c)
+  settings_lib.Settings.from_config(c)
   c.algorithm[key] = value
   check_config(c, message)
 
 
 def test_loss_settings_take_the_chosen_loss_clip_range_and_divisor():
-  from agentgym_jax import run
 
   c = config_lib.base_config()
-  loss = run._loss_config(c)
+  loss = settings_lib.Settings.from_config(c).update.loss
   assert (loss.policy_loss, loss.clip_eps_low, loss.loss_scale_tokens) == ("ppo", 0.2, None)
   c.algorithm.policy_loss = "gspo"
   c.algorithm.aggregation = "seq-mean-token-sum-norm"
-  loss = run._loss_config(config_lib.validate(c))
+  loss = settings_lib.Settings.from_config(c).update.loss
   assert (loss.clip_eps_low, loss.clip_eps_high) == (3e-4, 4e-4)
   # 512 new tokens a turn x the largest cap of the stepwise schedule (10, 20, 30): 15360.
   assert loss.loss_scale_tokens == 512 * 30
   c.algorithm.loss_scale_tokens = 4096
   c.algorithm.policy_loss = "cispo"
-  loss = run._loss_config(config_lib.validate(c))
+  loss = settings_lib.Settings.from_config(c).update.loss
   assert (loss.clip_eps_low, loss.clip_eps_high, loss.loss_scale_tokens) == (1.0, 5.0, 4096.0)

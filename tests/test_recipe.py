@@ -8,7 +8,9 @@ import shutil
 import pytest
 
 from agentgym_jax import config as config_lib
-from agentgym_jax import demonstrations, evaluation, metrics, recipe, rollout, run, trainer
+from agentgym_jax import state as state_lib
+from agentgym_jax import settings as settings_lib
+from agentgym_jax import demonstrations, evaluation, metrics, recipe, rollout, trainer
 from agentgym_jax.config import set_key
 from rl_helpers import check_config, conversation, jsonl_file
 
@@ -42,7 +44,7 @@ def test_rl_starts_from_the_warm_started_policy_and_a_stopped_warm_start_resumes
     checkpoint_dir, tmp_path, monkeypatch):
   c = config(checkpoint_dir, tmp_path)
   # Stop the first attempt after the SFT's last checkpoint, before its export.
-  export, stops = run.Settings.export_policy, []
+  export, stops = state_lib.export_policy, []
 
   def stop_once(*args):
     if not stops:
@@ -50,7 +52,7 @@ def test_rl_starts_from_the_warm_started_policy_and_a_stopped_warm_start_resumes
       raise KeyboardInterrupt
     export(*args)
 
-  monkeypatch.setattr(run.Settings, "export_policy", stop_once)
+  monkeypatch.setattr(state_lib, "export_policy", stop_once)
   with pytest.raises(KeyboardInterrupt):
     recipe.train(c, tmp_path / "run")
   policies = []
@@ -68,7 +70,7 @@ def test_rl_starts_from_the_warm_started_policy_and_a_stopped_warm_start_resumes
   # Started again once finished, the warm start is not run a second time.
   monkeypatch.setattr(recipe.offline, "train_offline",
                       lambda *args: pytest.fail("the warm start ran twice"))
-  assert recipe.warm_start(run.Settings.from_config(c), warm) == warm / "export"
+  assert recipe.warm_start(settings_lib.Settings.from_config(c), warm) == warm / "export"
 
 
 def test_demonstrations_are_made_with_the_expert_once(tmp_path, monkeypatch):
@@ -76,13 +78,13 @@ def test_demonstrations_are_made_with_the_expert_once(tmp_path, monkeypatch):
   c.env.name = "textcraft"
   c.warm_start.steps = 1
   c.warm_start.max_tasks = 2
-  path = recipe.demonstrations_file(run.Settings.from_config(c), tmp_path)
+  path = recipe.demonstrations_file(settings_lib.Settings.from_config(c), tmp_path)
   records = [json.loads(line) for line in path.read_text().splitlines()]
   assert len(records) == 2 and all(
       r["success"] and r["source"] == demonstrations.ORACLE for r in records)
   monkeypatch.setattr(demonstrations, "demonstrate_tasks",
                       lambda *a, **k: pytest.fail("made twice"))
-  assert recipe.demonstrations_file(run.Settings.from_config(c), tmp_path) == path
+  assert recipe.demonstrations_file(settings_lib.Settings.from_config(c), tmp_path) == path
 
 
 def test_demonstrations_are_made_in_the_runs_action_format(tmp_path):
@@ -92,7 +94,7 @@ def test_demonstrations_are_made_in_the_runs_action_format(tmp_path):
   c.warm_start.steps = 1
   c.warm_start.max_tasks = 2
   records = [
-      json.loads(line) for line in recipe.demonstrations_file(run.Settings.from_config(c),
+      json.loads(line) for line in recipe.demonstrations_file(settings_lib.Settings.from_config(c),
                                                               tmp_path).read_text().splitlines()
   ]
   assert len(records) == 2 and all(r["source"] == demonstrations.HOPS for r in records)
@@ -133,8 +135,8 @@ def test_each_stage_is_evaluated_once_and_tabled(checkpoint_dir, tmp_path, monke
     task_ids = [t["task_id"] for t in s["tasks"]]
     assert task_ids == sorted(task_ids) and all(len(t["success"]) == 1 for t in s["tasks"])
   # The RL stage is the exported policy, played as launch/evaluate.py plays it.
-  direct, _ = recipe.evaluate_policy(run.Settings.from_config(c), str(tmp_path / "run" / "export"),
-                                     4)
+  direct, _ = recipe.evaluate_policy(settings_lib.Settings.from_config(c),
+                                     str(tmp_path / "run" / "export"), 4)
   assert direct == summaries["RL"]
   table = (evaluated / "table.txt").read_text()
   assert table.strip() == recipe.stage_table(summaries)
@@ -242,7 +244,7 @@ def plays(monkeypatch):
 
 
 def evaluate(c, policy, workdir):
-  return recipe.evaluate_stage(run.Settings.from_config(c), "initial", str(policy),
+  return recipe.evaluate_stage(settings_lib.Settings.from_config(c), "initial", str(policy),
                                workdir / "evaluation" / "initial.json")
 
 

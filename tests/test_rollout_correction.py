@@ -13,6 +13,7 @@ from flax import nnx
 import tiny
 import tolerances
 from agentgym_jax import config as config_lib
+from agentgym_jax import settings as settings_lib
 from agentgym_jax import learner, rl, rollout
 from agentgym_jax.models import load_model
 from agentgym_jax.sampling import Sampler
@@ -262,7 +263,7 @@ def test_the_update_trains_only_kept_trajectories_with_their_weights(played):
 def test_rollout_correction_keys_are_validated_at_start_up():
   c = config_lib.base_config()
   c.algorithm.rollout_correction = "token_tis"
-  config_lib.validate(c)
+  settings_lib.Settings.from_config(c)
   c.algorithm.rollout_correction = "tis"
   check_config(c, r"algorithm.rollout_correction='tis' is not one of \['none', ")
   c.algorithm.rollout_correction = "sequence_mask"

@@ -22,6 +22,7 @@ import pytest
 from flax import nnx
 
 from agentgym_jax import config as config_lib, learner, rollout
+from agentgym_jax import settings as settings_lib
 from agentgym_jax.batch import Batch, share_prompts
 from agentgym_jax.models import attention
 from agentgym_jax.models.config import ModelConfig
@@ -373,4 +374,4 @@ def test_layouts_that_split_a_task_fail_at_start_up(changes, message):
   c.algorithm.update(changes)
   check_config(c, message)
   c.algorithm.shared_prompts = False  # Row by row, each of these splits is fine.
-  config_lib.validate(c)
+  settings_lib.Settings.from_config(c)

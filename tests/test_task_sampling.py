@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from agentgym_jax import checkpoint, config as config_lib, metrics, rollout, task_sampling, trainer
+from agentgym_jax import settings as settings_lib
 from environments.base import ENV_ERROR
 from env_helpers import CategorisedTasks
 from rl_helpers import assert_resumed_run_matches, check_config, echo_config
@@ -123,7 +124,7 @@ def test_each_curriculum_stage_draws_by_learnability_from_its_categories():
 def test_task_sampling_keys_are_validated_at_start_up(key, value, message):
   c = config_lib.base_config()
   c.rollout.task_sampling = "learnability"
-  config_lib.validate(c)
+  settings_lib.Settings.from_config(c)
   c.rollout[key] = value
   check_config(c, message)
 

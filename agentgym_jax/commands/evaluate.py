@@ -13,7 +13,8 @@ evaluation is played.
 
 from absl import app, flags
 
-from agentgym_jax import cli, evaluation, metrics, paths, recipe, run
+from agentgym_jax import cli, evaluation, metrics, paths, recipe
+from agentgym_jax import settings as settings_lib
 
 _CONFIG = cli.define_config()
 _MODEL = flags.DEFINE_string("model", None, "Registry name or HF directory; default: config's.")
@@ -26,7 +27,7 @@ _ROWS = flags.DEFINE_integer("rows", 32, "Episodes played at once.")
 def _evaluate() -> None:
   if _ROWS.value < 1:
     raise app.UsageError(f"--rows={_ROWS.value} must be > 0")
-  settings = run.Settings.from_config(_CONFIG.value)
+  settings = settings_lib.Settings.from_config(_CONFIG.value)
   if _OUT.value:
     cli.check_output_file(_OUT.value, f"--out={_OUT.value}")
   if _TRAJECTORIES.value:

@@ -21,7 +21,7 @@ from absl import app, flags
 
 import environments
 from agentgym_jax import cli
-from agentgym_jax import config as config_lib
+from agentgym_jax import settings as settings_lib
 from environments.http import AgentGymServer
 
 _ENV = flags.DEFINE_string("env", None, "Registered environment name, e.g. textcraft.",
@@ -59,7 +59,7 @@ def _serve() -> None:
   cli.check_env_name(_ENV.value)
   options = parse_options(_OPTIONS.value)
   try:
-    problem = config_lib.env_options_problem(_ENV.value, options, "--option=")
+    problem = settings_lib.env_options_problem(_ENV.value, options, "--option=")
     if not problem:
       environments.make(_ENV.value, **options).close()
   except Exception as error:  # pylint: disable=broad-except

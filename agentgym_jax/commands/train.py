@@ -25,7 +25,8 @@ import os
 import jax
 from absl import app, flags
 
-from agentgym_jax import cli, offline, recipe, run, sharding
+from agentgym_jax import cli, offline, recipe, sharding
+from agentgym_jax import settings as settings_lib
 
 _CONFIG = cli.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Checkpoints, metrics, trajectories.")
@@ -65,7 +66,7 @@ def _train() -> None:
   _check_processes()
   # Before the settings, whose defaults ask JAX for its backend.
   sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  settings = run.Settings.from_config(_CONFIG.value)
+  settings = settings_lib.Settings.from_config(_CONFIG.value)
   if settings.mode != "rl" and jax.process_count() > 1:
     raise app.UsageError(f"mode={settings.mode} runs on one process; only RL is multi-process")
   if settings.mode != "rl":

@@ -1,12 +1,12 @@
-"""What both training loops share: the state's shardings and placement, the loss settings."""
+"""What a training loop holds: the optimizer state's shardings and placement."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from agentgym_jax import config as config_lib
-from agentgym_jax import learner, run, sharding
+from agentgym_jax import state as state_lib
+from agentgym_jax import learner, sharding
 
 
 def test_optimizer_moments_shard_like_their_arrays_and_counters_replicate():
@@ -31,22 +31,10 @@ def test_optimizer_moments_shard_like_their_arrays_and_counters_replicate():
   assert counters and all(leaf.sharding.spec == P() for leaf in counters)
 
   # optim.offload_state: between updates each device's shard waits in its host memory.
-  offloaded = run.place_optimizer_state(opt_state, opt_shardings, on_host=True)
-  back = run.place_optimizer_state(offloaded, opt_shardings, on_host=False)
+  offloaded = state_lib.place_optimizer_state(opt_state, opt_shardings, on_host=True)
+  back = state_lib.place_optimizer_state(offloaded, opt_shardings, on_host=False)
   for stored, original, returned in zip(*map(jax.tree.leaves, (offloaded, opt_state, back))):
     assert stored.sharding.memory_kind == "pinned_host"
     assert stored.sharding.spec == original.sharding.spec
     assert returned.sharding == original.sharding
     np.testing.assert_array_equal(np.asarray(returned), np.asarray(original))
-
-
-def test_the_loss_settings_carry_what_the_estimator_reads_from_the_config():
-  c = config_lib.base_config()
-  c.algorithm.grpo_std = "unbiased"
-  c.algorithm.grpo_eps = 1e-4
-  loss = run.Settings.from_config(c).loss
-  assert loss.advantage_options == (("eps", 1e-4), ("normalize_by_std", True), ("std", "unbiased"))
-  # The in-reward penalty's estimator is its own key, k1 by default, whatever the loss's is.
-  assert (loss.kl_estimator, loss.kl_in_reward_estimator) == ("low_var_kl", "k1")
-  c.algorithm.advantage = "gae"
-  assert run.Settings.from_config(c).loss.advantage_options == (("gamma", 1.0), ("lam", 1.0))
