@@ -201,7 +201,7 @@ class Blocker:
 sys.meta_path.insert(0, Blocker())
 import agentgym_jax, agentgym_jax.configs, environments
 from absl import flags
-from agentgym_jax import config
+from agentgym_jax import settings
 
 failed = {}
 for package in (agentgym_jax, agentgym_jax.configs, environments):
@@ -213,7 +213,7 @@ for package in (agentgym_jax, agentgym_jax.configs, environments):
     except flags.Error:  # The commands define the same flags (--config, ...), after importing.
       pass
 from agentgym_jax.configs import grpo_textcraft
-config.validate(grpo_textcraft.get_config("local"))
+settings.Settings.from_config(grpo_textcraft.get_config("local"))
 observations = {}
 for name in ("textcraft", "echo"):
   env = environments.make(name)
