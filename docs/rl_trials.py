@@ -3,7 +3,9 @@ config overrides, held-out success of the warm start and of the RL policy (depth
 all), the goals gained and lost, the exact paired sign test's p-value, and its wall time; then,
 from the trajectory logs, each step's replies without an Action line (a turn the environment
 cannot execute), over the step's replies, and those of the held-out transcripts when a trial
-has them (NAME/transcripts/STAGE: `launch/evaluate.py --trajectories`).
+has them (NAME/transcripts/STAGE: `launch/evaluate.py --trajectories`); and what the training
+episodes gave GRPO to learn from: per goal category, the episodes solved of those played, and
+the groups (a task's samples in a step) whose rewards differ, the only ones with a signal.
 
   python docs/rl_trials.py runs/trials
 """
@@ -55,6 +57,25 @@ def format_row(trial: pathlib.Path) -> str | None:
   return f"| {trial.name} | {' '.join(actionless([path]) for path in steps)} | {held_out or '-'} |"
 
 
+def signal_row(trial: pathlib.Path) -> str | None:
+  """"| trial | depth 1 solved/played | depth 2 solved/played | groups with signal/groups |"
+  from the trial's training trajectory logs."""
+  steps = sorted((trial / "trajectories").glob("step_*.jsonl"))
+  if not steps:
+    return None
+  solved, played, groups = {}, {}, {}
+  for path in steps:
+    for line in path.read_text().splitlines():
+      episode = json.loads(line)
+      category = episode.get("category", "-")
+      played[category] = played.get(category, 0) + 1
+      solved[category] = solved.get(category, 0) + bool(episode["success"])
+      groups.setdefault((episode["step"], episode["group"]), set()).add(episode["reward"])
+  cells = [f"{solved.get(c, 0)}/{played.get(c, 0)}" for c in ("depth1", "depth2")]
+  with_signal = sum(len(rewards) > 1 for rewards in groups.values())
+  return f"| {trial.name} | {' | '.join(cells)} | {with_signal}/{len(groups)} |"
+
+
 def main(root: str) -> None:
   print("| trial | overrides | warm start: depth 1 / 2 / all % | RL: depth 1 / 2 / all % | "
         "goals | p | minutes |")
@@ -67,6 +88,12 @@ def main(root: str) -> None:
   print("|---|---|---|")
   for trial in sorted(pathlib.Path(root).iterdir()):
     line = format_row(trial) if trial.is_dir() else None
+    if line:
+      print(line)
+  print("\n| trial | training episodes solved, depth 1 | depth 2 | groups with signal |")
+  print("|---|---:|---:|---:|")
+  for trial in sorted(pathlib.Path(root).iterdir()):
+    line = signal_row(trial) if trial.is_dir() else None
     if line:
       print(line)
 

@@ -37,3 +37,27 @@ def test_replies_without_an_action_are_counted_per_step_and_per_transcript(tmp_p
        [[silent, acting]])
   assert trials.format_row(trial) == "| fixed8 | 0/3 3/4 | rl_depth1 1/2 |"
   assert trials.format_row(tmp_path / "no_logs") is None
+
+
+def test_training_episodes_are_counted_per_category_and_groups_with_signal(tmp_path):
+  trials = _load()
+  trial = tmp_path / "staged"
+  (trial / "trajectories").mkdir(parents=True)
+
+  def episode(step, group, category, reward):
+    return json.dumps({
+        "step": step, "group": group, "category": category, "reward": reward, "success": reward > 0,
+        "messages": []
+    })
+
+  # Step 1: group 0 mixed (signal), group 1 all failed; step 2: one depth-2 group, all failed.
+  (trial / "trajectories" / "step_000001.jsonl").write_text("\n".join([
+      episode(1, 0, "depth1", 1.0),
+      episode(1, 0, "depth1", 0.0),
+      episode(1, 1, "depth1", 0.0),
+      episode(1, 1, "depth1", 0.0)
+  ]) + "\n")
+  (trial / "trajectories" / "step_000002.jsonl").write_text("\n".join(
+      [episode(2, 0, "depth2", 0.0), episode(2, 0, "depth2", 0.0)]) + "\n")
+  assert trials.signal_row(trial) == "| staged | 1/4 | 0/2 | 1/3 |"
+  assert trials.signal_row(tmp_path / "no_logs") is None
