@@ -232,7 +232,8 @@ class RolloutSettings:
         f"rollout.max_new_tokens={r.max_new_tokens} must be < rollout.max_context="
         f"{r.max_context}")
     check(r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0")
-    _check_turn_sampling(c)
+    check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
+    check(r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0")
     check(r.pipeline_groups >= 1, f"rollout.pipeline_groups={r.pipeline_groups} must be >= 1")
     check(
         r.wave_rows >= 0 and r.wave_rows % r.pipeline_groups == 0,
@@ -296,11 +297,6 @@ class RolloutSettings:
                           self.pipeline_groups)
 
 
-def _check_turn_sampling(c: ml_collections.ConfigDict) -> None:
-  check(0 < c.rollout.top_p <= 1, f"rollout.top_p={c.rollout.top_p} must be in (0, 1]")
-  check(c.rollout.top_k >= 0, f"rollout.top_k={c.rollout.top_k} must be >= 0")
-
-
 def _turn_sampling(c: ml_collections.ConfigDict, temperature: float) -> rollout.TurnSampling:
   """A turn sampled as the rollout samples (max_new_tokens, top_p, top_k) at `temperature`."""
   r = c.rollout
@@ -348,19 +344,21 @@ class UpdateSettings:
   skip_no_signal_updates: bool
 
   @classmethod
-  def from_config(cls, c: ml_collections.ConfigDict, max_turns: int) -> UpdateSettings:
-    """The update of config `c`, whose horizon's largest cap is `max_turns`."""
-    _check_algorithm(c)
+  def from_config(cls, c: ml_collections.ConfigDict, rollout_settings: RolloutSettings,
+                  max_turns: int) -> UpdateSettings:
+    """The update of config `c`, whose steps play as `rollout_settings` says and whose
+    horizon's largest cap is `max_turns`."""
+    _check_algorithm(c, rollout_settings)
     _check_optim(c)
     a = c.algorithm
-    return cls(loss=_loss(c, max_turns), optimizer=_optimizer(c),
+    return cls(loss=_loss(c, rollout_settings.sampling, max_turns), optimizer=_optimizer(c),
                offload_optimizer=c.optim.offload_state, num_minibatches=a.num_minibatches,
                ppo_epochs=a.ppo_epochs, shared_prompts=c.mode == "rl" and a.shared_prompts,
                skip_no_signal_updates=a.skip_no_signal_updates)
 
 
-def _check_algorithm(c: ml_collections.ConfigDict) -> None:
-  a, r = c.algorithm, c.rollout
+def _check_algorithm(c: ml_collections.ConfigDict, r: RolloutSettings) -> None:
+  a = c.algorithm
   check(a.advantage in rl.ADVANTAGE_ESTIMATORS,
         f"algorithm.advantage={a.advantage!r} is not one of {sorted(rl.ADVANTAGE_ESTIMATORS)}")
   check(a.aggregation in rl.AGGREGATIONS,
@@ -402,12 +400,11 @@ def _check_algorithm(c: ml_collections.ConfigDict) -> None:
   check(0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algorithm.gamma and lam must be in [0, 1]")
   check(a.ppo_epochs >= 1, f"algorithm.ppo_epochs={a.ppo_epochs} must be >= 1")
   check(a.num_minibatches >= 1, f"algorithm.num_minibatches={a.num_minibatches} must be >= 1")
-  trajectories = r.tasks_per_step * r.samples_per_task
   check(
-      trajectories % a.num_minibatches == 0,
+      r.rows % a.num_minibatches == 0,
       f"algorithm.num_minibatches={a.num_minibatches} does not divide the "
-      f"{trajectories} trajectories per step")
-  minibatch = trajectories // a.num_minibatches
+      f"{r.rows} trajectories per step")
+  minibatch = r.rows // a.num_minibatches
   check(
       a.micro_batch_rows == 0 or (a.micro_batch_rows > 0 and minibatch % a.micro_batch_rows == 0),
       f"algorithm.micro_batch_rows={a.micro_batch_rows} must be 0 (off) or divide the "
@@ -462,7 +459,10 @@ def optimizer_updates(c: ml_collections.ConfigDict) -> int:
   return c.steps * (a.ppo_epochs * a.num_minibatches if c.mode == "rl" else 1)
 
 
-def _loss(c: ml_collections.ConfigDict, max_turns: int) -> learner.LossConfig:
+def _loss(c: ml_collections.ConfigDict, sampling: rollout.TurnSampling,
+          max_turns: int) -> learner.LossConfig:
+  """The loss of config group algorithm, scoring the rollout's tokens as `sampling` drew them
+  (its temperature)."""
   a = c.algorithm
   if c.mode != "rl":
     return learner.LossConfig(logprob_chunk=a.logprob_chunk)
@@ -473,24 +473,24 @@ def _loss(c: ml_collections.ConfigDict, max_turns: int) -> learner.LossConfig:
       advantage_estimator=a.advantage, advantage_options=tuple(options),
       negative_advantage_weight=a.negative_advantage_weight, policy_loss=a.policy_loss,
       clip_eps_low=a[clip_low], clip_eps_high=a[clip_high], dual_clip_c=a.dual_clip_c or None,
-      aggregation=a.aggregation, loss_scale_tokens=_loss_scale_tokens(c, max_turns),
+      aggregation=a.aggregation,
+      loss_scale_tokens=_loss_scale_tokens(a, sampling.max_new_tokens * max_turns),
       rollout_correction=a.rollout_correction, rollout_correction_cap=a.rollout_correction_cap,
       kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_in_reward_coef=a.kl_in_reward_coef,
       kl_in_reward_estimator=a.kl_in_reward_estimator, entropy_coef=a.entropy_coef,
-      value_coef=a.value_coef, value_clip_eps=a.value_clip_eps, temperature=c.rollout.temperature,
+      value_coef=a.value_coef, value_clip_eps=a.value_clip_eps, temperature=sampling.temperature,
       logprob_chunk=a.logprob_chunk, micro_batch_rows=a.micro_batch_rows)
 
 
-def _loss_scale_tokens(c: ml_collections.ConfigDict, max_turns: int) -> float | None:
-  """A scaled aggregation's divisor: algorithm.loss_scale_tokens, or if 0 the most tokens a
-  trajectory can have trained (max_new_tokens a turn, `max_turns` turns); None for the other
-  aggregations."""
-  a = c.algorithm
+def _loss_scale_tokens(a: ml_collections.ConfigDict, most_tokens: int) -> float | None:
+  """A scaled aggregation's divisor: algorithm.loss_scale_tokens (config group `a`), or if 0
+  `most_tokens`, the most a trajectory can have trained (max_new_tokens a turn times the
+  horizon's largest cap); None for the other aggregations."""
   if a.aggregation not in rl.SCALED_AGGREGATIONS:
     return None
   if a.loss_scale_tokens:
     return float(a.loss_scale_tokens)
-  return float(c.rollout.max_new_tokens * max_turns)
+  return float(most_tokens)
 
 
 def _optimizer(c: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -742,7 +742,7 @@ class Settings:
     schedule = horizon_schedule(c)
     return cls(record=c.to_dict(), mode=c.mode, seed=c.seed, steps=c.steps, schedule=schedule,
                model=model, env=env, rollout=rollout_settings,
-               update=UpdateSettings.from_config(c, schedule.max_turns),
+               update=UpdateSettings.from_config(c, rollout_settings, schedule.max_turns),
                evaluation=Evaluation.from_config(c, schedule.max_turns), data=Data.from_config(c),
                checkpoint=CheckpointSettings.from_config(c), log=LogSettings.from_config(c),
                warm_start=WarmStart.from_config(c), health=Health.from_config(c))
