@@ -185,10 +185,10 @@ def make_evaluator(settings: settings_lib.Settings, mesh: Mesh, model: Decoder, 
   key = jax.random.key(settings.seed)
 
   def evaluate(params: nnx.State, step: int) -> dict[str, float]:
-    summary, _ = evaluation.evaluate(
-        settings.rollout.player(sampler, params, pool, chat,
-                                plan.sampling), task_ids, samples_per_task=plan.samples_per_task,
-        horizon=plan.horizon, key=jax.random.fold_in(key, step), rows_per_batch=rows)
+    player = settings.rollout.player(sampler, params, pool, chat, plan.sampling)
+    summary, _ = evaluation.evaluate(player, task_ids, samples_per_task=plan.samples_per_task,
+                                     horizon=plan.horizon, key=jax.random.fold_in(key, step),
+                                     rows_per_batch=rows)
     return evaluation.as_metrics(summary)
 
   return evaluate
