@@ -76,25 +76,21 @@ def signal_row(trial: pathlib.Path) -> str | None:
   return f"| {trial.name} | {' | '.join(cells)} | {with_signal}/{len(groups)} |"
 
 
+TABLES = (
+    ("| trial | overrides | warm start: depth 1 / 2 / all % | RL: depth 1 / 2 / all % | goals | p |"
+     " minutes |\n|---|---|---|---|---|---:|---:|", row),
+    ("| trial | replies without an Action line, step 1, 2, ... | held-out transcripts |\n"
+     "|---|---|---|", format_row),
+    ("| trial | training episodes solved, depth 1 | depth 2 | groups with signal |\n"
+     "|---|---:|---:|---:|", signal_row),
+)
+
+
 def main(root: str) -> None:
-  print("| trial | overrides | warm start: depth 1 / 2 / all % | RL: depth 1 / 2 / all % | "
-        "goals | p | minutes |")
-  print("|---|---|---|---|---|---:|---:|")
-  for trial in sorted(pathlib.Path(root).iterdir()):
-    line = row(trial) if trial.is_dir() else None
-    if line:
-      print(line)
-  print("\n| trial | replies without an Action line, step 1, 2, ... | held-out transcripts |")
-  print("|---|---|---|")
-  for trial in sorted(pathlib.Path(root).iterdir()):
-    line = format_row(trial) if trial.is_dir() else None
-    if line:
-      print(line)
-  print("\n| trial | training episodes solved, depth 1 | depth 2 | groups with signal |")
-  print("|---|---:|---:|---:|")
-  for trial in sorted(pathlib.Path(root).iterdir()):
-    line = signal_row(trial) if trial.is_dir() else None
-    if line:
+  trials = sorted(path for path in pathlib.Path(root).iterdir() if path.is_dir())
+  for index, (header, row_of) in enumerate(TABLES):
+    print(("\n" if index else "") + header)
+    for line in filter(None, map(row_of, trials)):
       print(line)
 
 
