@@ -127,10 +127,22 @@ def base_config() -> ml_collections.ConfigDict:
   c.algorithm.gigpo_step_weight = 1.0
   c.algorithm.gamma = 1.0  # Discount (GAE, REINFORCE++).
   c.algorithm.lam = 1.0  # GAE's lambda.
+  # outcome (the episode's reward on its last generated token) | turn (each turn's reward on the
+  # last token of that turn: REINFORCE++ and GAE credit it where it was earned). GRPO and RLOO
+  # score the outcome, GiGPO both (rl/advantages.py).
+  c.algorithm.reward_placement = "outcome"
+  # An episode cut by the turn cap, the context limit or a step timeout: fail (its rewards as
+  # earned, 0 for the unfinished task) | mask (left out of the loss and of its group's baseline).
+  c.algorithm.truncated_episodes = "fail"
+  # DAPO's soft overlong penalty of a reply within `length` tokens of rollout.max_new_tokens:
+  # up to -penalty_factor, added to its turn's reward (rollout.OverlongBuffer).
+  c.algorithm.overlong_buffer = ml_collections.ConfigDict()
+  c.algorithm.overlong_buffer.length = 0  # 0: off.
+  c.algorithm.overlong_buffer.penalty_factor = 1.0
   # Negative advantages are scaled by this weight (rl.weight_negatives): < 1 bounds the push-down
   # of failed episodes against the pull-up of successful ones; 0 trains on successes only.
   c.algorithm.negative_advantage_weight = 1.0
-  c.algorithm.policy_loss = "ppo"  # ppo | gspo | cispo
+  c.algorithm.policy_loss = "ppo"  # ppo | gspo | cispo | clip_cov | kl_cov
   c.algorithm.clip_eps_low = 0.2  # PPO's clip range of the token ratio.
   c.algorithm.clip_eps_high = 0.2  # Above clip_eps_low: clip-higher (DAPO).
   c.algorithm.dual_clip_c = 0.0  # 0: off; else c > 1 (PPO only).
@@ -141,6 +153,16 @@ def base_config() -> ml_collections.ConfigDict:
   # it without a lower bound, as MiniMax-M1.
   c.algorithm.cispo_clip_eps_low = 1.0
   c.algorithm.cispo_clip_eps_high = 5.0  # CISPO's upper clip.
+  # Clip-Cov (Cui et al. 2025, verl's names and defaults): PPO's clipped loss, with the gradient
+  # of clip_cov_ratio of the trained tokens, drawn among those whose advantage-log-prob
+  # covariance is in (clip_cov_lb, clip_cov_ub), detached.
+  c.algorithm.clip_cov_ratio = 2e-4
+  c.algorithm.clip_cov_lb = 1.0
+  c.algorithm.clip_cov_ub = 5.0
+  # KL-Cov: the unclipped loss, plus ppo_kl_coef |log ratio| on the kl_cov_ratio of the trained
+  # tokens of largest covariance.
+  c.algorithm.kl_cov_ratio = 2e-4
+  c.algorithm.ppo_kl_coef = 1.0
   # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
   c.algorithm.aggregation = "token-mean"
   # seq-mean-token-sum-norm's constant divisor (Dr. GRPO); 0: rollout.max_new_tokens times the
@@ -290,6 +312,9 @@ def local(c: ml_collections.ConfigDict) -> None:
   c.model.dtype = "auto"
   c.rollout.tasks_per_step = 4
   c.rollout.samples_per_task = 4
+  # An overlong buffer keeps its share of the shorter replies.
+  buffer = c.algorithm.overlong_buffer
+  buffer.length = buffer.length * 64 // c.rollout.max_new_tokens
   c.rollout.max_new_tokens = 64
   c.rollout.max_context = 2048
   # Horizons scaled so that the longest cap is 8 turns: TextCraft's [10, 20, 30] -> [3, 5, 8].

@@ -8,9 +8,9 @@ The update is PPO-style: `ppo_epochs` passes over the batch in `num_minibatches`
 minibatches, each one optimizer step, against old log-probs computed once before the first pass
 (the first minibatch, whose parameters are still the experience's, takes its own log-probs as
 the old ones: its ratio is exactly 1, where a separately compiled pass may round differently).
-The policy loss is PPO's clip, GSPO's or CISPO's (rl.POLICY_LOSSES); the rollout correction
-(rl.correction) weights its tokens or drops trajectories whose sampler probabilities stray too
-far from the learner's.
+The policy loss is PPO's clip, GSPO's, CISPO's, Clip-Cov's or KL-Cov's (rl.POLICY_LOSSES); the
+rollout correction (rl.correction) weights its tokens or drops trajectories whose sampler
+probabilities stray too far from the learner's.
 
 Micro-batches (`LossConfig.micro_batch_rows`, 0 for none) bound the activations of a forward and
 backward pass: the experience pass runs its forward passes micro-batch by micro-batch, and the
@@ -22,7 +22,7 @@ j + 2n, ... (n = M / micro_batch_rows), so on a mesh every micro-batch spans eve
 LoRA (agentgym_jax/models/lora.py). With a frozen base (`Networks.frozen`, the base parameters)
 the graph is a lora.LoraModel's and the parameters are its adapters: the forward runs base +
 adapters and the gradient reaches the adapters only. The reference is then the initial adapters
-(B = 0), which is the base exactly. The update's `dropout_key` drops the adapters' input
+(B = 0), which is the base exactly. The update's `key` drops the adapters' input
 (model.lora.dropout); the experience pass runs without dropout.
 
 Shared prompts (Batch.shared, agentgym_jax/batch.py): the forward passes run on packed rows, one
@@ -72,6 +72,7 @@ class LossConfig:
   advantage_options: tuple[tuple[str, Any], ...] = ()
   negative_advantage_weight: float = 1.0  # rl.weight_negatives' w.
   policy_loss: str = "ppo"  # A name in rl.POLICY_LOSSES; the clip range below is its own.
+  policy_loss_options: tuple[tuple[str, Any], ...] = ()  # Its options (PolicyLoss.options).
   clip_eps_low: float = 0.2
   clip_eps_high: float | None = None
   dual_clip_c: float | None = None
@@ -282,9 +283,9 @@ def compute_experience(networks: Networks, trainable: tuple[nnx.State, nnx.State
     inputs.update(group_ids=batch.group_ids, num_groups=num_groups)
   if estimator.needs_values:
     inputs["values"] = old_values
-  if estimator.needs_turns:
-    inputs.update(turn_index=batch.turn_index[:, 1:], turn_rewards=batch.turn_rewards,
-                  turn_anchors=batch.turn_anchors)
+  turns = dict(turn_index=None if batch.turn_index is None else batch.turn_index[:, 1:],
+               turn_rewards=batch.turn_rewards, turn_anchors=batch.turn_anchors)
+  inputs.update({k: v for k, v in turns.items() if k in estimator.needs + estimator.accepts})
   advantages, returns = estimator(batch.rewards, mask, **inputs)
   advantages = rl.weight_negatives(advantages, loss.negative_advantage_weight)
   # The importance-sampling check: how far the sampler's log-probs are from the learner's.
@@ -314,13 +315,18 @@ def compute_experience(networks: Networks, trainable: tuple[nnx.State, nnx.State
                     correction.kept), metrics
 
 
+# fold_in of an update's key that a drawing policy loss (Clip-Cov) draws from; the model's
+# dropout folds in layer numbers, far below it.
+CHOICE_STREAM = 1 << 24
+
+
 def _loss_fn(trainable: tuple[nnx.State, nnx.State | None], networks: Networks, batch: Batch,
-             experience: Experience, loss: LossConfig, dropout_key: Array | None = None,
+             experience: Experience, loss: LossConfig, key: Array | None = None,
              on_policy: Array | None = None) -> tuple[Array, dict[str, Array]]:
   params, value_params = trainable
   logprobs, entropies, values = token_logprobs(networks.graphdef, params, batch, loss,
                                                networks.value_head(value_params), networks.frozen,
-                                               dropout_key)
+                                               key)
   old_logprobs = experience.old_logprobs
   if on_policy is not None:
     # The parameters are the experience pass's, so the old log-probs are these very log-probs:
@@ -334,9 +340,15 @@ def _loss_fn(trainable: tuple[nnx.State, nnx.State | None], networks: Networks, 
   mask = mask * experience.kept[:, None]
   aggregation = dict(aggregation=loss.aggregation, scale_tokens=loss.loss_scale_tokens)
   policy_loss = rl.get_policy_loss(loss.policy_loss)
-  clip = rl.Clip(loss.clip_eps_low, loss.clip_eps_high,
-                 loss.dual_clip_c if policy_loss.dual_clip else None)
-  total, metrics = policy_loss.fn(logprobs, old_logprobs, experience.advantages, mask, clip=clip,
+  options: dict[str, Any] = dict(loss.policy_loss_options)
+  if policy_loss.clip_keys is not None:
+    options["clip"] = rl.Clip(loss.clip_eps_low, loss.clip_eps_high,
+                              loss.dual_clip_c if policy_loss.dual_clip else None)
+  if policy_loss.draws:
+    if key is None:
+      raise ValueError(f"policy loss {loss.policy_loss!r} draws tokens at random: it needs a key")
+    options["key"] = jax.random.fold_in(key, CHOICE_STREAM)
+  total, metrics = policy_loss.fn(logprobs, old_logprobs, experience.advantages, mask, **options,
                                   **aggregation, importance_weights=experience.rollout_weights)
   metrics = {f"policy/{k}": v for k, v in metrics.items()}
   metrics["policy/loss"] = total
@@ -373,17 +385,17 @@ def jit_update_step(state_shardings: UpdateState):
 
 
 def update_step(networks: Networks, state: UpdateState, batch: Batch, experience: Experience, *,
-                optimizer: optax.GradientTransformation, loss: LossConfig,
-                dropout_key: Array | None = None,
+                optimizer: optax.GradientTransformation, loss: LossConfig, key: Array | None = None,
                 on_policy: Array | None = None) -> tuple[UpdateState, dict[str, Array]]:
   """One optimizer step on one minibatch. Returns (state, metrics).
 
-  `on_policy` (a bool scalar) says that the state's trainable are the parameters the
-  experience was computed with (a step's first minibatch): the loss then takes its old
-  log-probs from its own forward pass, so that its ratio is exactly 1 (`_loss_fn`). With LoRA,
-  trainable[0] are the adapters over the networks' frozen base (module docstring)."""
-  grads, metrics = _gradients(state.trainable, networks, batch, experience, loss, dropout_key,
-                              on_policy)
+  `key` is the update's randomness (LoRA's dropout, a drawing policy loss's choice of tokens),
+  None when nothing draws. `on_policy` (a bool scalar) says that the state's trainable are the
+  parameters the experience was computed with (a step's first minibatch): the loss then takes
+  its old log-probs from its own forward pass, so that its ratio is exactly 1 (`_loss_fn`).
+  With LoRA, trainable[0] are the adapters over the networks' frozen base (module
+  docstring)."""
+  grads, metrics = _gradients(state.trainable, networks, batch, experience, loss, key, on_policy)
   return _apply(state, grads, optimizer, metrics)
 
 
@@ -394,14 +406,14 @@ MAX_METRICS = ("policy/ratio_max",)
 
 
 def _gradients(trainable: tuple[nnx.State, nnx.State | None], networks: Networks, batch: Batch,
-               experience: Experience, loss: LossConfig, dropout_key: Array | None = None,
+               experience: Experience, loss: LossConfig, key: Array | None = None,
                on_policy: Array | None = None) -> tuple[Any, dict[str, Array]]:
   """(gradient of the minibatch's loss, its metrics), accumulated over micro-batches when
   loss.micro_batch_rows splits the minibatch (the module docstring's weighting); micro-batch j
-  drops out with fold_in(dropout_key, j)."""
+  draws with fold_in(key, j)."""
   grad_fn = jax.value_and_grad(functools.partial(_loss_fn, on_policy=on_policy), has_aux=True)
   if not _splits(batch.tokens.shape[0], loss):
-    (_, metrics), grads = grad_fn(trainable, networks, batch, experience, loss, dropout_key)
+    (_, metrics), grads = grad_fn(trainable, networks, batch, experience, loss, key)
     return grads, metrics
   # The loss's mask: trained tokens of the trajectories the rollout correction keeps.
   mask = lambda b, e: b.inputs_and_targets()[2] * e.kept[:, None]
@@ -412,8 +424,9 @@ def _gradients(trainable: tuple[nnx.State, nnx.State | None], networks: Networks
 
   def accumulate(carry, micro):
     (micro_batch, micro_experience), index = micro
-    key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
-    (_, metrics), grads = grad_fn(trainable, networks, micro_batch, micro_experience, loss, key)
+    micro_key = None if key is None else jax.random.fold_in(key, index)
+    (_, metrics), grads = grad_fn(trainable, networks, micro_batch, micro_experience, loss,
+                                  micro_key)
     share = units(micro_batch, micro_experience) / total_units
     token_share = tokens(micro_batch, micro_experience) / total_tokens
     sums, maxima = carry
@@ -426,7 +439,7 @@ def _gradients(trainable: tuple[nnx.State, nnx.State | None], networks: Networks
     return ((grads, means), maxima), None
 
   parts, _ = split_micro_batches(batch, experience, loss.micro_batch_rows)
-  shapes = jax.eval_shape(lambda b, e: grad_fn(trainable, networks, b, e, loss, dropout_key),
+  shapes = jax.eval_shape(lambda b, e: grad_fn(trainable, networks, b, e, loss, key),
                           *jax.tree.map(lambda x: x[0], parts))
   (_, metric_shapes), grad_shapes = shapes
   zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)

@@ -34,7 +34,7 @@ anew, so it is the same on resume.
 LoRA (model.lora.rank > 0) trains adapters over the frozen model as the RL loop does
 (agentgym_jax/learner.py): the checkpoints hold the adapters, DPO's reference is the initial
 adapters (the base exactly), and the update of step s drops the adapters' input with
-`state.dropout_key(settings, s, 0)`.
+`state.update_key(settings, s, 0)`.
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def train_offline(c: ml_collections.ConfigDict | settings_lib.Settings,
               learner.reference_logprobs(networks, ref_params, batch, loss=loss)),)
       with timer("update"):
         updated, step_metrics = update(networks, learner.UpdateState(state.params, state.opt_state),
-                                       *inputs, state_lib.dropout_key(settings, step, 0))
+                                       *inputs, state_lib.update_key(settings, step, 0))
         jax.block_until_ready(step_metrics)
       state = state_lib.RunState(updated.trainable, None, updated.opt_state)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import time
 from typing import Any, Iterator, Sequence, TypeVar
 
@@ -34,6 +35,10 @@ from environments.base import CONTEXT, DONE, ENV_ERROR, ENV_TIMEOUT, HORIZON, En
 from environments.pool import EnvPool
 
 T = TypeVar("T")
+
+# The terminations that cut an episode short rather than end it: the turn cap, the context
+# limit, and an environment step slower than the pool's timeout (an environment failure too).
+TRUNCATIONS = (HORIZON, CONTEXT, ENV_TIMEOUT)
 
 
 @dataclasses.dataclass
@@ -70,6 +75,14 @@ class Trajectory:
   @property
   def env_failed(self) -> bool:
     return self.termination in (ENV_ERROR, ENV_TIMEOUT)
+
+  @property
+  def truncated(self) -> bool:
+    return self.termination in TRUNCATIONS
+
+  def reply_lengths(self) -> list[int]:
+    """The tokens the sampler generated in each turn: the lengths of the trained runs."""
+    return [len(list(run)) for trained, run in itertools.groupby(self.loss_mask) if trained]
 
   def extend(self, tokens: Sequence[int], trained: bool,
              logprobs: Sequence[float] | None = None) -> None:
@@ -420,8 +433,104 @@ def _end(trajectory: Trajectory, termination: str, info: dict[str, Any]) -> None
   trajectory.error = str(info.get("error", ""))
 
 
+@dataclasses.dataclass(frozen=True)
+class OverlongBuffer:
+  """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), per reply: with L_max the turn's
+  max_new_tokens, L_cache the buffer's `length` and f its `penalty_factor`,
+
+    R(y) = 0                                  |y| <= L_max - L_cache
+    R(y) = f ((L_max - L_cache) - |y|) / L_cache   L_max - L_cache < |y| <= L_max
+
+  so a reply that fills its whole budget loses f, and one that stops L_cache tokens short
+  loses nothing (as verl's overlong_buffer: len, penalty_factor). A reply never exceeds L_max:
+  the sampler stops there."""
+
+  length: int
+  penalty_factor: float
+  max_new_tokens: int
+
+  def __post_init__(self):
+    if not 0 < self.length <= self.max_new_tokens or self.penalty_factor < 0:
+      raise ValueError(f"an overlong buffer of {self.length} tokens (penalty factor "
+                       f"{self.penalty_factor}) must be in (0, {self.max_new_tokens}], its "
+                       "factor >= 0")
+
+  def penalty(self, reply_length: int) -> float:
+    expected = self.max_new_tokens - self.length
+    return self.penalty_factor * min((expected - reply_length) / self.length, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeScoring:
+  """How a rollout's episodes enter the loss: which are left out of it, and each turn's reward.
+
+  Attributes:
+    failed_episodes: an episode whose environment failed (an error or a step timeout) is left
+      out ("exclude") or kept with reward 0 ("zero_reward", every turn's reward 0 too).
+    truncated_episodes: an episode cut short (`TRUNCATIONS`: the turn cap, the context limit or
+      a step timeout) keeps the rewards it earned, 0 for an unfinished task ("fail"), or is
+      left out ("mask", rLLM's compact filtering): it neither trains nor moves its group's
+      baseline, so a short horizon does not teach that long plans fail. Under "fail" a timeout
+      is an environment failure, as `failed_episodes` says.
+    overlong: DAPO's soft penalty of each reply, added to its turn's reward; None: none.
+
+  An episode left out keeps its tokens in the batch with loss mask 0 and a group of its own.
+  """
+
+  failed_episodes: str = "exclude"
+  truncated_episodes: str = "fail"
+  overlong: OverlongBuffer | None = None
+
+  def __post_init__(self):
+    if self.failed_episodes not in ("exclude", "zero_reward"):
+      raise ValueError(f"failed_episodes={self.failed_episodes!r} is not 'exclude' or "
+                       "'zero_reward'")
+    if self.truncated_episodes not in ("fail", "mask"):
+      raise ValueError(f"truncated_episodes={self.truncated_episodes!r} is not 'fail' or 'mask'")
+
+  def excluded(self, trajectory: Trajectory) -> bool:
+    """Whether the episode is left out of the loss."""
+    return ((trajectory.env_failed and self.failed_episodes == "exclude")
+            or (trajectory.truncated and self.truncated_episodes == "mask"))
+
+  def turn_rewards(self, trajectory: Trajectory) -> list[float]:
+    """Each turn's reward as the loss sees it: the environment's (0 if it failed), plus the
+    overlong penalty of the turn's reply."""
+    rewards = [0.0] * trajectory.num_turns if trajectory.env_failed else trajectory.turn_rewards
+    if self.overlong is None:
+      return list(rewards)
+    return [
+        reward + self.overlong.penalty(length)
+        for reward, length in zip(rewards, trajectory.reply_lengths())
+    ]
+
+  def reward(self, trajectory: Trajectory) -> float:
+    """The episode's reward as the loss sees it: the sum of its `turn_rewards`."""
+    return float(sum(self.turn_rewards(trajectory)))
+
+  def metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """The share of episodes cut short (rollout/truncated_fraction, and per reason), the share
+    left out of the loss (rollout/excluded_fraction) and, with an overlong buffer, the mean
+    penalty of an episode and the share of replies penalised."""
+    count = max(len(trajectories), 1)
+    share = lambda condition: sum(map(condition, trajectories)) / count
+    out = {
+        "rollout/truncated_fraction": share(lambda t: t.truncated),
+        "rollout/excluded_fraction": share(self.excluded),
+        **{
+            f"rollout/truncated_fraction/{reason}": share(lambda t, r=reason: t.termination == r)
+            for reason in TRUNCATIONS
+        },
+    }
+    if self.overlong is not None:
+      penalties = [self.overlong.penalty(n) for t in trajectories for n in t.reply_lengths()]
+      out["rollout/overlong_penalty"] = sum(penalties) / count
+      out["rollout/overlong_replies"] = sum(p < 0 for p in penalties) / max(len(penalties), 1)
+    return out
+
+
 def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns: int | None = None,
-         failed_episodes: str = "exclude", shared_prompts: bool = False,
+         scoring: EpisodeScoring = EpisodeScoring(), shared_prompts: bool = False,
          packed_rows_multiple: int = 1) -> Batch:
   """Right-pads trajectories into a Batch of len(trajectories) rows with `turns` turn slots (at
   least the most turns of any trajectory; by default exactly that).
@@ -431,17 +540,15 @@ def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns
   of their common prompt and their continuations, padded to a multiple of
   `packed_rows_multiple` packed rows.
 
-  A trajectory whose environment failed is dropped from the loss ("exclude": its loss mask is
-  zeroed, it has no turns, and it moves to a group of its own, so it does not shift its task's
-  GRPO/RLOO baseline) or kept with reward 0 ("zero_reward", every turn's reward 0 too). Group
-  ids stay below 2 * len(trajectories), the static `num_groups` of the advantage estimators.
+  `scoring` says which trajectories the loss leaves out (their loss mask is zeroed, they have
+  no turns, and each moves to a group of its own, so it does not shift its task's GRPO/RLOO
+  baseline) and the rewards of the others. Group ids stay below 2 * len(trajectories), the
+  static `num_groups` of the advantage estimators.
 
   Turn k of a row is its k-th run of generated tokens. Its anchor is the step group of GiGPO:
   the turns of one task whose observations (`Trajectory.observation_spans`) are the same token
   ids get the same id, numbered from 0 in order of first appearance.
   """
-  if failed_episodes not in ("exclude", "zero_reward"):
-    raise ValueError(f"failed_episodes={failed_episodes!r} is not 'exclude' or 'zero_reward'")
   num_rows = len(trajectories)
   longest = max((len(t.tokens) for t in trajectories), default=1)
   length = length or packed_length(longest)
@@ -462,16 +569,16 @@ def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns
   anchors: dict[tuple[int, tuple[int, ...]], int] = {}
   for i, t in enumerate(trajectories):
     n = len(t.tokens)
-    excluded = t.env_failed and failed_episodes == "exclude"
+    excluded = scoring.excluded(t)
     tokens[i, :n] = t.tokens
     logprobs[i, :n] = t.sampler_logprobs
-    rewards[i] = 0.0 if t.env_failed else t.reward
+    rewards[i] = scoring.reward(t)
     groups[i] = num_rows + i if excluded else t.group
     if excluded:
       continue
     loss_mask[i, :n] = t.loss_mask
     turn_index[i, :n] = _turn_index(t, i)
-    turn_rewards[i, :t.num_turns] = 0.0 if t.env_failed else t.turn_rewards
+    turn_rewards[i, :t.num_turns] = scoring.turn_rewards(t)
     for k, (start, end) in enumerate(t.observation_spans):
       key = (t.group, tuple(t.tokens[start:end]))
       turn_anchors[i, k] = anchors.setdefault(key, len(anchors))

@@ -333,6 +333,9 @@ class UpdateSettings:
     shared_prompts: whether the learner packs each task's samples as one row (batch.py).
     skip_no_signal_updates: whether a step without learning signal skips its update
       (trainer.py).
+    scoring: which episodes the loss leaves out and the rewards of the others: env faults as
+      env.failed_episodes says, truncations as algorithm.truncated_episodes, and
+      algorithm.overlong_buffer's penalty (rollout.EpisodeScoring).
   """
 
   loss: learner.LossConfig
@@ -342,19 +345,40 @@ class UpdateSettings:
   ppo_epochs: int
   shared_prompts: bool
   skip_no_signal_updates: bool
+  scoring: rollout.EpisodeScoring
 
   @classmethod
   def from_config(cls, c: ml_collections.ConfigDict, rollout_settings: RolloutSettings,
-                  max_turns: int) -> UpdateSettings:
-    """The update of config `c`, whose steps play as `rollout_settings` says and whose
-    horizon's largest cap is `max_turns`."""
+                  max_turns: int, failed_episodes: str) -> UpdateSettings:
+    """The update of config `c`, whose steps play as `rollout_settings` says, whose horizon's
+    largest cap is `max_turns` and whose env faults enter the loss as `failed_episodes` says."""
     _check_algorithm(c, rollout_settings)
     _check_optim(c)
     a = c.algorithm
     return cls(loss=_loss(c, rollout_settings.sampling, max_turns), optimizer=_optimizer(c),
                offload_optimizer=c.optim.offload_state, num_minibatches=a.num_minibatches,
                ppo_epochs=a.ppo_epochs, shared_prompts=c.mode == "rl" and a.shared_prompts,
-               skip_no_signal_updates=a.skip_no_signal_updates)
+               skip_no_signal_updates=a.skip_no_signal_updates,
+               scoring=_scoring(a, failed_episodes, rollout_settings.sampling.max_new_tokens))
+
+
+def _scoring(a: ml_collections.ConfigDict, failed_episodes: str,
+             max_new_tokens: int) -> rollout.EpisodeScoring:
+  """How episodes enter the loss (config group `a`, algorithm), for replies of up to
+  `max_new_tokens` tokens."""
+  buffer = a.overlong_buffer
+  check(a.truncated_episodes in ("fail", "mask"),
+        f"algorithm.truncated_episodes={a.truncated_episodes!r} is not 'fail' or 'mask'")
+  check(
+      0 <= buffer.length <= max_new_tokens,
+      f"algorithm.overlong_buffer.length={buffer.length} must be in [0, rollout.max_new_tokens"
+      f" = {max_new_tokens}] (0: off)")
+  check(buffer.penalty_factor >= 0,
+        f"algorithm.overlong_buffer.penalty_factor={buffer.penalty_factor} must be >= 0")
+  overlong = None
+  if buffer.length:
+    overlong = rollout.OverlongBuffer(buffer.length, buffer.penalty_factor, max_new_tokens)
+  return rollout.EpisodeScoring(failed_episodes, a.truncated_episodes, overlong)
 
 
 def _check_algorithm(c: ml_collections.ConfigDict, r: RolloutSettings) -> None:
@@ -377,6 +401,21 @@ def _check_algorithm(c: ml_collections.ConfigDict, r: RolloutSettings) -> None:
   check(a.cispo_clip_eps_low <= 1,
         f"algorithm.cispo_clip_eps_low={a.cispo_clip_eps_low} must be <= 1 (1: no lower bound)")
   check(a.gigpo_step_weight >= 0, f"algorithm.gigpo_step_weight={a.gigpo_step_weight} must be >= 0")
+  check(a.reward_placement in rl.REWARD_PLACEMENTS,
+        f"algorithm.reward_placement={a.reward_placement!r} is not one of {rl.REWARD_PLACEMENTS}")
+  placing = sorted(name for name, entry in rl.ADVANTAGE_ESTIMATORS.items()
+                   if ("reward_placement", "reward_placement") in entry.hyperparameters)
+  check(
+      a.reward_placement == "outcome" or a.advantage in placing,
+      f"algorithm.reward_placement={a.reward_placement!r} needs a token-level estimator, one of "
+      f"{placing}; {a.advantage!r} scores the outcome (the sum of the turn rewards)")
+  check(
+      a.clip_cov_ratio > 0 and a.kl_cov_ratio > 0,
+      f"algorithm.clip_cov_ratio={a.clip_cov_ratio} and kl_cov_ratio={a.kl_cov_ratio} must "
+      "be > 0")
+  check(a.clip_cov_lb < a.clip_cov_ub,
+        f"algorithm.clip_cov_lb={a.clip_cov_lb} must be below clip_cov_ub={a.clip_cov_ub}")
+  check(a.ppo_kl_coef >= 0, f"algorithm.ppo_kl_coef={a.ppo_kl_coef} must be >= 0")
   check(a.dual_clip_c == 0 or a.dual_clip_c > 1,
         f"algorithm.dual_clip_c={a.dual_clip_c} must be 0 (off) or > 1")
   check(
@@ -468,12 +507,15 @@ def _loss(c: ml_collections.ConfigDict, sampling: rollout.TurnSampling,
     return learner.LossConfig(logprob_chunk=a.logprob_chunk)
   estimator = rl.get_advantage_estimator(a.advantage)
   options = sorted((argument, a[key]) for argument, key in estimator.hyperparameters)
-  clip_low, clip_high = rl.get_policy_loss(a.policy_loss).clip_keys
+  policy_loss = rl.get_policy_loss(a.policy_loss)
+  # A loss without a clip range (KL-Cov) carries PPO's, which it does not read.
+  clip_low, clip_high = policy_loss.clip_keys or ("clip_eps_low", "clip_eps_high")
+  policy_options = tuple((key, a[key]) for key in policy_loss.options)
   return learner.LossConfig(
       advantage_estimator=a.advantage, advantage_options=tuple(options),
       negative_advantage_weight=a.negative_advantage_weight, policy_loss=a.policy_loss,
-      clip_eps_low=a[clip_low], clip_eps_high=a[clip_high], dual_clip_c=a.dual_clip_c or None,
-      aggregation=a.aggregation,
+      policy_loss_options=policy_options, clip_eps_low=a[clip_low], clip_eps_high=a[clip_high],
+      dual_clip_c=a.dual_clip_c or None, aggregation=a.aggregation,
       loss_scale_tokens=_loss_scale_tokens(a, sampling.max_new_tokens * max_turns),
       rollout_correction=a.rollout_correction, rollout_correction_cap=a.rollout_correction_cap,
       kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_in_reward_coef=a.kl_in_reward_coef,
@@ -740,12 +782,14 @@ class Settings:
     model, env = ModelSettings.from_config(c), EnvSettings.from_config(c)
     rollout_settings = RolloutSettings.from_config(c)
     schedule = horizon_schedule(c)
-    return cls(record=c.to_dict(), mode=c.mode, seed=c.seed, steps=c.steps, schedule=schedule,
-               model=model, env=env, rollout=rollout_settings,
-               update=UpdateSettings.from_config(c, rollout_settings, schedule.max_turns),
-               evaluation=Evaluation.from_config(c, schedule.max_turns), data=Data.from_config(c),
-               checkpoint=CheckpointSettings.from_config(c), log=LogSettings.from_config(c),
-               warm_start=WarmStart.from_config(c), health=Health.from_config(c))
+    return cls(
+        record=c.to_dict(), mode=c.mode, seed=c.seed, steps=c.steps, schedule=schedule, model=model,
+        env=env, rollout=rollout_settings,
+        update=UpdateSettings.from_config(c, rollout_settings, schedule.max_turns,
+                                          env.failed_episodes),
+        evaluation=Evaluation.from_config(c, schedule.max_turns), data=Data.from_config(c),
+        checkpoint=CheckpointSettings.from_config(c), log=LogSettings.from_config(c),
+        warm_start=WarmStart.from_config(c), health=Health.from_config(c))
 
   def with_model(self, name: str) -> Settings:
     """These settings with the policy at `name` (model.name), e.g. a warm start's export."""

@@ -23,7 +23,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
-from agentgym_jax import checkpoint, hardware, learner, memory, multihost, paths, sharding
+from agentgym_jax import checkpoint, hardware, learner, memory, multihost, paths, rl, sharding
 from agentgym_jax.batch import packed_length
 from agentgym_jax.config import ConfigError
 from agentgym_jax.models import Decoder, attention, decoder, load_model, lora as lora_lib, weights
@@ -191,18 +191,20 @@ def export_policy(settings: Settings, model: Decoder | lora_lib.Adapters, tokeni
   tokenizer.save_pretrained(workdir / "export")
 
 
-# fold_in of the seed's key that LoRA's dropout keys derive from: apart from the steps' rollout
+# fold_in of the seed's key that the updates' keys derive from: apart from the steps' rollout
 # keys (fold_in(seed key, step)) and the evaluation's (1 << 30).
-DROPOUT_STREAM = 1 << 29
+UPDATE_STREAM = 1 << 29
 
 
-def dropout_key(settings: Settings, step: int, update: int) -> jax.Array | None:
-  """The key of LoRA's dropout in optimizer update `update` of step `step` (a pure function of
-  the seed, so a resumed run drops what an uninterrupted one drops); None without dropout."""
+def update_key(settings: Settings, step: int, update: int) -> jax.Array | None:
+  """The key of optimizer update `update` of step `step`, which LoRA's dropout and a drawing
+  policy loss (Clip-Cov) draw from: a pure function of the seed, so a resumed run draws what an
+  uninterrupted one draws. None when nothing draws."""
   lora = settings.model.lora
-  if lora is None or not lora.dropout:
+  dropout = lora is not None and lora.dropout
+  if not dropout and not rl.get_policy_loss(settings.update.loss.policy_loss).draws:
     return None
-  stream = jax.random.fold_in(jax.random.key(settings.seed), DROPOUT_STREAM)
+  stream = jax.random.fold_in(jax.random.key(settings.seed), UPDATE_STREAM)
   return jax.random.fold_in(jax.random.fold_in(stream, step), update)
 
 

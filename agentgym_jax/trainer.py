@@ -47,13 +47,10 @@ from agentgym_jax import multihost, rollout, sharding, task_sampling
 from agentgym_jax.batch import Batch
 
 
-def has_signal(group: Sequence[rollout.Trajectory], failed_episodes: str) -> bool:
-  """Whether a group's rewards, as they enter the loss, are not all equal: failed episodes are
-  left out ("exclude") or count as reward 0 ("zero_reward"), as rollout.pack treats them."""
-  rewards = {
-      0.0 if t.env_failed else t.reward for t in group
-      if not (t.env_failed and failed_episodes == "exclude")
-  }
+def has_signal(group: Sequence[rollout.Trajectory], scoring: rollout.EpisodeScoring) -> bool:
+  """Whether a group's rewards, as they enter the loss, are not all equal: the episodes
+  `scoring` leaves out do not count, the others with its rewards, as rollout.pack treats them."""
+  rewards = {scoring.reward(t) for t in group if not scoring.excluded(t)}
   return len(rewards) > 1
 
 
@@ -137,10 +134,11 @@ class StepRollout:
     }
 
 
-def play_step(play: Callable[[list[int], int], tuple[list[rollout.Trajectory],
-                                                     rollout.RolloutStats]],
-              draw: Callable[[int], list[int]], *, tasks_per_step: int, samples_per_task: int,
-              dynamic_sampling: bool, max_rounds: int, failed_episodes: str) -> StepRollout:
+def play_step(play: Callable[[list[int], int],
+                             tuple[list[rollout.Trajectory],
+                                   rollout.RolloutStats]], draw: Callable[[int], list[int]], *,
+              tasks_per_step: int, samples_per_task: int, dynamic_sampling: bool, max_rounds: int,
+              scoring: rollout.EpisodeScoring) -> StepRollout:
   """Plays a step's rounds: round r plays the tasks_per_step tasks `draw(r)` (a task order's
   `draws`), drawn once the rounds before it were played.
 
@@ -154,8 +152,7 @@ def play_step(play: Callable[[list[int], int], tuple[list[rollout.Trajectory],
     stats.append(round_stats)
     for start in range(0, len(trajectories), samples_per_task):
       group = trajectories[start:start + samples_per_task]
-      (signal
-       if not dynamic_sampling or has_signal(group, failed_episodes) else other).append(group)
+      (signal if not dynamic_sampling or has_signal(group, scoring) else other).append(group)
     if len(signal) >= tasks_per_step:
       break
   groups = (signal + other)[:tasks_per_step]
@@ -270,7 +267,7 @@ class Actor:
                      samples_per_task=settings.rollout.samples_per_task,
                      dynamic_sampling=settings.rollout.dynamic_sampling,
                      max_rounds=settings.rollout.max_sampling_rounds,
-                     failed_episodes=settings.env.failed_episodes)
+                     scoring=settings.update.scoring)
 
   def evaluate(self, pool: Any, params: nnx.State, step: int) -> dict[str, float]:
     """The eval/* metrics of the policy of `params` after step `step`: eval.split's tasks, each
@@ -370,7 +367,7 @@ class Learner:
                                          learner.take_rows(experience, rows),
                                          optimizer=settings.update.optimizer,
                                          loss=settings.update.loss,
-                                         dropout_key=state_lib.dropout_key(settings, step, update),
+                                         key=state_lib.update_key(settings, step, update),
                                          on_policy=jnp.asarray(update == 0))
       update_metrics.append(m)
     (params, value_params), opt_state = update_state.trainable, update_state.opt_state
@@ -385,7 +382,7 @@ def pack_step(step_rollout: StepRollout, settings: settings_lib.Settings,
   the loss, and with shared prompts the packed rows of each trajectory (to draw minibatches of
   whole tasks), else None."""
   batch = rollout.pack(step_rollout.batch, turns=settings.schedule.max_turns,
-                       failed_episodes=settings.env.failed_episodes,
+                       scoring=settings.update.scoring,
                        shared_prompts=settings.update.shared_prompts, packed_rows_multiple=shards)
   row_groups = None if batch.shared is None else batch.shared.rows
   trained = np.asarray(step_rollout.trained, np.float32)[:, None]
@@ -462,6 +459,7 @@ def train(c: ml_collections.ConfigDict | settings_lib.Settings,
       step_metrics = _step_metrics(step_rollout.played, step_rollout.stats, experience_metrics,
                                    update_metrics, state.opt_state.notfinite_count, cap,
                                    schedule.stage(step), timer)
+      step_metrics.update(settings.update.scoring.metrics(step_rollout.played))
       if settings.rollout.dynamic_sampling:
         step_metrics.update(step_rollout.metrics(settings.rollout.tasks_per_step))
         if step_metrics["dynamic_sampling/filled_groups"]:

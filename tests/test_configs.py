@@ -124,6 +124,10 @@ METHOD_CONFIGS = {
     "tis_textcraft": ("algorithm", "rollout_correction", "token_tis"),
     "lora_textcraft": ("checkpoint", "export_format", "peft"),
     "gigpo_textcraft": ("algorithm", "advantage", "gigpo"),
+    "clip_cov_textcraft": ("algorithm", "policy_loss", "clip_cov"),
+    "kl_cov_textcraft": ("algorithm", "policy_loss", "kl_cov"),
+    "masked_truncation_textcraft": ("algorithm", "truncated_episodes", "mask"),
+    "turn_rewards_sciworld": ("algorithm", "reward_placement", "turn"),
 }
 
 
@@ -133,13 +137,19 @@ def test_method_configs_and_variants_validate_and_select_their_method(name, vari
   c = load(name)(variant)
   block, key, value = METHOD_CONFIGS[name]
   assert c[block][key] == value
-  assert c.env.name == "textcraft"
+  assert c.env.name == name.rpartition("_")[2]
   settings = settings_lib.Settings.from_config(c)
   assert settings.rollout.dynamic_sampling == (name == "dapo_textcraft")
   assert settings.update.loss.policy_loss == c.algorithm.policy_loss
   assert settings.update.loss.rollout_correction == c.algorithm.rollout_correction
   assert (settings.model.lora is not None) == (name == "lora_textcraft")
   assert settings.update.loss.advantage_estimator == c.algorithm.advantage
+  assert settings.update.scoring.truncated_episodes == c.algorithm.truncated_episodes
+  # DAPO's overlong buffer: a quarter of the reply budget, locally too.
+  overlong = settings.update.scoring.overlong
+  assert (overlong is not None) == (name == "dapo_textcraft")
+  if overlong is not None:
+    assert overlong.length * 4 == overlong.max_new_tokens == c.rollout.max_new_tokens
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -210,5 +220,10 @@ def test_the_loss_settings_carry_what_the_estimator_reads_from_the_config():
   # The in-reward penalty's estimator is its own key, k1 by default, whatever the loss's is.
   assert (loss.kl_estimator, loss.kl_in_reward_estimator) == ("low_var_kl", "k1")
   c.algorithm.advantage = "gae"
-  assert settings_lib.Settings.from_config(c).update.loss.advantage_options == (("gamma", 1.0),
-                                                                                ("lam", 1.0))
+  c.algorithm.reward_placement = "turn"
+  assert settings_lib.Settings.from_config(c).update.loss.advantage_options == (
+      ("gamma", 1.0), ("lam", 1.0), ("reward_placement", "turn"))
+  c.algorithm.policy_loss = "clip_cov"
+  c.algorithm.clip_cov_ub = 4.0
+  assert settings_lib.Settings.from_config(c).update.loss.policy_loss_options == (
+      ("clip_cov_ratio", 2e-4), ("clip_cov_lb", 1.0), ("clip_cov_ub", 4.0))

@@ -19,13 +19,14 @@ def _trajectory(task_id, reward, termination="done"):
 
 def test_a_group_has_signal_when_the_rewards_entering_the_loss_differ():
   same = [_trajectory(0, 1.0), _trajectory(0, 1.0)]
-  assert not trainer.has_signal(same, "exclude")
-  assert trainer.has_signal([_trajectory(0, 1.0), _trajectory(0, 0.0)], "exclude")
+  assert not trainer.has_signal(same, rollout.EpisodeScoring("exclude"))
+  assert trainer.has_signal([_trajectory(0, 1.0), _trajectory(0, 0.0)],
+                            rollout.EpisodeScoring("exclude"))
   # A failed episode (reward 1 before the env broke) is left out under "exclude": the group's
   # rewards are {1}; under "zero_reward" it counts as 0: {1, 0}.
   failed = [_trajectory(0, 1.0), _trajectory(0, 1.0, termination=ENV_ERROR)]
-  assert not trainer.has_signal(failed, "exclude")
-  assert trainer.has_signal(failed, "zero_reward")
+  assert not trainer.has_signal(failed, rollout.EpisodeScoring("exclude"))
+  assert trainer.has_signal(failed, rollout.EpisodeScoring("zero_reward"))
 
 
 # The fake environment's rewards per task: tasks 0-3 give a group without signal, 4-7 with.
@@ -55,7 +56,7 @@ def _play(order, *, dynamic_sampling=True, max_rounds=3):
   play = _FakeEpisodes()
   step = trainer.play_step(play, lambda r: order[2 * r:2 * r + 2], tasks_per_step=2,
                            samples_per_task=2, dynamic_sampling=dynamic_sampling,
-                           max_rounds=max_rounds, failed_episodes="exclude")
+                           max_rounds=max_rounds, scoring=rollout.EpisodeScoring())
   return play, step
 
 

@@ -176,7 +176,7 @@ def test_pack_gives_a_failed_episode_no_turns_or_no_reward(failed_episodes):
   turns = [([7, 8], [2, 1], 0.0), ([5], [3, 1], 1.0)]
   batch = rollout.pack(
       [_trajectory(0, turns), _trajectory(0, turns, termination="env_error")],
-      failed_episodes=failed_episodes)
+      scoring=rollout.EpisodeScoring(failed_episodes))
   assert batch.turn_rewards.shape == (2, 2)
   if failed_episodes == "exclude":
     np.testing.assert_array_equal(batch.turn_anchors[1], [-1, -1])

@@ -180,7 +180,7 @@ def test_update_trains_only_the_adapters_whose_state_alone_the_optimizer_holds(
   state, out = jax.jit(learner.update_step, static_argnames=learner.UPDATE_STATIC_ARGNAMES)(
       networks, learner.UpdateState((jax.tree.map(jnp.copy, policy.params), None), opt_state),
       batch, experience, optimizer=settings.update.optimizer, loss=settings.update.loss,
-      dropout_key=state_lib.dropout_key(settings, 0, 0))
+      key=state_lib.update_key(settings, 0, 0))
   assert float(out["grad_norm"]) > 0
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, policy.frozen), base_before)
   moved = [

@@ -159,16 +159,18 @@ def test_policy_loss_registry_names_each_loss_and_its_config_keys():
   c = config_lib.base_config()
   for name, entry in losses.POLICY_LOSSES.items():
     assert losses.get_policy_loss(name) is entry
-    for key in entry.clip_keys:
+    for key in (entry.clip_keys or ()) + entry.options:
       assert key in c.algorithm
   assert [n for n, e in losses.POLICY_LOSSES.items() if e.dual_clip] == ["ppo"]
-  with pytest.raises(ValueError, match="Unknown policy loss 'grpo'; expected one of: 'cispo', "
-                     "'gspo', 'ppo'"):
+  assert [n for n, e in losses.POLICY_LOSSES.items() if e.draws] == ["clip_cov"]
+  with pytest.raises(
+      ValueError, match="Unknown policy loss 'grpo'; expected one of: 'cispo', "
+      "'clip_cov', 'gspo', 'kl_cov', 'ppo'"):
     losses.get_policy_loss("grpo")
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("policy_loss", "dapo", r"algorithm.policy_loss='dapo' is not one of \['cispo', 'gspo'"),
+    ("policy_loss", "dapo", r"algorithm.policy_loss='dapo' is not one of \['cispo', 'clip_cov'"),
     ("gspo_clip_eps_high", 0.0, r"algorithm.gspo_clip_eps_high=0.0 must be > 0"),
     ("cispo_clip_eps_low", 1.5, r"algorithm.cispo_clip_eps_low=1.5 must be <= 1"),
     ("dual_clip_c", 3.0, r"algorithm.dual_clip_c=3.0 is PPO's; algorithm.policy_loss='gspo' "

@@ -89,6 +89,46 @@ def place_on_last_trained_token(rewards: jax.Array, loss_mask: jax.Array) -> jax
   return jax.nn.one_hot(last_trained, num_tokens, dtype=jnp.float32) * rewards[:, None]
 
 
+def place_turn_rewards(turn_rewards: jax.Array, turn_index: jax.Array,
+                       loss_mask: jax.Array) -> jax.Array:
+  """Puts each turn's reward on the last trained token of that turn.
+
+  Args:
+    turn_rewards: f32[B, K] the reward of each turn slot.
+    turn_index: int[B, T] aligned with loss_mask: k on the tokens of turn k, -1 elsewhere.
+    loss_mask: [B, T] trained-token mask.
+
+  Returns:
+    f32[B, T] zeros except turn_rewards[b, k] at the last trained token of row b's turn k. A
+    turn without a trained token gets no reward.
+  """
+  trained = loss_mask.astype(bool) & (turn_index >= 0)
+  following = jnp.concatenate([turn_index[:, 1:], jnp.full_like(turn_index[:, :1], -1)], axis=1)
+  following_trained = jnp.concatenate([trained[:, 1:], jnp.zeros_like(trained[:, :1])], axis=1)
+  last = trained & ~(following_trained & (following == turn_index))
+  reward = jnp.take_along_axis(turn_rewards.astype(jnp.float32), jnp.maximum(turn_index, 0), axis=1)
+  return jnp.where(last, reward, 0.0)
+
+
+REWARD_PLACEMENTS = ("outcome", "turn")
+
+
+def _step_rewards(rewards: jax.Array, loss_mask: jax.Array, token_rewards: jax.Array | None,
+                  placement: str, turn_index: jax.Array | None,
+                  turn_rewards: jax.Array | None) -> jax.Array:
+  """The per-token rewards of the token-level estimators: the outcome on the last trained token
+  ("outcome") or each turn's reward on its last trained token ("turn"), plus token_rewards."""
+  if placement == "outcome":
+    placed = place_on_last_trained_token(rewards, loss_mask)
+  elif placement == "turn":
+    if turn_index is None or turn_rewards is None:
+      raise ValueError("reward_placement='turn' needs `turn_index` and `turn_rewards`")
+    placed = place_turn_rewards(turn_rewards, turn_index, loss_mask)
+  else:
+    raise ValueError(f"reward_placement={placement!r} is not one of {REWARD_PLACEMENTS}")
+  return placed if token_rewards is None else placed + token_rewards
+
+
 def group_mean_and_std(rewards: jax.Array, group_ids: jax.Array,
                        num_groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per-trajectory statistics of the trajectory's group, by segment sums over `group_ids`.
@@ -165,7 +205,9 @@ def grpo_advantages(rewards: jax.Array, loss_mask: jax.Array, group_ids: jax.Arr
     A_i =  r_i - mean_g(r)                        otherwise
 
   over the samples g of trajectory i's task: `group_scores` of the outcome rewards, whose
-  docstring gives the std options and the zero advantage of singleton and uniform groups.
+  docstring gives the std options and the zero advantage of singleton and uniform groups. The
+  outcome r_i is the sum of the episode's turn rewards: GRPO (and RLOO) credit every token
+  with it, whatever turn earned it, so algorithm.reward_placement does not apply to them.
 
   Returns:
     f32[B, T] advantages, A_i on row i's trained tokens and 0 elsewhere.
@@ -211,7 +253,10 @@ def _discounted_returns(token_rewards: jax.Array, loss_mask: jax.Array, gamma: f
 
 
 def reinforce_plus_plus_advantages(rewards: jax.Array, loss_mask: jax.Array, *,
-                                   token_rewards: jax.Array | None = None, gamma: float = 1.0,
+                                   token_rewards: jax.Array | None = None,
+                                   reward_placement: str = "outcome",
+                                   turn_index: jax.Array | None = None,
+                                   turn_rewards: jax.Array | None = None, gamma: float = 1.0,
                                    eps: float = 1e-8) -> Advantages:
   """REINFORCE++: discounted token-level returns, whitened over every trained token in the batch.
 
@@ -221,21 +266,24 @@ def reinforce_plus_plus_advantages(rewards: jax.Array, loss_mask: jax.Array, *,
     G_k = r_k + gamma * G_{k+1},  G_{K+1} = 0
     A   = (G - mean(G)) / sqrt(var(G) + eps)       (masked mean/var over the whole batch)
 
-  `token_rewards` on untrained positions are ignored.
+  With reward_placement "turn" each turn's reward (turn_rewards, turn_index as `Turns`) sits
+  on the last trained token of its turn instead of R on the row's last: a turn's return counts
+  the rewards of it and the turns after it, not those earned before. `token_rewards` on
+  untrained positions are ignored.
 
   Returns:
     Advantages(advantages=A, returns=G), both f32[B, T] and 0 on untrained tokens.
   """
-  step_rewards = place_on_last_trained_token(rewards, loss_mask)
-  if token_rewards is not None:
-    step_rewards = step_rewards + token_rewards
+  step_rewards = _step_rewards(rewards, loss_mask, token_rewards, reward_placement, turn_index,
+                               turn_rewards)
   returns = _discounted_returns(step_rewards, loss_mask, gamma)
   return Advantages(masked.masked_whiten(returns, loss_mask, eps), returns)
 
 
 def gae_advantages(rewards: jax.Array, loss_mask: jax.Array, values: jax.Array, *,
-                   token_rewards: jax.Array | None = None, gamma: float = 1.0, lam: float = 1.0,
-                   eps: float = 1e-8) -> Advantages:
+                   token_rewards: jax.Array | None = None, reward_placement: str = "outcome",
+                   turn_index: jax.Array | None = None, turn_rewards: jax.Array | None = None,
+                   gamma: float = 1.0, lam: float = 1.0, eps: float = 1e-8) -> Advantages:
   """Generalised advantage estimation (PPO) over each row's trained-token subsequence.
 
   Over the trained tokens t_1 < ... < t_K of a row, with V_k = values[t_k]:
@@ -249,14 +297,14 @@ def gae_advantages(rewards: jax.Array, loss_mask: jax.Array, values: jax.Array, 
   are not whitened. Observation tokens are skipped: the value of the state after an
   environment reply is read at the next assistant token, where the policy acts again. Without
   `place_on_last_trained_token` the outcome would sit on an untrained token and every delta
-  would miss it, which is the reference implementation's defect.
+  would miss it, which is the reference implementation's defect. With reward_placement "turn"
+  r_k holds turn rewards as in `reinforce_plus_plus_advantages`.
 
   Returns:
     Advantages(advantages, returns), both f32[B, T] and 0 on untrained tokens.
   """
-  step_rewards = place_on_last_trained_token(rewards, loss_mask)
-  if token_rewards is not None:
-    step_rewards = step_rewards + token_rewards
+  step_rewards = _step_rewards(rewards, loss_mask, token_rewards, reward_placement, turn_index,
+                               turn_rewards)
   trained = loss_mask.astype(bool)
 
   def step(carry, inputs):
@@ -341,7 +389,9 @@ def gigpo_advantages(rewards: jax.Array, loss_mask: jax.Array, group_ids: jax.Ar
   anchor no other turn shares has A^S = 0. The first turn's anchor is the prompt, which a
   task's samples share, so for outcome rewards and gamma = 1 its step group is the episode
   group. (verl-agent takes the episode-level mean and std over a group's turns rather than its
-  trajectories; here A^E is the paper's per-trajectory GRPO advantage.)
+  trajectories; here A^E is the paper's per-trajectory GRPO advantage.) Both reward placements
+  are built in: the outcome at the episode level, each turn's reward at the step level, so
+  algorithm.reward_placement does not apply.
 
   Args:
     rewards: f32[B] outcome rewards (the sum of each row's turn rewards).
@@ -484,6 +534,10 @@ class AdvantageEstimator:
 
 
 _GROUPS = ("group_ids", "num_groups")
+# A token-level estimator adds per-token rewards (a KL penalty) and places the environment's
+# rewards on the outcome's token or on each turn's (algorithm.reward_placement).
+_TOKEN_REWARDS = ("token_rewards", "turn_index", "turn_rewards")
+_PLACED = (("reward_placement", "reward_placement"),)
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     estimator.name: estimator for estimator in (
@@ -492,10 +546,11 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
                 "normalize_by_std", "grpo_normalize_by_std"), ("std", "grpo_std"), ("eps",
                                                                                     "grpo_eps"))),
         AdvantageEstimator("rloo", _with_outcome_returns(rloo_advantages), needs=_GROUPS),
-        AdvantageEstimator("reinforce_plus_plus", reinforce_plus_plus_advantages, accepts=(
-            "token_rewards",), hyperparameters=(("gamma", "gamma"),)),
-        AdvantageEstimator("gae", gae_advantages, needs=("values",), accepts=(
-            "token_rewards",), hyperparameters=(("gamma", "gamma"), ("lam", "lam"))),
+        AdvantageEstimator("reinforce_plus_plus", reinforce_plus_plus_advantages,
+                           accepts=_TOKEN_REWARDS, hyperparameters=_PLACED + (("gamma", "gamma"),)),
+        AdvantageEstimator("gae", gae_advantages, needs=(
+            "values",), accepts=_TOKEN_REWARDS, hyperparameters=_PLACED + (("gamma", "gamma"),
+                                                                           ("lam", "lam"))),
         AdvantageEstimator(
             "gigpo", _gigpo_estimate, needs=_GROUPS +
             _TURNS, hyperparameters=(("step_weight", "gigpo_step_weight"), ("gamma", "gamma"),

@@ -18,7 +18,9 @@ tokens a trajectory can have trained, so no trajectory's length rescales its tok
 length T.
 
 The policy losses (`POLICY_LOSSES`, chosen by algorithm.policy_loss) share one signature: PPO's
-clipped surrogate, GSPO's sequence-level ratio and CISPO's clipped importance weight.
+clipped surrogate, GSPO's sequence-level ratio, CISPO's clipped importance weight, and the
+entropy controls Clip-Cov and KL-Cov, which act on the few tokens whose advantage and log-prob
+covary most.
 
 Hyperparameters (clip epsilons, beta, temperature, aggregation, chunk size) are Python values
 validated eagerly, so they are static under jit (bind them with functools.partial).
@@ -30,7 +32,7 @@ A trainer combines them as, e.g. for GRPO,
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -197,6 +199,27 @@ def policy_gradient_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantage
       approx_kl:          KL(old || new) by the k3 estimator, mean over trained tokens
       ratio_mean, ratio_max: of rho over trained tokens
   """
+  ppo = _ppo_terms(logprobs, old_logprobs, advantages, clip)
+  metrics = {
+      "clip_fraction": masked.masked_mean(ppo.clip_active.astype(jnp.float32), loss_mask),
+      "dual_clip_fraction": masked.masked_mean(ppo.dual_clip_active.astype(jnp.float32), loss_mask),
+      **_ratio_metrics(ppo.ratio, ppo.log_ratio, loss_mask),
+  }
+  per_token = _weighted(ppo.per_token, importance_weights)
+  return aggregate(per_token, loss_mask, aggregation, scale_tokens=scale_tokens), metrics
+
+
+class _PPOTerms(NamedTuple):
+  per_token: jax.Array  # l_t
+  clip_active: jax.Array  # where the clipped term is the larger
+  dual_clip_active: jax.Array  # where the dual clip's bound replaced it
+  ratio: jax.Array  # rho_t
+  log_ratio: jax.Array  # log rho_t, clipped to +-_MAX_LOG_RATIO
+
+
+def _ppo_terms(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
+               clip: Clip) -> _PPOTerms:
+  """`policy_gradient_loss`'s per-token loss l_t (before weights) and where its clips act."""
   log_ratio = jnp.clip(logprobs - old_logprobs, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
   ratio = jnp.exp(log_ratio)
   unclipped = -advantages * ratio
@@ -209,14 +232,7 @@ def policy_gradient_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantage
     dual_bound = -clip.dual_c * advantages
     dual_clip_active = (advantages < 0) & (per_token > dual_bound)
     per_token = jnp.where(dual_clip_active, dual_bound, per_token)
-
-  metrics = {
-      "clip_fraction": masked.masked_mean(clip_active.astype(jnp.float32), loss_mask),
-      "dual_clip_fraction": masked.masked_mean(dual_clip_active.astype(jnp.float32), loss_mask),
-      **_ratio_metrics(ratio, log_ratio, loss_mask),
-  }
-  per_token = _weighted(per_token, importance_weights)
-  return aggregate(per_token, loss_mask, aggregation, scale_tokens=scale_tokens), metrics
+  return _PPOTerms(per_token, clip_active, dual_clip_active, ratio, log_ratio)
 
 
 def gspo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
@@ -293,16 +309,133 @@ def cispo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Arr
   return aggregate(per_token, loss_mask, aggregation, scale_tokens=scale_tokens), metrics
 
 
+def advantage_logprob_covariance(advantages: jax.Array, logprobs: jax.Array,
+                                 loss_mask: jax.Array) -> jax.Array:
+  """Each trained token's term of the covariance between advantage and log-prob over the
+  batch's trained tokens (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for
+  Reasoning Language Models", eq. 11):
+
+    cov_t = (A_t - mean(A)) (logp_t - mean(logp))        means over trained tokens
+
+  Tokens of high covariance are confident and rewarded (or unlikely and penalised): the updates
+  on them are what lowers the policy's entropy. A constant of the batch (no gradient); 0 on
+  untrained tokens."""
+  logprobs = jax.lax.stop_gradient(logprobs)
+  advantages = jax.lax.stop_gradient(advantages)
+  centred = ((advantages - masked.masked_mean(advantages, loss_mask)) *
+             (logprobs - masked.masked_mean(logprobs, loss_mask)))
+  return jnp.where(loss_mask.astype(bool), centred, 0.0)
+
+
+def first_in_order(priority: jax.Array, eligible: jax.Array, count: jax.Array) -> jax.Array:
+  """The `count` eligible elements of lowest `priority` (ties by position), as a bool mask of
+  priority's shape; all of them if fewer are eligible."""
+  flat = jnp.where(eligible, priority, jnp.inf).reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))
+  return eligible & (rank.reshape(priority.shape) < count)
+
+
+def _selected_count(ratio: float, loss_mask: jax.Array) -> jax.Array:
+  """max(floor(ratio x trained tokens), 1), as verl counts the tokens Clip-Cov and KL-Cov act on."""
+  trained = jnp.sum(loss_mask.astype(bool))
+  return jnp.maximum(jnp.floor(ratio * trained.astype(jnp.float32)).astype(jnp.int32), 1)
+
+
+def clip_cov_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
+                  loss_mask: jax.Array, *, key: jax.Array, clip: Clip = Clip(0.2),
+                  clip_cov_ratio: float = 2e-4, clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0,
+                  aggregation: str = "token-mean", scale_tokens: float | None = None,
+                  importance_weights: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
+  """Clip-Cov (Cui et al. 2025, sec. 4.2; verl's policy_loss clip_cov): PPO's clipped surrogate
+  whose gradient is removed from a few tokens of high covariance, against entropy collapse.
+
+    cov_t  = `advantage_logprob_covariance` at token t
+    C      = the trained tokens PPO's clip leaves active with clip_cov_lb < cov_t < clip_cov_ub
+    D      = max(floor(clip_cov_ratio x trained tokens), 1) tokens of C drawn uniformly with
+             `key` (all of C if it is smaller)
+    l_t    = 0 on D, PPO's max(-A_t rho_t, -A_t clip(rho_t, 1 - eps_low, 1 + eps_high)) elsewhere
+    l_t    = w_t l_t                   with importance_weights w
+
+  A token of D still counts in the aggregation's denominator, as in verl. The draw is a pure
+  function of `key` (the update's: a resumed run draws what an uninterrupted one draws).
+
+  Returns:
+    (loss, metrics) with clip_fraction (PPO's clip active), cov_detached_fraction (|D| over
+    the trained tokens), approx_kl, ratio_mean and ratio_max as `policy_gradient_loss`.
+  """
+  _no_dual_clip(clip, "Clip-Cov")
+  if clip_cov_ratio <= 0 or clip_cov_lb >= clip_cov_ub:
+    raise ValueError(f"Clip-Cov needs clip_cov_ratio > 0 and clip_cov_lb < clip_cov_ub, got "
+                     f"{clip_cov_ratio}, {clip_cov_lb}, {clip_cov_ub}")
+  ppo = _ppo_terms(logprobs, old_logprobs, advantages, clip)
+  covariance = advantage_logprob_covariance(advantages, logprobs, loss_mask)
+  candidates = (loss_mask.astype(bool) & ~ppo.clip_active & (covariance > clip_cov_lb) &
+                (covariance < clip_cov_ub))
+  detached = first_in_order(jax.random.uniform(key, covariance.shape), candidates,
+                            _selected_count(clip_cov_ratio, loss_mask))
+  per_token = jnp.where(detached, 0.0, ppo.per_token)
+  metrics = {
+      "clip_fraction": masked.masked_mean(ppo.clip_active.astype(jnp.float32), loss_mask),
+      "cov_detached_fraction": masked.masked_mean(detached.astype(jnp.float32), loss_mask),
+      **_ratio_metrics(ppo.ratio, ppo.log_ratio, loss_mask),
+  }
+  per_token = _weighted(per_token, importance_weights)
+  return aggregate(per_token, loss_mask, aggregation, scale_tokens=scale_tokens), metrics
+
+
+def kl_cov_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
+                loss_mask: jax.Array, *, kl_cov_ratio: float = 2e-4, ppo_kl_coef: float = 1.0,
+                aggregation: str = "token-mean", scale_tokens: float | None = None,
+                importance_weights: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
+  """KL-Cov (Cui et al. 2025, sec. 4.2; verl's policy_loss kl_cov): the unclipped surrogate,
+  with a KL penalty on the tokens of largest covariance.
+
+    K   = the max(floor(kl_cov_ratio x trained tokens), 1) trained tokens of largest
+          `advantage_logprob_covariance` (ties by position)
+    l_t = -A_t rho_t + ppo_kl_coef |log rho_t|     on K
+    l_t = -A_t rho_t                               elsewhere (no clip, as in the paper)
+    l_t = w_t l_t                                  with importance_weights w
+
+  Returns:
+    (loss, metrics) with cov_penalised_fraction (|K| over the trained tokens), abs_kl (the mean
+    |log rho| over trained tokens), approx_kl, ratio_mean and ratio_max.
+  """
+  if kl_cov_ratio <= 0 or ppo_kl_coef < 0:
+    raise ValueError(f"KL-Cov needs kl_cov_ratio > 0 and ppo_kl_coef >= 0, got {kl_cov_ratio}, "
+                     f"{ppo_kl_coef}")
+  log_ratio = jnp.clip(logprobs - old_logprobs, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+  ratio = jnp.exp(log_ratio)
+  covariance = advantage_logprob_covariance(advantages, logprobs, loss_mask)
+  penalised = first_in_order(-covariance, loss_mask.astype(bool),
+                             _selected_count(kl_cov_ratio, loss_mask))
+  per_token = -advantages * ratio + jnp.where(penalised, ppo_kl_coef * jnp.abs(log_ratio), 0.0)
+  metrics = {
+      "cov_penalised_fraction": masked.masked_mean(penalised.astype(jnp.float32), loss_mask),
+      "abs_kl": masked.masked_mean(jnp.abs(log_ratio), loss_mask),
+      **_ratio_metrics(ratio, log_ratio, loss_mask),
+  }
+  per_token = _weighted(per_token, importance_weights)
+  return aggregate(per_token, loss_mask, aggregation, scale_tokens=scale_tokens), metrics
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicyLoss:
-  """A registry entry: `fn(logprobs, old_logprobs, advantages, loss_mask, *, clip, aggregation,
-  scale_tokens, importance_weights)` (a `Clip` with a dual clip's c only if `dual_clip`), and
-  the algorithm.* config keys of its clip range."""
+  """A registry entry: `fn(logprobs, old_logprobs, advantages, loss_mask, *, aggregation,
+  scale_tokens, importance_weights, **more)`, where `more` holds
+
+    clip      a `Clip` of the algorithm.* keys `clip_keys` (with a dual clip's c only if
+              `dual_clip`); None: the loss has no clip range
+    options   the algorithm.* keys it reads, passed under their own names
+    key       a PRNG key, if it `draws` (its token choice is random)
+  """
 
   name: str
   fn: Callable[..., tuple[jax.Array, Metrics]]
-  clip_keys: tuple[str, str]
+  clip_keys: tuple[str, str] | None
   dual_clip: bool = False
+  options: tuple[str, ...] = ()
+  draws: bool = False
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {
@@ -310,7 +443,10 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
     for entry in (PolicyLoss("ppo", policy_gradient_loss, ("clip_eps_low",
                                                            "clip_eps_high"), dual_clip=True),
                   PolicyLoss("gspo", gspo_loss, ("gspo_clip_eps_low", "gspo_clip_eps_high")),
-                  PolicyLoss("cispo", cispo_loss, ("cispo_clip_eps_low", "cispo_clip_eps_high")))
+                  PolicyLoss("cispo", cispo_loss, ("cispo_clip_eps_low", "cispo_clip_eps_high")),
+                  PolicyLoss("clip_cov", clip_cov_loss, ("clip_eps_low", "clip_eps_high"), options=(
+                      "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), draws=True),
+                  PolicyLoss("kl_cov", kl_cov_loss, None, options=("kl_cov_ratio", "ppo_kl_coef")))
 }
 
 
