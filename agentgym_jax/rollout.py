@@ -17,6 +17,7 @@ the next turn would not fit the context, or when the environment fails (recorded
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -31,7 +32,7 @@ from agentgym_jax.batch import Batch, packed_length, share_prompts
 from agentgym_jax.models.tokenizer import ChatTemplate
 from agentgym_jax.sampling import Sampler, SamplingParams
 from environments import jsonl
-from environments.base import CONTEXT, DONE, ENV_ERROR, ENV_TIMEOUT, HORIZON, EnvError
+from environments.base import CONTEXT, DONE, ENV_ERROR, ENV_TIMEOUT, HORIZON, EnvError, StepResult
 from environments.pool import EnvPool
 
 T = TypeVar("T")
@@ -130,16 +131,25 @@ class RolloutStats:
   generate_s is the time the device was busy generating (from each decode call to its outputs
   being ready), env_s the time the env pool was busy (resets and steps), env_hidden_s the part
   of env_s during which generation was in flight too: env time that pipelining hid.
+  decode_row_steps counts the rows of every decode step (a generate call runs all of its
+  sampler's rows until its longest reply ends), of which generated_tokens were live.
   """
 
   generate_s: float = 0.0
   env_s: float = 0.0
   env_hidden_s: float = 0.0
   generated_tokens: int = 0
+  decode_row_steps: int = 0
 
   @property
   def env_hidden_fraction(self) -> float:
     return self.env_hidden_s / self.env_s if self.env_s > 0 else 0.0
+
+  @property
+  def idle_row_fraction(self) -> float:
+    """The share of decode row-steps that generated nothing: rows whose episode had ended (or
+    that held none), and rows whose reply ended before the longest of their call."""
+    return 1.0 - self.generated_tokens / self.decode_row_steps if self.decode_row_steps else 0.0
 
   @classmethod
   def total(cls, parts: Sequence[RolloutStats]) -> RolloutStats:
@@ -150,8 +160,9 @@ class RolloutStats:
 @dataclasses.dataclass(frozen=True)
 class Player:
   """What plays episodes: a sampler with the policy's parameters, the environment pool, the
-  chat layout, how each turn samples, the context limit, and the pipelined groups a call splits
-  its rows into (`collect`).
+  chat layout, how each turn samples, the context limit, the pipelined groups a call splits its
+  rows into (`collect`), and whether `collect_waves` refills a row as soon as its episode ends
+  (continuous batching) instead of playing waves.
   """
 
   sampler: Sampler
@@ -161,6 +172,7 @@ class Player:
   sampling: TurnSampling
   max_context: int
   groups: int = 1
+  refill: bool = False
 
   def in_groups(self, rows: int) -> Player:
     """This player for a call of `rows` rows: at most that many groups."""
@@ -169,10 +181,14 @@ class Player:
 
 def collect_waves(player: Player, tasks: Sequence[tuple[int, int]], *, wave_rows: int, horizon: int,
                   key: jax.Array, first_row: int = 0) -> tuple[list[Trajectory], RolloutStats]:
-  """`collect` over `tasks` in consecutive waves of `wave_rows` trajectories, each wave on
-  the sampler's rows and the pool's slots from 0. A trajectory draws from the keys of its row
-  in the whole (first_row + its index), as in one call; only one wave's cache and episodes are
-  alive at a time."""
+  """`collect` over `tasks` on `wave_rows` rows at a time, the sampler's rows and the pool's
+  slots from 0: in consecutive waves, each waiting for its longest episode, or with
+  `player.refill` in one call whose rows take the next episode as soon as theirs ends. A
+  trajectory draws from the keys of its row in the whole (first_row + its index), as in one
+  call; only `wave_rows` episodes are alive at a time."""
+  if player.refill:
+    return collect(player.in_groups(min(wave_rows, len(tasks))), tasks, horizon=horizon, key=key,
+                   first_row=first_row, rows=wave_rows)
   played, stats = [], []
   for start in range(0, len(tasks), wave_rows):
     wave = tasks[start:start + wave_rows]
@@ -184,159 +200,205 @@ def collect_waves(player: Player, tasks: Sequence[tuple[int, int]], *, wave_rows
 
 
 def collect(player: Player, tasks: Sequence[tuple[int, int]], *, horizon: int, key: jax.Array,
-            first_row: int = 0) -> tuple[list[Trajectory], RolloutStats]:
-  """Plays one episode per (task_id, group) in `tasks` with `player`, all at once, up to
-  `horizon` turns.
+            first_row: int = 0, rows: int | None = None) -> tuple[list[Trajectory], RolloutStats]:
+  """Plays one episode per (task_id, group) in `tasks` with `player`, up to `horizon` turns, on
+  `rows` rows at once (default: one per task).
 
-  Trajectory i plays on slot i of the pool. The recorded log-probs are the sampler's log
+  The rows are the pool's slots 0..rows-1 and the sampler's rows. Episodes start in order, each
+  on the first free row; with fewer rows than tasks, a row whose episode ends takes the next
+  one at once (continuous batching): its cache row is released and the new prompt prefilled
+  while the other rows keep their episodes. The recorded log-probs are the sampler's log
   q(token) under the distribution it actually drew from. Turn t of trajectory i draws from
-  fold_in(fold_in(key, t), first_row + i): a process playing rows from `first_row` of a larger
-  batch samples what one sampler holding every row would.
+  fold_in(fold_in(key, t), first_row + i), whichever row plays it: a process playing rows from
+  `first_row` of a larger batch samples what one sampler holding every row would, and an
+  episode samples the same tokens on any row (up to the rounding of other batch shapes).
 
-  Pipelining. The trajectories are split into `player.groups` groups of consecutive rows, each
-  on its own state of the sampler (which needs as many rows as the largest group). The groups
-  take turns on the host: a group dispatches its decode (JAX returns before the device finishes) and
+  Pipelining. The rows are split into `player.groups` groups of consecutive rows, each on its
+  own state of the sampler (which needs as many rows as the largest group). The groups take
+  turns on the host: a group dispatches its decode (JAX returns before the device finishes) and
   hands over, so the host steps another group's environments while the device decodes. A
   trajectory samples exactly what it would in one group; only the decode batches are smaller.
   """
-  sampler, params, pool, chat = player.sampler, player.params, player.pool, player.chat
-  sampling, max_context, groups = player.sampling, player.max_context, player.groups
-  if not 1 <= groups <= max(len(tasks), 1):
-    raise ValueError(f"groups={groups} must be in [1, {len(tasks)}] for {len(tasks)} "
-                     "trajectories")
-  group_size = max(-(-len(tasks) // groups), 1)
-  if len(tasks) > pool.num_slots or group_size > sampler.max_batch:
-    raise ValueError(f"{len(tasks)} trajectories in {groups} groups need {len(tasks)} env "
-                     f"slots and {group_size} sampler rows; the pool has {pool.num_slots}, "
-                     f"the sampler {sampler.max_batch}")
+  sampler, pool, groups = player.sampler, player.pool, player.groups
+  rows = len(tasks) if rows is None else min(rows, len(tasks))
+  if not 1 <= groups <= max(rows, 1):
+    raise ValueError(f"groups={groups} must be in [1, {rows}] for {rows} rows")
+  group_size = max(-(-rows // groups), 1)
+  if rows > pool.num_slots or group_size > sampler.max_batch:
+    raise ValueError(f"{rows} trajectories at once in {groups} groups need {rows} env slots "
+                     f"and {group_size} sampler rows; the pool has {pool.num_slots}, the "
+                     f"sampler {sampler.max_batch}")
   categories = {t: _category(pool, t) for t in {t for t, _ in tasks}}
   trajectories = [
       Trajectory(task_id=t, group=g, env=pool.env_name, category=categories[t]) for t, g in tasks
   ]
   with _Timeline(groups) as timeline:
-    first = timeline.env(pool.reset_async([(i, t.task_id) for i, t in enumerate(trajectories)]))
-    instruction, tools = pool.instruction, pool.tools
-    prompts: dict[int, list[int]] = {}
-    for i, (trajectory, result) in enumerate(zip(trajectories, first.result())):
-      if result.done:  # The environment failed to start the episode.
-        _end(trajectory, result.info.get("termination", ENV_ERROR), result.info)
-        continue
-      trajectory.messages.append(
-          {"role": "user", "content": f"{instruction}\n\n{result.observation}"})
-      trajectory.tools = tools
-      prompt = chat.render(trajectory.messages, add_generation_prompt=True, tools=tools)
-      if len(prompt) + sampling.max_new_tokens > max_context:
-        _end(trajectory, CONTEXT, {"reason": f"prompt of {len(prompt)} tokens"})
-        continue
-      trajectory.observe(prompt)
-      prompts[i] = prompt
-
-    episodes = _Episodes(sampler, params, pool, chat, trajectories, horizon=horizon,
-                         sampling=sampling, max_context=max_context, key=key, first_row=first_row,
-                         timeline=timeline)
+    episodes = _Episodes(player, trajectories, horizon=horizon, key=key, first_row=first_row,
+                         timeline=timeline, queue=collections.deque(range(len(tasks))))
     _round_robin([
-        episodes.play(range(start, min(start + group_size, len(tasks))), prompts)
-        for start in range(0, len(tasks), group_size)
+        episodes.play(range(start, min(start + group_size, rows)))
+        for start in range(0, rows, group_size)
     ])
-  return trajectories, timeline.stats(episodes.generated_tokens)
+  return trajectories, timeline.stats(episodes.generated_tokens, episodes.decode_row_steps)
 
 
 @dataclasses.dataclass
 class _Episodes:
-  """What the groups of one `collect` call share; `play` runs one group's turns."""
+  """What the groups of one `collect` call share: the episodes still to start (`queue`, indices
+  of `trajectories`); `play` runs one group of rows."""
 
-  sampler: Sampler
-  params: Any
-  pool: EnvPool
-  chat: ChatTemplate
+  player: Player
   trajectories: list[Trajectory]
   horizon: int
-  sampling: TurnSampling
-  max_context: int
   key: jax.Array
   first_row: int
   timeline: _Timeline
+  queue: collections.deque[int]
   generated_tokens: int = 0
+  decode_row_steps: int = 0
 
-  def play(self, rows: range, prompts: dict[int, list[int]]) -> Iterator[None]:
-    """Plays trajectories `rows` (sampler row i - rows.start, pool slot i) turn by turn.
+  def play(self, slots: range) -> Iterator[None]:
+    """Plays episodes on the pool's `slots`, slot i on sampler row i - slots.start of this
+    group's own state, each row taking the queue's next episode when its own ends.
 
     Yields twice a turn, once its decode is dispatched and once its env steps are: the caller
     runs the other groups meanwhile.
     """
-    sampler, chat, sampling = self.sampler, self.chat, self.sampling
-    live = np.zeros(sampler.max_batch, bool)
-    first = {i - rows.start: prompt for i, prompt in prompts.items() if i in rows}
-    live[list(first)] = True
-    state = sampler.append(sampler.empty(), first, params=self.params)
-    for turn in range(self.horizon):
-      if not live.any():
-        return
-      row_keys = jax.vmap(jax.random.fold_in,
-                          in_axes=(None,
-                                   0))(jax.random.fold_in(self.key, turn),
-                                       self.first_row + rows.start + jnp.arange(sampler.max_batch))
+    sampler, chat, sampling = self.player.sampler, self.player.chat, self.player.sampling
+    params = self.player.params
+    # The trajectory each row plays (-1: none), the last one it played (its tokens are the row's
+    # cache until it takes another) and the turn it is at.
+    held, last = np.full(sampler.max_batch, -1), np.full(sampler.max_batch, -1)
+    turn = np.zeros(sampler.max_batch, np.int32)
+    state = sampler.append(sampler.empty(), self._start(slots, range(len(slots)),
+                                                        (held, last, turn)), params=params)
+    while (held >= 0).any():
+      live = held >= 0
+      # A free row draws with its own slot's index; it decodes nothing.
+      index = np.where(live, held, slots.start + np.arange(sampler.max_batch))
+      row_keys = jax.vmap(lambda t, i: jax.random.fold_in(jax.random.fold_in(self.key, t), i))(
+          jnp.asarray(turn), self.first_row + jnp.asarray(index))
       started = time.perf_counter()
       state, output = sampler.generate(state, row_keys, max_new_tokens=sampling.max_new_tokens,
                                        stop_ids=chat.turn_end_ids,
                                        rows=np.flatnonzero(live).tolist(),
-                                       sampling=sampling.tokens(), params=self.params,
-                                       lengths=self._lengths(rows))
+                                       sampling=sampling.tokens(), params=params,
+                                       lengths=self._lengths(last))
       self.timeline.device(started, output)
       yield  # The device decodes this group while the others step their envs.
       tokens = output.token_lists()
       logprobs = np.asarray(jax.device_get(output.sampling_logprobs))
+      self.decode_row_steps += sampler.max_batch * max(map(len, tokens))
       requests = []
       for row in np.flatnonzero(live):
         generated = tokens[row]
         self.generated_tokens += len(generated)
-        trajectory = self.trajectories[rows.start + row]
+        trajectory = self.trajectories[held[row]]
         trajectory.extend(generated, trained=True, logprobs=logprobs[row, :len(generated)])
         reply = [t for t in generated if t not in chat.turn_end_ids]
         text = chat.tokenizer.decode(reply, skip_special_tokens=True)
         trajectory.messages.append({"role": "assistant", "content": text})
-        requests.append((rows.start + int(row), text))
-      stepped = self.timeline.env(self.pool.step_async(requests))
+        requests.append((slots.start + int(row), text))
+      stepped = self.timeline.env(self.player.pool.step_async(requests))
       yield  # The pool steps this group's envs while the device decodes the others.
 
       appends: dict[int, list[int]] = {}
+      ended = []
       for (slot, _), result in zip(requests, stepped.result()):
-        row = slot - rows.start
-        trajectory = self.trajectories[slot]
-        trajectory.turn_rewards.append(float(result.reward))
-        trajectory.info = dict(result.info)
-        if result.done:
-          termination = result.info.get("termination", DONE)
-          _end(trajectory, termination if termination in (ENV_ERROR, ENV_TIMEOUT) else DONE,
-               result.info)
-          live[row] = False
+        row = slot - slots.start
+        continuation = self._continue(self.trajectories[held[row]], result, int(turn[row]),
+                                      tokens[row])
+        if continuation is None:
+          ended.append(row)
           continue
-        if turn + 1 == self.horizon:
-          _end(trajectory, HORIZON, result.info)
-          live[row] = False
-          continue
-        trajectory.messages.append({"role": "user", "content": result.observation})
-        # A reply cut by the token limit has no turn end yet: close it (untrained) first.
-        closing = chat.closing_ids(tokens[row])
-        observation = chat.continuation_ids("user", result.observation)
-        if (len(trajectory.tokens) + len(closing) + len(observation) + sampling.max_new_tokens
-            > self.max_context):
-          _end(trajectory, CONTEXT, result.info)
-          live[row] = False
-          continue
-        trajectory.extend(closing, trained=False)
-        trajectory.observe(observation)
-        appends[row] = closing + observation
+        appends[row] = continuation
+        turn[row] += 1
+      held[ended] = -1
+      if ended and self.queue:
+        refills = self._start(slots, ended, (held, last, turn))
+        state = sampler.release(state, list(refills))
+        appends.update(refills)
       if appends:
         # Reads back this group's lengths: its decode, the last work on the state, is done.
-        state = sampler.append(state, appends, params=self.params)
+        state = sampler.append(state, appends, params=params)
 
-  def _lengths(self, rows: range) -> np.ndarray:
-    """The tokens each sampler row holds: its trajectory's, kept token for token. Passed to
-    `generate` so that it does not wait for this group's prefill, queued behind another
-    group's decode, before it can queue its own decode."""
-    lengths = np.zeros(self.sampler.max_batch, np.int32)
-    lengths[:len(rows)] = [len(self.trajectories[i].tokens) for i in rows]
+  def _continue(self, trajectory: Trajectory, result: StepResult, turn: int,
+                generated: list[int]) -> list[int] | None:
+    """Records turn `turn`'s env step; returns the tokens that continue the episode (the
+    closing of a reply cut by the token limit, the observation turn and the assistant
+    header), or None if it ended."""
+    trajectory.turn_rewards.append(float(result.reward))
+    trajectory.info = dict(result.info)
+    if result.done:
+      termination = result.info.get("termination", DONE)
+      _end(trajectory, termination if termination in (ENV_ERROR, ENV_TIMEOUT) else DONE,
+           result.info)
+      return None
+    if turn + 1 == self.horizon:
+      _end(trajectory, HORIZON, result.info)
+      return None
+    trajectory.messages.append({"role": "user", "content": result.observation})
+    # A reply cut by the token limit has no turn end yet: close it (untrained) first.
+    chat = self.player.chat
+    closing = chat.closing_ids(generated)
+    observation = chat.continuation_ids("user", result.observation)
+    if (len(trajectory.tokens) + len(closing) + len(observation) +
+        self.player.sampling.max_new_tokens > self.player.max_context):
+      _end(trajectory, CONTEXT, result.info)
+      return None
+    trajectory.extend(closing, trained=False)
+    trajectory.observe(observation)
+    return closing + observation
+
+  def _start(self, slots: range, rows: Sequence[int],
+             table: tuple[np.ndarray, np.ndarray, np.ndarray]) -> dict[int, list[int]]:
+    """Starts the queue's next episodes on the free `rows`, each reset on its row's pool slot,
+    and enters them in `table` (`play`'s held, last and turn per row); a row whose episode
+    cannot start (its environment failed, or the prompt does not fit the context) takes the
+    next one. Returns each started row's prompt."""
+    held, last, turn = table
+    prompts: dict[int, list[int]] = {}
+    rows = list(rows)
+    while rows and self.queue:
+      starts = [(row, self.queue.popleft()) for row in rows[:len(self.queue)]]
+      rows = rows[len(starts):]
+      resets = self.player.pool.reset_async([
+          (slots.start + row, self.trajectories[i].task_id) for row, i in starts
+      ])
+      for (row, i), result in zip(starts, self.timeline.env(resets).result()):
+        prompt = self._prompt(self.trajectories[i], result)
+        if prompt is None:
+          rows.append(row)
+          continue
+        held[row], last[row], turn[row] = i, i, 0
+        prompts[row] = prompt
+    return prompts
+
+  def _prompt(self, trajectory: Trajectory, result: StepResult) -> list[int] | None:
+    """Records an episode's first observation; returns its prompt, or None if the episode ended
+    there (its environment failed to start it, or the prompt does not fit the context)."""
+    if result.done:  # The environment failed to start the episode.
+      _end(trajectory, result.info.get("termination", ENV_ERROR), result.info)
+      return None
+    pool, chat = self.player.pool, self.player.chat
+    trajectory.messages.append(
+        {"role": "user", "content": f"{pool.instruction}\n\n{result.observation}"})
+    trajectory.tools = pool.tools
+    prompt = chat.render(trajectory.messages, add_generation_prompt=True, tools=pool.tools)
+    if len(prompt) + self.player.sampling.max_new_tokens > self.player.max_context:
+      _end(trajectory, CONTEXT, {"reason": f"prompt of {len(prompt)} tokens"})
+      return None
+    trajectory.observe(prompt)
+    return prompt
+
+  def _lengths(self, last: np.ndarray) -> np.ndarray:
+    """The tokens each sampler row holds: those of the trajectory it last took, kept token for
+    token (0 for a row that never took one). Passed to `generate` so that it does not wait for
+    this group's prefill, queued behind another group's decode, before it can queue its own
+    decode."""
+    lengths = np.zeros(len(last), np.int32)
+    for row in np.flatnonzero(last >= 0):
+      lengths[row] = len(self.trajectories[last[row]].tokens)
     return lengths
 
 
@@ -385,13 +447,13 @@ class _Timeline:
     future.add_done_callback(finished)
     return timed
 
-  def stats(self, generated_tokens: int) -> RolloutStats:
+  def stats(self, generated_tokens: int, decode_row_steps: int) -> RolloutStats:
     """The busy times; call after every future it watches has resolved."""
     device = _union([future.result() for future in self._device])
     env = _union(self._env)
     return RolloutStats(generate_s=_length(device), env_s=_length(env),
-                        env_hidden_s=_length(_intersection(device,
-                                                           env)), generated_tokens=generated_tokens)
+                        env_hidden_s=_length(_intersection(device, env)),
+                        generated_tokens=generated_tokens, decode_row_steps=decode_row_steps)
 
 
 def _ready_interval(started: float, arrays: Any) -> tuple[float, float]:

@@ -465,6 +465,18 @@ class Sampler:
       return self._prefill(self._params(params), state, self._place_batch(tokens),
                            self._place_batch(counts), window=window)
 
+  def release(self, state: SamplerState, rows: Sequence[int]) -> SamplerState:
+    """Empties `rows`, so that the next `append` to one prefills a new sequence there (the next
+    episode of a finished row, or a rewritten context) while the other rows keep theirs. The
+    released rows' keys and values stay in the cache past their length of 0, where attention
+    never reads (as every row's padding writes do)."""
+    for row in rows:
+      self._check_row(row)
+    if not rows:
+      return state
+    lengths = state.cache.lengths.at[jnp.asarray(list(rows), jnp.int32)].set(0)
+    return state.replace(cache=state.cache.replace(lengths=lengths))
+
   def _append_shared(self, state: SamplerState, rows_tokens: Mapping[int, Sequence[int]],
                      params: nnx.State | None) -> SamplerState:
     """`append` to empty rows: each distinct list of ids prefilled once, after the prefix they

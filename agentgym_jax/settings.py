@@ -205,6 +205,7 @@ class RolloutSettings:
     max_context, pipeline_groups: tokens per trajectory (KV-cache slots), and the row groups
       whose environment steps overlap the other groups' decoding.
     wave_rows: the rows a process plays at once (0: all of its rows); see `wave`.
+    refill: whether a row whose episode ends takes the next one at once (rollout.collect).
     cache_dtype: the KV cache's dtype ("": the model's matmul dtype).
   """
 
@@ -220,6 +221,7 @@ class RolloutSettings:
   max_context: int
   pipeline_groups: int
   wave_rows: int
+  refill: bool
   cache_dtype: str
 
   @classmethod
@@ -235,6 +237,7 @@ class RolloutSettings:
     check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
     check(r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0")
     check(r.pipeline_groups >= 1, f"rollout.pipeline_groups={r.pipeline_groups} must be >= 1")
+    check(isinstance(r.refill, bool), f"rollout.refill={r.refill!r} must be True or False")
     check(
         r.wave_rows >= 0 and r.wave_rows % r.pipeline_groups == 0,
         f"rollout.wave_rows={r.wave_rows} must be 0 (every row at once) or a positive multiple "
@@ -267,11 +270,11 @@ class RolloutSettings:
         "names, one a horizon stage, e.g. (('depth1',), ('depth1', 'depth2'))")
     return cls(sampling=_turn_sampling(c, r.temperature), tasks_per_step=r.tasks_per_step,
                samples_per_task=r.samples_per_task, dynamic_sampling=r.dynamic_sampling,
-               max_sampling_rounds=r.max_sampling_rounds,
-               curriculum=tuple(tuple(stage) for stage in r.curriculum),
-               task_sampling=r.task_sampling, task_sampling_floor=r.task_sampling_floor,
-               task_sampling_rate=r.task_sampling_rate, max_context=r.max_context,
-               pipeline_groups=r.pipeline_groups, wave_rows=r.wave_rows, cache_dtype=r.cache_dtype)
+               max_sampling_rounds=r.max_sampling_rounds, curriculum=tuple(
+                   tuple(stage) for stage in r.curriculum), task_sampling=r.task_sampling,
+               task_sampling_floor=r.task_sampling_floor, task_sampling_rate=r.task_sampling_rate,
+               max_context=r.max_context, pipeline_groups=r.pipeline_groups, wave_rows=r.wave_rows,
+               refill=r.refill, cache_dtype=r.cache_dtype)
 
   @property
   def rows(self) -> int:
@@ -294,7 +297,7 @@ class RolloutSettings:
     """`sampler` with `params` playing `pool`'s environment in the run's context limit and
     pipelined groups, sampling turns as the rollout does (or as `sampling` says)."""
     return rollout.Player(sampler, params, pool, chat, sampling or self.sampling, self.max_context,
-                          self.pipeline_groups)
+                          self.pipeline_groups, self.refill)
 
 
 def _turn_sampling(c: ml_collections.ConfigDict, temperature: float) -> rollout.TurnSampling:

@@ -160,12 +160,8 @@ def play_step(play: Callable[[list[int], int],
       dataclasses.replace(t, group=number) for number, group in enumerate(groups) for t in group
   ]
   trained = [number < len(signal) for number, group in enumerate(groups) for _ in group]
-  total = rollout.RolloutStats(
-      **{
-          field.name: sum(getattr(s, field.name) for s in stats)
-          for field in dataclasses.fields(rollout.RolloutStats)
-      })
-  return StepRollout(batch, trained, played, total, len(stats), len(signal))
+  return StepRollout(batch, trained, played, rollout.RolloutStats.total(stats), len(stats),
+                     len(signal))
 
 
 def trajectory_records(trajectories: Sequence[rollout.Trajectory], advantages: jax.Array | None,
@@ -508,6 +504,7 @@ def _step_metrics(trajectories: Sequence[rollout.Trajectory], stats: rollout.Rol
       "time/env": stats.env_s,
       "time/env_hidden": stats.env_hidden_s,
       "rollout/env_hidden_fraction": stats.env_hidden_fraction,
+      "rollout/idle_row_fraction": stats.idle_row_fraction,
   }
   for reason in (rollout.DONE, rollout.HORIZON, rollout.CONTEXT, rollout.ENV_ERROR,
                  rollout.ENV_TIMEOUT):

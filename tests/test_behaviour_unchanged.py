@@ -21,9 +21,9 @@ REFERENCE = "d28feb9e53904a6d55ac37fabbf739e9f327ff5b"
 RUNS = ("grpo_kl", "ppo_gae", "sft", "dpo")
 # Metrics logged since REFERENCE, with every new key at its default (rollout.EpisodeScoring).
 ADDED = {
-    "rollout/truncated_fraction", "rollout/excluded_fraction",
-    "rollout/truncated_fraction/horizon", "rollout/truncated_fraction/context",
-    "rollout/truncated_fraction/env_timeout"
+    "rollout/truncated_fraction", "rollout/excluded_fraction", "rollout/truncated_fraction/horizon",
+    "rollout/truncated_fraction/context", "rollout/truncated_fraction/env_timeout",
+    "rollout/idle_row_fraction"
 }
 
 

@@ -1,6 +1,7 @@
 """Pipelined rollouts (`rollout.collect` by a Player of G groups): the same episodes as one
 group, env steps of one group issued while another group's decode is in flight, env faults still
-per episode; rollouts in waves (`rollout.collect_waves`): the same episodes as all rows at once."""
+per episode; rollouts in waves (`rollout.collect_waves`) or on refilled rows (continuous
+batching): the same episodes as all rows at once."""
 
 import functools
 
@@ -117,13 +118,50 @@ def test_rollouts_in_waves_play_the_same_episodes_as_all_rows_at_once(policy, gr
   assert stats.generated_tokens == sum(sum(t.loss_mask) for t in played)
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_refilled_rows_play_the_same_episodes_as_all_rows_at_once(policy, groups, monkeypatch):
+  # 16 episodes on 6 rows: a row whose episode ends takes the next one at once, its cache row
+  # released and the new prompt prefilled beside the other rows' turns.
+  generate, lengths_checked = Sampler.generate, []
+
+  def checked_generate(self, state, key, **kwargs):
+    np.testing.assert_array_equal(kwargs["lengths"], np.asarray(state.lengths))
+    lengths_checked.append(True)
+    return generate(self, state, key, **kwargs)
+
+  model, tokenizer = policy
+  expected, _ = play(policy, ECHO, 1, echo_tasks())
+  monkeypatch.setattr(Sampler, "generate", checked_generate)
+  wave = 6
+  stats = {}
+  for refill in (False, True):
+    sampler = Sampler(model, cache_slots=96, max_batch=wave // groups)
+    with EnvPool(ECHO, wave) as pool:
+      player = rollout.Player(sampler, sampler.params, pool, tokenizer.chat,
+                              rollout.TurnSampling(max_new_tokens=3), max_context=96, groups=groups,
+                              refill=refill)
+      played, stats[refill] = rollout.collect_waves(player, echo_tasks(), wave_rows=wave, horizon=4,
+                                                    key=jax.random.key(7), first_row=5)
+    assert [(t.task_id, t.group) for t in played] == echo_tasks()
+    assert_same_episodes(expected, played)
+  assert stats[True].generated_tokens == stats[False].generated_tokens
+  # Waves keep finished rows in every decode until their wave's longest episode ends; refilled
+  # rows are busy until the queue runs dry.
+  assert stats[True].decode_row_steps < stats[False].decode_row_steps
+  assert stats[True].idle_row_fraction < stats[False].idle_row_fraction
+  assert lengths_checked
+
+
 def test_rollout_stats_of_waves_add_up():
   total = rollout.RolloutStats.total([
-      rollout.RolloutStats(generate_s=1.0, env_s=2.0, env_hidden_s=0.5, generated_tokens=10),
-      rollout.RolloutStats(generate_s=0.25, env_s=1.0, env_hidden_s=0.0, generated_tokens=3)
+      rollout.RolloutStats(generate_s=1.0, env_s=2.0, env_hidden_s=0.5, generated_tokens=10,
+                           decode_row_steps=16),
+      rollout.RolloutStats(generate_s=0.25, env_s=1.0, env_hidden_s=0.0, generated_tokens=3,
+                           decode_row_steps=4)
   ])
-  assert total == rollout.RolloutStats(1.25, 3.0, 0.5, 13)
+  assert total == rollout.RolloutStats(1.25, 3.0, 0.5, 13, 20)
   assert total.env_hidden_fraction == 0.5 / 3.0
+  assert total.idle_row_fraction == 1 - 13 / 20
 
 
 def test_env_faults_end_only_their_episode_under_pipelining(policy):
