@@ -87,8 +87,9 @@ def base_config() -> ml_collections.ConfigDict:
   # at once). The KV cache and the env pool hold one wave; the paper's 256 rows x 10k tokens
   # are more cache than a v5e-16 holds beside the training state (docs/scaling.md).
   c.rollout.wave_rows = 0
-  # With wave_rows below a process's rows: a row whose episode ends takes the next one at once
-  # (continuous batching; the same tokens per episode) instead of waiting for its wave to end.
+  # Continuous batching: a row whose episode ends takes the next one at once (the same tokens
+  # per episode) instead of waiting for its wave (wave_rows below a process's rows) or its
+  # evaluation batch to end.
   c.rollout.refill = True
   c.rollout.cache_dtype = ""  # KV cache: "" (model.dtype) | bfloat16 | float32
   # A curriculum: per horizon stage, the task categories (env task_info "category", e.g.

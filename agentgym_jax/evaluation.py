@@ -36,11 +36,20 @@ def evaluate(
     key: jax.Array, rows_per_batch: int, progress: Callable[[int, int], None] | None = None
 ) -> tuple[dict[str, Any], list[rollout.Trajectory]]:
   """Plays every task `samples_per_task` times with `player`, `rows_per_batch` episodes at once
-  in the player's pipelined groups (`rollout.collect`); returns (summary, trajectories).
-  `progress(done, total)` is called with the episodes played after each batch."""
+  in the player's pipelined groups (`rollout.collect`); returns (summary, trajectories). With
+  `player.refill` a row takes the next episode as soon as its own ends (episode j draws from
+  fold_in(key, turn) and j); otherwise batch by batch, batch b's keys from fold_in(key,
+  b x rows_per_batch). `progress(done, total)` is called with the episodes played as they end
+  (after each batch without refill)."""
   plays = [
       (task_id, index) for index, task_id in enumerate(task_ids) for _ in range(samples_per_task)
   ]
+  if player.refill and plays:
+    rows = min(rows_per_batch, len(plays))
+    report = None if progress is None else lambda done: progress(done, len(plays))
+    played, _ = rollout.collect(player.in_groups(rows), plays, horizon=horizon, key=key, rows=rows,
+                                progress=report)
+    return summarize(played, task_categories(player.pool, task_ids)), played
   trajectories: list[rollout.Trajectory] = []
   for start in range(0, len(plays), rows_per_batch):
     chunk = plays[start:start + rows_per_batch]

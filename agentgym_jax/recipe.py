@@ -83,7 +83,7 @@ def evaluate_policy(
   """(summary, trajectories): the policy `model_name` (the config's by default) played on
   settings.evaluation's tasks, `rows` episodes at a time, seeded with the run's seed.
   `start(tasks)`, if given, is called before the first episode and returns the progress
-  callback, called with (episodes done, episodes) after each batch."""
+  callback, called with (episodes done, episodes) as episodes end."""
   plan = settings.evaluation
   mesh, model, tokenizer = state_lib.load_policy(settings, model_name)
   sampler = settings.rollout.sampler(model, mesh, rows)
@@ -124,8 +124,12 @@ def evaluate_stage(settings: settings_lib.Settings, stage: str, policy: str,
         f"{plan.split} split, k = {plan.samples_per_task}, up to {plan.horizon} turns", flush=True)
     return episodes_done
 
+  printed = [0]
+
   def episodes_done(done: int, total: int) -> None:
-    if done < total:
+    # A line every `rows` episodes: episodes end one by one when rows are refilled.
+    if done < total and done - printed[0] >= rows:
+      printed[0] = done
       print(f"  {done}/{total} episodes in {metrics.duration(time.monotonic() - started)}",
             flush=True)
 
@@ -149,7 +153,7 @@ def evaluation_settings(settings: settings_lib.Settings, rows: int) -> dict[str,
   and an environment's task is its id alone: another seed plays the same episodes); the chat
   (thinking); the numerics (matmul, parameter and
   KV-cache dtypes, attention, mesh, device kind, JAX version); the batches (rows, pipeline
-  groups: their episodes' keys, and batch shapes' rounding); and this project's code
+  groups, refill: their episodes' keys, and batch shapes' rounding); and this project's code
   (evaluation.source_fingerprint). Not: what only decides how fast it plays (env.backend,
   eval.every)."""
   model, env, plan = settings.model, settings.env, settings.evaluation
@@ -164,8 +168,9 @@ def evaluation_settings(settings: settings_lib.Settings, rows: int) -> dict[str,
       "seed": None if plan.sampling.tokens().greedy else settings.seed,
       "thinking": model.thinking == "on", "dtype": dtype, "param_dtype": model.param_dtype,
       "cache_dtype": settings.rollout.cache_dtype or dtype, "attention": implementation,
-      "mesh": dict(model.make_mesh().shape), "device_kind": device.device_kind,
-      "jax": jax.__version__, "rows": rows, "pipeline_groups": settings.rollout.pipeline_groups
+      "mesh": dict(model.make_mesh().shape
+                  ), "device_kind": device.device_kind, "jax": jax.__version__, "rows": rows,
+      "pipeline_groups": settings.rollout.pipeline_groups, "refill": settings.rollout.refill
   }
 
 

@@ -22,7 +22,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import time
-from typing import Any, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -200,9 +200,11 @@ def collect_waves(player: Player, tasks: Sequence[tuple[int, int]], *, wave_rows
 
 
 def collect(player: Player, tasks: Sequence[tuple[int, int]], *, horizon: int, key: jax.Array,
-            first_row: int = 0, rows: int | None = None) -> tuple[list[Trajectory], RolloutStats]:
+            first_row: int = 0, rows: int | None = None,
+            progress: Callable[[int], None] | None = None) -> tuple[list[Trajectory], RolloutStats]:
   """Plays one episode per (task_id, group) in `tasks` with `player`, up to `horizon` turns, on
-  `rows` rows at once (default: one per task).
+  `rows` rows at once (default: one per task); `progress(ended)` is called with the number of
+  episodes ended so far whenever some end.
 
   The rows are the pool's slots 0..rows-1 and the sampler's rows. Episodes start in order, each
   on the first free row; with fewer rows than tasks, a row whose episode ends takes the next
@@ -234,7 +236,8 @@ def collect(player: Player, tasks: Sequence[tuple[int, int]], *, horizon: int, k
   ]
   with _Timeline(groups) as timeline:
     episodes = _Episodes(player, trajectories, horizon=horizon, key=key, first_row=first_row,
-                         timeline=timeline, queue=collections.deque(range(len(tasks))))
+                         timeline=timeline, queue=collections.deque(range(len(tasks))),
+                         progress=progress)
     _round_robin([
         episodes.play(range(start, min(start + group_size, rows)))
         for start in range(0, rows, group_size)
@@ -254,8 +257,10 @@ class _Episodes:
   first_row: int
   timeline: _Timeline
   queue: collections.deque[int]
+  progress: Callable[[int], None] | None = None
   generated_tokens: int = 0
   decode_row_steps: int = 0
+  ended: int = 0
 
   def play(self, slots: range) -> Iterator[None]:
     """Plays episodes on the pool's `slots`, slot i on sampler row i - slots.start of this
@@ -314,6 +319,7 @@ class _Episodes:
         appends[row] = continuation
         turn[row] += 1
       held[ended] = -1
+      self._count_ended(len(ended))
       if ended and self.queue:
         refills = self._start(slots, ended, (held, last, turn))
         state = sampler.release(state, list(refills))
@@ -368,6 +374,7 @@ class _Episodes:
       for (row, i), result in zip(starts, self.timeline.env(resets).result()):
         prompt = self._prompt(self.trajectories[i], result)
         if prompt is None:
+          self._count_ended(1)
           rows.append(row)
           continue
         held[row], last[row], turn[row] = i, i, 0
@@ -390,6 +397,12 @@ class _Episodes:
       return None
     trajectory.observe(prompt)
     return prompt
+
+  def _count_ended(self, count: int) -> None:
+    if count:
+      self.ended += count
+      if self.progress is not None:
+        self.progress(self.ended)
 
   def _lengths(self, last: np.ndarray) -> np.ndarray:
     """The tokens each sampler row holds: those of the trajectory it last took, kept token for

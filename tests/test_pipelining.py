@@ -13,7 +13,7 @@ import pytest
 import faulty_env
 import tiny
 import tolerances
-from agentgym_jax import config as config_lib, rollout, trainer
+from agentgym_jax import config as config_lib, evaluation, rollout, trainer
 from agentgym_jax import settings as settings_lib
 from agentgym_jax.models import load_model
 from agentgym_jax.sampling import Sampler
@@ -150,6 +150,30 @@ def test_refilled_rows_play_the_same_episodes_as_all_rows_at_once(policy, groups
   assert stats[True].decode_row_steps < stats[False].decode_row_steps
   assert stats[True].idle_row_fraction < stats[False].idle_row_fraction
   assert lengths_checked
+
+
+def test_a_refilled_evaluation_scores_what_batch_by_batch_does_when_greedy(policy):
+  # Greedy turns draw nothing, so the keys (batch by batch, or one per episode of the whole)
+  # do not matter: both evaluations play the same episodes, 16 on 6 rows.
+  model, tokenizer = policy
+  runs = {}
+  for refill in (False, True):
+    sampler = Sampler(model, cache_slots=96, max_batch=6)
+    reports = []
+    with EnvPool(ECHO, 6) as pool:
+      player = rollout.Player(sampler, sampler.params, pool, tokenizer.chat,
+                              rollout.TurnSampling(max_new_tokens=3, temperature=0.0),
+                              max_context=96, refill=refill)
+      summary, played = evaluation.evaluate(player, list(range(100, 108)), samples_per_task=2,
+                                            horizon=4, key=jax.random.key(7), rows_per_batch=6,
+                                            progress=lambda done, total: reports.append(done))
+    runs[refill] = (summary, played, reports)
+  assert runs[True][0] == runs[False][0]
+  assert_same_episodes(runs[False][1], runs[True][1])
+  # Batch by batch the progress comes after each batch; refilled, as episodes end.
+  assert runs[False][2] == [6, 12, 16]
+  assert runs[True][2] == sorted(runs[True][2]) and runs[True][2][-1] == 16
+  assert len(runs[True][2]) > 3
 
 
 def test_rollout_stats_of_waves_add_up():
