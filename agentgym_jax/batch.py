@@ -15,6 +15,13 @@ and, for rollouts, the turn structure that turn-level credit (GiGPO) reads, over
   turn_anchors[n, k]      the step group of turn k: turns of one task whose preceding
                           observations are the same token ids share it (-1: no turn)
 
+and, for rollouts whose rows were played in several contexts (rollout.ContextPolicy):
+
+  contexts[n, t]          the context tokens[n, t] belongs to (0, 1, ...; -1 padding): the
+                          learner reads each as its own sequence, attending within it and
+                          with positions from 0 at its start (`context_positions`), as the
+                          sampler's row held it
+
 The model reads tokens[:, :-1] and is scored on tokens[:, 1:], so every per-token array the
 learner computes (logprobs, entropies, values, advantages) is aligned with the *targets*
 tokens[:, 1:]; `Batch.inputs_and_targets()` returns the shifted views.
@@ -48,6 +55,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -89,10 +97,20 @@ class Batch:
   turn_rewards: Array | None = None  # f32[N, K]
   turn_anchors: Array | None = None  # int32[N, K], ids in [0, N * K)
   shared: SharedPrompts | None = None  # The forward pass's packed rows; None: row by row.
+  contexts: Array | None = None  # int32[N, T]; None: one context a row
 
   def inputs_and_targets(self) -> tuple[Array, Array, Array]:
     """(inputs [N, T-1], targets [N, T-1], target loss mask [N, T-1])."""
     return self.tokens[:, :-1], self.tokens[:, 1:], self.loss_mask[:, 1:]
+
+
+def context_positions(contexts: Array) -> Array:
+  """Each token's position in its own context: its index minus that of its context's first
+  token, for context ids [N, T] that change only between contexts."""
+  index = jnp.arange(contexts.shape[1], dtype=jnp.int32)
+  starts = jnp.concatenate(
+      [jnp.ones_like(contexts[:, :1], bool), contexts[:, 1:] != contexts[:, :-1]], axis=1)
+  return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
 def packed_length(length: int, minimum: int = 128) -> int:

@@ -92,6 +92,12 @@ def base_config() -> ml_collections.ConfigDict:
   # evaluation batch to end.
   c.rollout.refill = True
   c.rollout.cache_dtype = ""  # KV cache: "" (model.dtype) | bfloat16 | float32
+  # What a row's context holds of its episode: full (every turn) | window (the first user turn
+  # and the last context_turns turns) | mask_observations (every reply; observations older than
+  # the last context_turns turns replaced by a placeholder). A rewrite re-prefills the row every
+  # context_turns turns from 2 x context_turns on, and when the next turn would not fit.
+  c.rollout.context = "full"
+  c.rollout.context_turns = 4
   # A curriculum: per horizon stage, the task categories (env task_info "category", e.g.
   # TextCraft's "depth1") its training tasks are drawn from; a stage past the last entry keeps
   # the last one. (): every train task at every stage.

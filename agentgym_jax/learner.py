@@ -45,7 +45,7 @@ import optax
 from flax import nnx, struct
 
 from agentgym_jax import hardware, rl
-from agentgym_jax.batch import Batch, SharedPrompts
+from agentgym_jax.batch import Batch, SharedPrompts, context_positions
 from agentgym_jax.models.decoder import Decoder
 
 Array = jax.Array
@@ -161,14 +161,20 @@ def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, loss
 
   The vocabulary projection runs chunk by chunk over the sequence, so full [N, T, V] f32
   logits never exist (a 152k vocabulary at 8k tokens would be 5 GB per row). With LoRA's
-  `frozen` base, `params` are the adapters (module docstring). In the shared-prompt layout
+  `frozen` base, `params` are the adapters (module docstring). A row of several contexts
+  (batch.contexts) reads each as its own sequence. In the shared-prompt layout
   (batch.shared) the forward pass and the projection run on the packed rows, each group's
   prompt once, and every sample reads its values back at its tokens' packed indices
   (batch.py); past a row's end it reads a meaningless value that every loss masks.
   """
   model = policy_model(graphdef, params, frozen)
   shared = batch.shared
-  if shared is None:
+  if shared is None and batch.contexts is not None:
+    inputs, targets, _ = batch.inputs_and_targets()
+    contexts = batch.contexts[:, :-1]
+    hidden, _ = model.hidden_states(inputs, context_positions(contexts), segment_ids=contexts,
+                                    dropout_key=dropout_key)
+  elif shared is None:
     inputs, targets, _ = batch.inputs_and_targets()
     hidden, _ = model.hidden_states(inputs, dropout_key=dropout_key)
   else:

@@ -13,6 +13,15 @@ template shows them, and the trajectory records their schemas.
 
 A trajectory ends when the environment says done, at the horizon cap (ScalingInter-RL), when
 the next turn would not fit the context, or when the environment fails (recorded, never fatal).
+
+Context management (`ContextPolicy`): a row's context may hold less than the whole episode. A
+policy other than `full` rewrites the conversation every k turns (from turn 2k on, and whenever
+the next turn would not fit), keeping the first user turn and the last k turns (`window`) or
+every reply with the observations older than the last k turns replaced by a placeholder
+(`mask_observations`). The row is released and the rewritten conversation prefilled into it, so
+between rewrites a row's cache only grows, and holds k to 2k whole turns. The trajectory records
+each context in turn (`Trajectory.rewrites`): training reads every context as its own sequence
+(pack's `contexts`), so the learner sees exactly what the sampler saw.
 """
 
 from __future__ import annotations
@@ -41,6 +50,53 @@ T = TypeVar("T")
 # limit, and an environment step slower than the pool's timeout (an environment failure too).
 TRUNCATIONS = (HORIZON, CONTEXT, ENV_TIMEOUT)
 
+CONTEXTS = ("full", "window", "mask_observations")
+# What a masked observation shows in place of its text.
+OMITTED_OBSERVATION = "[earlier observation omitted]"
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextPolicy:
+  """What a row's context holds of its episode (module docstring).
+
+  Attributes:
+    kind: "full" (every turn, as played), "window" (the first user turn and the last `turns`
+      turns) or "mask_observations" (every reply; the observations of all but the last `turns`
+      turns replaced by OMITTED_OBSERVATION).
+    turns: k, the turns a rewritten context keeps whole.
+  """
+
+  kind: str = "full"
+  turns: int = 4
+
+  def __post_init__(self):
+    if self.kind not in CONTEXTS:
+      raise ValueError(f"context {self.kind!r} is not one of {CONTEXTS}")
+    if self.turns < 1:
+      raise ValueError(f"a context policy keeps turns={self.turns} turns; it must be >= 1")
+
+  @property
+  def rewrites(self) -> bool:
+    return self.kind != "full"
+
+  def due(self, turns: int) -> bool:
+    """Whether the context is rewritten after `turns` whole turns (it then holds 2k, or 2k
+    after the last rewrite's k), before it would outgrow the row."""
+    return self.rewrites and turns >= 2 * self.turns and turns % self.turns == 0
+
+  def messages(self, messages: Sequence[dict[str, str]]) -> list[dict[str, str]]:
+    """The conversation [first user turn, reply 1, observation 1, ...] as a rewritten context
+    shows it."""
+    head, turns = list(messages[:1]), list(messages[1:])
+    kept = 2 * self.turns
+    if self.kind == "window":
+      return head + turns[-kept:]
+    masked = len(turns) - kept
+    return head + [
+        dict(m, content=OMITTED_OBSERVATION) if i < masked and m["role"] == "user" else m
+        for i, m in enumerate(turns)
+    ]
+
 
 @dataclasses.dataclass
 class Trajectory:
@@ -59,6 +115,9 @@ class Trajectory:
   # [start, end) of the tokens each assistant turn answers: the prompt for the first, then the
   # observation the environment returned (its user turn and the assistant header).
   observation_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+  # Each context rewrite: (the token where the new context starts, the tokens it left out of
+  # what the row would have held). tokens[start:] is then what the sampler's row holds.
+  rewrites: list[tuple[int, int]] = dataclasses.field(default_factory=list)
   success: bool = False
   termination: str = ""
   error: str = ""
@@ -80,6 +139,16 @@ class Trajectory:
   @property
   def truncated(self) -> bool:
     return self.termination in TRUNCATIONS
+
+  @property
+  def context_start(self) -> int:
+    """Where the context the sampler's row holds starts in `tokens`."""
+    return self.rewrites[-1][0] if self.rewrites else 0
+
+  def context_lengths(self) -> list[int]:
+    """The tokens of each context the episode was played in, in order."""
+    bounds = [0] + [start for start, _ in self.rewrites] + [len(self.tokens)]
+    return [end - start for start, end in zip(bounds, bounds[1:])]
 
   def reply_lengths(self) -> list[int]:
     """The tokens the sampler generated in each turn: the lengths of the trained runs."""
@@ -107,6 +176,8 @@ class Trajectory:
     }
     if self.tools is not None:
       record["tools"] = self.tools
+    if self.rewrites:
+      record["context_lengths"] = self.context_lengths()
     return record
 
 
@@ -161,8 +232,8 @@ class RolloutStats:
 class Player:
   """What plays episodes: a sampler with the policy's parameters, the environment pool, the
   chat layout, how each turn samples, the context limit, the pipelined groups a call splits its
-  rows into (`collect`), and whether `collect_waves` refills a row as soon as its episode ends
-  (continuous batching) instead of playing waves.
+  rows into (`collect`), whether `collect_waves` refills a row as soon as its episode ends
+  (continuous batching) instead of playing waves, and what a row's context holds.
   """
 
   sampler: Sampler
@@ -173,6 +244,7 @@ class Player:
   max_context: int
   groups: int = 1
   refill: bool = False
+  context: ContextPolicy = ContextPolicy()
 
   def in_groups(self, rows: int) -> Player:
     """This player for a call of `rows` rows: at most that many groups."""
@@ -308,7 +380,7 @@ class _Episodes:
       yield  # The pool steps this group's envs while the device decodes the others.
 
       appends: dict[int, list[int]] = {}
-      ended = []
+      ended, fresh = [], []  # Rows whose episode ended, rows prefilled anew.
       for (slot, _), result in zip(requests, stepped.result()):
         row = slot - slots.start
         continuation = self._continue(self.trajectories[held[row]], result, int(turn[row]),
@@ -316,23 +388,27 @@ class _Episodes:
         if continuation is None:
           ended.append(row)
           continue
-        appends[row] = continuation
+        appends[row], rewritten = continuation
+        if rewritten:
+          fresh.append(row)
         turn[row] += 1
       held[ended] = -1
       self._count_ended(len(ended))
       if ended and self.queue:
         refills = self._start(slots, ended, (held, last, turn))
-        state = sampler.release(state, list(refills))
+        fresh.extend(refills)
         appends.update(refills)
+      state = sampler.release(state, fresh)
       if appends:
         # Reads back this group's lengths: its decode, the last work on the state, is done.
         state = sampler.append(state, appends, params=params)
 
   def _continue(self, trajectory: Trajectory, result: StepResult, turn: int,
-                generated: list[int]) -> list[int] | None:
-    """Records turn `turn`'s env step; returns the tokens that continue the episode (the
-    closing of a reply cut by the token limit, the observation turn and the assistant
-    header), or None if it ended."""
+                generated: list[int]) -> tuple[list[int], bool] | None:
+    """Records turn `turn`'s env step; returns the tokens that continue the episode and whether
+    they start a new context (a rewrite, prefilled into the emptied row), or None if it ended.
+    Appended to the row's context they are the closing of a reply cut by the token limit, the
+    observation turn and the assistant header."""
     trajectory.turn_rewards.append(float(result.reward))
     trajectory.info = dict(result.info)
     if result.done:
@@ -348,13 +424,22 @@ class _Episodes:
     chat = self.player.chat
     closing = chat.closing_ids(generated)
     observation = chat.continuation_ids("user", result.observation)
-    if (len(trajectory.tokens) + len(closing) + len(observation) +
-        self.player.sampling.max_new_tokens > self.player.max_context):
+    context = self.player.context
+    held = len(trajectory.tokens) - trajectory.context_start + len(closing) + len(observation)
+    fits = held + self.player.sampling.max_new_tokens <= self.player.max_context
+    if context.rewrites and (context.due(turn + 1) or not fits):
+      prompt = chat.render(context.messages(trajectory.messages), add_generation_prompt=True,
+                           tools=trajectory.tools)
+      if len(prompt) + self.player.sampling.max_new_tokens <= self.player.max_context:
+        trajectory.rewrites.append((len(trajectory.tokens), held - len(prompt)))
+        trajectory.observe(prompt)
+        return prompt, True
+    if not fits:
       _end(trajectory, CONTEXT, result.info)
       return None
     trajectory.extend(closing, trained=False)
     trajectory.observe(observation)
-    return closing + observation
+    return closing + observation, False
 
   def _start(self, slots: range, rows: Sequence[int],
              table: tuple[np.ndarray, np.ndarray, np.ndarray]) -> dict[int, list[int]]:
@@ -405,13 +490,14 @@ class _Episodes:
         self.progress(self.ended)
 
   def _lengths(self, last: np.ndarray) -> np.ndarray:
-    """The tokens each sampler row holds: those of the trajectory it last took, kept token for
-    token (0 for a row that never took one). Passed to `generate` so that it does not wait for
+    """The tokens each sampler row holds: the context of the trajectory it last took, kept token
+    for token (0 for a row that never took one). Passed to `generate` so that it does not wait for
     this group's prefill, queued behind another group's decode, before it can queue its own
     decode."""
     lengths = np.zeros(len(last), np.int32)
     for row in np.flatnonzero(last >= 0):
-      lengths[row] = len(self.trajectories[last[row]].tokens)
+      trajectory = self.trajectories[last[row]]
+      lengths[row] = len(trajectory.tokens) - trajectory.context_start
     return lengths
 
 
@@ -604,11 +690,27 @@ class EpisodeScoring:
     return out
 
 
+def context_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+  """The contexts the rows held: the longest of any episode (context/peak_tokens), and per
+  episode the rewrites (context/rewrites) and the tokens they left out of the rows
+  (context/tokens_saved)."""
+  count = max(len(trajectories), 1)
+  return {
+      "context/peak_tokens": max((max(t.context_lengths()) for t in trajectories), default=0),
+      "context/rewrites": sum(len(t.rewrites) for t in trajectories) / count,
+      "context/tokens_saved": sum(saved for t in trajectories for _, saved in t.rewrites) / count,
+  }
+
+
 def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns: int | None = None,
          scoring: EpisodeScoring = EpisodeScoring(), shared_prompts: bool = False,
-         packed_rows_multiple: int = 1) -> Batch:
+         packed_rows_multiple: int = 1, contexts: bool = False) -> Batch:
   """Right-pads trajectories into a Batch of len(trajectories) rows with `turns` turn slots (at
   least the most turns of any trajectory; by default exactly that).
+
+  With `contexts` (needed by a trajectory with context rewrites) the batch carries each token's
+  context (Batch.contexts): a row holds its episode's contexts one after another, each read by
+  the learner as its own sequence.
 
   With `shared_prompts` the batch also carries the shared-prompt layout (batch.share_prompts):
   the trajectories of one task (one `Trajectory.group`, failed ones included) packed as one row
@@ -641,11 +743,16 @@ def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns
   turn_index = np.full((num_rows, length), -1, np.int32)
   turn_rewards = np.zeros((num_rows, turns), np.float32)
   turn_anchors = np.full((num_rows, turns), -1, np.int32)
+  if not contexts and any(t.rewrites for t in trajectories):
+    raise ValueError("a trajectory was played in several contexts: pack it with contexts=True")
+  context_ids = np.full((num_rows, length), -1, np.int32) if contexts else None
   anchors: dict[tuple[int, tuple[int, ...]], int] = {}
   for i, t in enumerate(trajectories):
     n = len(t.tokens)
     excluded = scoring.excluded(t)
     tokens[i, :n] = t.tokens
+    if contexts:
+      context_ids[i, :n] = np.repeat(np.arange(len(t.rewrites) + 1), t.context_lengths())
     logprobs[i, :n] = t.sampler_logprobs
     rewards[i] = scoring.reward(t)
     groups[i] = num_rows + i if excluded else t.group
@@ -659,6 +766,8 @@ def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns
       turn_anchors[i, k] = anchors.setdefault(key, len(anchors))
   shared = None
   if shared_prompts:
+    if contexts:
+      raise ValueError("shared prompts and context rewrites do not combine")
     lengths = np.asarray([len(t.tokens) for t in trajectories])
     # Where each row's first reply starts: its prompt (all of it for a row without a reply).
     prompt_ends = np.asarray(
@@ -667,7 +776,7 @@ def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns
                            rows_multiple=packed_rows_multiple)
   return Batch(tokens=tokens, loss_mask=loss_mask, sampler_logprobs=logprobs, rewards=rewards,
                group_ids=groups, turn_index=turn_index, turn_rewards=turn_rewards,
-               turn_anchors=turn_anchors, shared=shared)
+               turn_anchors=turn_anchors, shared=shared, contexts=context_ids)
 
 
 def _turn_index(trajectory: Trajectory, row: int) -> np.ndarray:

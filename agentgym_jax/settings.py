@@ -207,6 +207,7 @@ class RolloutSettings:
     wave_rows: the rows a process plays at once (0: all of its rows); see `wave`.
     refill: whether a row whose episode ends takes the next one at once (rollout.collect).
     cache_dtype: the KV cache's dtype ("": the model's matmul dtype).
+    context: what a row's context holds of its episode (rollout.ContextPolicy).
   """
 
   sampling: rollout.TurnSampling
@@ -223,6 +224,7 @@ class RolloutSettings:
   wave_rows: int
   refill: bool
   cache_dtype: str
+  context: rollout.ContextPolicy
 
   @classmethod
   def from_config(cls, c: ml_collections.ConfigDict) -> RolloutSettings:
@@ -249,6 +251,11 @@ class RolloutSettings:
         "trajectories per step")
     check(r.cache_dtype in CACHE_DTYPES,
           f"rollout.cache_dtype={r.cache_dtype!r} is not one of {CACHE_DTYPES}")
+    check(r.context in rollout.CONTEXTS,
+          f"rollout.context={r.context!r} is not one of {rollout.CONTEXTS}")
+    check(
+        isinstance(r.context_turns, int) and r.context_turns >= 1,
+        f"rollout.context_turns={r.context_turns!r} must be an integer >= 1")
     check(r.max_sampling_rounds >= 1,
           f"rollout.max_sampling_rounds={r.max_sampling_rounds} must be >= 1")
     check(r.task_sampling in ("permutation", "learnability"),
@@ -270,11 +277,12 @@ class RolloutSettings:
         "names, one a horizon stage, e.g. (('depth1',), ('depth1', 'depth2'))")
     return cls(sampling=_turn_sampling(c, r.temperature), tasks_per_step=r.tasks_per_step,
                samples_per_task=r.samples_per_task, dynamic_sampling=r.dynamic_sampling,
-               max_sampling_rounds=r.max_sampling_rounds, curriculum=tuple(
-                   tuple(stage) for stage in r.curriculum), task_sampling=r.task_sampling,
-               task_sampling_floor=r.task_sampling_floor, task_sampling_rate=r.task_sampling_rate,
-               max_context=r.max_context, pipeline_groups=r.pipeline_groups, wave_rows=r.wave_rows,
-               refill=r.refill, cache_dtype=r.cache_dtype)
+               max_sampling_rounds=r.max_sampling_rounds,
+               curriculum=tuple(tuple(stage) for stage in r.curriculum),
+               task_sampling=r.task_sampling, task_sampling_floor=r.task_sampling_floor,
+               task_sampling_rate=r.task_sampling_rate, max_context=r.max_context,
+               pipeline_groups=r.pipeline_groups, wave_rows=r.wave_rows, refill=r.refill,
+               cache_dtype=r.cache_dtype, context=rollout.ContextPolicy(r.context, r.context_turns))
 
   @property
   def rows(self) -> int:
@@ -297,7 +305,7 @@ class RolloutSettings:
     """`sampler` with `params` playing `pool`'s environment in the run's context limit and
     pipelined groups, sampling turns as the rollout does (or as `sampling` says)."""
     return rollout.Player(sampler, params, pool, chat, sampling or self.sampling, self.max_context,
-                          self.pipeline_groups, self.refill)
+                          self.pipeline_groups, self.refill, self.context)
 
 
 def _turn_sampling(c: ml_collections.ConfigDict, temperature: float) -> rollout.TurnSampling:
@@ -452,6 +460,11 @@ def _check_algorithm(c: ml_collections.ConfigDict, r: RolloutSettings) -> None:
       f"algorithm.micro_batch_rows={a.micro_batch_rows} must be 0 (off) or divide the "
       f"minibatch of {minibatch} trajectories")
   if a.shared_prompts:
+    check(
+        not r.context.rewrites,
+        f"algorithm.shared_prompts=True packs a task's episodes as one shared prompt and their "
+        f"continuations; rollout.context={r.context.kind!r} plays an episode in several contexts. "
+        "Set one of them off")
     check(
         r.tasks_per_step % a.num_minibatches == 0,
         f"algorithm.num_minibatches={a.num_minibatches} does not divide the "

@@ -379,7 +379,8 @@ def pack_step(step_rollout: StepRollout, settings: settings_lib.Settings,
   whole tasks), else None."""
   batch = rollout.pack(step_rollout.batch, turns=settings.schedule.max_turns,
                        scoring=settings.update.scoring,
-                       shared_prompts=settings.update.shared_prompts, packed_rows_multiple=shards)
+                       shared_prompts=settings.update.shared_prompts, packed_rows_multiple=shards,
+                       contexts=settings.rollout.context.rewrites)
   row_groups = None if batch.shared is None else batch.shared.rows
   trained = np.asarray(step_rollout.trained, np.float32)[:, None]
   return batch.replace(loss_mask=batch.loss_mask * trained), row_groups
@@ -509,6 +510,7 @@ def _step_metrics(trajectories: Sequence[rollout.Trajectory], stats: rollout.Rol
   for reason in (rollout.DONE, rollout.HORIZON, rollout.CONTEXT, rollout.ENV_ERROR,
                  rollout.ENV_TIMEOUT):
     out[f"termination/{reason}"] = float(np.mean([t.termination == reason for t in trajectories]))
+  out.update(rollout.context_metrics(trajectories))
   out.update({f"time/{k}": v for k, v in timer.seconds.items()})
   out.update(experience_metrics)
   out["update/skipped"] = 0.0 if update_metrics else 1.0

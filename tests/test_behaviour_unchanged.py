@@ -23,7 +23,7 @@ RUNS = ("grpo_kl", "ppo_gae", "sft", "dpo")
 ADDED = {
     "rollout/truncated_fraction", "rollout/excluded_fraction", "rollout/truncated_fraction/horizon",
     "rollout/truncated_fraction/context", "rollout/truncated_fraction/env_timeout",
-    "rollout/idle_row_fraction"
+    "rollout/idle_row_fraction", "context/peak_tokens", "context/rewrites", "context/tokens_saved"
 }
 
 

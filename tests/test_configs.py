@@ -128,6 +128,7 @@ METHOD_CONFIGS = {
     "kl_cov_textcraft": ("algorithm", "policy_loss", "kl_cov"),
     "masked_truncation_textcraft": ("algorithm", "truncated_episodes", "mask"),
     "turn_rewards_sciworld": ("algorithm", "reward_placement", "turn"),
+    "context_textcraft": ("rollout", "context", "mask_observations"),
 }
 
 
