@@ -91,6 +91,9 @@ def base_config() -> ml_collections.ConfigDict:
   # per episode) instead of waiting for its wave (wave_rows below a process's rows) or its
   # evaluation batch to end.
   c.rollout.refill = True
+  # Asynchronous RL: step s is played by the policy of max(0, s - max_staleness) updates, ahead
+  # of the learner (rollout_queue.py); > 0 needs algorithm.rollout_correction (e.g. decoupled).
+  c.rollout.max_staleness = 0
   c.rollout.cache_dtype = ""  # KV cache: "" (model.dtype) | bfloat16 | float32
   # What a row's context holds of its episode: full (every turn) | window (the first user turn
   # and the last context_turns turns) | mask_observations (every reply; observations older than

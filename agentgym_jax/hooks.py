@@ -56,7 +56,7 @@ class StepHooks:
                trajectories: Callable[[], list[dict[str, Any]]] | None = None) -> None:
     """After step `step` (steps done): writes its metrics, checks its health, logs its
     trajectories (`trajectories()`, called only when logged), shows progress and checkpoints
-    `state` with `meta`."""
+    `state` with `meta` (when `saves(step)`)."""
     self.metrics.write(step, step_metrics)
     latest = self.metrics.latest
     self.history.append(latest)
@@ -64,9 +64,14 @@ class StepHooks:
     if self.trajectories is not None and self.settings.log.trajectories:
       self.trajectories.write(step, trajectories())
     self.progress.update(step, latest)
-    if self.settings.checkpoint.every:
-      self.checkpointer.save(step, state.tree(), self.settings.meta(step, **meta),
-                             force=step == self.settings.steps)
+    if self.saves(step):
+      self.checkpointer.save(step, state.tree(), self.settings.meta(step, **meta), force=True)
+
+  def saves(self, step: int) -> bool:
+    """Whether `step_end` checkpoints after step `step`: every checkpoint.every steps and at
+    the run's last (none with checkpoint.every = 0)."""
+    return bool(self.settings.checkpoint.every) and (self.checkpointer.should_save(step)
+                                                     or step == self.settings.steps)
 
   def close(self) -> list[dict[str, Any]]:
     """Ends the run's logging and checkpointing; returns the metrics rows of this call."""

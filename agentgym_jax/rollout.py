@@ -122,6 +122,8 @@ class Trajectory:
   termination: str = ""
   error: str = ""
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # The updates of the policy that played it (behind the trained one with rollout.max_staleness).
+  policy_version: int = 0
 
   @property
   def reward(self) -> float:
@@ -174,11 +176,25 @@ class Trajectory:
         "messages": self.messages, "num_tokens": len(self.tokens),
         "num_trained_tokens": int(sum(self.loss_mask)), "info": jsonl.json_safe(self.info)
     }
+    record["policy_version"] = self.policy_version
     if self.tools is not None:
       record["tools"] = self.tools
     if self.rewrites:
       record["context_lengths"] = self.context_lengths()
     return record
+
+  def state(self) -> dict[str, Any]:
+    """Every field, JSON-safe (a checkpoint's buffered rollouts); `from_state` inverts it, info
+    up to jsonl.json_safe."""
+    return {**dataclasses.asdict(self), "info": jsonl.json_safe(self.info)}
+
+  @classmethod
+  def from_state(cls, state: dict[str, Any]) -> Trajectory:
+    return cls(
+        **{
+            **state, "observation_spans": [tuple(span) for span in state["observation_spans"]],
+            "rewrites": [tuple(rewrite) for rewrite in state["rewrites"]]
+        })
 
 
 @dataclasses.dataclass(frozen=True)

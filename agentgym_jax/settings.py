@@ -206,6 +206,8 @@ class RolloutSettings:
       whose environment steps overlap the other groups' decoding.
     wave_rows: the rows a process plays at once (0: all of its rows); see `wave`.
     refill: whether a row whose episode ends takes the next one at once (rollout.collect).
+    max_staleness: how many updates the policy playing a step may be behind the one training
+      on it (rollout_queue.py; 0: synchronous).
     cache_dtype: the KV cache's dtype ("": the model's matmul dtype).
     context: what a row's context holds of its episode (rollout.ContextPolicy).
   """
@@ -223,6 +225,7 @@ class RolloutSettings:
   pipeline_groups: int
   wave_rows: int
   refill: bool
+  max_staleness: int
   cache_dtype: str
   context: rollout.ContextPolicy
 
@@ -240,6 +243,9 @@ class RolloutSettings:
     check(r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0")
     check(r.pipeline_groups >= 1, f"rollout.pipeline_groups={r.pipeline_groups} must be >= 1")
     check(isinstance(r.refill, bool), f"rollout.refill={r.refill!r} must be True or False")
+    check(
+        isinstance(r.max_staleness, int) and r.max_staleness >= 0,
+        f"rollout.max_staleness={r.max_staleness!r} must be an integer >= 0")
     check(
         r.wave_rows >= 0 and r.wave_rows % r.pipeline_groups == 0,
         f"rollout.wave_rows={r.wave_rows} must be 0 (every row at once) or a positive multiple "
@@ -277,12 +283,12 @@ class RolloutSettings:
         "names, one a horizon stage, e.g. (('depth1',), ('depth1', 'depth2'))")
     return cls(sampling=_turn_sampling(c, r.temperature), tasks_per_step=r.tasks_per_step,
                samples_per_task=r.samples_per_task, dynamic_sampling=r.dynamic_sampling,
-               max_sampling_rounds=r.max_sampling_rounds,
-               curriculum=tuple(tuple(stage) for stage in r.curriculum),
-               task_sampling=r.task_sampling, task_sampling_floor=r.task_sampling_floor,
-               task_sampling_rate=r.task_sampling_rate, max_context=r.max_context,
-               pipeline_groups=r.pipeline_groups, wave_rows=r.wave_rows, refill=r.refill,
-               cache_dtype=r.cache_dtype, context=rollout.ContextPolicy(r.context, r.context_turns))
+               max_sampling_rounds=r.max_sampling_rounds, curriculum=tuple(
+                   tuple(stage) for stage in r.curriculum), task_sampling=r.task_sampling,
+               task_sampling_floor=r.task_sampling_floor, task_sampling_rate=r.task_sampling_rate,
+               max_context=r.max_context, pipeline_groups=r.pipeline_groups, wave_rows=r.wave_rows,
+               refill=r.refill, max_staleness=r.max_staleness, cache_dtype=r.cache_dtype,
+               context=rollout.ContextPolicy(r.context, r.context_turns))
 
   @property
   def rows(self) -> int:
@@ -442,6 +448,12 @@ def _check_algorithm(c: ml_collections.ConfigDict, r: RolloutSettings) -> None:
       a.rollout_correction in rl.CORRECTIONS,
       f"algorithm.rollout_correction={a.rollout_correction!r} is not one of "
       f"{list(rl.CORRECTIONS)}")
+  check(
+      r.max_staleness == 0 or a.rollout_correction != "none",
+      f"rollout.max_staleness={r.max_staleness} trains on episodes of a policy up to "
+      f"{r.max_staleness} updates old: set algorithm.rollout_correction to weigh them from the "
+      "policy that played them to the one at the update's start (decoupled: decoupled PPO; "
+      "token_tis: its truncated form; sequence_mask, geometric_mask)")
   check(a.rollout_correction_cap > 1,
         f"algorithm.rollout_correction_cap={a.rollout_correction_cap} must be > 1")
   for key in ("kl_coef", "kl_in_reward_coef", "entropy_coef", "value_coef",
@@ -840,6 +852,10 @@ class Settings:
     """What the config can only be checked against once the mesh and processes are known."""
     r, update = self.rollout, self.update
     process_rows = r.rows // process_count
+    check(
+        r.max_staleness == 0 or process_count == 1,
+        f"rollout.max_staleness={r.max_staleness} plays ahead in a thread of its own, on one "
+        f"process; this run has {process_count}")
     check(
         process_rows % r.pipeline_groups == 0,
         f"rollout.pipeline_groups={r.pipeline_groups} does not divide the {process_rows} "

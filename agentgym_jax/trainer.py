@@ -43,7 +43,7 @@ from agentgym_jax import config as config_lib
 from agentgym_jax import settings as settings_lib
 from agentgym_jax import state as state_lib
 from agentgym_jax import evaluation, hooks, learner, paths
-from agentgym_jax import multihost, rollout, sharding, task_sampling
+from agentgym_jax import multihost, rollout, rollout_queue, sharding, task_sampling
 from agentgym_jax.batch import Batch
 
 
@@ -122,6 +122,23 @@ class StepRollout:
   stats: rollout.RolloutStats
   rounds: int
   signal_groups: int
+
+  def state(self) -> dict[str, Any]:
+    """JSON-safe, for a checkpoint's buffered rollouts (rollout_queue.py); `from_state`
+    inverts it."""
+    return {
+        "batch": [t.state() for t in self.batch], "trained": self.trained,
+        "played": [t.state() for t in self.played], "stats": dataclasses.asdict(self.stats),
+        "rounds": self.rounds, "signal_groups": self.signal_groups
+    }
+
+  @classmethod
+  def from_state(cls, state: dict[str, Any]) -> StepRollout:
+    return cls(batch=[rollout.Trajectory.from_state(t) for t in state["batch"]],
+               trained=state["trained"],
+               played=[rollout.Trajectory.from_state(t) for t in state["played"]],
+               stats=rollout.RolloutStats(**state["stats"]), rounds=state["rounds"],
+               signal_groups=state["signal_groups"])
 
   def metrics(self, tasks_per_step: int) -> dict[str, float]:
     """Dynamic sampling's metrics: rounds played, the fraction of played groups kept (with
@@ -422,65 +439,102 @@ def train(c: ml_collections.ConfigDict | settings_lib.Settings,
   actor = Actor.create(settings, model, chat, policy, processes)
   hooks_ = hooks.StepHooks(settings, workdir, checkpointer, start_step, PROGRESS_KEYS,
                            trajectory_log=True, shown=processes.index == 0)
+  stale = settings.rollout.max_staleness
   with settings.env.pool(actor.wave) as pool:
     task_orders = actor.task_orders(pool, estimates)
-    for step in range(start_step, settings.steps):
-      timer = state_lib.PhaseTimer()
-      cap = schedule.cap(step)
-      # 1. Rollout: B tasks x n samples, up to the current horizon cap (more rounds of B tasks
-      # with dynamic sampling).
-      with timer("rollout"):
-        tasks = task_orders[min(schedule.stage(step), len(task_orders) - 1)]
-        step_rollout = actor.play_step(pool, state.params,
-                                       tasks.draws(step, cursor, settings.rollout.tasks_per_step),
-                                       step, cap, estimates)
-        cursor += step_rollout.rounds * settings.rollout.tasks_per_step
-      # 2. Experience: old and reference log-probs, values, advantages.
-      with timer("experience"):
-        batch, row_groups = pack_step(step_rollout, settings, shards)
-        skip = skip_no_signal and no_signal_in_rewards(batch, settings.update.loss)
-        batch = jax.device_put(batch, sharding.batch_sharding(mesh, 1))
-        experience, experience_metrics = None, {}
-        if not skip:
-          experience, experience_metrics = learner_.experience(state, batch)
-          jax.block_until_ready(experience)  # So that the phase timers measure device work.
-          skip = skip_no_signal and bool(no_signal(experience, batch.loss_mask))
-      # 3. Update (none without signal).
-      update_metrics = []
-      if not skip:
-        with timer("update"):
-          state, update_metrics = learner_.update(state, batch, row_groups, experience, step,
-                                                  shards)
 
-      done = step + 1
-      step_metrics = _step_metrics(step_rollout.played, step_rollout.stats, experience_metrics,
-                                   update_metrics, state.opt_state.notfinite_count, cap,
-                                   schedule.stage(step), timer)
-      step_metrics.update(settings.update.scoring.metrics(step_rollout.played))
-      if settings.rollout.dynamic_sampling:
-        step_metrics.update(step_rollout.metrics(settings.rollout.tasks_per_step))
-        if step_metrics["dynamic_sampling/filled_groups"]:
-          logging.warning(
-              "step %d: %d of %d groups have signal after rollout.max_sampling_rounds=%d "
-              "rounds; training on those only", done, step_rollout.signal_groups,
-              settings.rollout.tasks_per_step, step_rollout.rounds)
-      if settings.evaluation.every and done % settings.evaluation.every == 0:
-        with timer("eval"):
-          step_metrics.update(actor.evaluate(pool, state.params, done))
-        step_metrics["time/eval"] = timer.seconds["eval"]
-      learnability = {} if estimates is None else {"task_success": estimates.to_meta()}
-      hooks_.step_end(
-          done, step_metrics, state,
-          dict(horizon_stage=schedule.stage(done), horizon_cap=cap, task_cursor=cursor,
-               **learnability), trajectories=lambda: trajectory_records(
-                   step_rollout.batch, None
-                   if experience is None else experience.advantages, batch.loss_mask))
+    def play(step: int, params: nnx.State, version: int) -> StepRollout:
+      """1. Rollout: B tasks x n samples, up to step `step`'s horizon cap (more rounds of B
+      tasks with dynamic sampling), played by the policy of `params` after `version` updates;
+      on the rollout side (rollout_queue.py), which owns the task cursor and the estimates."""
+      nonlocal cursor
+      tasks = task_orders[min(schedule.stage(step), len(task_orders) - 1)]
+      step_rollout = actor.play_step(pool, params,
+                                     tasks.draws(step, cursor, settings.rollout.tasks_per_step),
+                                     step, schedule.cap(step), estimates)
+      cursor += step_rollout.rounds * settings.rollout.tasks_per_step
+      for trajectory in step_rollout.played + step_rollout.batch:
+        trajectory.policy_version = version
+      return step_rollout
+
+    with rollout_queue.RolloutQueue(play, stale, snapshot=_copy) as queue:
+      # The steps played ahead: the checkpoint's buffered rollouts on resume, else the policy's.
+      buffered = meta.get("rollout_buffer", {})
+      for ahead in range(start_step, min(start_step + stale + 1, settings.steps)):
+        if str(ahead) in buffered:
+          queue.put(ahead, StepRollout.from_state(buffered[str(ahead)]))
+        else:
+          if start_step and stale:
+            logging.warning(
+                "step %d: the checkpoint holds no rollout played ahead for it (the run ended "
+                "there, or ran with another rollout.max_staleness); the resumed policy plays it",
+                ahead + 1)
+          queue.submit(ahead, state.params, start_step)
+      for step in range(start_step, settings.steps):
+        timer = state_lib.PhaseTimer()
+        cap = schedule.cap(step)
+        with timer("rollout"):
+          step_rollout = queue.take(step)
+        # 2. Experience: old and reference log-probs, values, advantages.
+        with timer("experience"):
+          batch, row_groups = pack_step(step_rollout, settings, shards)
+          skip = skip_no_signal and no_signal_in_rewards(batch, settings.update.loss)
+          batch = jax.device_put(batch, sharding.batch_sharding(mesh, 1))
+          experience, experience_metrics = None, {}
+          if not skip:
+            experience, experience_metrics = learner_.experience(state, batch)
+            jax.block_until_ready(experience)  # So that the phase timers measure device work.
+            skip = skip_no_signal and bool(no_signal(experience, batch.loss_mask))
+        # 3. Update (none without signal).
+        update_metrics = []
+        if not skip:
+          with timer("update"):
+            state, update_metrics = learner_.update(state, batch, row_groups, experience, step,
+                                                    shards)
+
+        done = step + 1
+        if done + stale < settings.steps:
+          queue.submit(done + stale, state.params, done)
+        step_metrics = _step_metrics(step_rollout.played, step_rollout.stats, experience_metrics,
+                                     update_metrics, state.opt_state.notfinite_count, cap,
+                                     schedule.stage(step), timer)
+        step_metrics.update(settings.update.scoring.metrics(step_rollout.played))
+        if stale:
+          step_metrics["rollout/staleness"] = step - step_rollout.played[0].policy_version
+        if settings.rollout.dynamic_sampling:
+          step_metrics.update(step_rollout.metrics(settings.rollout.tasks_per_step))
+          if step_metrics["dynamic_sampling/filled_groups"]:
+            logging.warning(
+                "step %d: %d of %d groups have signal after rollout.max_sampling_rounds=%d "
+                "rounds; training on those only", done, step_rollout.signal_groups,
+                settings.rollout.tasks_per_step, step_rollout.rounds)
+        if settings.evaluation.every and done % settings.evaluation.every == 0:
+          with timer("eval"):
+            step_metrics.update(queue.run(actor.evaluate, pool, state.params, done))
+          step_metrics["time/eval"] = timer.seconds["eval"]
+        run_meta = {}
+        if hooks_.saves(done):
+          # What a resumed run needs: the rollouts played ahead (waited for), and the task
+          # cursor and estimates after them.
+          ahead = {str(s): played.state() for s, played in queue.played().items()}
+          run_meta = dict(horizon_stage=schedule.stage(done), horizon_cap=cap, task_cursor=cursor,
+                          **({} if estimates is None else {"task_success": estimates.to_meta()}),
+                          **({"rollout_buffer": ahead} if ahead else {}))
+        hooks_.step_end(
+            done, step_metrics, state, run_meta, trajectories=lambda: trajectory_records(
+                step_rollout.batch, None
+                if experience is None else experience.advantages, batch.loss_mask))
   history = hooks_.close()
   if settings.checkpoint.export_hf:
     exported = processes.local_copy(policy.export_params(state.params))
     if processes.index == 0:
       state_lib.export_policy(settings, policy.exported(exported), tokenizer, workdir)
   return history
+
+
+def _copy(params: nnx.State) -> nnx.State:
+  """A copy of `params` that the next update, which donates their buffers, leaves alone."""
+  return jax.tree.map(jnp.copy, params)
 
 
 def _step_metrics(trajectories: Sequence[rollout.Trajectory], stats: rollout.RolloutStats,

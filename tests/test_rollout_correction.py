@@ -50,6 +50,18 @@ def test_token_tis_truncates_each_ratio_at_the_cap():
   assert float(metrics["rollout_correction/truncated_fraction"]) == pytest.approx(0.5)
 
 
+def test_decoupled_weights_each_token_by_its_whole_ratio():
+  # w = rho on trained tokens, whatever the cap (an untrained row keeps 1, not its 3.0): decoupled
+  # PPO's behaviour-to-proximal weight; the mean of w is 6.8 / 6, none dropped.
+  for cap in (1.2, 2.0):
+    correction, metrics = rollout_correction(_OLD, _SAMPLER, _MASK, method="decoupled", cap=cap)
+    np.testing.assert_allclose(correction.weights,
+                               [[1.5, 1.5], [1.5, 0.9], [0.5, 0.9], [1.0, 1.0]], rtol=1e-6)
+    np.testing.assert_array_equal(correction.kept, 1.0)
+    assert float(metrics["rollout_correction/weight_mean"]) == pytest.approx(6.8 / 6, rel=1e-6)
+    assert "rollout_correction/truncated_fraction" not in metrics
+
+
 def test_sequence_mask_drops_trajectories_whose_product_leaves_the_cap():
   # Cap 2: keep 1/2 <= product <= 2: row 0 (2.25) and row 2 (0.45) go, row 1 (1.35) stays; the
   # untrained row 3 (an empty product, 1) stays and is not counted: 2 of 3 dropped.

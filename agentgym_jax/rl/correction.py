@@ -11,11 +11,16 @@ is the importance weight from the sampling distribution to the learner's (decoup
 PPO ratio pi / pi_old bounds the update, rho corrects for who sampled). With a cap C > 1:
 
   "none"            w_t = 1
+  "decoupled"       w_t = rho_t                            decoupled PPO's weight, untruncated
   "token_tis"       w_t = min(rho_t, C)                    truncated importance sampling
   "sequence_mask"   drop trajectory i unless 1/C <= prod_t rho_t <= C
   "geometric_mask"  drop trajectory i unless 1/C <= exp(mean_t log rho_t) <= C
 
-The TIS weight multiplies each token's policy-gradient loss; a dropped trajectory leaves every
+Decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy optimization"; AReaL, Fu
+et al. 2025, for asynchronous RL) weighs each token by rho_t whole, the correction for episodes
+played by an older policy (rollout.max_staleness): there pi_sampler is that policy and rho_t
+carries the updates since, not rounding alone. The weight (decoupled or TIS)
+multiplies each token's policy-gradient loss; a dropped trajectory leaves every
 term of the loss (its tokens count in no aggregation), while the advantages, computed before,
 keep its reward in its group's baseline. Products and means run over the trajectory's trained
 tokens. The geometric mean is a per-token scale, so a useful cap for it is much nearer 1 than
@@ -39,7 +44,7 @@ from agentgym_jax.rl import masked
 
 Metrics = dict[str, jax.Array]
 
-CORRECTIONS = ("none", "token_tis", "sequence_mask", "geometric_mask")
+CORRECTIONS = ("none", "decoupled", "token_tis", "sequence_mask", "geometric_mask")
 _MAX_LOG_RATIO = 20.0
 
 
@@ -70,8 +75,8 @@ def rollout_correction(old_logprobs: jax.Array, sampler_logprobs: jax.Array, los
     cap: C > 1.
 
   Returns:
-    (Correction(weights, kept), metrics). Metrics: token_tis gives
-    rollout_correction/weight_mean (of w over trained tokens) and
+    (Correction(weights, kept), metrics). Metrics: decoupled and token_tis give
+    rollout_correction/weight_mean (of w over trained tokens), token_tis also
     rollout_correction/truncated_fraction (trained tokens with rho > C); the masks give
     rollout_correction/dropped_fraction (of the trajectories with trained tokens); none gives
     none.
@@ -85,7 +90,10 @@ def rollout_correction(old_logprobs: jax.Array, sampler_logprobs: jax.Array, los
   weights = jnp.ones_like(log_ratio)
   kept = jnp.ones(log_ratio.shape[0], jnp.float32)
   metrics: Metrics = {}
-  if method == "token_tis":
+  if method == "decoupled":
+    weights = jnp.where(trained, jnp.exp(log_ratio), 1.0)
+    metrics["rollout_correction/weight_mean"] = masked.masked_mean(weights, loss_mask)
+  elif method == "token_tis":
     weights = jnp.where(trained, jnp.minimum(jnp.exp(log_ratio), cap), 1.0)
     metrics["rollout_correction/weight_mean"] = masked.masked_mean(weights, loss_mask)
     metrics["rollout_correction/truncated_fraction"] = masked.masked_mean(
