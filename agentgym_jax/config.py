@@ -71,6 +71,12 @@ def base_config() -> ml_collections.ConfigDict:
   # react (the paper's "Thought: ... Action: ...") | tool_call (the env's actions as tools the
   # model calls, shown as its chat template shows tools; environments/base.py).
   c.env.action_format = "react"
+  # A drawn time every env step sleeps first (environments/latency.py), standing in for a slow
+  # simulator, browser or remote env in benchmarks: log-normal, capped.
+  c.env.latency = ml_collections.ConfigDict()
+  c.env.latency.mean_s = 0.0  # Mean seconds a step; 0: none.
+  c.env.latency.sigma = 0.9  # Log-space spread (0.9: the 99.9th percentile near 10 x mean).
+  c.env.latency.max_s = 3.0  # The cap.
 
   c.rollout = ml_collections.ConfigDict()  # How a step plays its episodes.
   c.rollout.tasks_per_step = 32  # Tasks (groups) a step plays.

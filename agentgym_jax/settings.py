@@ -27,6 +27,7 @@ from agentgym_jax.models import attention, decoder, lora as lora_lib
 from agentgym_jax.models.tokenizer import ChatTemplate, Tokenizer
 from agentgym_jax.sampling import Sampler
 from environments import base as env_base
+from environments.latency import StepLatency
 from environments.pool import EnvPool
 
 
@@ -118,7 +119,8 @@ def _lora(lora: ml_collections.ConfigDict) -> lora_lib.LoraSettings | None:
 class EnvSettings:
   """The environment (config group env): its registered `name`, its adapters' keyword arguments
   (`options`: env.options, and the action format when it is not react), how its episodes run
-  (backend, step_timeout) and how its faults enter the loss (failed_episodes)."""
+  (backend, step_timeout, an added step latency) and how its faults enter the loss
+  (failed_episodes)."""
 
   name: str
   options: dict[str, Any]
@@ -126,6 +128,7 @@ class EnvSettings:
   backend: str
   step_timeout: float
   failed_episodes: str
+  latency: StepLatency | None = None
 
   @classmethod
   def from_config(cls, c: ml_collections.ConfigDict) -> EnvSettings:
@@ -157,13 +160,20 @@ class EnvSettings:
     options = e.options.to_dict()
     if e.action_format != "react":
       options["action_format"] = e.action_format
+    latency = None
+    if e.latency.mean_s:
+      check(
+          e.latency.mean_s > 0 and e.latency.sigma >= 0 and e.latency.max_s >= e.latency.mean_s,
+          f"env.latency: mean_s={e.latency.mean_s}, sigma={e.latency.sigma} and max_s="
+          f"{e.latency.max_s} need mean_s >= 0 (0: none), sigma >= 0 and max_s >= mean_s")
+      latency = StepLatency(e.latency.mean_s, e.latency.sigma, e.latency.max_s, c.seed)
     return cls(name=e.name, options=options, action_format=e.action_format, backend=e.backend,
-               step_timeout=e.step_timeout, failed_episodes=e.failed_episodes)
+               step_timeout=e.step_timeout, failed_episodes=e.failed_episodes, latency=latency)
 
   def pool(self, rows: int) -> EnvPool:
     """A pool of `rows` episodes of the environment."""
     return EnvPool(self.name, rows, options=self.options, backend=self.backend,
-                   step_timeout_s=self.step_timeout)
+                   step_timeout_s=self.step_timeout, latency=self.latency)
 
 
 def env_options_problem(name: str, options: Mapping[str, Any], prefix: str,

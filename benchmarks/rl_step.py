@@ -7,6 +7,8 @@
   python benchmarks/rl_step.py --vs=bf7a2af --turns=3            # this tree against a commit
   python benchmarks/rl_step.py --pipeline_groups=1 --shared_prompts=on,off   # the learner's
                                                   # packed groups against one row a sample
+  python benchmarks/rl_step.py --mode=sync,stream,async --step_latency_s=0.3 \
+      --model=runs/local/warm_start/export --turns=8   # lock-step, refilled rows, async RL
 
 Runs `trainer.train` for --steps steps of the configured size (a temporary workdir, no
 checkpoints) and reads its per-step metrics:
@@ -47,6 +49,18 @@ the update (agentgym_jax/batch.py), "off" runs one row a sample. Both play the s
 after it their policies differ by the update's float rounding, which can flip a sampled token
 and so the later episodes (gen tokens and turns show it). Every pair (pipeline groups, shared
 prompts) is one run, in the order given.
+
+Modes (--mode, a list; runs side by side, each at --pipeline_groups' first value and
+--shared_prompts' first): the step's episodes on --wave_rows rows (default half the step's), as
+  sync    lock-step waves, each waiting for its longest episode (rollout.refill=False);
+  stream  continuous batching: a row whose episode ends takes the next (rollout.refill);
+  async   stream, played one update ahead of the learner (rollout.max_staleness=1, decoupled
+          PPO's correction): the learner's step no longer waits for the rollout's.
+--step_latency_s adds a drawn time to every env step of any environment (env.latency: log-normal
+of that mean, sigma 0.9, capped at 3 s), standing in for a simulator, browser or remote env. The
+table gives each mode's step wall time (between consecutive metrics rows, so an async step is
+what the learner waited plus its own work), episodes per minute, the idle row fraction and the
+time of each phase.
 
 The first step compiles every program (the sampler's prefill and decode, the learner's
 experience and update) and is reported apart; the means are over the later steps.
@@ -101,6 +115,11 @@ _SET = flags.DEFINE_multi_string(
     "value, or else a string), e.g. --set=model.name=/path/to/checkpoint.")
 _SHARED = flags.DEFINE_list("shared_prompts", ["on"],
                             "algorithm.shared_prompts of each run (on, off), side by side.")
+_MODES = flags.DEFINE_list("mode", [], "Rollout modes side by side: sync, stream, async.")
+_WAVE_ROWS = flags.DEFINE_integer("wave_rows", 0, "Rows of --mode runs (0: half the step's).")
+_LATENCY = flags.DEFINE_float("step_latency_s", 0.0,
+                              "Mean added time of every env step (0: none); env.latency.")
+MODES = ("sync", "stream", "async")
 
 PHASES = ("rollout", "generate", "env", "other", "experience", "update")
 
@@ -127,8 +146,50 @@ def make_config(model: str, groups: int, shared_prompts: bool) -> Any:
   c.rollout.pipeline_groups = groups
   c.algorithm.num_minibatches = 2
   c.algorithm.shared_prompts = shared_prompts
+  c.env.latency.mean_s = _LATENCY.value
   config_lib.quiet(c)
   return c
+
+
+def set_mode(c: Any, mode: str) -> int:
+  """Sets rollout `mode` (MODES) on `c`; returns its wave rows."""
+  rows = c.rollout.tasks_per_step * c.rollout.samples_per_task
+  c.rollout.wave_rows = _WAVE_ROWS.value or max(rows // 2, 1)
+  c.rollout.refill = mode != "sync"
+  if mode == "async":
+    c.rollout.max_staleness = 1
+    c.algorithm.rollout_correction = "decoupled"
+  return c.rollout.wave_rows
+
+
+def compare_modes(model: str, directory: pathlib.Path) -> None:
+  """--mode: each rollout mode's run, one after the other; their step tables, then one row a
+  mode with the ratios to the first."""
+  results = {}
+  for mode in _MODES.value:
+    c = make_config(model, int(_GROUPS.value[0]), _SHARED.value[0] == "on")
+    wave = set_mode(c, mode)
+    print(f"\nmode {mode}: model {_MODEL.value} ({c.model.dtype}), env {c.env.name}"
+          f"{f' with {_LATENCY.value} s mean step latency' if _LATENCY.value else ''}, "
+          f"{c.rollout.tasks_per_step} tasks x {c.rollout.samples_per_task} samples on {wave} "
+          f"rows, {c.horizon.turns} turns x {c.rollout.max_new_tokens} new tokens")
+    history = trainer.train(c, directory / f"run_{mode}")
+    seconds, row = print_steps(history)
+    later = history[1:] or history
+    row["idle"] = float(np.mean([r["rollout/idle_row_fraction"] for r in later]))
+    results[mode] = (seconds, row, c.rollout.tasks_per_step * c.rollout.samples_per_task)
+  print("\n| mode | step s | episodes / min | vs first | rollout s (wait) | generate s | env s "
+        "| idle rows | experience s | update s | turns |")
+  print("|" + "---|" * 11)
+  first = next(iter(results.values()))[0]["step"]
+  for mode, (seconds, row, episodes) in results.items():
+    print(f"| {mode} | {seconds['step']:.2f} | {60 * episodes / seconds['step']:.1f} | "
+          f"{first / seconds['step']:.2f}x | {seconds['rollout']:.2f} | {seconds['generate']:.2f} "
+          f"| {seconds['env']:.2f} | {row['idle']:.1%} | {seconds['experience']:.2f} | "
+          f"{seconds['update']:.2f} | {row['turns']:.2f} |")
+  print("\nMeans over the steps after the warm-up. idle rows: the share of decode row-steps that "
+        "generated nothing (rollout/idle_row_fraction). An async step's rollout s is the "
+        "learner's wait for a rollout played during the updates before it.")
 
 
 def phase_seconds(row: dict[str, Any]) -> dict[str, float]:
@@ -148,6 +209,8 @@ def main(argv):
     raise app.UsageError("--env_delay_ms needs --env=echo")
   if not set(_SHARED.value) <= {"on", "off"}:
     raise app.UsageError(f"--shared_prompts takes on and off, not {_SHARED.value}")
+  if not set(_MODES.value) <= set(MODES):
+    raise app.UsageError(f"--mode takes {', '.join(MODES)}, not {_MODES.value}")
   print("command: " + " ".join([os.path.basename(sys.executable)] + sys.argv))
   print(hardware.describe())
   print(f"host: {platform.node()}, {os.cpu_count()} CPUs, load average "
@@ -164,6 +227,9 @@ def main(argv):
       import tiny  # pylint: disable=g-import-not-at-top
 
       model = str(tiny.make_checkpoint(pathlib.Path(directory) / "tiny"))
+    if _MODES.value:
+      compare_modes(model, pathlib.Path(directory))
+      return
     for groups in map(int, _GROUPS.value):
       for shared in _SHARED.value:
         c = make_config(model, groups, shared == "on")

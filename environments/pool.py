@@ -49,6 +49,7 @@ from absl import logging
 
 from environments import base
 from environments.base import ENV_ERROR, ENV_TIMEOUT, Env, EnvError, StepResult
+from environments.latency import StepLatency, slowed
 
 BACKENDS = ("thread", "process")
 # How long close() waits for a worker to close its adapter before giving up on (thread) or
@@ -72,7 +73,8 @@ class EnvPool:
 
   def __init__(self, env: str | Callable[[], Env], num_slots: int, *,
                options: Mapping[str, Any] | None = None, backend: str = "thread",
-               step_timeout_s: float = 60.0, reset_timeout_s: float = 300.0):
+               step_timeout_s: float = 60.0, reset_timeout_s: float = 300.0,
+               latency: StepLatency | None = None):
     """Creates the pool; adapters are built lazily, by each slot's first call.
 
     Args:
@@ -86,6 +88,7 @@ class EnvPool:
       backend: "thread" or "process" (see the module docstring).
       step_timeout_s: how long a step may take before its episode ends with "env_timeout".
       reset_timeout_s: the same for a reset, which includes building a fresh adapter.
+      latency: a drawn time every step sleeps first (environments/latency.py), or None.
     """
     if backend not in BACKENDS:
       raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
@@ -105,6 +108,8 @@ class EnvPool:
       self.env_name = str(getattr(target, "name", None) or getattr(target, "__name__", target))
     else:
       raise TypeError(f"env must be a registered name or a factory, got {type(env).__name__}")
+    if latency is not None:
+      factory = functools.partial(slowed, factory, latency)
     if backend == "process":
       try:
         pickle.dumps(factory)

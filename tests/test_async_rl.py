@@ -127,7 +127,7 @@ def test_stale_rollouts_are_played_by_the_older_policy_and_corrected(checkpoint_
   assert stale[1]["rollout_correction/weight_mean"] != 1.0
 
 
-@pytest.mark.parametrize("stale", [1, 2])
+@pytest.mark.parametrize("stale", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_an_async_run_killed_and_resumed_matches_an_uninterrupted_one(checkpoint_dir, tmp_path,
                                                                       stale, monkeypatch,
                                                                       single_device):
