@@ -61,6 +61,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.data = 1  # Replicas, each with a whole copy of the parameters.
   c.mesh.fsdp = -1  # -1: all remaining devices.
   c.mesh.tensor = 1  # Tensor (model) parallelism within a layer.
+  # A split mesh: the sampler on the last rollout_devices devices, a (1, n / rollout_tensor,
+  # rollout_tensor) mesh of its own, the learner's mesh on the others; the weights are copied
+  # device to device after each update. 0: the sampler shares the learner's mesh.
+  c.mesh.rollout_devices = 0
+  c.mesh.rollout_tensor = 1
 
   c.env = ml_collections.ConfigDict()  # The environment the policy plays.
   c.env.name = "textcraft"  # A registered adapter (environments.registered()).

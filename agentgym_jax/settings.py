@@ -17,6 +17,7 @@ import os
 import pathlib
 from typing import Any, Mapping, Sequence
 
+import jax
 import ml_collections
 import optax
 from jax.sharding import Mesh
@@ -44,8 +45,9 @@ def check(condition: bool, message: str) -> None:
 class ModelSettings:
   """The policy (config groups model and mesh): the checkpoint `name`, its numerics as
   configured (`dtype` auto is resolved by `matmul_dtype`), the learner's attention and remat,
-  model.thinking (on | off), the (data, fsdp, tensor) mesh and LoRA (None: every weight is
-  trained)."""
+  model.thinking (on | off), the (data, fsdp, tensor) mesh, LoRA (None: every weight is
+  trained) and the sampler's own devices and tensor parallelism (`rollout_mesh`: (0, 1) shares
+  the learner's mesh)."""
 
   name: str
   dtype: str
@@ -55,6 +57,7 @@ class ModelSettings:
   thinking: str
   mesh: tuple[int, int, int]
   lora: lora_lib.LoraSettings | None
+  rollout_mesh: tuple[int, int] = (0, 1)
 
   @classmethod
   def from_config(cls, c: ml_collections.ConfigDict) -> ModelSettings:
@@ -70,16 +73,35 @@ class ModelSettings:
     for axis in ("data", "fsdp", "tensor"):
       value = c.mesh[axis]
       check(value == -1 or value > 0, f"mesh.{axis}={value} must be > 0 or -1")
+    devices, tensor = c.mesh.rollout_devices, c.mesh.rollout_tensor
+    check(
+        devices >= 0 and tensor >= 1 and devices % tensor == 0,
+        f"mesh.rollout_devices={devices} must be >= 0 (0: the sampler shares the learner's "
+        f"mesh) and a multiple of mesh.rollout_tensor={tensor} >= 1")
     return cls(name=m.name, dtype=m.dtype, param_dtype=m.param_dtype, attention=m.attention,
                remat=m.remat, thinking=m.thinking, mesh=(c.mesh.data, c.mesh.fsdp, c.mesh.tensor),
-               lora=_lora(m.lora))
+               lora=_lora(m.lora), rollout_mesh=(devices, tensor))
 
   def matmul_dtype(self) -> str:
     """model.dtype with auto resolved for this machine (hardware.matmul_dtype)."""
     return hardware.matmul_dtype(self.dtype)
 
   def make_mesh(self) -> Mesh:
-    return sharding.make_mesh(*self.mesh)
+    """The learner's mesh: over every device, or those the sampler's mesh leaves."""
+    return sharding.make_mesh(*self.mesh, devices=self._split_devices()[0])
+
+  def make_rollout_mesh(self) -> Mesh | None:
+    """The sampler's own mesh (mesh.rollout_devices), or None: it shares the learner's."""
+    devices, tensor = self.rollout_mesh
+    return sharding.make_mesh(1, -1, tensor, devices=self._split_devices()[1]) if devices else None
+
+  def _split_devices(self) -> tuple[list[jax.Device], list[jax.Device]]:
+    devices, count = jax.devices(), self.rollout_mesh[0]
+    if not count:
+      return devices, []
+    check(count < len(devices),
+          f"mesh.rollout_devices={count} leaves none of the {len(devices)} devices to the learner")
+    return devices[:-count], devices[-count:]
 
   def chat(self, tokenizer: Tokenizer) -> ChatTemplate:
     """The policy's chat template with model.thinking; a template this project cannot lay out
@@ -862,6 +884,10 @@ class Settings:
     """What the config can only be checked against once the mesh and processes are known."""
     r, update = self.rollout, self.update
     process_rows = r.rows // process_count
+    check(
+        self.model.rollout_mesh[0] == 0 or process_count == 1,
+        f"mesh.rollout_devices={self.model.rollout_mesh[0]} splits one process's devices; this "
+        f"run has {process_count} processes")
     check(
         r.max_staleness == 0 or process_count == 1,
         f"rollout.max_staleness={r.max_staleness} plays ahead in a thread of its own, on one "

@@ -45,6 +45,7 @@ from agentgym_jax import state as state_lib
 from agentgym_jax import evaluation, hooks, learner, paths
 from agentgym_jax import multihost, rollout, rollout_queue, sharding, task_sampling
 from agentgym_jax.batch import Batch
+from agentgym_jax.models import decoder
 
 
 def has_signal(group: Sequence[rollout.Trajectory], scoring: rollout.EpisodeScoring) -> bool:
@@ -222,6 +223,7 @@ class Actor:
     processes: the run's processes (each plays its rows on its own devices).
     rows: this process's rows of the step.
     wave: rows played at once.
+    own_mesh: whether the sampler has a mesh of its own (mesh.rollout_devices).
   """
 
   settings: settings_lib.Settings
@@ -232,19 +234,28 @@ class Actor:
   processes: multihost.Processes
   rows: range
   wave: int
+  own_mesh: bool = False
 
   @classmethod
   def create(cls, settings: settings_lib.Settings, model: Any, chat: Any, policy: state_lib.Policy,
              processes: multihost.Processes) -> Actor:
     rows = processes.rows(settings.rollout.rows)
     wave = settings.rollout.wave(len(rows))
-    sampler = settings.rollout.sampler(model, processes.local_mesh, wave)
-    return cls(settings, sampler, chat, policy, model.dtype, processes, rows, wave)
+    own_mesh = settings.model.make_rollout_mesh()
+    sampler = settings.rollout.sampler(model, own_mesh or processes.local_mesh, wave)
+    return cls(settings, sampler, chat, policy, model.dtype, processes, rows, wave, own_mesh
+               is not None)
 
   def sampler_params(self, params: nnx.State) -> nnx.State:
     """The policy as this process's sampler runs it (with LoRA, merged): once per rollout or
-    evaluation."""
-    return self.processes.sampler_copy(self.policy.sampler_params(params), self.dtype)
+    evaluation. On a mesh of its own the sampler reads a copy moved there device to device (the
+    split mesh's weight copy), its matmul weights in the matmul dtype (half the bytes in bf16),
+    laid out by the logical rules on the sampler's mesh."""
+    params = self.policy.sampler_params(params)
+    if not self.own_mesh:
+      return self.processes.sampler_copy(params, self.dtype)
+    narrow = decoder.matmul_copy(params, self.dtype)
+    return jax.device_put(narrow, sharding.state_shardings(narrow, self.sampler.mesh))
 
   def task_orders(self, pool: Any, estimates: task_sampling.SuccessEstimates | None) -> list[Any]:
     """Each curriculum stage's task order (learnability draws when `estimates` are kept)."""
