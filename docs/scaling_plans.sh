@@ -48,3 +48,11 @@ plan 4 --sampler_mesh=1,1,4 --rows=16 --cache_slots=10240 --prefill=1024 --prefi
 # full fine-tuning at the same size.
 plan 8 --mesh=1,8,1 --mesh=1,4,2 --batch=8 --seq=4096 --lora_rank=64
 plan 8 --mesh=1,8,1 --mesh=1,4,2 --batch=8 --seq=4096
+# A split mesh: v5p-8 as 2 learner + 2 sampler chips, v5e-16 as 8 + 8 (full and LoRA).
+plan 2 --mesh=1,2,1 --batch=4 --seq=10240 --micro_batch_rows=2
+plan 2 --sampler_mesh=1,2,1 --rows=128 --cache_slots=10240 --prefill=64 --sampler_copy
+plan 2 --sampler_mesh=1,2,1 --rows=64 --cache_slots=10240 --prefill=64 --sampler_copy
+plan 8 --mesh=1,2,4 --batch=8 --seq=10240 --micro_batch_rows=4
+plan 8 --mesh=1,2,4 --batch=8 --seq=4096 --micro_batch_rows=4 --lora_rank=64
+plan 8 --sampler_mesh=1,2,4 --rows=64 --cache_slots=10240 --prefill=64 --sampler_copy
+plan 8 --sampler_mesh=1,2,4 --rows=32 --cache_slots=10240 --prefill=64 --sampler_copy
