@@ -17,10 +17,14 @@ and, for rollouts, the turn structure that turn-level credit (GiGPO) reads, over
 
 and, for rollouts whose rows were played in several contexts (rollout.ContextPolicy):
 
-  contexts[n, t]          the context tokens[n, t] belongs to (0, 1, ...; -1 padding): the
-                          learner reads each as its own sequence, attending within it and
-                          with positions from 0 at its start (`context_positions`), as the
-                          sampler's row held it
+  contexts[n, t]          the context tokens[n, t] belongs to (0, 1, ...; -1 padding)
+  context_spans[n, c]     (start, length) of the row's c-th context ((0, 0) past its last)
+  context_window          static: the longest context's `packed_length`
+
+The learner reads each context as its own sequence, as the sampler's row held it: context c of
+every row is cut out into a row of `context_window` tokens of its own (positions from 0), and
+the windows are run one context at a time (learner.token_logprobs), so a pass holds the
+activations of one context per row however many contexts an episode was played in.
 
 The model reads tokens[:, :-1] and is scored on tokens[:, 1:], so every per-token array the
 learner computes (logprobs, entropies, values, advantages) is aligned with the *targets*
@@ -55,7 +59,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -98,19 +101,12 @@ class Batch:
   turn_anchors: Array | None = None  # int32[N, K], ids in [0, N * K)
   shared: SharedPrompts | None = None  # The forward pass's packed rows; None: row by row.
   contexts: Array | None = None  # int32[N, T]; None: one context a row
+  context_spans: Array | None = None  # int32[N, C, 2]
+  context_window: int = struct.field(pytree_node=False, default=0)
 
   def inputs_and_targets(self) -> tuple[Array, Array, Array]:
     """(inputs [N, T-1], targets [N, T-1], target loss mask [N, T-1])."""
     return self.tokens[:, :-1], self.tokens[:, 1:], self.loss_mask[:, 1:]
-
-
-def context_positions(contexts: Array) -> Array:
-  """Each token's position in its own context: its index minus that of its context's first
-  token, for context ids [N, T] that change only between contexts."""
-  index = jnp.arange(contexts.shape[1], dtype=jnp.int32)
-  starts = jnp.concatenate(
-      [jnp.ones_like(contexts[:, :1], bool), contexts[:, 1:] != contexts[:, :-1]], axis=1)
-  return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
 def packed_length(length: int, minimum: int = 128) -> int:

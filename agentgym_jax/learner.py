@@ -45,7 +45,7 @@ import optax
 from flax import nnx, struct
 
 from agentgym_jax import hardware, rl
-from agentgym_jax.batch import Batch, SharedPrompts, context_positions
+from agentgym_jax.batch import Batch, SharedPrompts
 from agentgym_jax.models.decoder import Decoder
 
 Array = jax.Array
@@ -161,37 +161,78 @@ def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, loss
 
   The vocabulary projection runs chunk by chunk over the sequence, so full [N, T, V] f32
   logits never exist (a 152k vocabulary at 8k tokens would be 5 GB per row). With LoRA's
-  `frozen` base, `params` are the adapters (module docstring). A row of several contexts
-  (batch.contexts) reads each as its own sequence. In the shared-prompt layout
-  (batch.shared) the forward pass and the projection run on the packed rows, each group's
-  prompt once, and every sample reads its values back at its tokens' packed indices
-  (batch.py); past a row's end it reads a meaningless value that every loss masks.
+  `frozen` base, `params` are the adapters (module docstring). Rows of several contexts
+  (batch.context_spans) are read context by context (`_context_by_context`). In the
+  shared-prompt layout (batch.shared) the forward pass and the projection run on the packed
+  rows, each group's prompt once, and every sample reads its values back at its tokens' packed
+  indices (batch.py); past a row's end it reads a meaningless value that every loss masks.
   """
   model = policy_model(graphdef, params, frozen)
   shared = batch.shared
-  if shared is None and batch.contexts is not None:
-    inputs, targets, _ = batch.inputs_and_targets()
-    contexts = batch.contexts[:, :-1]
-    hidden, _ = model.hidden_states(inputs, context_positions(contexts), segment_ids=contexts,
-                                    dropout_key=dropout_key)
-  elif shared is None:
+  if batch.context_spans is not None:
+    return _context_by_context(model, batch, loss, value_head, dropout_key)
+  if shared is None:
     inputs, targets, _ = batch.inputs_and_targets()
     hidden, _ = model.hidden_states(inputs, dropout_key=dropout_key)
   else:
     inputs, targets = shared.tokens, shared.targets
     hidden, _ = model.hidden_states(inputs, shared.positions, segment_ids=shared.segments,
                                     shared_prompt=True, dropout_key=dropout_key)
+  outputs = _project(model, hidden, targets, loss, value_head)
+  return outputs if shared is None else tuple(map(shared.unpack, outputs))
+
+
+def _project(model: Decoder, hidden: Array, targets: Array, loss: LossConfig,
+             value_head: ValueHead | None) -> tuple[Array, Array, Array]:
+  """(logprobs, entropies, values) [B, L] of the targets from the hidden states [B, L, E]."""
   head = model.unembedding()
-  rows = inputs.shape[0]
+  rows, length = targets.shape
   logprobs, entropies = rl.chunked_token_logprobs_and_entropy(
       hidden, targets, head.weight, vocab_major=head.vocab_major, dtype=head.dtype,
-      chunk_size=min(loss.logprob_chunk, inputs.shape[1]),
+      chunk_size=min(loss.logprob_chunk, length),
       block_size=max(1, loss.logprob_block_tokens // rows) if loss.logprob_block_tokens else None,
       temperature=loss.temperature)
   values = value_head(hidden) if value_head is not None else jnp.zeros_like(logprobs)
-  if shared is None:
-    return logprobs, entropies, values
-  return shared.unpack(logprobs), shared.unpack(entropies), shared.unpack(values)
+  return logprobs, entropies, values
+
+
+def _context_by_context(model: Decoder, batch: Batch, loss: LossConfig,
+                        value_head: ValueHead | None,
+                        dropout_key: Array | None) -> tuple[Array, Array, Array]:
+  """`token_logprobs` of rows of several contexts (batch.py): context c of every row, cut out
+  as a window of batch.context_window tokens, is a row of its own (positions from 0, attending
+  within the context), and the windows run one context after another, each recomputed in the
+  backward pass (jax.checkpoint), so activations are those of one context per row. A context
+  no row has is skipped. Each token's values are read back from its context's window."""
+  tokens, spans, window = batch.tokens, batch.context_spans, batch.context_window
+  rows, length = tokens.shape
+  offsets = jnp.arange(window, dtype=jnp.int32)
+
+  @jax.checkpoint
+  def one_context(args):
+    context, starts, sizes = args  # [N] starts and lengths of each row's context
+    index = jnp.minimum(starts[:, None] + offsets, length - 2)
+    inside = offsets < sizes[:, None]
+    inputs = jnp.where(inside, jnp.take_along_axis(tokens, index, axis=1), 0)
+    targets = jnp.where(inside, jnp.take_along_axis(tokens, index + 1, axis=1), 0)
+    key = None if dropout_key is None else jax.random.fold_in(dropout_key, context)
+
+    def run():
+      hidden, _ = model.hidden_states(inputs, dropout_key=key)
+      return _project(model, hidden, targets, loss, value_head)
+
+    skip = lambda: tuple(jnp.zeros((rows, window), jnp.float32) for _ in range(3))
+    return jax.lax.cond(jnp.any(sizes > 0), run, skip)
+
+  count = spans.shape[1]
+  windows = jax.lax.map(one_context, (jnp.arange(count), spans[..., 0].T, spans[..., 1].T))
+  # Input t of row n is token t - start of its context's window.
+  contexts = jnp.maximum(batch.contexts[:, :-1], 0)
+  starts = jnp.take_along_axis(spans[..., 0], contexts, axis=1)
+  flat = contexts * window + jnp.clip(jnp.arange(length - 1) - starts, 0, window - 1)
+  return tuple(
+      jnp.take_along_axis(w.transpose(1, 0, 2).reshape(rows, count * window), flat, axis=1)
+      for w in windows)
 
 
 def policy_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None) -> Decoder:

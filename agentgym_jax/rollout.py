@@ -39,7 +39,7 @@ import numpy as np
 
 from agentgym_jax.batch import Batch, packed_length, share_prompts
 from agentgym_jax.models.tokenizer import ChatTemplate
-from agentgym_jax.sampling import Sampler, SamplingParams
+from agentgym_jax.sampling import Sampler, SamplingParams, bucket
 from environments import jsonl
 from environments.base import CONTEXT, DONE, ENV_ERROR, ENV_TIMEOUT, HORIZON, EnvError, StepResult
 from environments.pool import EnvPool
@@ -725,8 +725,8 @@ def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns
   least the most turns of any trajectory; by default exactly that).
 
   With `contexts` (needed by a trajectory with context rewrites) the batch carries each token's
-  context (Batch.contexts): a row holds its episode's contexts one after another, each read by
-  the learner as its own sequence.
+  context and each context's span (Batch.contexts, Batch.context_spans): a row holds its
+  episode's contexts one after another, each read by the learner as its own sequence.
 
   With `shared_prompts` the batch also carries the shared-prompt layout (batch.share_prompts):
   the trajectories of one task (one `Trajectory.group`, failed ones included) packed as one row
@@ -762,13 +762,19 @@ def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns
   if not contexts and any(t.rewrites for t in trajectories):
     raise ValueError("a trajectory was played in several contexts: pack it with contexts=True")
   context_ids = np.full((num_rows, length), -1, np.int32) if contexts else None
+  # Context slots come in `bucket` sizes, so that the compiled shapes stay few; the learner
+  # skips a slot no row has.
+  most_contexts = bucket(max((len(t.rewrites) + 1 for t in trajectories), default=1), 1)
+  spans = np.zeros((num_rows, most_contexts, 2), np.int32) if contexts else None
   anchors: dict[tuple[int, tuple[int, ...]], int] = {}
   for i, t in enumerate(trajectories):
     n = len(t.tokens)
     excluded = scoring.excluded(t)
     tokens[i, :n] = t.tokens
     if contexts:
-      context_ids[i, :n] = np.repeat(np.arange(len(t.rewrites) + 1), t.context_lengths())
+      sizes = t.context_lengths()
+      context_ids[i, :n] = np.repeat(np.arange(len(sizes)), sizes)
+      spans[i, :len(sizes)] = np.stack([np.cumsum([0] + sizes[:-1]), sizes], axis=1)
     logprobs[i, :n] = t.sampler_logprobs
     rewards[i] = scoring.reward(t)
     groups[i] = num_rows + i if excluded else t.group
@@ -790,9 +796,11 @@ def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns
         [t.observation_spans[0][1] if t.observation_spans else len(t.tokens) for t in trajectories])
     shared = share_prompts(tokens, lengths, prompt_ends, [t.group for t in trajectories],
                            rows_multiple=packed_rows_multiple)
-  return Batch(tokens=tokens, loss_mask=loss_mask, sampler_logprobs=logprobs, rewards=rewards,
-               group_ids=groups, turn_index=turn_index, turn_rewards=turn_rewards,
-               turn_anchors=turn_anchors, shared=shared, contexts=context_ids)
+  return Batch(
+      tokens=tokens, loss_mask=loss_mask, sampler_logprobs=logprobs, rewards=rewards,
+      group_ids=groups, turn_index=turn_index, turn_rewards=turn_rewards, turn_anchors=turn_anchors,
+      shared=shared, contexts=context_ids, context_spans=spans,
+      context_window=min(packed_length(int(spans[..., 1].max())), length) if contexts else 0)
 
 
 def _turn_index(trajectory: Trajectory, row: int) -> np.ndarray:

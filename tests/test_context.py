@@ -1,14 +1,15 @@
 """Context management (rollout.ContextPolicy): a row's context rewritten every k turns, played by
 the sampler and read back by the learner context by context.
 
-Error model (tests/tolerances.py). The learner reads a packed row of several contexts with each
-token attending within its own context at positions from the context's start: the same q, k and
-v over the same keys as the context alone in a row of its own, so the two differ by summation
-order only (the rows' lengths set flash attention's blocks and XLA's dot order):
-reordered_logprobs(L, K, |logits|), K the widest sum. The sampler's log-probs differ from the
-learner's by the same kind of error (a cached decode sums in another order). A context read as
-part of the whole row (a key of an earlier context seen, or a position not restarted) moves
-log-probs by far more, which the control below shows.
+Error model (tests/tolerances.py). The learner reads a row of several contexts context by
+context, each cut out into a window of its own: the same q, k and v over the same keys as the
+context alone in a row of its own, so the two differ by summation order only (the rows' lengths
+set flash attention's blocks and XLA's dot order): reordered_logprobs(L, K, |logits|), K the
+widest sum. The sampler's log-probs differ from the learner's by the same kind of error (a cached
+decode sums in another order). A context read as part of the whole row (a key of an earlier
+context seen, or a position not restarted) moves log-probs by far more, which the control below
+shows. A gradient is a sum over the trained tokens of such chains: reordered_sum(L K tokens)
+relative to its norm.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import tiny
 import tolerances
 import toy_env
 from agentgym_jax import config as config_lib, learner, rollout, trainer
-from agentgym_jax.batch import Batch, context_positions
+from agentgym_jax.batch import Batch
 from agentgym_jax.models import load_model
 from agentgym_jax.sampling import Sampler
 from environments.pool import EnvPool
@@ -107,12 +108,6 @@ def test_context_policies_are_checked():
   check_config(c, "Set one of them off")
 
 
-def test_context_positions_restart_at_each_context():
-  contexts = jnp.asarray([[0, 0, 0, 1, 1, 2, -1, -1], [0, 0, 0, 0, 0, 0, 0, -1]])
-  np.testing.assert_array_equal(context_positions(contexts),
-                                [[0, 1, 2, 0, 1, 0, 0, 1], [0, 1, 2, 3, 4, 5, 6, 0]])
-
-
 # --- playing
 
 
@@ -178,9 +173,53 @@ def test_the_learner_reads_each_context_as_the_sampler_held_it(policy):
   sampler = np.asarray(batch.sampler_logprobs[:, 1:])
   np.testing.assert_allclose(got[trained], sampler[trained], rtol=0, atol=tolerance)
   # Control: the same row read as one sequence sees the earlier contexts.
-  whole = np.asarray(run(graphdef, params, batch.replace(contexts=None), loss)[0])
+  whole = np.asarray(
+      run(graphdef, params, batch.replace(contexts=None, context_spans=None), loss)[0])
   later = trained & (np.asarray(batch.contexts[:, 1:]) > 0)
   assert np.abs(whole[later] - sampler[later]).max() > 100 * tolerance
+
+  # The gradient of the trained tokens' log-probs: the contexts' rows alone give the same one.
+  def gradient(batch, mask):
+    objective = lambda p: jnp.sum(learner.token_logprobs(graphdef, p, batch, loss)[0] * mask)
+    return jnp.concatenate(
+        [g.ravel() for g in jax.tree.leaves(jax.jit(jax.grad(objective))(params))])
+
+  separate_mask = np.zeros_like(want)
+  for row, (i, start, n) in enumerate(spans):
+    separate_mask[row, :n - 1] = trained[i, start:start + n - 1]
+  got, want = gradient(batch, trained), gradient(separate, separate_mask)
+  relative = tolerances.reordered_sum(model.config.num_layers * model.config.intermediate_size *
+                                      int(trained.sum()))
+  assert float(jnp.linalg.norm(got - want)) <= relative * float(jnp.linalg.norm(want))
+
+
+def test_a_pass_holds_one_context_of_activations_however_many_contexts_a_row_has(policy):
+  """The compiled gradient's scratch memory (XLA's temp buffer: the activations the backward
+  keeps) stays that of one context as rows hold 2 to 32 contexts of 128 tokens, where the same
+  rows read as one sequence grow with their length."""
+  model, _ = policy
+  graphdef, params = nnx.split(model)
+  loss = learner.LossConfig(logprob_chunk=64)
+
+  def scratch(contexts: int, by_context: bool = True) -> int:
+    rows, size = 2, 128
+    tokens = np.random.default_rng(0).integers(1, 50, (rows, contexts * size)).astype(np.int32)
+    ids = np.repeat(np.arange(contexts, dtype=np.int32), size)[None].repeat(rows, 0)
+    spans = np.stack([np.arange(contexts) * size, np.full(contexts, size)], 1).astype(np.int32)
+    zeros = np.zeros(rows)
+    batch = Batch(tokens=tokens, loss_mask=np.ones_like(tokens, np.float32),
+                  sampler_logprobs=np.zeros_like(tokens, np.float32), rewards=zeros,
+                  group_ids=zeros.astype(np.int32))
+    if by_context:
+      batch = batch.replace(contexts=ids, context_spans=spans[None].repeat(rows, 0),
+                            context_window=size)
+    objective = lambda p: jnp.sum(learner.token_logprobs(graphdef, p, batch, loss)[0])
+    compiled = jax.jit(jax.grad(objective)).lower(params).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  two = scratch(2)
+  assert scratch(32) <= 1.1 * two
+  assert scratch(32, by_context=False) > 8 * scratch(2, by_context=False)
 
 
 # --- training
