@@ -763,7 +763,10 @@ class WarmStart:
 class Health:
   """When a run stops as broken (`check`): after `max_consecutive_nonfinite` non-finite updates
   in a row (optim.max_consecutive_nonfinite), or when the sampler's and the learner's
-  log-probs differ by more than `max_logprob_gap` nats a token (rollout.max_logprob_gap)."""
+  log-probs differ by more than `max_logprob_gap` nats a token (rollout.max_logprob_gap) on a
+  step played by the policy it trains. A stale step (rollout/staleness > 0, asynchronous RL) is
+  not held to it: its gap holds the updates made since it was played, which the rollout
+  correction weighs, and grows with the learning rate, not with a defect."""
 
   max_consecutive_nonfinite: int
   max_logprob_gap: float
@@ -781,7 +784,7 @@ class Health:
           f"{int(fetched['nonfinite_steps'])} consecutive updates had non-finite gradients; "
           f"stopping (optim.max_consecutive_nonfinite={self.max_consecutive_nonfinite})")
     gap = fetched.get("logprob_gap_mean")
-    if gap is not None and gap > self.max_logprob_gap:
+    if gap is not None and gap > self.max_logprob_gap and not fetched.get("rollout/staleness"):
       raise RuntimeError(
           f"the sampler's and the learner's log-probs differ by {gap:.3g} nats per token on "
           f"average (> rollout.max_logprob_gap={self.max_logprob_gap}): the sampled tokens are "

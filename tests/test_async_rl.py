@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tolerances
-from agentgym_jax import hooks, rollout_queue, trainer
+from agentgym_jax import hooks, rollout_queue, settings, trainer
 from rl_helpers import check_config, echo_config
 
 # Metrics that measure time, or the staleness itself, and differ between otherwise equal runs.
@@ -152,3 +152,42 @@ def test_an_async_run_killed_and_resumed_matches_an_uninterrupted_one(checkpoint
   for a, b in zip(straight[2:], resumed):
     for key in ("reward", "loss", "grad_norm", "mismatch/kl", "rollout/staleness"):
       np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_the_log_prob_gap_stops_a_step_played_by_the_policy_it_trains_only():
+  health = settings.Health(max_consecutive_nonfinite=5, max_logprob_gap=1.0)
+  for on_policy in ({"logprob_gap_mean": 1.5}, {"logprob_gap_mean": 1.5, "rollout/staleness": 0}):
+    with pytest.raises(RuntimeError, match="no longer on-policy"):
+      health.check(on_policy)
+  health.check({"logprob_gap_mean": 1.5, "rollout/staleness": 1})  # The updates since: no defect.
+  health.check({"logprob_gap_mean": 0.5})
+
+
+# --- learning
+
+
+def _updates_to_learn(history) -> int:
+  """The first step whose success, averaged over it and the next two, reaches 0.9 (the echo
+  learning test's bar); one past the run if none does."""
+  success = [row["success"] for row in history]
+  return next(
+      (step + 1 for step in range(len(success) - 2) if np.mean(success[step:step + 3]) >= 0.9),
+      len(success) + 1)
+
+
+@pytest.mark.slow
+def test_async_runs_learn_echo_in_as_many_updates_as_the_synchronous_one(
+    checkpoint_dir, tmp_path, single_device):
+  """Staleness 1 and 2 reach the synchronous run's success in its number of updates, +20%, over
+  3 seeds (about ten minutes)."""
+  updates = {}
+  for stale in (0, 1, 2):
+    for seed in (0, 1, 2):
+      c = _config(checkpoint_dir, stale, steps=60)
+      c.seed = seed
+      updates[stale, seed] = _updates_to_learn(trainer.train(c, tmp_path / f"k{stale}_s{seed}"))
+  mean = {stale: np.mean([updates[stale, seed] for seed in range(3)]) for stale in (0, 1, 2)}
+  print("updates to learn echo, by staleness and seed:", updates, "means:", mean)
+  assert mean[0] <= 60, updates
+  for stale in (1, 2):
+    assert mean[stale] <= 1.2 * mean[0], updates
