@@ -1,5 +1,5 @@
 """What the commands share: absl's app.run with bad input reported in one line, --help, quiet
-logs, and --config by name or path.
+logs, --config by name or path, and the flags of a model to chat with (`define_model_flags`).
 
 A user's mistake (an unknown config key, an invalid value, a config that does not exist, a
 workdir or output that cannot be written, a model whose weights are not on disk, an
@@ -18,6 +18,7 @@ docstring, its flags and the config's groups; --print_config prints the validate
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.resources
 import os
@@ -26,14 +27,17 @@ import sys
 import types
 from typing import Any, Callable
 
+import jax.numpy as jnp
 import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from agentgym_jax import config as config_lib
 from agentgym_jax import settings as settings_lib
-from agentgym_jax import paths
-from agentgym_jax.models import weights
+from agentgym_jax import hardware, paths
+from agentgym_jax.models import load_model, weights
+from agentgym_jax.models.decoder import Decoder
+from agentgym_jax.models.tokenizer import ChatTemplate, Tokenizer
 from environments import base as env_base
 
 _HELP_FLAGS = ("--help", "-help", "--helpshort", "-helpshort", "--helpfull", "-helpfull", "-?")
@@ -242,6 +246,52 @@ def check_env_name(name: str) -> None:
   if name not in env_base.registered():
     raise app.UsageError(f"--env={name} is not a registered environment; registered: "
                          f"{', '.join(env_base.registered())}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFlags:
+  """--model, --dtype, --param_dtype and --thinking, the flags of a command that chats with a
+  model (`define_model_flags`)."""
+
+  model: flags.FlagHolder
+  dtype: flags.FlagHolder
+  param_dtype: flags.FlagHolder
+  thinking: flags.FlagHolder
+
+  @property
+  def cache_dtype(self) -> Any:
+    """The KV cache's dtype: the weights' storage dtype."""
+    return getattr(jnp, self.param_dtype.value)
+
+  def load(self) -> tuple[Decoder, Tokenizer, ChatTemplate]:
+    """The model, its tokenizer and its chat template; a model without a chat template, or
+    without a thinking switch under --nothinking, is a usage error."""
+    dtype = hardware.matmul_dtype(self.dtype.value)
+    model, tokenizer = load_model(self.model.value, dtype=getattr(jnp, dtype),
+                                  param_dtype=self.cache_dtype)
+    try:
+      chat = tokenizer.chat_template(thinking=self.thinking.value)
+    except ValueError as error:
+      raise app.UsageError(f"--model={self.model.value}: {error}") from None
+    return model, tokenizer, chat
+
+
+def define_model_flags(module: str) -> ModelFlags:
+  """Defines the `ModelFlags` for the command of module `module` (its __name__), whose --help
+  lists them."""
+  dtypes = ["float32", "bfloat16"]
+  return ModelFlags(
+      model=flags.DEFINE_string("model", "smollm2-135m-instruct", "Registry name or HF directory.",
+                                module_name=module),
+      dtype=flags.DEFINE_enum(
+          "dtype", "auto", ["auto", *dtypes], "Matmul input dtype; auto: what model.dtype=auto "
+          "picks on this hardware (bfloat16 where the CPU or accelerator has fast bf16 dots).",
+          module_name=module), param_dtype=flags.DEFINE_enum("param_dtype", "bfloat16", dtypes,
+                                                             "Weight and KV cache storage dtype.",
+                                                             module_name=module),
+      thinking=flags.DEFINE_bool(
+          "thinking", True, "Qwen3: --nothinking pre-fills an empty think block in every "
+          "generation prompt (enable_thinking=False).", module_name=module))
 
 
 def check_run_directory(value: str, what: str) -> None:

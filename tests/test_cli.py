@@ -180,13 +180,17 @@ def test_an_address_in_use_is_one_line():
   assert _one_error_line(result) == f"error: --host=127.0.0.1 --port={port}: Address already in use"
 
 
-@pytest.mark.parametrize("script", ["train.py", "generate.py"])
+@pytest.mark.parametrize("script", ["train.py", "generate.py", "serve_policy.py"])
 def test_thinking_off_without_a_thinking_switch_is_one_line(script, tmp_path):
   checkpoint = tiny.make_checkpoint(tmp_path / "tiny")  # Plain ChatML: no enable_thinking.
-  flags = ([
-      LOCAL, f"--config.model.name={checkpoint}", "--config.model.thinking=off",
-      f"--workdir={tmp_path / 'run'}"
-  ] if script == "train.py" else [f"--model={checkpoint}", "--nothinking", "--prompt=hi"])
+  flags = {
+      "train.py": [
+          LOCAL, f"--config.model.name={checkpoint}", "--config.model.thinking=off",
+          f"--workdir={tmp_path / 'run'}"
+      ],
+      "generate.py": [f"--model={checkpoint}", "--nothinking", "--prompt=hi"],
+      "serve_policy.py": [f"--model={checkpoint}", "--nothinking", "--port=0"],
+  }[script]
   line = _one_error_line(_launch(script, *flags))
   name = (f"invalid config: model.name='{checkpoint}', model.thinking='off'"
           if script == "train.py" else f"--model={checkpoint}")
@@ -262,8 +266,8 @@ def test_env_options_goals_from_the_command_line_plays_the_544_agentgym_goals(tm
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", [
-    "train.py", "evaluate.py", "generate.py", "serve_env.py", "make_demos.py", "view.py", "plot.py",
-    "plan.py"
+    "train.py", "evaluate.py", "generate.py", "serve_env.py", "serve_policy.py", "make_demos.py",
+    "view.py", "plot.py", "plan.py"
 ])
 def test_help_exits_0_with_the_flags_and_the_config_groups(command):
   result = _launch(command, "--help")

@@ -29,6 +29,7 @@ SCRIPTS = {
     "agentgym-eval": "agentgym_jax.commands.evaluate:main",
     "agentgym-generate": "agentgym_jax.commands.generate:main",
     "agentgym-serve-env": "agentgym_jax.commands.serve_env:main",
+    "agentgym-serve-policy": "agentgym_jax.commands.serve_policy:main",
     "agentgym-demos": "agentgym_jax.commands.make_demos:main",
     "agentgym-view": "agentgym_jax.commands.view:main",
     "agentgym-plot": "agentgym_jax.commands.plot:main",

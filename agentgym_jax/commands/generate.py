@@ -20,14 +20,12 @@ from __future__ import annotations
 import sys
 
 import jax
-import jax.numpy as jnp
 from absl import app, flags
 
-import agentgym_jax
 from agentgym_jax import cli
 from agentgym_jax.sampling import Sampler, SamplingParams
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Registry name or HF directory.")
+_MODEL_FLAGS = cli.define_model_flags(__name__)
 _PROMPT = flags.DEFINE_string("prompt", None, "Reply to this one message and exit.")
 _SYSTEM = flags.DEFINE_string("system", None,
                               "System message (default: the chat template's own, if any).")
@@ -37,12 +35,6 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0 = off).")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
 _CACHE_SLOTS = flags.DEFINE_integer("cache_slots", 4096, "Tokens the whole chat can hold.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Matmul input dtype.")
-_PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "bfloat16", ["float32", "bfloat16"],
-                                 "Weight and KV cache storage dtype.")
-_THINKING = flags.DEFINE_bool(
-    "thinking", True, "Qwen3: --nothinking pre-fills an empty think "
-    "block in every generation prompt (enable_thinking=False).")
 _STREAM_TOKENS = flags.DEFINE_integer("stream_tokens", 8,
                                       "Tokens sampled between two prints of the reply.")
 
@@ -64,14 +56,9 @@ def _check_flags() -> None:
 
 def _generate() -> None:
   _check_flags()
-  model, tokenizer = agentgym_jax.load_model(_MODEL.value, dtype=getattr(jnp, _DTYPE.value),
-                                             param_dtype=getattr(jnp, _PARAM_DTYPE.value))
-  try:
-    chat = tokenizer.chat_template(thinking=_THINKING.value)
-  except ValueError as error:
-    raise app.UsageError(f"--model={_MODEL.value}: {error}") from None
+  model, _, chat = _MODEL_FLAGS.load()
   sampler = Sampler(model, cache_slots=_CACHE_SLOTS.value, max_batch=1,
-                    cache_dtype=getattr(jnp, _PARAM_DTYPE.value))
+                    cache_dtype=_MODEL_FLAGS.cache_dtype)
   interactive = _PROMPT.value is None
   system = [] if _SYSTEM.value is None else [{"role": "system", "content": _SYSTEM.value}]
   message = _PROMPT.value if not interactive else _read_user_turn()

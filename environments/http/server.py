@@ -26,15 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import http.server
 import itertools
 import json
 import math
 import re
 import secrets
-import socket
-import socketserver
-import sys
 import threading
 import time
 import urllib.parse
@@ -44,22 +40,8 @@ from absl import logging
 
 from environments import base
 from environments.base import ENV_ERROR, Env, StepResult
-from environments.http import protocol
-
-# After refusing a body unread (411, 413, a bad length), how long and how much of it the server
-# still reads and discards before closing; see _Handler._drain_refused_body.
-_DRAIN_S = 2.0
-_DRAIN_BYTES = 64 << 20
-
-
-class HTTPError(Exception):
-  """An error answer: an HTTP status and a message, plus a machine-readable code."""
-
-  def __init__(self, status: int, message: str, code: str = "bad_request"):
-    super().__init__(message)
-    self.status = status
-    self.message = message
-    self.code = code
+from environments.http import httpd, protocol
+from environments.http.httpd import HTTPError
 
 
 @dataclasses.dataclass
@@ -83,7 +65,7 @@ class _HostedEnv:
       _close_quietly(adapter)
 
 
-class AgentGymServer:
+class AgentGymServer(httpd.App):
   """Hosts adapters of one environment behind the AgentGym HTTP protocol."""
 
   def __init__(self, env: str, *, options: Mapping[str, Any] | None = None,
@@ -113,7 +95,6 @@ class AgentGymServer:
     self._options = dict(options or {})
     self._max_envs = max_envs
     self._idle_timeout_s = idle_timeout_s or math.inf
-    self.max_body_bytes = max_body_bytes
     self._busy_timeout_s = busy_timeout_s
     self._envs: dict[int, _HostedEnv] = {}
     self._creating = 0  # /create requests building an adapter now
@@ -143,19 +124,10 @@ class AgentGymServer:
           ("GET", "/goal"): self._goal,
           ("GET", "/detail"): self._detail,
       })
-    self._http = _HTTPServer((host, port), self)
+    super().__init__((host, port), _Handler, name="AgentGymServer", max_body_bytes=max_body_bytes)
     self._stop = threading.Event()
     self._threads: list[threading.Thread] = []
     self._shut_down = False
-
-  @property
-  def port(self) -> int:
-    return self._http.server_address[1]
-
-  @property
-  def url(self) -> str:
-    host = self._http.server_address[0]
-    return f"http://{host}:{self.port}"
 
   def num_envs(self) -> int:
     with self._lock:
@@ -189,7 +161,7 @@ class AgentGymServer:
     if self._threads:
       self._http.shutdown()
     self._http.server_close()
-    self._http.drop_connections()
+    self._http.drop_connections(grace_s=0.0)
     for thread in self._threads:
       thread.join()
     with self._lock:
@@ -201,12 +173,6 @@ class AgentGymServer:
         _close_quietly(self._meta_adapter)
         self._meta_adapter = None
       self._meta_lock.release()
-
-  def __enter__(self) -> AgentGymServer:
-    return self.start()
-
-  def __exit__(self, *exc_info) -> None:
-    self.shutdown()
 
   # Dispatch (called by request threads).
 
@@ -226,10 +192,10 @@ class AgentGymServer:
       query = dict(urllib.parse.parse_qsl(url.query, keep_blank_values=True))
       return 200, route(query, body)
     except HTTPError as e:
-      return e.status, {"error": e.message, "code": e.code}
+      return e.status, _error_payload(e.message, e.code)
     except Exception as e:  # A bug of ours: answer it, log it, keep serving.
       logging.exception("AgentGymServer: %s %s failed", method, url.path)
-      return 500, {"error": f"internal error: {type(e).__name__}: {e}", "code": "internal"}
+      return 500, _error_payload(f"internal error: {type(e).__name__}: {e}", "internal")
 
   # Routes.
 
@@ -516,151 +482,14 @@ _MAX_JSON_DEPTH = 64
 _JSON_STRUCTURE = re.compile(r'[\[\]{}"\\]')
 
 
-class _HTTPServer(http.server.ThreadingHTTPServer):
-  """A threading HTTP server that tracks open connections so shutdown can drop them."""
+class _Handler(httpd.Handler):
+  """AgentGym's answers: the app's (status, payload); errors as {"error": ..., "code": ...}."""
 
-  daemon_threads = True
-  # socketserver's listen backlog of 5 overflows when many clients connect at once (every
-  # worker of a pool at start-up), and the kernel then resets connections it could not queue.
-  request_queue_size = socket.SOMAXCONN
+  def respond(self, method: str, body: bytes) -> httpd.Answer:
+    return self.server.app.handle(method, self.path, body)
 
-  def __init__(self, address: tuple[str, int], app: AgentGymServer):
-    self.app = app
-    self._connections: set[socket.socket] = set()
-    self._connections_lock = threading.Lock()
-    super().__init__(address, _Handler)
-
-  def server_bind(self) -> None:
-    # HTTPServer.server_bind resolves the host's FQDN, which can stall on a bad resolver.
-    socketserver.TCPServer.server_bind(self)
-    self.server_name, self.server_port = self.server_address[:2]
-
-  def track(self, connection: socket.socket, open_: bool) -> None:
-    with self._connections_lock:
-      (self._connections.add if open_ else self._connections.discard)(connection)
-
-  def handle_error(self, request: Any, client_address: Any) -> None:
-    """A client gone mid-request is one log line; anything else keeps socketserver's report."""
-    error = sys.exc_info()[1]
-    if isinstance(error, (ConnectionError, TimeoutError)):
-      logging.info("AgentGymServer: client %s went away: %s", client_address, error)
-      return
-    super().handle_error(request, client_address)
-
-  def drop_connections(self) -> None:
-    """Ends keep-alive connections, so their handler threads exit."""
-    with self._connections_lock:
-      connections = list(self._connections)
-    for connection in connections:
-      with contextlib.suppress(OSError):
-        connection.shutdown(socket.SHUT_RDWR)
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-  """Reads one request at a time off a keep-alive connection and answers in JSON."""
-
-  protocol_version = "HTTP/1.1"
-  server_version = "agentgym-jax"
-  timeout = 600  # seconds an idle keep-alive connection stays open
-  server: _HTTPServer
-
-  def setup(self) -> None:
-    super().setup()
-    # Headers and body leave in separate writes; with Nagle's algorithm the second waits for
-    # the client's delayed ACK (~40 ms per request).
-    self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    self.server.track(self.connection, True)
-
-  def finish(self) -> None:
-    self.server.track(self.connection, False)
-    super().finish()
-
-  def do_GET(self) -> None:
-    self._answer("GET")
-
-  def do_POST(self) -> None:
-    self._answer("POST")
-
-  def do_PUT(self) -> None:
-    self._answer("PUT")
-
-  def do_DELETE(self) -> None:
-    self._answer("DELETE")
-
-  def do_PATCH(self) -> None:
-    self._answer("PATCH")
-
-  def _answer(self, method: str) -> None:
-    try:
-      body = self._read_body()
-    except HTTPError as e:
-      self.close_connection = True  # The unread body would be taken for the next request.
-      self._send_json(e.status, {"error": e.message, "code": e.code})
-      self._drain_refused_body()
-      return
-    status, payload = self.server.app.handle(method, self.path, body)
-    self._send_json(status, payload)
-
-  def _read_body(self) -> bytes:
-    if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-      raise HTTPError(411, "chunked bodies are not supported; send Content-Length",
-                      "length_required")
-    length_header = self.headers.get("Content-Length")
-    if length_header is None:
-      return b""
-    try:
-      length = int(length_header)
-    except ValueError:
-      length = -1
-    if length < 0:
-      raise HTTPError(400, f"bad Content-Length {length_header!r}")
-    limit = self.server.app.max_body_bytes
-    if length > limit:
-      raise HTTPError(413, f"request body of {length} bytes is over the limit of {limit}",
-                      "too_large")
-    return self.rfile.read(length)
-
-  def _drain_refused_body(self) -> None:
-    """Reads and drops what the client still sends after a refusal, so that it gets the answer.
-
-    A socket closed with unread data resets the connection, and a client still sending its
-    body (http.client sends it all before reading) then fails with a broken pipe instead of
-    reading our 4xx. So: stop sending, then read until the client closes, for at most
-    _DRAIN_S seconds and _DRAIN_BYTES bytes.
-    """
-    deadline = time.monotonic() + _DRAIN_S
-    drained = 0
-    with contextlib.suppress(OSError):  # Reset by the client, or timed out: done either way.
-      self.connection.shutdown(socket.SHUT_WR)
-      while drained < _DRAIN_BYTES and (left_s := deadline - time.monotonic()) > 0:
-        self.connection.settimeout(left_s)
-        chunk = self.connection.recv(1 << 16)
-        if not chunk:
-          break
-        drained += len(chunk)
-
-  def _send_json(self, status: int, payload: Any) -> None:
-    data = json.dumps(payload, default=str).encode()
-    self.send_response(status)
-    self.send_header("Content-Type", "application/json")
-    self.send_header("Content-Length", str(len(data)))
-    if self.close_connection:
-      self.send_header("Connection", "close")
-    self.end_headers()
-    if self.command != "HEAD":
-      self.wfile.write(data)
-
-  def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-    """Errors the base class detects (bad request lines, unknown methods) as JSON too, always
-    under a status line (a line it could not parse leaves the request taken for HTTP/0.9,
-    whose answers have none)."""
-    self.request_version = self.protocol_version
-    self.close_connection = True
-    self._send_json(
-        code, {"error": message or self.responses.get(code, ("error",))[0], "code": "bad_request"})
-
-  def log_message(self, format: str, *args: Any) -> None:
-    logging.debug("AgentGymServer: %s %s", self.address_string(), format % args)
+  def error_payload(self, status: int, message: str, code: str) -> dict[str, str]:
+    return _error_payload(message, code)
 
 
 def _json_depth(text: str) -> int:
@@ -739,6 +568,10 @@ def _int_query(query: Mapping[str, str], name: str) -> int:
         400, f"query parameter {name!r} must be a non-negative integer of at most "
         f"{_MAX_QUERY_DIGITS} digits, got {text[:40]!r}")
   return int(text)
+
+
+def _error_payload(message: str, code: str) -> dict[str, str]:
+  return {"error": message, "code": code}
 
 
 def _env_error(message: str, code: str) -> HTTPError:
