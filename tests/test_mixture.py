@@ -1,8 +1,11 @@
-"""Mixed-environment runs (env.mixture): run-wide task ids and one pool of every environment's
-adapters."""
+"""Mixed-environment runs (env.mixture): run-wide task ids, one pool of every environment's
+adapters, and draws by weight from (seed, position)."""
+
+import collections
 
 import pytest
 
+from agentgym_jax import task_sampling
 from environments import base, mixture
 from environments.pool import EnvPool, Environment
 
@@ -69,3 +72,72 @@ def test_a_mixture_refuses_twin_names_and_pools_of_unequal_width():
     mixture.MixturePool([Environment("echo", echo(2)), Environment("echo", echo(2))])
   with pytest.raises(ValueError, match="the same number of slots"):
     mixture.MixturePool([Environment("a", echo(2)), Environment("b", echo(3))])
+
+
+# --- draws -----------------------------------------------------------------------------------
+
+
+def _orders(weights=(3.0, 1.0), seed=0, sizes=(40, 12)):
+  """A MixtureOrder of permutations of environments with `sizes` tasks (env k: k * 1000 on)."""
+  orders = [
+      task_sampling.TaskOrder([k * 1000 + t for t in range(n)],
+                              task_sampling.environment_seed(seed, k)) for k, n in enumerate(sizes)
+  ]
+  return task_sampling.MixtureOrder(orders, weights, seed)
+
+
+def test_draws_follow_the_weights_deterministically_from_the_seed_and_step():
+  draw = lambda order, step: order.draws(step, step * 8, 8)(0)
+  order = _orders()
+  assert draw(order, 5) == draw(_orders(), 5)
+  assert draw(order, 5) != draw(_orders(seed=1), 5)
+  # Each task picks environment 0 with probability 3/4: over 8,000 draws the share is within
+  # 0.015 (3 standard deviations: sqrt(3/16 / 8000) = 0.0048).
+  environments = [t // 1000 for step in range(1000) for t in draw(order, step)]
+  assert abs(environments.count(0) / len(environments) - 0.75) < 0.015
+  # A step's environments vary: some steps draw both, none is fixed.
+  mixes = {tuple(sorted({t // 1000 for t in draw(order, step)})) for step in range(50)}
+  assert (0, 1) in mixes
+
+
+def test_each_environment_reads_its_own_permutation_without_gaps():
+  order = _orders()
+  drawn = [t for step in range(30) for t in order.draws(step, step * 8, 8)(0)]
+  for k, own in enumerate(order.orders):
+    mine = [t for t in drawn if t // 1000 == k]
+    assert mine == own.take(0, len(mine))  # Epoch after epoch, in its own order.
+  # Each environment has an order of its own, not a copy of another's.
+  assert [t % 1000 for t in order.orders[0].take(0, 12)] != order.orders[1].take(0, 12)
+
+
+def test_a_fresh_order_at_a_cursor_draws_what_the_order_that_drew_up_to_it_draws():
+  # What a resumed run does: a new order, at the checkpoint's task cursor (past a block of
+  # picks), in dynamic sampling's second round.
+  played = _orders()
+  for step in range(200):
+    played.draws(step, step * 8, 8)(0)
+  resumed = _orders()
+  assert resumed.draws(200, 1600, 8)(1) == played.draws(200, 1600, 8)(1)
+  assert resumed.counts_before(1608).tolist() == played.counts_before(1608).tolist()
+  assert resumed.counts_before(1608).sum() == 1608
+
+
+def test_learnability_draws_within_each_environment():
+  estimates = task_sampling.SuccessEstimates(rate=0.5, success={0: 1.0, 1: 1.0, 2: 0.5})
+  orders = [
+      task_sampling.LearnabilityOrder(ids, task_sampling.environment_seed(0, k),
+                                      estimates=estimates, floor=0.01)
+      for k, ids in enumerate(([0, 1, 2], [1000, 1001]))
+  ]
+  order = task_sampling.MixtureOrder(orders, (1.0, 1.0), 0)
+  drawn = collections.Counter(t for step in range(300) for t in order.draws(step, step, 1)(0))
+  # Environment 0's always-solved tasks come only through the floor: 0.01 / 0.27 of its draws.
+  assert drawn[2] > 10 * (drawn[0] + drawn[1])
+  assert 0.4 < (drawn[1000] + drawn[1001]) / 300 < 0.6
+  # A step's second round draws an environment's tasks not yet drawn in the step first.
+  rounds = order.draws(7, 0, 4)
+  first, second = rounds(0), rounds(1)
+  for k, ids in enumerate(([0, 1, 2], [1000, 1001])):
+    mine = [t for t in second if t // 1000 == k]
+    fresh = [t for t in ids if t not in first]
+    assert mine[:len(fresh)] == [t for t in mine if t in fresh]
