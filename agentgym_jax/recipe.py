@@ -210,19 +210,24 @@ def write_cache_entry(entry: paths.Path, text: str) -> None:
 
 
 def stage_table(summaries: dict[str, dict[str, Any]]) -> str:
-  """One row per category and the total; per stage, Avg@k and Pass@k (in %) of its policy.
-  Below, each stage against the one before, task by task (`paired_lines`)."""
+  """One row per category (of each environment of a mixture, then its total) and the total;
+  per stage, Avg@k and Pass@k (in %) of its policy. Below, each stage against the one before,
+  task by task (`paired_lines`)."""
   k = next(iter(summaries.values()))["k"]
   stages = list(summaries)
-  categories = sorted({name for s in summaries.values() for name in s["categories"]})
+  rows = [dict(evaluation.table_rows(s)) for s in summaries.values()]
+  # Each row where the first stage that has it puts it, the total last.
+  names = [
+      name for name in dict.fromkeys(n for stage_rows in rows for n in stage_rows) if name != "all"
+  ] + ["all"]
   header = f"{'category':<16} {'tasks':>5}" + "".join(
       f" {stage + f' avg@{k}':>18} {f'pass@{k}':>7}" for stage in stages)
   lines = [
       f"k = {k} sample{'s' if k != 1 else ''} per task; avg@{k}: mean success of a task's "
       f"{k}, pass@{k}: share of tasks solved at least once", header, "-" * len(header)
   ]
-  for name in categories + ["all"]:
-    stats = [s if name == "all" else s["categories"].get(name) for s in summaries.values()]
+  for name in names:
+    stats = [stage_rows.get(name) for stage_rows in rows]
     tasks = next(x["num_tasks"] for x in stats if x is not None)
     cells = "".join(
         f" {100 * x['avg@k']:>17.1f}% {100 * x['pass@k']:>6.1f}%" if x else f" {'-':>18} {'-':>7}"

@@ -1,11 +1,11 @@
 """Mixed-environment runs (env.mixture): run-wide task ids, one pool of every environment's
-adapters, and draws by weight from (seed, position)."""
+adapters, draws by weight from (seed, position) and evaluation tables."""
 
 import collections
 
 import pytest
 
-from agentgym_jax import task_sampling
+from agentgym_jax import evaluation, recipe, rollout, task_sampling
 from environments import base, mixture
 from environments.pool import EnvPool, Environment
 
@@ -141,3 +141,48 @@ def test_learnability_draws_within_each_environment():
     mine = [t for t in second if t // 1000 == k]
     fresh = [t for t in ids if t not in first]
     assert mine[:len(fresh)] == [t for t in mine if t in fresh]
+
+
+# --- evaluation ------------------------------------------------------------------
+
+
+def _episode(task_id, env, success, turns, termination="done", category="all"):
+  return rollout.Trajectory(task_id=task_id, group=0, env=env, category=category,
+                            turn_rewards=[0.0] * (turns - 1) + [float(success)], success=success,
+                            termination=termination)
+
+
+def _mixed_summary(successes):
+  played = [
+      _episode(0, "echo", 0 in successes, 1, category="echo/echo"),
+      _episode(1, "echo", 1 in successes, 1, category="echo/echo"),
+      _episode(mixture.STRIDE, "textcraft", mixture.STRIDE in successes, 2,
+               category="textcraft/depth1"),
+      _episode(mixture.STRIDE + 1, "textcraft", mixture.STRIDE + 1 in successes, 3,
+               category="textcraft/depth2"),
+  ]
+  return evaluation.summarize(played, {t.task_id: t.category for t in played})
+
+
+def test_an_evaluation_of_a_mixture_has_a_table_per_environment():
+  summary = _mixed_summary({0, mixture.STRIDE})
+  assert summary["environments"]["echo"]["avg@k"] == 0.5
+  assert summary["environments"]["textcraft"]["categories"]["textcraft/depth1"]["avg@k"] == 1.0
+  assert summary["tasks"][2] == {
+      "task_id": mixture.STRIDE, "env": "textcraft", "category": "textcraft/depth1",
+      "success": [1.0], "reward": [1.0], "turns": [2]
+  }
+  rows = [line.split() for line in evaluation.format_table(summary).splitlines()[3:]]
+  assert [(row[0], row[2]) for row in rows] == [("echo/echo", "50.00%"), ("echo", "50.00%"),
+                                                ("textcraft/depth1", "100.00%"),
+                                                ("textcraft/depth2", "0.00%"),
+                                                ("textcraft", "50.00%"), ("all", "50.00%")]
+  assert evaluation.as_metrics(summary)["eval/success/textcraft"] == 0.5
+  assert evaluation.as_metrics(summary)["eval/success/textcraft/depth2"] == 0.0
+  # The stage table has the same rows, and compares the stages task by task.
+  table = recipe.stage_table({"initial": summary, "RL": _mixed_summary({0, 1})})
+  assert [line.split()[0] for line in table.splitlines()[3:9]] == [row[0] for row in rows]
+  assert "initial -> RL: +1 gained, -1 lost of 4 tasks" in table
+  # One environment's evaluation stays as it was: no environments, no env in its records.
+  single = evaluation.summarize([_episode(0, "echo", True, 1), _episode(1, "echo", False, 1)], {})
+  assert "environments" not in single and "env" not in single["tasks"][0]
