@@ -147,11 +147,11 @@ def evaluate_stage(settings: settings_lib.Settings, stage: str, policy: str,
 
 def evaluation_settings(settings: settings_lib.Settings, rows: int) -> dict[str, Any]:
   """Every setting that decides what an evaluation of a policy scores, played `rows` episodes at
-  a time (`evaluate_policy`): the environment, its options and action format, and its step
-  timeout (a slow step ends an episode); the tasks (split, max_tasks); samples per task, turn
-  cap, turn sampling, context, and the seed of sampled turns (greedy decoding draws nothing,
-  and an environment's task is its id alone: another seed plays the same episodes); the chat
-  (thinking); the numerics (matmul, parameter and
+  a time (`evaluate_policy`): the environment (or a mixture's), its options and action format,
+  and its step timeout (a slow step ends an episode); the tasks (split, max_tasks); samples per
+  task, turn cap, turn sampling, context, and the seed of sampled turns (greedy decoding draws
+  nothing, and an environment's task is its id alone: another seed plays the same episodes); the
+  chat (thinking); the numerics (matmul, parameter and
   KV-cache dtypes, attention, mesh, device kind, JAX version); the batches (rows, pipeline
   groups, refill: their episodes' keys, and batch shapes' rounding); and this project's code
   (evaluation.source_fingerprint). Not: what only decides how fast it plays (env.backend,
@@ -159,7 +159,7 @@ def evaluation_settings(settings: settings_lib.Settings, rows: int) -> dict[str,
   model, env, plan = settings.model, settings.env, settings.evaluation
   dtype = model.matmul_dtype()
   implementation, device = attention.choose(model.attention), jax.devices()[0]
-  return {
+  record = {
       "code": evaluation.source_fingerprint(), "env": env.name, "env_options": env.options,
       "action_format": env.action_format, "step_timeout": env.step_timeout, "split": plan.split,
       "max_tasks": plan.max_tasks, "samples_per_task": plan.samples_per_task,
@@ -172,6 +172,11 @@ def evaluation_settings(settings: settings_lib.Settings, rows: int) -> dict[str,
                   ), "device_kind": device.device_kind, "jax": jax.__version__, "rows": rows,
       "pipeline_groups": settings.rollout.pipeline_groups, "refill": settings.rollout.refill
   }
+  if env.mixture:  # Its environments as they play; their weights decide only training's draws.
+    record["mixture"] = [{
+        "label": m.label, "name": m.name, "options": m.options, "max_turns": m.max_turns
+    } for m in env.mixture]
+  return record
 
 
 def cache_entry(settings: settings_lib.Settings, policy: str, rows: int) -> paths.Path | None:

@@ -1,13 +1,19 @@
 """Mixed-environment runs (env.mixture): run-wide task ids, one pool of every environment's
-adapters, draws by weight from (seed, position) and evaluation tables."""
+adapters, draws by weight from (seed, position), per-environment metrics, caps, evaluation
+tables and config checks; a mixed echo + TextCraft run with the tiny model, and its resume."""
 
 import collections
 
+import numpy as np
 import pytest
 
-from agentgym_jax import evaluation, recipe, rollout, task_sampling
+from agentgym_jax import config as config_lib
+from agentgym_jax import evaluation, metrics, recipe, rollout, task_sampling, trainer
+from agentgym_jax import settings as settings_lib
 from environments import base, mixture
+from environments.base import HORIZON
 from environments.pool import EnvPool, Environment
+from rl_helpers import assert_resumed_run_matches, check_config, echo_config
 
 ECHO_INSTRUCTION = "Repeat each symbol you are shown. Symbols: 0 1."
 
@@ -143,13 +149,29 @@ def test_learnability_draws_within_each_environment():
     assert mine[:len(fresh)] == [t for t in mine if t in fresh]
 
 
-# --- evaluation ------------------------------------------------------------------
+# --- metrics and evaluation ------------------------------------------------------------------
 
 
 def _episode(task_id, env, success, turns, termination="done", category="all"):
   return rollout.Trajectory(task_id=task_id, group=0, env=env, category=category,
                             turn_rewards=[0.0] * (turns - 1) + [float(success)], success=success,
                             termination=termination)
+
+
+def test_environment_metrics_are_each_environments_means():
+  played = [
+      _episode(0, "echo", True, 2),
+      _episode(1, "echo", False, 1),
+      _episode(5, "textcraft", False, 3, HORIZON),
+      _episode(6, "textcraft", False, 3, HORIZON),
+      _episode(7, "textcraft", True, 2),
+  ]
+  assert rollout.environment_metrics(played) == pytest.approx({
+      "env/echo/success": 0.5, "env/echo/reward": 0.5, "env/echo/turns": 1.5,
+      "env/echo/truncated_fraction": 0.0, "env/echo/episodes": 2.0, "env/textcraft/success": 1 / 3,
+      "env/textcraft/reward": 1 / 3, "env/textcraft/turns": 8 / 3,
+      "env/textcraft/truncated_fraction": 2 / 3, "env/textcraft/episodes": 3.0
+  })
 
 
 def _mixed_summary(successes):
@@ -186,3 +208,152 @@ def test_an_evaluation_of_a_mixture_has_a_table_per_environment():
   # One environment's evaluation stays as it was: no environments, no env in its records.
   single = evaluation.summarize([_episode(0, "echo", True, 1), _episode(1, "echo", False, 1)], {})
   assert "environments" not in single and "env" not in single["tasks"][0]
+
+
+def test_an_evaluation_takes_the_first_max_tasks_of_each_environment():
+  c = config_lib.base_config()
+  c.eval.max_tasks = 2
+  plan = settings_lib.Evaluation.from_config(c, 10)
+  with _mixture_pool() as pool:
+    assert plan.tasks(pool) == [0, 1, mixture.STRIDE, mixture.STRIDE + 1]
+  with EnvPool("echo", 1) as pool:
+    assert plan.tasks(pool) == [0, 1]
+
+
+# --- config ----------------------------------------------------------------------------------
+
+
+def _mixed_config(*components):
+  c = config_lib.base_config()
+  c.env.name = "mixture"
+  c.env.mixture = components or ({"name": "echo", "weight":
+      1.0}, {"name": "textcraft", "weight": 2.0, "horizon": 4, "options": {"max_depth": 1}})
+  return c
+
+
+def test_a_mixture_config_becomes_components_and_their_pools():
+  settings = check_config(_mixed_config()).env
+  assert settings.mixture == (settings_lib.MixtureComponent("echo", "echo", {}, 1.0, None),
+                              settings_lib.MixtureComponent("textcraft", "textcraft",
+                                                            {"max_depth": 1}, 2.0, 4))
+  with settings.pool(3) as pool:
+    assert [(e.name, e.pool.num_slots, e.max_turns) for e in pool.components] == [("echo", 3, None),
+                                                                                  ("textcraft", 3,
+                                                                                   4)]
+  # Without a mixture, env.name's pool as before.
+  assert settings_lib.EnvSettings.from_config(config_lib.base_config()).mixture == ()
+
+
+ECHO = {"name": "echo", "weight": 1.0}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: setattr(c.env, "name", "textcraft"),
+     r"env.name='textcraft': a run on env.mixture has env.name='mixture'"),
+    (lambda c: setattr(c.env, "mixture", ()), r"env.name='mixture' plays the environments of"),
+    (lambda c: setattr(c.env, "mixture", (ECHO, {"name": "chess", "weight": 1.0})),
+     r"env.mixture\[1\].name='chess' is not one of"),
+    (lambda c: setattr(c.env, "mixture", ({"name": "echo", "weight": 0.0},)),
+     r"env.mixture\[0\].weight=0.0 must be a number > 0"),
+    (lambda c: setattr(c.env, "mixture", ({"name": "echo"},)),
+     r"env.mixture\[0\]=\{'name': 'echo'\} must be a dict with a name and a weight"),
+    (lambda c: setattr(c.env, "mixture",
+                       (ECHO, ECHO)), r"env.mixture\[1\]: the label 'echo' is another component's"),
+    (lambda c: setattr(c.env, "mixture", ({**ECHO, "label": "a/b"},)),
+     r"env.mixture\[0\].label='a/b' must be a non-empty string without '/'"),
+    (lambda c: setattr(c.env, "mixture", ({**ECHO, "horizon": 0},)),
+     r"env.mixture\[0\].horizon=0 must be an integer >= 1"),
+    (lambda c: setattr(c.env, "mixture",
+                       ({**ECHO, "turns": 2},)), r"env.mixture\[0\] has unknown keys \['turns'\]"),
+    (lambda c: setattr(c.env, "mixture", ({**ECHO, "options": {"turn": 2}},)),
+     r"env.mixture\[0\].options.turn: environment 'echo' takes no option 'turn'"),
+    (lambda c: setattr(c.env, "mixture",
+                       ({"name": "textcraft", "weight": 1.0, "options": {"goals": "nope"}},)),
+     r"env.mixture\[0\].options.goals='nope' is not one of"),
+    (lambda c: setattr(c.env, "action_format", "tool_call"),
+     r"env.action_format='tool_call': env 'echo' publishes no tools"),
+    (lambda c: setattr(c.env.options, "turns", 2), r"env.options are env.name's adapter's"),
+    (lambda c: setattr(c.rollout, "curriculum", (
+        ("depth1",),)), r"rollout.curriculum draws from one environment's categories"),
+])
+def test_a_bad_mixture_fails_at_start_up_with_one_line(change, message):
+  c = _mixed_config()
+  change(c)
+  check_config(c, message)
+
+
+def test_two_components_of_one_environment_need_their_own_labels():
+  c = _mixed_config(ECHO, {**ECHO, "label": "echo3", "options": {"turns": 3}})
+  assert [m.label for m in check_config(c).env.mixture] == ["echo", "echo3"]
+
+
+# --- a mixed run -----------------------------------------------------------------------------
+
+
+def _echo_and_textcraft(checkpoint_dir, steps):
+  """The tiny policy on 2-turn echo and depth-1 TextCraft capped at 1 turn (2 for the step),
+  4 tasks x 2 samples a step, every step's trajectories logged."""
+  c = echo_config(checkpoint_dir, steps=steps)
+  c.env.name = "mixture"
+  c.env.options = {}
+  c.env.mixture = ({"name": "echo", "weight": 1.0, "options": {"turns": 2}},
+                   {"name": "textcraft", "weight": 1.0, "options": {"max_depth": 1}, "horizon": 1})
+  c.rollout.max_context = 1024  # A TextCraft prompt is some hundreds of tokens.
+  c.rollout.tasks_per_step = 4
+  c.rollout.samples_per_task = 2
+  c.log.trajectories = True
+  return c
+
+
+def test_a_mixed_run_logs_each_environments_metrics_prompts_and_caps(checkpoint_dir, tmp_path,
+                                                                     single_device):
+  c = _echo_and_textcraft(checkpoint_dir, steps=2)
+  c.eval.every = 2
+  c.eval.max_tasks = 1
+  history = trainer.train(c, tmp_path)
+  textcraft = base.make("textcraft", max_depth=1)
+  seen = set()
+  for step, row in enumerate(history, start=1):
+    played = metrics.read_trajectories(tmp_path, step)
+    by_env = collections.defaultdict(list)
+    for t in played:
+      by_env[t["env"]].append(t)
+      # Its own environment's instruction opens each episode, its category under its label.
+      environment, own = divmod(t["task_id"], mixture.STRIDE)
+      assert t["env"] == ("echo", "textcraft")[environment]
+      instruction = ECHO_INSTRUCTION if environment == 0 else textcraft.instruction
+      assert t["messages"][0]["content"].startswith(instruction + "\n\n")
+      assert t["category"].startswith(t["env"] + "/")
+      # TextCraft's own cap of 1 turn, below the step's 2; echo plays to 2.
+      assert t["num_turns"] <= (2 if environment == 0 else 1)
+      if environment == 1:
+        assert t["termination"] == "horizon" and own in textcraft.task_ids("train")
+    # Groups stay within one task.
+    groups = collections.defaultdict(set)
+    for t in played:
+      groups[t["group"]].add(t["task_id"])
+    assert all(len(tasks) == 1 for tasks in groups.values())
+    for name, episodes in by_env.items():
+      assert row[f"env/{name}/episodes"] == len(episodes)
+      assert row[f"env/{name}/success"] == np.mean([t["success"] for t in episodes])
+      assert row[f"env/{name}/turns"] == np.mean([t["num_turns"] for t in episodes])
+      assert row[f"env/{name}/truncated_fraction"] == np.mean(
+          [t["termination"] == "horizon" for t in episodes])
+    assert not {k.split("/")[1] for k in row if k.startswith("env/")} - set(by_env)
+    seen |= set(by_env)
+  assert seen == {"echo", "textcraft"}
+  # The evaluation: the first test task of each environment, each reported.
+  assert {"eval/success/echo", "eval/success/textcraft"} <= history[-1].keys()
+  assert "eval/success/textcraft/depth1" in history[-1]
+
+
+@pytest.mark.slow
+def test_a_resumed_mixed_run_matches_the_uninterrupted_one(checkpoint_dir, tmp_path, single_device):
+  c = _echo_and_textcraft(checkpoint_dir, steps=4)
+  c.checkpoint.every = 2
+  straight = trainer.train(c, tmp_path / "straight")
+  assert_resumed_run_matches(straight, c, tmp_path / "resumed",
+                             ("reward", "loss", "env/echo/episodes", "env/textcraft/episodes"))
+  for step in (3, 4):
+    tasks = lambda run: [t["task_id"] for t in metrics.read_trajectories(tmp_path / run, step)]
+    assert tasks("resumed") == tasks("straight")
