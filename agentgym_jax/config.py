@@ -82,6 +82,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.env.latency.mean_s = 0.0  # Mean seconds a step; 0: none.
   c.env.latency.sigma = 0.9  # Log-space spread (0.9: the 99.9th percentile near 10 x mean).
   c.env.latency.max_s = 3.0  # The cap.
+  # A mixture of environments (environments/mixture.py; env.name "mixture", env.options empty):
+  # a tuple of dicts {"name": a registered adapter, "weight": > 0, "options": its keyword
+  # arguments, "horizon": its own turn cap below the step's, "label": its name in metrics and
+  # categories (default: name; two components of one environment need distinct labels)}, the
+  # last three optional. Each task of a step picks a component in proportion to the weights,
+  # then that component's next train task. (): env.name alone.
+  c.env.mixture = ()
 
   c.rollout = ml_collections.ConfigDict()  # How a step plays its episodes.
   c.rollout.tasks_per_step = 32  # Tasks (groups) a step plays.
@@ -263,7 +270,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval.every = 0  # Steps between evaluations on eval.split; 0: off.
   c.eval.split = "test"  # train | test
   c.eval.samples_per_task = 1  # k of avg@k and pass@k.
-  c.eval.max_tasks = 0  # 0: the whole split.
+  c.eval.max_tasks = 0  # Tasks of the split (of each environment of a mixture); 0: all.
   c.eval.temperature = 0.0  # 0: greedy.
   # Evaluate each stage of the recipe (recipe.py): the initial policy, the warm-started one
   # and the trained one, into workdir/evaluation, ending with a table of the three.

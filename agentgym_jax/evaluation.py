@@ -28,6 +28,7 @@ import agentgym_jax
 import environments
 from agentgym_jax import paths, rollout
 from agentgym_jax.models import gguf, lora, resolve
+from environments.mixture import MixturePool
 from environments.pool import EnvPool
 
 
@@ -62,17 +63,20 @@ def evaluate(
 
 
 def as_metrics(summary: dict[str, Any]) -> dict[str, float]:
-  """Flat metrics of a summary: eval/success (Avg@k), eval/pass@k, eval/turns, per category."""
+  """Flat metrics of a summary: eval/success (Avg@k), eval/pass@k, eval/turns, per category,
+  and per environment of a mixture (eval/success/<environment>)."""
   out = {
       "eval/success": summary["avg@k"], "eval/pass@k": summary["pass@k"],
       "eval/turns": summary["turns"]
   }
   for name, stats in summary["categories"].items():
     out[f"eval/success/{name}"] = stats["avg@k"]
+  for name, stats in summary.get("environments", {}).items():
+    out[f"eval/success/{name}"] = stats["avg@k"]
   return out
 
 
-def task_categories(pool: EnvPool, task_ids: Sequence[int]) -> dict[int, str]:
+def task_categories(pool: EnvPool | MixturePool, task_ids: Sequence[int]) -> dict[int, str]:
   return {task_id: str(pool.task_info(task_id).get("category", "all")) for task_id in task_ids}
 
 
@@ -80,7 +84,9 @@ def summarize(trajectories: Sequence[rollout.Trajectory], categories: dict[int,
                                                                            str]) -> dict[str, Any]:
   """Avg@k, Pass@k, mean turns and termination counts, overall and per category, and `tasks`:
   per task in task-id order, its category and the success (1.0 or 0.0), reward and turns of
-  each of its samples in the order they were played."""
+  each of its samples in the order they were played. Episodes of several environments (a
+  mixture's) are also summarised per environment (`environments`: each with its categories),
+  and each task's record names its environment (`env`)."""
   by_task: dict[int, list[rollout.Trajectory]] = collections.defaultdict(list)
   for trajectory in trajectories:
     by_task[trajectory.task_id].append(trajectory)
@@ -97,27 +103,55 @@ def summarize(trajectories: Sequence[rollout.Trajectory], categories: dict[int,
         "terminations": dict(collections.Counter(t.termination for t in flat)),
     }
 
+  def per_category(task_ids: Sequence[int]) -> dict[str, dict[str, Any]]:
+    grouped: dict[str, list[int]] = collections.defaultdict(list)
+    for task_id in task_ids:
+      grouped[categories.get(task_id, "all")].append(task_id)
+    return {name: stats(ids) for name, ids in sorted(grouped.items())}
+
   tasks = sorted(by_task)
   summary = stats(tasks)
   summary["k"] = len(trajectories) // max(len(tasks), 1)
-  per_category: dict[str, list[int]] = collections.defaultdict(list)
+  summary["categories"] = per_category(tasks)
+  environments: dict[str, list[int]] = collections.defaultdict(list)
   for task_id in tasks:
-    per_category[categories.get(task_id, "all")].append(task_id)
-  summary["categories"] = {name: stats(ids) for name, ids in sorted(per_category.items())}
+    environments[by_task[task_id][0].env].append(task_id)
+  mixed = len(environments) > 1
+  if mixed:
+    summary["environments"] = {
+        name: {**stats(ids), "categories": per_category(ids)} for name, ids in environments.items()
+    }
   summary["tasks"] = [
-      task_record(task_id, categories.get(task_id, "all"), by_task[task_id]) for task_id in tasks
+      task_record(task_id, categories.get(task_id, "all"), by_task[task_id],
+                  by_task[task_id][0].env if mixed else None) for task_id in tasks
   ]
   return summary
 
 
-def task_record(task_id: int, category: str,
-                samples: Sequence[rollout.Trajectory]) -> dict[str, Any]:
+def task_record(task_id: int, category: str, samples: Sequence[rollout.Trajectory],
+                env: str | None = None) -> dict[str, Any]:
   """A task's entry in a summary's `tasks`: the success (1.0 or 0.0), reward and turns of each
-  of its samples, in the order they were played."""
-  return {
-      "task_id": int(task_id), "category": category, "success": [float(t.success) for t in samples],
-      "reward": [t.reward for t in samples], "turns": [t.num_turns for t in samples]
-  }
+  of its samples, in the order they were played; and its environment `env`, if given (of a
+  mixture)."""
+  record: dict[str, Any] = {"task_id": int(task_id)}
+  if env is not None:
+    record["env"] = env
+  record.update(category=category, success=[float(t.success) for t in samples],
+                reward=[t.reward for t in samples], turns=[t.num_turns for t in samples])
+  return record
+
+
+def table_rows(summary: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+  """The rows of a summary's table, (name, statistics) in order: its categories, or for each
+  environment of a mixture its categories and then its total (named by the environment); last
+  the total of all ("all")."""
+  if "environments" not in summary:
+    return [*summary["categories"].items(), ("all", summary)]
+  rows: list[tuple[str, Mapping[str, Any]]] = []
+  for name, stats in summary["environments"].items():
+    rows.extend(stats["categories"].items())
+    rows.append((name, stats))
+  return [*rows, ("all", summary)]
 
 
 def to_json(summary: Mapping[str, Any]) -> str:
@@ -130,15 +164,15 @@ def to_json(summary: Mapping[str, Any]) -> str:
 
 
 def format_table(summary: dict[str, Any]) -> str:
-  """A plain-text table: one row per category and the total, under a line that says what k is."""
+  """A plain-text table: one row per category (of each environment of a mixture, then its
+  total) and the total, under a line that says what k is."""
   k = summary["k"]
   header = f"{'category':<24} {'tasks':>6} {f'avg@{k}':>7} {f'pass@{k}':>7} {'turns':>6}"
   lines = [
       f"k = {k} sample{'s' if k != 1 else ''} per task: avg@{k} is the mean success of "
       f"a task's {k}, pass@{k} the share of tasks solved at least once", header, "-" * len(header)
   ]
-  rows = list(summary["categories"].items()) + [("all", summary)]
-  for name, s in rows:
+  for name, s in table_rows(summary):
     lines.append(f"{name:<24} {s['num_tasks']:>6} {100 * s['avg@k']:>6.2f}% "
                  f"{100 * s['pass@k']:>6.2f}% {s['turns']:>6.2f}")
   return "\n".join(lines)

@@ -147,11 +147,11 @@ def evaluate_stage(settings: settings_lib.Settings, stage: str, policy: str,
 
 def evaluation_settings(settings: settings_lib.Settings, rows: int) -> dict[str, Any]:
   """Every setting that decides what an evaluation of a policy scores, played `rows` episodes at
-  a time (`evaluate_policy`): the environment, its options and action format, and its step
-  timeout (a slow step ends an episode); the tasks (split, max_tasks); samples per task, turn
-  cap, turn sampling, context, and the seed of sampled turns (greedy decoding draws nothing,
-  and an environment's task is its id alone: another seed plays the same episodes); the chat
-  (thinking); the numerics (matmul, parameter and
+  a time (`evaluate_policy`): the environment (or a mixture's), its options and action format,
+  and its step timeout (a slow step ends an episode); the tasks (split, max_tasks); samples per
+  task, turn cap, turn sampling, context, and the seed of sampled turns (greedy decoding draws
+  nothing, and an environment's task is its id alone: another seed plays the same episodes); the
+  chat (thinking); the numerics (matmul, parameter and
   KV-cache dtypes, attention, mesh, device kind, JAX version); the batches (rows, pipeline
   groups, refill: their episodes' keys, and batch shapes' rounding); and this project's code
   (evaluation.source_fingerprint). Not: what only decides how fast it plays (env.backend,
@@ -159,7 +159,7 @@ def evaluation_settings(settings: settings_lib.Settings, rows: int) -> dict[str,
   model, env, plan = settings.model, settings.env, settings.evaluation
   dtype = model.matmul_dtype()
   implementation, device = attention.choose(model.attention), jax.devices()[0]
-  return {
+  record = {
       "code": evaluation.source_fingerprint(), "env": env.name, "env_options": env.options,
       "action_format": env.action_format, "step_timeout": env.step_timeout, "split": plan.split,
       "max_tasks": plan.max_tasks, "samples_per_task": plan.samples_per_task,
@@ -172,6 +172,11 @@ def evaluation_settings(settings: settings_lib.Settings, rows: int) -> dict[str,
                   ), "device_kind": device.device_kind, "jax": jax.__version__, "rows": rows,
       "pipeline_groups": settings.rollout.pipeline_groups, "refill": settings.rollout.refill
   }
+  if env.mixture:  # Its environments as they play; their weights decide only training's draws.
+    record["mixture"] = [{
+        "label": m.label, "name": m.name, "options": m.options, "max_turns": m.max_turns
+    } for m in env.mixture]
+  return record
 
 
 def cache_entry(settings: settings_lib.Settings, policy: str, rows: int) -> paths.Path | None:
@@ -210,19 +215,24 @@ def write_cache_entry(entry: paths.Path, text: str) -> None:
 
 
 def stage_table(summaries: dict[str, dict[str, Any]]) -> str:
-  """One row per category and the total; per stage, Avg@k and Pass@k (in %) of its policy.
-  Below, each stage against the one before, task by task (`paired_lines`)."""
+  """One row per category (of each environment of a mixture, then its total) and the total;
+  per stage, Avg@k and Pass@k (in %) of its policy. Below, each stage against the one before,
+  task by task (`paired_lines`)."""
   k = next(iter(summaries.values()))["k"]
   stages = list(summaries)
-  categories = sorted({name for s in summaries.values() for name in s["categories"]})
+  rows = [dict(evaluation.table_rows(s)) for s in summaries.values()]
+  # Each row where the first stage that has it puts it, the total last.
+  names = [
+      name for name in dict.fromkeys(n for stage_rows in rows for n in stage_rows) if name != "all"
+  ] + ["all"]
   header = f"{'category':<16} {'tasks':>5}" + "".join(
       f" {stage + f' avg@{k}':>18} {f'pass@{k}':>7}" for stage in stages)
   lines = [
       f"k = {k} sample{'s' if k != 1 else ''} per task; avg@{k}: mean success of a task's "
       f"{k}, pass@{k}: share of tasks solved at least once", header, "-" * len(header)
   ]
-  for name in categories + ["all"]:
-    stats = [s if name == "all" else s["categories"].get(name) for s in summaries.values()]
+  for name in names:
+    stats = [stage_rows.get(name) for stage_rows in rows]
     tasks = next(x["num_tasks"] for x in stats if x is not None)
     cells = "".join(
         f" {100 * x['avg@k']:>17.1f}% {100 * x['pass@k']:>6.1f}%" if x else f" {'-':>18} {'-':>7}"

@@ -9,7 +9,9 @@ the env pool. Each turn:
 The trajectory keeps exactly the token ids the sampler saw, so the learner never re-tokenizes
 text and sampler and learner agree token for token (the reference re-tokenizes every turn). In
 the tool_call action format the first prompt shows the environment's tools as the model's chat
-template shows them, and the trajectory records their schemas.
+template shows them, and the trajectory records their schemas. The instruction, the tools and
+any turn cap of its own are those of the episode's environment (`EnvPool.environment`): in a
+mixture of environments (environments/mixture.py) each task's own.
 
 A trajectory ends when the environment says done, at the horizon cap (ScalingInter-RL), when
 the next turn would not fit the context, or when the environment fails (recorded, never fatal).
@@ -42,7 +44,8 @@ from agentgym_jax.models.tokenizer import ChatTemplate
 from agentgym_jax.sampling import Sampler, SamplingParams, bucket
 from environments import jsonl
 from environments.base import CONTEXT, DONE, ENV_ERROR, ENV_TIMEOUT, HORIZON, EnvError, StepResult
-from environments.pool import EnvPool
+from environments.mixture import MixturePool
+from environments.pool import EnvPool, Environment
 
 T = TypeVar("T")
 
@@ -254,7 +257,7 @@ class Player:
 
   sampler: Sampler
   params: Any
-  pool: EnvPool
+  pool: EnvPool | MixturePool
   chat: ChatTemplate
   sampling: TurnSampling
   max_context: int
@@ -290,9 +293,10 @@ def collect_waves(player: Player, tasks: Sequence[tuple[int, int]], *, wave_rows
 def collect(player: Player, tasks: Sequence[tuple[int, int]], *, horizon: int, key: jax.Array,
             first_row: int = 0, rows: int | None = None,
             progress: Callable[[int], None] | None = None) -> tuple[list[Trajectory], RolloutStats]:
-  """Plays one episode per (task_id, group) in `tasks` with `player`, up to `horizon` turns, on
-  `rows` rows at once (default: one per task); `progress(ended)` is called with the number of
-  episodes ended so far whenever some end.
+  """Plays one episode per (task_id, group) in `tasks` with `player`, up to `horizon` turns (or
+  the lower cap of the task's environment, `Environment.cap`), on `rows` rows at once (default:
+  one per task); `progress(ended)` is called with the number of episodes ended so far whenever
+  some end.
 
   The rows are the pool's slots 0..rows-1 and the sampler's rows. Episodes start in order, each
   on the first free row; with fewer rows than tasks, a row whose episode ends takes the next
@@ -318,14 +322,17 @@ def collect(player: Player, tasks: Sequence[tuple[int, int]], *, horizon: int, k
     raise ValueError(f"{rows} trajectories at once in {groups} groups need {rows} env slots "
                      f"and {group_size} sampler rows; the pool has {pool.num_slots}, the "
                      f"sampler {sampler.max_batch}")
-  categories = {t: _category(pool, t) for t in {t for t, _ in tasks}}
+  task_ids = {t for t, _ in tasks}
+  environments = {t: pool.environment(t) for t in task_ids}
+  categories = {t: _category(pool, t) for t in task_ids}
   trajectories = [
-      Trajectory(task_id=t, group=g, env=pool.env_name, category=categories[t]) for t, g in tasks
+      Trajectory(task_id=t, group=g, env=environments[t].name, category=categories[t])
+      for t, g in tasks
   ]
   with _Timeline(groups) as timeline:
-    episodes = _Episodes(player, trajectories, horizon=horizon, key=key, first_row=first_row,
-                         timeline=timeline, queue=collections.deque(range(len(tasks))),
-                         progress=progress)
+    episodes = _Episodes(player, trajectories, environments, horizon=horizon, key=key,
+                         first_row=first_row, timeline=timeline,
+                         queue=collections.deque(range(len(tasks))), progress=progress)
     _round_robin([
         episodes.play(range(start, min(start + group_size, rows)))
         for start in range(0, rows, group_size)
@@ -335,11 +342,13 @@ def collect(player: Player, tasks: Sequence[tuple[int, int]], *, horizon: int, k
 
 @dataclasses.dataclass
 class _Episodes:
-  """What the groups of one `collect` call share: the episodes still to start (`queue`, indices
-  of `trajectories`); `play` runs one group of rows."""
+  """What the groups of one `collect` call share: the environment of each task (its
+  instruction, tools and turn cap), the episodes still to start (`queue`, indices of
+  `trajectories`); `play` runs one group of rows."""
 
   player: Player
   trajectories: list[Trajectory]
+  environments: dict[int, Environment]
   horizon: int
   key: jax.Array
   first_row: int
@@ -432,7 +441,7 @@ class _Episodes:
       _end(trajectory, termination if termination in (ENV_ERROR, ENV_TIMEOUT) else DONE,
            result.info)
       return None
-    if turn + 1 == self.horizon:
+    if turn + 1 == self.environments[trajectory.task_id].cap(self.horizon):
       _end(trajectory, HORIZON, result.info)
       return None
     trajectory.messages.append({"role": "user", "content": result.observation})
@@ -488,7 +497,7 @@ class _Episodes:
     if result.done:  # The environment failed to start the episode.
       _end(trajectory, result.info.get("termination", ENV_ERROR), result.info)
       return None
-    pool, chat = self.player.pool, self.player.chat
+    pool, chat = self.environments[trajectory.task_id].pool, self.player.chat
     trajectory.messages.append(
         {"role": "user", "content": f"{pool.instruction}\n\n{result.observation}"})
     trajectory.tools = pool.tools
@@ -597,7 +606,7 @@ def _length(intervals: list[tuple[float, float]]) -> float:
   return sum(end - start for start, end in intervals)
 
 
-def _category(pool: EnvPool, task_id: int) -> str:
+def _category(pool: EnvPool | MixturePool, task_id: int) -> str:
   try:
     return str(pool.task_info(task_id).get("category", ""))
   except EnvError:  # The env is down: the episode's reset fails too and records why.
@@ -716,6 +725,26 @@ def context_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
       "context/rewrites": sum(len(t.rewrites) for t in trajectories) / count,
       "context/tokens_saved": sum(saved for t in trajectories for _, saved in t.rewrites) / count,
   }
+
+
+def environment_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+  """Per environment (Trajectory.env) of a mixture's episodes, means over its own: the share
+  that succeeded (env/<name>/success), the reward (env/<name>/reward), the turns
+  (env/<name>/turns) and the share cut short (env/<name>/truncated_fraction), with the episodes
+  played (env/<name>/episodes); an environment without episodes has none."""
+  by_env: dict[str, list[Trajectory]] = collections.defaultdict(list)
+  for trajectory in trajectories:
+    by_env[trajectory.env].append(trajectory)
+  out = {}
+  for name, episodes in sorted(by_env.items()):
+    out.update({
+        f"env/{name}/success": float(np.mean([t.success for t in episodes])),
+        f"env/{name}/reward": float(np.mean([t.reward for t in episodes])),
+        f"env/{name}/turns": float(np.mean([t.num_turns for t in episodes])),
+        f"env/{name}/truncated_fraction": float(np.mean([t.truncated for t in episodes])),
+        f"env/{name}/episodes": float(len(episodes)),
+    })
+  return out
 
 
 def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns: int | None = None,

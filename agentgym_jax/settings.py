@@ -13,6 +13,8 @@ import copy
 import dataclasses
 import importlib.util
 import inspect
+import itertools
+import math
 import os
 import pathlib
 from typing import Any, Mapping, Sequence
@@ -29,7 +31,8 @@ from agentgym_jax.models.tokenizer import ChatTemplate, Tokenizer
 from agentgym_jax.sampling import Sampler
 from environments import base as env_base
 from environments.latency import StepLatency
-from environments.pool import EnvPool
+from environments.mixture import MixturePool
+from environments.pool import EnvPool, Environment
 
 
 def check(condition: bool, message: str) -> None:
@@ -137,12 +140,33 @@ def _lora(lora: ml_collections.ConfigDict) -> lora_lib.LoraSettings | None:
                                dropout=float(lora.dropout))
 
 
+# env.name of a run on a mixture of environments (env.mixture).
+MIXTURE = "mixture"
+# The keys of an env.mixture component.
+MIXTURE_KEYS = ("name", "weight", "options", "horizon", "label")
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureComponent:
+  """One environment of a mixture (env.mixture): its `label` (its name in metrics and task
+  categories), its registered `name`, its adapters' keyword arguments (`options`, with the
+  run's action format when it is not react), its `weight` in the draws and its own turn cap
+  `max_turns` (None: the step's)."""
+
+  label: str
+  name: str
+  options: dict[str, Any]
+  weight: float
+  max_turns: int | None
+
+
 @dataclasses.dataclass(frozen=True)
 class EnvSettings:
   """The environment (config group env): its registered `name`, its adapters' keyword arguments
   (`options`: env.options, and the action format when it is not react), how its episodes run
   (backend, step_timeout, an added step latency) and how its faults enter the loss
-  (failed_episodes)."""
+  (failed_episodes); or, with `mixture` (env.mixture), the environments of a mixture, `name`
+  then MIXTURE and `options` empty."""
 
   name: str
   options: dict[str, Any]
@@ -151,12 +175,23 @@ class EnvSettings:
   step_timeout: float
   failed_episodes: str
   latency: StepLatency | None = None
+  mixture: tuple[MixtureComponent, ...] = ()
 
   @classmethod
   def from_config(cls, c: ml_collections.ConfigDict) -> EnvSettings:
     e = c.env
-    check(e.name in env_base.registered(),
-          f"env.name={e.name!r} is not one of {env_base.registered()}")
+    check(
+        isinstance(e.mixture, (tuple, list)),
+        f"env.mixture={e.mixture!r} must be a tuple of dicts, one for each environment (() for "
+        "env.name alone)")
+    if e.mixture:
+      check(e.name == MIXTURE,
+            f"env.name={e.name!r}: a run on env.mixture has env.name={MIXTURE!r}")
+    else:
+      check(e.name != MIXTURE, f"env.name={MIXTURE!r} plays the environments of env.mixture, which "
+            "is empty")
+      check(e.name in env_base.registered(),
+            f"env.name={e.name!r} is not one of {env_base.registered()}")
     check(e.backend in ("thread", "process"),
           f"env.backend={e.backend!r} is not 'thread' or 'process'")
     check(e.step_timeout > 0, f"env.step_timeout={e.step_timeout} must be > 0")
@@ -164,24 +199,9 @@ class EnvSettings:
           f"env.failed_episodes={e.failed_episodes!r} is not 'exclude' or 'zero_reward'")
     check(e.action_format in env_base.ACTION_FORMATS,
           f"env.action_format={e.action_format!r} is not one of {env_base.ACTION_FORMATS}")
-    check(
-        e.action_format == "react" or e.name in env_base.TOOL_CALL_ENVS,
-        f"env.action_format={e.action_format!r}: env {e.name!r} publishes no tools "
-        f"(those that do: {', '.join(env_base.TOOL_CALL_ENVS)})")
-    check("action_format" not in e.options, "set env.action_format, not env.options.action_format")
-    try:
-      problem = env_options_problem(e.name, e.options.to_dict(), "env.options.",
-                                    hidden=("action_format",))
-    except env_base.AdapterImportError as error:
-      raise ConfigError(f"invalid config: env.name={e.name!r}: {error}") from None
-    check(problem is None, str(problem))
-    if e.name == "textcraft" and "goals" in e.options:
-      from environments.textcraft import env as textcraft  # pylint: disable=import-outside-toplevel
-      check(e.options.goals in textcraft.GOAL_SETS,
-            f"env.options.goals={e.options.goals!r} is not one of {textcraft.GOAL_SETS}")
-    options = e.options.to_dict()
-    if e.action_format != "react":
-      options["action_format"] = e.action_format
+    mixture = _mixture(e)
+    options = {} if mixture else _adapter_options(e.name, e.options.to_dict(), e.action_format,
+                                                  "env.name", "env.options.")
     latency = None
     if e.latency.mean_s:
       check(
@@ -190,12 +210,93 @@ class EnvSettings:
           f"{e.latency.max_s} need mean_s >= 0 (0: none), sigma >= 0 and max_s >= mean_s")
       latency = StepLatency(e.latency.mean_s, e.latency.sigma, e.latency.max_s, c.seed)
     return cls(name=e.name, options=options, action_format=e.action_format, backend=e.backend,
-               step_timeout=e.step_timeout, failed_episodes=e.failed_episodes, latency=latency)
+               step_timeout=e.step_timeout, failed_episodes=e.failed_episodes, latency=latency,
+               mixture=mixture)
 
-  def pool(self, rows: int) -> EnvPool:
-    """A pool of `rows` episodes of the environment."""
-    return EnvPool(self.name, rows, options=self.options, backend=self.backend,
+  def pool(self, rows: int) -> EnvPool | MixturePool:
+    """A pool of `rows` episodes of the environment; of a mixture, the pool of its components'
+    pools, each `rows` slots wide."""
+    if not self.mixture:
+      return self._pool(self.name, self.options, rows)
+    return MixturePool([
+        Environment(m.label, self._pool(m.name, m.options, rows), m.max_turns) for m in self.mixture
+    ])
+
+  def _pool(self, name: str, options: dict[str, Any], rows: int) -> EnvPool:
+    return EnvPool(name, rows, options=options, backend=self.backend,
                    step_timeout_s=self.step_timeout, latency=self.latency)
+
+
+def _adapter_options(name: str, options: dict[str, Any], action_format: str, where: str,
+                     prefix: str) -> dict[str, Any]:
+  """The keyword arguments of environment `name`'s adapters (the config key `where` names it):
+  `options` (keys `prefix` + key, e.g. "env.options.goals"), checked against its constructor,
+  with `action_format` unless that is react."""
+  check(
+      action_format == "react" or name in env_base.TOOL_CALL_ENVS,
+      f"env.action_format={action_format!r}: env {name!r} publishes no tools "
+      f"(those that do: {', '.join(env_base.TOOL_CALL_ENVS)})")
+  check("action_format" not in options, f"set env.action_format, not {prefix}action_format")
+  try:
+    problem = env_options_problem(name, options, prefix, hidden=("action_format",))
+  except env_base.AdapterImportError as error:
+    raise ConfigError(f"invalid config: {where}={name!r}: {error}") from None
+  check(problem is None, str(problem))
+  if name == "textcraft" and "goals" in options:
+    from environments.textcraft import env as textcraft  # pylint: disable=import-outside-toplevel
+    check(options["goals"] in textcraft.GOAL_SETS,
+          f"{prefix}goals={options['goals']!r} is not one of {textcraft.GOAL_SETS}")
+  return {**options, **({} if action_format == "react" else {"action_format": action_format})}
+
+
+def _mixture(e: ml_collections.ConfigDict) -> tuple[MixtureComponent, ...]:
+  """The components of env.mixture (config group `e`, env), each checked: its keys, a registered
+  name, a weight > 0, options its adapter takes, a turn cap >= 1 and a label of its own."""
+  if e.mixture:
+    check(
+        not e.options.to_dict(), "env.options are env.name's adapter's; the environments of "
+        "env.mixture take theirs in their own \"options\"")
+  components: list[MixtureComponent] = []
+  for i, component in enumerate(e.mixture):
+    where = f"env.mixture[{i}]"
+    if isinstance(component, ml_collections.ConfigDict):
+      component = component.to_dict()
+    check(
+        isinstance(component, Mapping) and "name" in component and "weight" in component,
+        f"{where}={component!r} must be a dict with a name and a weight (keys: "
+        f"{', '.join(MIXTURE_KEYS)})")
+    unknown = sorted(set(component) - set(MIXTURE_KEYS))
+    check(not unknown, f"{where} has unknown keys {unknown}; its keys: {', '.join(MIXTURE_KEYS)}")
+    name, weight = component["name"], component["weight"]
+    check(name in env_base.registered(),
+          f"{where}.name={name!r} is not one of {env_base.registered()}")
+    check(
+        isinstance(weight, (int, float)) and not isinstance(weight, bool) and 0 < weight < math.inf,
+        f"{where}.weight={weight!r} must be a number > 0")
+    label = component.get("label", name)
+    check(
+        isinstance(label, str) and label and "/" not in label,
+        f"{where}.label={label!r} must be a non-empty string without '/' (metrics and "
+        "categories put one after it)")
+    check(
+        label not in [m.label for m in components],
+        f"{where}: the label {label!r} is another component's; give one of them a distinct "
+        "\"label\"")
+    horizon = component.get("horizon")
+    check(
+        horizon is None
+        or (isinstance(horizon, int) and not isinstance(horizon, bool) and horizon >= 1),
+        f"{where}.horizon={horizon!r} must be an integer >= 1")
+    options = component.get("options", {})
+    if isinstance(options, ml_collections.ConfigDict):
+      options = options.to_dict()
+    check(isinstance(options, Mapping), f"{where}.options={options!r} must be a dict")
+    components.append(
+        MixtureComponent(
+            label, name,
+            _adapter_options(name, dict(options), e.action_format, f"{where}.name",
+                             f"{where}.options."), float(weight), horizon))
+  return tuple(components)
 
 
 def env_options_problem(name: str, options: Mapping[str, Any], prefix: str,
@@ -313,6 +414,9 @@ class RolloutSettings:
             for stage in r.curriculum),
         f"rollout.curriculum={r.curriculum!r} must be a tuple of non-empty tuples of category "
         "names, one a horizon stage, e.g. (('depth1',), ('depth1', 'depth2'))")
+    check(
+        not (r.curriculum and c.env.mixture), "rollout.curriculum draws from one environment's "
+        "categories; a mixture (env.mixture) draws from every component's train tasks")
     return cls(sampling=_turn_sampling(c, r.temperature), tasks_per_step=r.tasks_per_step,
                samples_per_task=r.samples_per_task, dynamic_sampling=r.dynamic_sampling,
                max_sampling_rounds=r.max_sampling_rounds, curriculum=tuple(
@@ -613,9 +717,10 @@ def _optimizer(c: ml_collections.ConfigDict) -> optax.GradientTransformation:
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
   """How a run evaluates: every `every` steps (0: never), the first `max_tasks` tasks (0: all)
-  of `split`, `samples_per_task` episodes each, turns sampled by `sampling` up to `horizon`;
-  the recipe's stage evaluations (`stages`) play `rows` episodes at once (0: a step's rows) and
-  are kept by fingerprint in `cache_dir` ("": not kept)."""
+  of `split` (of each environment's, in a mixture), `samples_per_task` episodes each, turns
+  sampled by `sampling` up to `horizon`; the recipe's stage evaluations (`stages`) play `rows`
+  episodes at once (0: a step's rows) and are kept by fingerprint in `cache_dir` ("": not
+  kept)."""
 
   every: int
   split: str
@@ -651,9 +756,13 @@ class Evaluation:
                samples_per_task=e.samples_per_task, sampling=_turn_sampling(c, e.temperature),
                horizon=e.horizon or max_turns, stages=e.stages, rows=e.rows, cache_dir=e.cache_dir)
 
-  def tasks(self, pool: EnvPool) -> list[int]:
+  def tasks(self, pool: EnvPool | MixturePool) -> list[int]:
+    """The tasks of eval.split: the first max_tasks (0: all) of each environment's."""
     task_ids = list(pool.task_ids(self.split))
-    return task_ids[:self.max_tasks] if self.max_tasks else task_ids
+    if not self.max_tasks:
+      return task_ids
+    environments = itertools.groupby(task_ids, lambda t: pool.environment(t).name)
+    return [t for _, tasks in environments for t in itertools.islice(tasks, self.max_tasks)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -258,11 +258,15 @@ class Actor:
     return jax.device_put(narrow, sharding.state_shardings(narrow, self.sampler.mesh))
 
   def task_orders(self, pool: Any, estimates: task_sampling.SuccessEstimates | None) -> list[Any]:
-    """Each curriculum stage's task order (learnability draws when `estimates` are kept)."""
+    """Each curriculum stage's task order (learnability draws when `estimates` are kept); a
+    mixture's one order, by its environments' weights."""
     settings = self.settings
     order = task_sampling.TaskOrder if estimates is None else functools.partial(
         task_sampling.LearnabilityOrder, estimates=estimates,
         floor=settings.rollout.task_sampling_floor)
+    if settings.env.mixture:
+      weights = {component.label: component.weight for component in settings.env.mixture}
+      return [task_sampling.mixture_order(pool, weights, settings.seed, order)]
     return task_sampling.stage_task_orders(pool, settings.rollout.curriculum, settings.seed, order)
 
   def play_step(self, pool: Any, params: nnx.State, draw: Callable[[int], list[int]], step: int,
@@ -510,6 +514,8 @@ def train(c: ml_collections.ConfigDict | settings_lib.Settings,
                                      update_metrics, state.opt_state.notfinite_count, cap,
                                      schedule.stage(step), timer)
         step_metrics.update(settings.update.scoring.metrics(step_rollout.played))
+        if settings.env.mixture:
+          step_metrics.update(rollout.environment_metrics(step_rollout.played))
         if stale:
           step_metrics["rollout/staleness"] = step - step_rollout.played[0].policy_version
         if settings.rollout.dynamic_sampling:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import multiprocessing
 import multiprocessing.connection
@@ -60,6 +61,21 @@ _Call = Callable[[Env], Any]
 _UNASKED = object()
 # Attributes an adapter may lack; a child process answers None for them.
 _OPTIONAL_ATTRIBUTES = ("action_format",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+  """The environment a task is played in, as the rollout reads it: the `name` its episodes
+  record, the `pool` whose adapters play them (the instruction and tools come from it) and its
+  own turn cap `max_turns` (None: the rollout's alone)."""
+
+  name: str
+  pool: EnvPool
+  max_turns: int | None = None
+
+  def cap(self, horizon: int) -> int:
+    """The turn cap of an episode played under the rollout's `horizon`."""
+    return horizon if self.max_turns is None else min(horizon, self.max_turns)
 
 
 def episode_failure(termination: str, reason: str) -> StepResult:
@@ -128,6 +144,7 @@ class EnvPool:
     self._running = [False] * num_slots  # whether the slot's episode is in progress
     self._instruction: str | None = None
     self._tools: Any = _UNASKED  # The tools' schemas (or None) once asked.
+    self._environment = Environment(self.env_name, self)
     self._closed = False
     # A batch waits for the earlier batches on its slots (FIFO: they were dequeued first, so
     # waiting never deadlocks); one thread per slot lets disjoint batches all run at once.
@@ -180,6 +197,12 @@ class EnvPool:
     if self._tools is _UNASKED:
       self._tools = self._ask(base.tools_of, "tools")
     return self._tools
+
+  def environment(self, task_id: int) -> Environment:
+    """The environment task `task_id` is played in: this pool's, for every task (a mixture's
+    pool, environments/mixture.py, has one per component)."""
+    del task_id
+    return self._environment
 
   def task_ids(self, split: str) -> Sequence[int]:
     base.check_split(split)

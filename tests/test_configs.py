@@ -14,7 +14,7 @@ from rl_helpers import check_config
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 RL_CONFIGS = [
     "grpo_textcraft", "grpo_babyai", "grpo_sciworld", "ppo_textcraft", "rloo_textcraft",
-    "reinforce_pp_textcraft"
+    "reinforce_pp_textcraft", "mixed_agentgym"
 ]
 
 
