@@ -18,13 +18,16 @@ and, for rollouts, the turn structure that turn-level credit (GiGPO) reads, over
 and, for rollouts whose rows were played in several contexts (rollout.ContextPolicy):
 
   contexts[n, t]          the context tokens[n, t] belongs to (0, 1, ...; -1 padding)
-  context_spans[n, c]     (start, length) of the row's c-th context ((0, 0) past its last)
+  context_spans[n, w]     (start, length) of the row's w-th window: a run of whole contexts
+                          packed into context_window tokens ((T, 0) past the row's last)
   context_window          static: the longest context's `packed_length`
 
-The learner reads each context as its own sequence, as the sampler's row held it: context c of
-every row is cut out into a row of `context_window` tokens of its own (positions from 0), and
-the windows are run one context at a time (learner.token_logprobs), so a pass holds the
-activations of one context per row however many contexts an episode was played in.
+The learner reads each context as its own sequence, as the sampler's row held it: window w of
+every row is cut out into a row of `context_window` tokens of its own, each of its contexts
+attending within itself at positions from 0, and the windows are run one after another
+(learner.token_logprobs), so a pass holds the activations of one window per row however many
+contexts an episode was played in. `context_windows` packs a row's contexts greedily, in order:
+about sum(contexts) / context_window + 1 windows, not one per context.
 
 The model reads tokens[:, :-1] and is scored on tokens[:, 1:], so every per-token array the
 learner computes (logprobs, entropies, values, advantages) is aligned with the *targets*
@@ -107,6 +110,34 @@ class Batch:
   def inputs_and_targets(self) -> tuple[Array, Array, Array]:
     """(inputs [N, T-1], targets [N, T-1], target loss mask [N, T-1])."""
     return self.tokens[:, :-1], self.tokens[:, 1:], self.loss_mask[:, 1:]
+
+
+def context_windows(sizes: Sequence[Sequence[int]], length: int, minimum: int = 0) -> dict:
+  """Batch.context_spans and Batch.context_window of rows whose contexts have token counts
+  `sizes[n]` (in order, filling the row's first sum(sizes[n]) tokens) in rows of `length`
+  tokens: the window is the `packed_length` of the longest context, or of `minimum` tokens if
+  more (at most `length`; a larger window runs fewer, larger passes), and each row's
+  contexts are packed in order into windows, a context joining the current window while it
+  fits. The window slots come in `bucket` sizes, so that the compiled shapes stay few (the
+  learner skips a slot no row has); an absent window starts at `length`."""
+  longest = max((max(s, default=0) for s in sizes), default=0)
+  window = min(packed_length(max(longest, minimum)), length)
+  packed = []
+  for row in sizes:
+    spans, start = [], 0
+    for size in row:
+      if spans and spans[-1][1] + size <= window:
+        spans[-1][1] += size
+      else:
+        spans.append([start, size])
+      start += size
+    packed.append(spans)
+  slots = bucket(max((len(spans) for spans in packed), default=1), 1)
+  out = np.tile(np.asarray([length, 0], np.int32), (len(sizes), slots, 1))
+  for n, spans in enumerate(packed):
+    if spans:
+      out[n, :len(spans)] = spans
+  return {"context_spans": out, "context_window": window}
 
 
 def packed_length(length: int, minimum: int = 128) -> int:

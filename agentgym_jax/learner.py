@@ -199,40 +199,53 @@ def _project(model: Decoder, hidden: Array, targets: Array, loss: LossConfig,
 def _context_by_context(model: Decoder, batch: Batch, loss: LossConfig,
                         value_head: ValueHead | None,
                         dropout_key: Array | None) -> tuple[Array, Array, Array]:
-  """`token_logprobs` of rows of several contexts (batch.py): context c of every row, cut out
-  as a window of batch.context_window tokens, is a row of its own (positions from 0, attending
-  within the context), and the windows run one context after another, each recomputed in the
-  backward pass (jax.checkpoint), so activations are those of one context per row. A context
-  no row has is skipped. Each token's values are read back from its context's window."""
-  tokens, spans, window = batch.tokens, batch.context_spans, batch.context_window
+  """`token_logprobs` of rows of several contexts (batch.py): window w of every row (a run of
+  whole contexts) is cut out as a row of batch.context_window tokens, each context in it
+  attending within itself at positions from 0, and the windows run one after another, each
+  recomputed in the backward pass (jax.checkpoint), so activations are those of one window per
+  row. A window no row has is skipped. Each token's values are read back from its window."""
+  tokens, contexts, spans = batch.tokens, batch.contexts, batch.context_spans
+  window = batch.context_window
   rows, length = tokens.shape
   offsets = jnp.arange(window, dtype=jnp.int32)
 
   @jax.checkpoint
-  def one_context(args):
-    context, starts, sizes = args  # [N] starts and lengths of each row's context
+  def one_window(args):
+    number, starts, sizes = args  # [N] starts and lengths of each row's window
     index = jnp.minimum(starts[:, None] + offsets, length - 2)
     inside = offsets < sizes[:, None]
     inputs = jnp.where(inside, jnp.take_along_axis(tokens, index, axis=1), 0)
     targets = jnp.where(inside, jnp.take_along_axis(tokens, index + 1, axis=1), 0)
-    key = None if dropout_key is None else jax.random.fold_in(dropout_key, context)
+    segments = jnp.where(inside, jnp.take_along_axis(contexts, index, axis=1), -1)
+    key = None if dropout_key is None else jax.random.fold_in(dropout_key, number)
 
     def run():
-      hidden, _ = model.hidden_states(inputs, dropout_key=key)
+      hidden, _ = model.hidden_states(inputs, _segment_positions(segments), segment_ids=segments,
+                                      dropout_key=key)
       return _project(model, hidden, targets, loss, value_head)
 
     skip = lambda: tuple(jnp.zeros((rows, window), jnp.float32) for _ in range(3))
     return jax.lax.cond(jnp.any(sizes > 0), run, skip)
 
   count = spans.shape[1]
-  windows = jax.lax.map(one_context, (jnp.arange(count), spans[..., 0].T, spans[..., 1].T))
-  # Input t of row n is token t - start of its context's window.
-  contexts = jnp.maximum(batch.contexts[:, :-1], 0)
-  starts = jnp.take_along_axis(spans[..., 0], contexts, axis=1)
-  flat = contexts * window + jnp.clip(jnp.arange(length - 1) - starts, 0, window - 1)
+  windows = jax.lax.map(one_window, (jnp.arange(count), spans[..., 0].T, spans[..., 1].T))
+  # Input t of row n is token t - start of the last window starting at or before it.
+  t = jnp.arange(length - 1, dtype=jnp.int32)
+  number = jnp.sum(spans[:, None, :, 0] <= t[None, :, None], axis=-1) - 1
+  starts = jnp.take_along_axis(spans[..., 0], jnp.maximum(number, 0), axis=1)
+  flat = jnp.maximum(number, 0) * window + jnp.clip(t - starts, 0, window - 1)
   return tuple(
       jnp.take_along_axis(w.transpose(1, 0, 2).reshape(rows, count * window), flat, axis=1)
       for w in windows)
+
+
+def _segment_positions(segments: Array) -> Array:
+  """Each token's position in its own segment: its index minus that of its segment's first
+  token, for segment ids [N, L] that change only between segments."""
+  index = jnp.arange(segments.shape[1], dtype=jnp.int32)
+  starts = jnp.concatenate(
+      [jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+  return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
 def policy_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None) -> Decoder:

@@ -39,9 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentgym_jax.batch import Batch, packed_length, share_prompts
+from agentgym_jax.batch import Batch, context_windows, packed_length, share_prompts
 from agentgym_jax.models.tokenizer import ChatTemplate
-from agentgym_jax.sampling import Sampler, SamplingParams, bucket
+from agentgym_jax.sampling import Sampler, SamplingParams
 from environments import jsonl
 from environments.base import CONTEXT, DONE, ENV_ERROR, ENV_TIMEOUT, HORIZON, EnvError, StepResult
 from environments.mixture import MixturePool
@@ -791,10 +791,6 @@ def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns
   if not contexts and any(t.rewrites for t in trajectories):
     raise ValueError("a trajectory was played in several contexts: pack it with contexts=True")
   context_ids = np.full((num_rows, length), -1, np.int32) if contexts else None
-  # Context slots come in `bucket` sizes, so that the compiled shapes stay few; the learner
-  # skips a slot no row has.
-  most_contexts = bucket(max((len(t.rewrites) + 1 for t in trajectories), default=1), 1)
-  spans = np.zeros((num_rows, most_contexts, 2), np.int32) if contexts else None
   anchors: dict[tuple[int, tuple[int, ...]], int] = {}
   for i, t in enumerate(trajectories):
     n = len(t.tokens)
@@ -803,7 +799,6 @@ def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns
     if contexts:
       sizes = t.context_lengths()
       context_ids[i, :n] = np.repeat(np.arange(len(sizes)), sizes)
-      spans[i, :len(sizes)] = np.stack([np.cumsum([0] + sizes[:-1]), sizes], axis=1)
     logprobs[i, :n] = t.sampler_logprobs
     rewards[i] = scoring.reward(t)
     groups[i] = num_rows + i if excluded else t.group
@@ -828,8 +823,8 @@ def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns
   return Batch(
       tokens=tokens, loss_mask=loss_mask, sampler_logprobs=logprobs, rewards=rewards,
       group_ids=groups, turn_index=turn_index, turn_rewards=turn_rewards, turn_anchors=turn_anchors,
-      shared=shared, contexts=context_ids, context_spans=spans,
-      context_window=min(packed_length(int(spans[..., 1].max())), length) if contexts else 0)
+      shared=shared, contexts=context_ids,
+      **(context_windows([t.context_lengths() for t in trajectories], length) if contexts else {}))
 
 
 def _turn_index(trajectory: Trajectory, row: int) -> np.ndarray:

@@ -1,8 +1,8 @@
 """Context management (rollout.ContextPolicy): a row's context rewritten every k turns, played by
 the sampler and read back by the learner context by context.
 
-Error model (tests/tolerances.py). The learner reads a row of several contexts context by
-context, each cut out into a window of its own: the same q, k and v over the same keys as the
+Error model (tests/tolerances.py). The learner reads a row of several contexts window by window,
+each context of a window attending within itself: the same q, k and v over the same keys as the
 context alone in a row of its own, so the two differ by summation order only (the rows' lengths
 set flash attention's blocks and XLA's dot order): reordered_logprobs(L, K, |logits|), K the
 widest sum. The sampler's log-probs differ from the learner's by the same kind of error (a cached
@@ -26,7 +26,7 @@ import tiny
 import tolerances
 import toy_env
 from agentgym_jax import config as config_lib, learner, rollout, trainer
-from agentgym_jax.batch import Batch
+from agentgym_jax.batch import Batch, context_windows
 from agentgym_jax.models import load_model
 from agentgym_jax.sampling import Sampler
 from environments.pool import EnvPool
@@ -108,6 +108,13 @@ def test_context_policies_are_checked():
   check_config(c, "Set one of them off")
 
 
+def test_contexts_are_packed_in_order_into_windows_of_the_longest_context():
+  packed = context_windows([[100, 30, 50, 120], [40]], length=512)
+  assert packed["context_window"] == 128  # packed_length(120)
+  np.testing.assert_array_equal(packed["context_spans"],
+                                [[[0, 100], [100, 80], [180, 120]], [[0, 40], [512, 0], [512, 0]]])
+
+
 # --- playing
 
 
@@ -155,6 +162,13 @@ def test_the_learner_reads_each_context_as_the_sampler_held_it(policy):
   tolerance = tolerances.reordered_logprobs(
       model.config.num_layers, max(model.config.intermediate_size, batch.tokens.shape[1]),
       max(np.abs(got[trained]).max(), 1.0))
+  # As packed (a window a context here), and with each row's contexts in one window.
+  row_length = batch.tokens.shape[1]
+  sizes = [t.context_lengths() for t in played]
+  whole_rows = batch.replace(**context_windows(sizes, row_length, minimum=row_length))
+  assert np.all((np.asarray(whole_rows.context_spans)[..., 1] > 0).sum(axis=1) == 1)
+  in_one_window = np.asarray(run(graphdef, params, whole_rows, loss)[0])
+  np.testing.assert_allclose(in_one_window[trained], got[trained], rtol=0, atol=tolerance)
   # Each context alone, as a row of its own.
   spans = [(i, start, n) for i, t in enumerate(played)
            for start, n in zip(np.cumsum([0] + t.context_lengths()[:-1]), t.context_lengths())]
