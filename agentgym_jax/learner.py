@@ -162,7 +162,7 @@ def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, loss
   The vocabulary projection runs chunk by chunk over the sequence, so full [N, T, V] f32
   logits never exist (a 152k vocabulary at 8k tokens would be 5 GB per row). With LoRA's
   `frozen` base, `params` are the adapters (module docstring). Rows of several contexts
-  (batch.context_spans) are read context by context (`_context_by_context`). In the
+  (batch.context_spans) are read window by window (`_window_by_window`). In the
   shared-prompt layout (batch.shared) the forward pass and the projection run on the packed
   rows, each group's prompt once, and every sample reads its values back at its tokens' packed
   indices (batch.py); past a row's end it reads a meaningless value that every loss masks.
@@ -170,7 +170,7 @@ def token_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, loss
   model = policy_model(graphdef, params, frozen)
   shared = batch.shared
   if batch.context_spans is not None:
-    return _context_by_context(model, batch, loss, value_head, dropout_key)
+    return _window_by_window(model, batch, loss, value_head, dropout_key)
   if shared is None:
     inputs, targets, _ = batch.inputs_and_targets()
     hidden, _ = model.hidden_states(inputs, dropout_key=dropout_key)
@@ -196,9 +196,8 @@ def _project(model: Decoder, hidden: Array, targets: Array, loss: LossConfig,
   return logprobs, entropies, values
 
 
-def _context_by_context(model: Decoder, batch: Batch, loss: LossConfig,
-                        value_head: ValueHead | None,
-                        dropout_key: Array | None) -> tuple[Array, Array, Array]:
+def _window_by_window(model: Decoder, batch: Batch, loss: LossConfig, value_head: ValueHead | None,
+                      dropout_key: Array | None) -> tuple[Array, Array, Array]:
   """`token_logprobs` of rows of several contexts (batch.py): window w of every row (a run of
   whole contexts) is cut out as a row of batch.context_window tokens, each context in it
   attending within itself at positions from 0, and the windows run one after another, each

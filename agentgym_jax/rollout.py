@@ -754,8 +754,9 @@ def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns
   least the most turns of any trajectory; by default exactly that).
 
   With `contexts` (needed by a trajectory with context rewrites) the batch carries each token's
-  context and each context's span (Batch.contexts, Batch.context_spans): a row holds its
-  episode's contexts one after another, each read by the learner as its own sequence.
+  context and the windows its contexts are packed into (Batch.contexts, Batch.context_spans):
+  a row holds its episode's contexts one after another, each read by the learner as its own
+  sequence.
 
   With `shared_prompts` the batch also carries the shared-prompt layout (batch.share_prompts):
   the trajectories of one task (one `Trajectory.group`, failed ones included) packed as one row
@@ -791,14 +792,14 @@ def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns
   if not contexts and any(t.rewrites for t in trajectories):
     raise ValueError("a trajectory was played in several contexts: pack it with contexts=True")
   context_ids = np.full((num_rows, length), -1, np.int32) if contexts else None
+  sizes = [t.context_lengths() for t in trajectories] if contexts else None
   anchors: dict[tuple[int, tuple[int, ...]], int] = {}
   for i, t in enumerate(trajectories):
     n = len(t.tokens)
     excluded = scoring.excluded(t)
     tokens[i, :n] = t.tokens
     if contexts:
-      sizes = t.context_lengths()
-      context_ids[i, :n] = np.repeat(np.arange(len(sizes)), sizes)
+      context_ids[i, :n] = np.repeat(np.arange(len(sizes[i])), sizes[i])
     logprobs[i, :n] = t.sampler_logprobs
     rewards[i] = scoring.reward(t)
     groups[i] = num_rows + i if excluded else t.group
@@ -820,11 +821,10 @@ def pack(trajectories: Sequence[Trajectory], *, length: int | None = None, turns
         [t.observation_spans[0][1] if t.observation_spans else len(t.tokens) for t in trajectories])
     shared = share_prompts(tokens, lengths, prompt_ends, [t.group for t in trajectories],
                            rows_multiple=packed_rows_multiple)
-  return Batch(
-      tokens=tokens, loss_mask=loss_mask, sampler_logprobs=logprobs, rewards=rewards,
-      group_ids=groups, turn_index=turn_index, turn_rewards=turn_rewards, turn_anchors=turn_anchors,
-      shared=shared, contexts=context_ids,
-      **(context_windows([t.context_lengths() for t in trajectories], length) if contexts else {}))
+  return Batch(tokens=tokens, loss_mask=loss_mask, sampler_logprobs=logprobs, rewards=rewards,
+               group_ids=groups, turn_index=turn_index, turn_rewards=turn_rewards,
+               turn_anchors=turn_anchors, shared=shared, contexts=context_ids,
+               **(context_windows(sizes, length) if contexts else {}))
 
 
 def _turn_index(trajectory: Trajectory, row: int) -> np.ndarray:

@@ -1,5 +1,5 @@
 """Context management (rollout.ContextPolicy): a row's context rewritten every k turns, played by
-the sampler and read back by the learner context by context.
+the sampler and read back by the learner window by window.
 
 Error model (tests/tolerances.py). The learner reads a row of several contexts window by window,
 each context of a window attending within itself: the same q, k and v over the same keys as the
