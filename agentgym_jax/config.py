@@ -90,6 +90,26 @@ def base_config() -> ml_collections.ConfigDict:
   # then that component's next train task. (): env.name alone.
   c.env.mixture = ()
 
+  # Model-judged rewards (agentgym_jax/judge.py): a model scores the step's episodes.
+  c.reward = ml_collections.ConfigDict()
+  c.reward.judge = ml_collections.ConfigDict()
+  # "" (off) | reference (the answers environments ask to be judged: WebArena's fuzzy_match,
+  # SearchQA's with judge_answers) | rubric (each episode against `rubric`, 0..10) | group
+  # (a group's episodes ranked together against `rubric`, min-max normalised, as RULER).
+  c.reward.judge.mode = ""
+  # The judge: a model this project's sampler runs (registry name, HF directory or Hub id), or
+  # the base URL of an OpenAI-compatible server (e.g. http://host:8000/v1); exactly one.
+  c.reward.judge.model = ""
+  c.reward.judge.base_url = ""
+  c.reward.judge.served_model = ""  # The model named in requests to base_url.
+  c.reward.judge.api_key_env = "OPENAI_API_KEY"  # Its bearer key, read from this variable.
+  c.reward.judge.rubric = ""  # What a good episode is (rubric and group modes).
+  c.reward.judge.max_new_tokens = 256  # Per judge reply.
+  c.reward.judge.max_context = 8192  # Tokens of a prompt and its reply (model only).
+  c.reward.judge.rows = 16  # Prompts a decode batch (model), or requests in flight (base_url).
+  c.reward.judge.timeout_s = 120.0  # Per request to base_url.
+  c.reward.judge.episode_chars = 12000  # Of an episode's text shown to the judge.
+
   c.rollout = ml_collections.ConfigDict()  # How a step plays its episodes.
   c.rollout.tasks_per_step = 32  # Tasks (groups) a step plays.
   c.rollout.samples_per_task = 8  # Episodes per task: the group size.

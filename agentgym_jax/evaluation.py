@@ -34,14 +34,16 @@ from environments.pool import EnvPool
 
 def evaluate(
     player: rollout.Player, task_ids: Sequence[int], *, samples_per_task: int, horizon: int,
-    key: jax.Array, rows_per_batch: int, progress: Callable[[int, int], None] | None = None
+    key: jax.Array, rows_per_batch: int, progress: Callable[[int, int], None] | None = None,
+    judge: Callable[[Sequence[rollout.Trajectory]], float] | None = None
 ) -> tuple[dict[str, Any], list[rollout.Trajectory]]:
   """Plays every task `samples_per_task` times with `player`, `rows_per_batch` episodes at once
   in the player's pipelined groups (`rollout.collect`); returns (summary, trajectories). With
   `player.refill` a row takes the next episode as soon as its own ends (episode j draws from
   fold_in(key, turn) and j); otherwise batch by batch, batch b's keys from fold_in(key,
   b x rows_per_batch). `progress(done, total)` is called with the episodes played as they end
-  (after each batch without refill)."""
+  (after each batch without refill). A `judge` (agentgym_jax/judge.py) scores the episodes
+  before they are summarised."""
   plays = [
       (task_id, index) for index, task_id in enumerate(task_ids) for _ in range(samples_per_task)
   ]
@@ -50,6 +52,8 @@ def evaluate(
     report = None if progress is None else lambda done: progress(done, len(plays))
     played, _ = rollout.collect(player.in_groups(rows), plays, horizon=horizon, key=key, rows=rows,
                                 progress=report)
+    if judge is not None:
+      judge(played)
     return summarize(played, task_categories(player.pool, task_ids)), played
   trajectories: list[rollout.Trajectory] = []
   for start in range(0, len(plays), rows_per_batch):
@@ -59,6 +63,8 @@ def evaluate(
     trajectories.extend(played)
     if progress is not None:
       progress(len(trajectories), len(plays))
+  if judge is not None:
+    judge(trajectories)
   return summarize(trajectories, task_categories(player.pool, task_ids)), trajectories
 
 

@@ -183,12 +183,13 @@ def make_evaluator(settings: settings_lib.Settings, mesh: Mesh, model: Decoder, 
   sampler = settings.rollout.sampler(model, mesh, rows)
   task_ids = plan.tasks(pool)
   key = jax.random.key(settings.seed)
+  judge = settings.make_judge()
 
   def evaluate(params: nnx.State, step: int) -> dict[str, float]:
     player = settings.rollout.player(sampler, params, pool, chat, plan.sampling)
     summary, _ = evaluation.evaluate(player, task_ids, samples_per_task=plan.samples_per_task,
                                      horizon=plan.horizon, key=jax.random.fold_in(key, step),
-                                     rows_per_batch=rows)
+                                     rows_per_batch=rows, judge=judge)
     return evaluation.as_metrics(summary)
 
   return evaluate

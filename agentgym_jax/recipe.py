@@ -94,7 +94,8 @@ def evaluate_policy(
     return evaluation.evaluate(player, task_ids, samples_per_task=plan.samples_per_task,
                                horizon=plan.horizon, key=jax.random.key(settings.seed),
                                rows_per_batch=rows,
-                               progress=start(len(task_ids)) if start else None)
+                               progress=start(len(task_ids)) if start else None,
+                               judge=settings.make_judge())
 
 
 def evaluate_stage(settings: settings_lib.Settings, stage: str, policy: str,

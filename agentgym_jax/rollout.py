@@ -222,7 +222,8 @@ class RolloutStats:
   being ready), env_s the time the env pool was busy (resets and steps), env_hidden_s the part
   of env_s during which generation was in flight too: env time that pipelining hid.
   decode_row_steps counts the rows of every decode step (a generate call runs all of its
-  sampler's rows until its longest reply ends), of which generated_tokens were live.
+  sampler's rows until its longest reply ends), of which generated_tokens were live. judge_s is
+  the time a judge (agentgym_jax/judge.py) took to score the episodes, if one did.
   """
 
   generate_s: float = 0.0
@@ -230,6 +231,7 @@ class RolloutStats:
   env_hidden_s: float = 0.0
   generated_tokens: int = 0
   decode_row_steps: int = 0
+  judge_s: float = 0.0
 
   @property
   def env_hidden_fraction(self) -> float:

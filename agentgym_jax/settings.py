@@ -25,6 +25,7 @@ import optax
 from jax.sharding import Mesh
 
 from agentgym_jax import checkpoint, hardware, horizon, learner, paths, rl, rollout, sharding
+from agentgym_jax import judge as judge_lib
 from agentgym_jax.config import CACHE_DTYPES, DTYPES, EXPORT_FORMATS, ConfigError
 from agentgym_jax.models import attention, decoder, lora as lora_lib
 from agentgym_jax.models.tokenizer import ChatTemplate, Tokenizer
@@ -869,6 +870,66 @@ class WarmStart:
 
 
 @dataclasses.dataclass(frozen=True)
+class JudgeSettings:
+  """Model-judged rewards (config group reward.judge; agentgym_jax/judge.py): `mode`, the
+  judge (`model` run by the sampler, or an OpenAI-compatible server at `base_url` serving
+  `served_model`), the `rubric`, and the judge's budgets."""
+
+  mode: str
+  model: str
+  base_url: str
+  served_model: str
+  api_key_env: str
+  rubric: str
+  max_new_tokens: int
+  max_context: int
+  rows: int
+  timeout_s: float
+  episode_chars: int
+
+  @classmethod
+  def from_config(cls, c: ml_collections.ConfigDict) -> JudgeSettings | None:
+    """None when reward.judge.mode is "" (no judge)."""
+    j = c.reward.judge
+    if not j.mode:
+      return None
+    check(j.mode in judge_lib.MODES,
+          f"reward.judge.mode={j.mode!r} is not '' (off) or one of {judge_lib.MODES}")
+    check(
+        bool(j.model) != bool(j.base_url),
+        "reward.judge needs exactly one of model (run by the sampler) and base_url (an "
+        f"OpenAI-compatible server), got model={j.model!r} and base_url={j.base_url!r}")
+    check(not j.base_url or j.base_url.startswith(("http://", "https://")),
+          f"reward.judge.base_url={j.base_url!r} must start with http:// or https://")
+    check(not j.base_url or bool(j.served_model),
+          "reward.judge.base_url needs reward.judge.served_model, the model its requests name")
+    check(j.mode == "reference" or bool(j.rubric.strip()),
+          f"reward.judge.mode={j.mode!r} needs reward.judge.rubric, what a good episode is")
+    check(
+        0 < j.max_new_tokens < j.max_context,
+        f"need 0 < reward.judge.max_new_tokens ({j.max_new_tokens}) < max_context "
+        f"({j.max_context})")
+    check(j.rows > 0 and j.timeout_s > 0 and j.episode_chars >= 200,
+          "reward.judge.rows and timeout_s must be > 0, episode_chars >= 200")
+    return _group(cls, j)
+
+  def make(self, dtype: str, cache: pathlib.Path | None = None) -> judge_lib.Judge:
+    """The judge: its model loaded (matmul `dtype`, bf16 weights) or its server named, its replies cached in
+    the JSONL file `cache` (memory only without one)."""
+    if self.base_url:
+      backend = judge_lib.HTTPBackend(self.base_url, self.served_model,
+                                      max_new_tokens=self.max_new_tokens, timeout_s=self.timeout_s,
+                                      concurrency=self.rows, api_key_env=self.api_key_env)
+    else:
+      backend = judge_lib.SamplerBackend.load(self.model, dtype=dtype, rows=self.rows,
+                                              max_context=self.max_context,
+                                              max_new_tokens=self.max_new_tokens)
+    return judge_lib.Judge(backend, self.mode, rubric=self.rubric,
+                           max_new_tokens=self.max_new_tokens, episode_chars=self.episode_chars,
+                           cache=judge_lib.ReplyCache(cache))
+
+
+@dataclasses.dataclass(frozen=True)
 class Health:
   """When a run stops as broken (`check`): after `max_consecutive_nonfinite` non-finite updates
   in a row (optim.max_consecutive_nonfinite), or when the sampler's and the learner's
@@ -920,6 +981,7 @@ class Settings:
     model, env, rollout, update, evaluation, data, checkpoint, log, warm_start, health: the
       groups (`ModelSettings`, `EnvSettings`, `RolloutSettings`, `UpdateSettings`,
       `Evaluation`, `Data`, `CheckpointSettings`, `LogSettings`, `WarmStart`, `Health`).
+    judge: the model-judged rewards (`JudgeSettings`), None without a judge.
   """
 
   record: dict[str, Any]
@@ -937,6 +999,7 @@ class Settings:
   log: LogSettings
   warm_start: WarmStart
   health: Health
+  judge: JudgeSettings | None = None
 
   @classmethod
   def of(cls, c: ml_collections.ConfigDict | Settings) -> Settings:
@@ -954,14 +1017,19 @@ class Settings:
     model, env = ModelSettings.from_config(c), EnvSettings.from_config(c)
     rollout_settings = RolloutSettings.from_config(c)
     schedule = horizon_schedule(c)
-    return cls(
-        record=c.to_dict(), mode=c.mode, seed=c.seed, steps=c.steps, schedule=schedule, model=model,
-        env=env, rollout=rollout_settings,
-        update=UpdateSettings.from_config(c, rollout_settings, schedule.max_turns,
-                                          env.failed_episodes),
-        evaluation=Evaluation.from_config(c, schedule.max_turns), data=Data.from_config(c),
-        checkpoint=CheckpointSettings.from_config(c), log=LogSettings.from_config(c),
-        warm_start=WarmStart.from_config(c), health=Health.from_config(c))
+    update = UpdateSettings.from_config(c, rollout_settings, schedule.max_turns,
+                                        env.failed_episodes)
+    return cls(record=c.to_dict(), mode=c.mode, seed=c.seed, steps=c.steps, schedule=schedule,
+               model=model, env=env, rollout=rollout_settings, update=update,
+               evaluation=Evaluation.from_config(c, schedule.max_turns), data=Data.from_config(c),
+               checkpoint=CheckpointSettings.from_config(c), log=LogSettings.from_config(c),
+               warm_start=WarmStart.from_config(c), health=Health.from_config(c),
+               judge=JudgeSettings.from_config(c))
+
+  def make_judge(self, cache: pathlib.Path | None = None) -> judge_lib.Judge | None:
+    """The run's judge (reward.judge), its replies cached in the JSONL file `cache`; None
+    without one."""
+    return self.judge and self.judge.make(self.model.matmul_dtype(), cache)
 
   def with_model(self, name: str) -> Settings:
     """These settings with the policy at `name` (model.name), e.g. a warm start's export."""

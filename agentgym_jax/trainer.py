@@ -43,6 +43,7 @@ from agentgym_jax import config as config_lib
 from agentgym_jax import settings as settings_lib
 from agentgym_jax import state as state_lib
 from agentgym_jax import evaluation, hooks, learner, paths
+from agentgym_jax import judge as judge_lib
 from agentgym_jax import multihost, rollout, rollout_queue, sharding, task_sampling
 from agentgym_jax.batch import Batch
 from agentgym_jax.models import decoder
@@ -205,6 +206,9 @@ def trajectory_records(trajectories: Sequence[rollout.Trajectory], advantages: j
   return records
 
 
+# The judge's replies, kept in a run's workdir (judge.ReplyCache).
+JUDGE_CACHE = "judge_cache.jsonl"
+
 PROGRESS_KEYS = ("reward", "success", "horizon_cap", "time/rollout", "time/experience",
                  "time/update", "time/eval")
 
@@ -224,6 +228,7 @@ class Actor:
     rows: this process's rows of the step.
     wave: rows played at once.
     own_mesh: whether the sampler has a mesh of its own (mesh.rollout_devices).
+    judge: what scores the episodes after they are played (reward.judge), or None.
   """
 
   settings: settings_lib.Settings
@@ -235,16 +240,17 @@ class Actor:
   rows: range
   wave: int
   own_mesh: bool = False
+  judge: judge_lib.Judge | None = None
 
   @classmethod
   def create(cls, settings: settings_lib.Settings, model: Any, chat: Any, policy: state_lib.Policy,
-             processes: multihost.Processes) -> Actor:
+             processes: multihost.Processes, judge: judge_lib.Judge | None = None) -> Actor:
     rows = processes.rows(settings.rollout.rows)
     wave = settings.rollout.wave(len(rows))
     own_mesh = settings.model.make_rollout_mesh()
     sampler = settings.rollout.sampler(model, own_mesh or processes.local_mesh, wave)
     return cls(settings, sampler, chat, policy, model.dtype, processes, rows, wave, own_mesh
-               is not None)
+               is not None, judge)
 
   def sampler_params(self, params: nnx.State) -> nnx.State:
     """The policy as this process's sampler runs it (with LoRA, merged): once per rollout or
@@ -272,8 +278,9 @@ class Actor:
   def play_step(self, pool: Any, params: nnx.State, draw: Callable[[int], list[int]], step: int,
                 cap: int, estimates: task_sampling.SuccessEstimates | None) -> StepRollout:
     """Plays step `step`'s episodes (`play_step`) up to `cap` turns, with the policy of `params`;
-    the rows of every process are gathered, and the success `estimates` observe each round
-    before the next is drawn."""
+    the rows of every process are gathered and judged (every process judges them all, so its
+    judge must be deterministic: greedy, as judge.py asks), and the success `estimates` observe
+    each round before the next is drawn."""
     settings = self.settings
     step_key = jax.random.fold_in(jax.random.key(settings.seed), step)
     # The sampler's copy of the policy, alive for the rollout.
@@ -287,6 +294,8 @@ class Actor:
                                             wave_rows=self.wave, horizon=cap, key=key,
                                             first_row=self.rows.start)
       played, stats = self.processes.gather_rollout(played, stats)
+      if self.judge is not None:
+        stats = dataclasses.replace(stats, judge_s=self.judge(played))
       if estimates is not None:  # Before the next round's draw.
         estimates.observe(played)
       return played, stats
@@ -308,7 +317,7 @@ class Actor:
     key = jax.random.fold_in(eval_key, step)
     _, played = evaluation.evaluate(player, self.processes.share(task_ids),
                                     samples_per_task=plan.samples_per_task, horizon=plan.horizon,
-                                    key=key, rows_per_batch=self.wave)
+                                    key=key, rows_per_batch=self.wave, judge=self.judge)
     summary = evaluation.summarize(self.processes.gather(played),
                                    evaluation.task_categories(pool, task_ids))
     return evaluation.as_metrics(summary)
@@ -451,7 +460,8 @@ def train(c: ml_collections.ConfigDict | settings_lib.Settings,
   # Each process plays its rows of the step on its own devices (all of them on one process).
   processes = multihost.Processes.of(mesh)
   settings.check_layout(mesh, processes.count)
-  actor = Actor.create(settings, model, chat, policy, processes)
+  judge = settings.make_judge(workdir / JUDGE_CACHE)
+  actor = Actor.create(settings, model, chat, policy, processes, judge)
   hooks_ = hooks.StepHooks(settings, workdir, checkpointer, start_step, PROGRESS_KEYS,
                            trajectory_log=True, shown=processes.index == 0)
   stale = settings.rollout.max_staleness
@@ -516,6 +526,8 @@ def train(c: ml_collections.ConfigDict | settings_lib.Settings,
         step_metrics.update(settings.update.scoring.metrics(step_rollout.played))
         if settings.env.mixture:
           step_metrics.update(rollout.environment_metrics(step_rollout.played))
+        if judge:
+          step_metrics.update(judge_lib.metrics(step_rollout.played, step_rollout.stats.judge_s))
         if stale:
           step_metrics["rollout/staleness"] = step - step_rollout.played[0].policy_version
         if settings.rollout.dynamic_sampling:

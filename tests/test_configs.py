@@ -1,5 +1,6 @@
 """Every experiment config builds and validates, and its variants change what they say."""
 
+import functools
 import importlib.util
 import pathlib
 
@@ -129,6 +130,7 @@ METHOD_CONFIGS = {
     "masked_truncation_textcraft": ("algorithm", "truncated_episodes", "mask"),
     "turn_rewards_sciworld": ("algorithm", "reward_placement", "turn"),
     "context_textcraft": ("rollout", "context", "mask_observations"),
+    "judged_searchqa": ("reward.judge", "mode", "reference"),
 }
 
 
@@ -137,7 +139,7 @@ METHOD_CONFIGS = {
 def test_method_configs_and_variants_validate_and_select_their_method(name, variant):
   c = load(name)(variant)
   block, key, value = METHOD_CONFIGS[name]
-  assert c[block][key] == value
+  assert functools.reduce(getattr, block.split("."), c)[key] == value
   assert c.env.name == name.rpartition("_")[2]
   settings = settings_lib.Settings.from_config(c)
   assert settings.rollout.dynamic_sampling == (name == "dapo_textcraft")
@@ -151,6 +153,7 @@ def test_method_configs_and_variants_validate_and_select_their_method(name, vari
   assert (overlong is not None) == (name == "dapo_textcraft")
   if overlong is not None:
     assert overlong.length * 4 == overlong.max_new_tokens == c.rollout.max_new_tokens
+  assert (settings.judge is not None) == (name == "judged_searchqa")
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -222,9 +225,15 @@ def test_the_loss_settings_carry_what_the_estimator_reads_from_the_config():
   assert (loss.kl_estimator, loss.kl_in_reward_estimator) == ("low_var_kl", "k1")
   c.algorithm.advantage = "gae"
   c.algorithm.reward_placement = "turn"
-  assert settings_lib.Settings.from_config(c).update.loss.advantage_options == (
-      ("gamma", 1.0), ("lam", 1.0), ("reward_placement", "turn"))
+  assert settings_lib.Settings.from_config(c).update.loss.advantage_options == (("gamma",
+                                                                                 1.0), ("lam", 1.0),
+                                                                                ("reward_placement",
+                                                                                 "turn"))
   c.algorithm.policy_loss = "clip_cov"
   c.algorithm.clip_cov_ub = 4.0
-  assert settings_lib.Settings.from_config(c).update.loss.policy_loss_options == (
-      ("clip_cov_ratio", 2e-4), ("clip_cov_lb", 1.0), ("clip_cov_ub", 4.0))
+  assert settings_lib.Settings.from_config(c).update.loss.policy_loss_options == (("clip_cov_ratio",
+                                                                                   2e-4),
+                                                                                  ("clip_cov_lb",
+                                                                                   1.0),
+                                                                                  ("clip_cov_ub",
+                                                                                   4.0))

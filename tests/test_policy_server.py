@@ -17,7 +17,7 @@ import pytest
 import requests
 
 import tiny
-from agentgym_jax import evaluation, load_model, rollout
+from agentgym_jax import evaluation, judge, load_model, rollout
 from agentgym_jax.sampling import Sampler, SamplingParams
 from agentgym_jax.serving import (PolicyServer, Reply, ToolCall, parse_tool_calls,
                                   template_messages, tool_call_block)
@@ -335,6 +335,23 @@ def test_concurrent_requests_are_decoded_in_one_batch(server, client, monkeypatc
                                            max_tokens=3 * CHUNK)
     assert reply.choices[0].message.content == alone.choices[0].message.content
     assert reply.usage == alone.usage
+
+
+def test_the_policy_server_serves_as_a_judge_with_the_samplers_replies(server, policy, monkeypatch):
+  # The judge's HTTP backend speaks to this server as to any OpenAI-compatible one: a step's
+  # prompts arrive together and are decoded in one batch, and each reply is the one the
+  # sampler-run judge of the same model writes.
+  monkeypatch.setattr(server.scheduler, "batch_window_s", 30.0)
+  calls = record_generate(server, monkeypatch)
+  chats = [judge.chat(f"grade {' '.join('10'[i % 2] * (i + 1))}") for i in range(ROWS)]
+  served = judge.HTTPBackend(f"{server.url}/v1", MODEL, max_new_tokens=CHUNK, timeout_s=60,
+                             concurrency=ROWS).complete(chats)
+  assert len(calls[0]) == ROWS
+  model, tokenizer = policy
+  local = judge.SamplerBackend(model, tokenizer.chat_template(), identity="tiny", rows=ROWS,
+                               max_context=CONTEXT, max_new_tokens=CHUNK).complete(chats)
+  assert all(isinstance(reply, str) for reply in served)
+  assert served == local and len(set(served)) > 1  # Distinct replies: rows do not mix.
 
 
 def test_n_choices_and_seeded_sampling(client):

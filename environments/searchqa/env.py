@@ -10,6 +10,9 @@ Search-R1 format (reply.py):
                                "Congratulations! You have answered the question correctly." or
                                "Sorry, your answer is incorrect."
   anything else             -> reply.INVALID_OBSERVATION, reward 0, the episode goes on.
+With `judge_answers=True` the answer's info also asks the run's judge (agentgym_jax/judge.py,
+reward.judge mode "reference") whether it means any gold answer: the judge's verdict then
+replaces exact match as the reward and success (the observation still reports exact match).
 In the tool_call format (environments/base.py) the actions are the tools search(query) and
 answer(answer) (TOOLS), and a call that cannot be carried out gets "Invalid tool call: <why>.
 ...", reward 0, the episode goes on. The number of searches is not capped here: the trainer's
@@ -111,10 +114,11 @@ class SearchQAEnv:
                top_k: int = 3, corpus_path: str | None = None, bm25_index_dir: str | None = None,
                embeddings_path: str | None = None, embed_fn: str | Callable | None = None,
                test_sources: Sequence[str] | None = None,
-               train_sources: Sequence[str] | None = None, action_format: str = "react"):
+               train_sources: Sequence[str] | None = None, action_format: str = "react",
+               judge_answers: bool = False):
     if not isinstance(top_k, int) or top_k < 1:
       raise ValueError(f"top_k must be a positive int, got {top_k!r}")
-    self.top_k = top_k
+    self.top_k, self.judge_answers = top_k, bool(judge_answers)
     self.action_format = base.ActionFormat(action_format, TOOLS, react_reply)
     if data_dir is None:
       given = {
@@ -196,10 +200,16 @@ class SearchQAEnv:
       self._searches += 1
       return StepResult(format_information(docs), 0.0, False,
                         {**info, "action": "search", "searches": self._searches})
-    correct = exact_match(action.text, self._question.golden_answers)
-    self._question = None
+    question, self._question = self._question, None
+    correct = exact_match(action.text, question.golden_answers)
+    info.update(action="answer", success=correct, answer=action.text)
+    if self.judge_answers:
+      info["judge"] = {
+          "question": question.question, "references": list(question.golden_answers),
+          "answer": action.text, "match": "any", "scale": 1.0
+      }
     return StepResult(CORRECT_OBSERVATION if correct else WRONG_OBSERVATION, float(correct), True,
-                      {**info, "action": "answer", "success": correct, "answer": action.text})
+                      info)
 
   def close(self) -> None:
     self._question = None

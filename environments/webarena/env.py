@@ -27,7 +27,9 @@ out gets "Invalid tool call: <why>. ...". Invalid and failed actions count as st
 Reward. The episode ends at `stop [answer]`, or after `max_steps` actions (WebArena's run.py
 limit is 30) with an empty answer; then the task's evaluators (evaluators.py) score it, and that
 score, 1 or 0, is the final step's reward; every other step has reward 0. info["success"] says
-whether the score is 1; info["scores"] has each evaluator's score. A rollout that stops the
+whether the score is 1; info["scores"] has each evaluator's score; info["judge"], when the task
+has fuzzy_match references, asks the run's judge (reward.judge mode "reference") to decide them
+in place of the must_include stand-in (evaluators.py). A rollout that stops the
 episode before either end (its own turn cap) gets no evaluation, as with AgentGym's server.
 
 Tasks are WebArena task configs from `config_dir` (tasks.py), task id = the config's task_id,
@@ -265,6 +267,8 @@ class WebArenaEnv:
     evaluation = self._browser.evaluate_task(self._config, answer)
     self._config = None
     info.update(success=evaluation.score == 1.0, answer=answer, scores=evaluation.scores)
+    if evaluation.judge is not None:
+      info["judge"] = evaluation.judge
     if evaluation.errors:
       info["eval_errors"] = list(evaluation.errors)
     return StepResult(f"The episode is over: {reason}.", evaluation.score, True, info)

@@ -10,10 +10,13 @@ string_match, on the stop answer (`clean_answer`: strip, drop one pair of enclos
                   reference, when it is the only phrase, must be a whole token instead (so "0"
                   is not found in "10"; WebArena tokenises with nltk, we with a regex that keeps
                   numbers such as 0.50 whole).
-    fuzzy_match   WebArena asks an LLM (GPT-4) whether the answer means the reference. We have
-                  no judge, so each reference must be included as in must_include, and the
-                  reference "N/A" (an unachievable task) needs the answer "N/A" exactly; the
-                  LLM check of the reason an agent gives for N/A is not done.
+    fuzzy_match   WebArena asks an LLM (GPT-4) whether the answer means each reference. The
+                  episode asks that of the run's judge (agentgym_jax/judge.py, reward.judge
+                  mode "reference"): `Evaluation.judge` is the request, with the other checks'
+                  product as its scale. Without a judge each reference must be included as in
+                  must_include. The reference "N/A" (an unachievable task) needs the answer
+                  "N/A" exactly, judge or not; the LLM check of the reason an agent gives for
+                  N/A is not done.
 url_match, on the active tab's URL (WebArena's "GOLD in PRED" rule): some reference's host+path
   (trailing "/" dropped) is a substring of the page's host+path, and for every query parameter
   of the references, the page's URL has one of the references' values for it. References are
@@ -33,6 +36,7 @@ import collections
 import dataclasses
 import html
 import json
+import math
 import re
 import urllib.parse
 from typing import Any, Mapping, Protocol
@@ -69,11 +73,14 @@ class Evaluation:
     score: the product of the evaluators' scores, 0 or 1.
     scores: each evaluator's score, by eval type.
     errors: what went wrong while evaluating (a page that did not load), for the logs.
+    judge: the request to a judge (judge.Request's fields) when fuzzy_match has references a
+      judge decides; `score` is then the must_include stand-in.
   """
 
   score: float
   scores: dict[str, float]
   errors: tuple[str, ...] = ()
+  judge: dict[str, Any] | None = None
 
 
 def clean_answer(answer: str) -> str:
@@ -94,8 +101,9 @@ def must_include(reference: str, prediction: str, tokenize: bool = False) -> flo
   return float(reference in prediction)
 
 
-def string_match(reference_answers: Mapping[str, Any], answer: str) -> float:
-  """string_match's score for a stop answer (module docstring)."""
+def string_match(reference_answers: Mapping[str, Any], answer: str, judged: bool = False) -> float:
+  """string_match's score for a stop answer (module docstring); `judged`: without the fuzzy
+  references a judge decides (`judged_references`)."""
   prediction = clean_answer(answer)
   score = 1.0
   for kind, reference in reference_answers.items():
@@ -108,10 +116,16 @@ def string_match(reference_answers: Mapping[str, Any], answer: str) -> float:
       case "fuzzy_match":
         if reference == "N/A":
           score *= exact_match("N/A", prediction)
-        else:
+        elif not judged:
           for phrase in reference:
             score *= must_include(phrase, prediction)
   return score
+
+
+def judged_references(reference_answers: Mapping[str, Any]) -> list[str]:
+  """The fuzzy_match references a judge decides: all but the unachievable task's "N/A"."""
+  fuzzy = reference_answers.get("fuzzy_match", "N/A")
+  return [] if fuzzy == "N/A" else [str(phrase) for phrase in fuzzy]
 
 
 def url_match(reference_url: str, page_url: str) -> float:
@@ -170,10 +184,17 @@ def evaluate(config: Mapping[str, Any], answer: str, page: Page) -> Evaluation:
       case "program_html":
         scores[eval_type], found = program_html(spec["program_html"], page)
         errors.extend(found)
-  score = 1.0
-  for value in scores.values():
-    score *= value
-  return Evaluation(score, scores, tuple(errors))
+  score = math.prod(scores.values())
+  request = None
+  references = judged_references(spec.get("reference_answers") or {})
+  if "string_match" in scores and references:
+    scale = string_match(spec["reference_answers"], answer, judged=True) * math.prod(
+        value for kind, value in scores.items() if kind != "string_match")
+    request = {
+        "question": config.get("intent", ""), "references": references, "answer": answer,
+        "match": "all", "scale": scale
+    }
+  return Evaluation(score, scores, tuple(errors), request)
 
 
 def reddit_post_url(url: str) -> str:
