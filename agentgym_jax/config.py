@@ -132,6 +132,11 @@ def base_config() -> ml_collections.ConfigDict:
   # Asynchronous RL: step s is played by the policy of max(0, s - max_staleness) updates, ahead
   # of the learner (rollout_queue.py); > 0 needs algorithm.rollout_correction (e.g. decoupled).
   c.rollout.max_staleness = 0
+  # Partial rollouts (max_staleness > 0): after every this many decode calls of a step's
+  # rollout, its live episodes move to the next newer policy, up to the step's own, re-prefilled
+  # under it (rollout.PolicySwitches); each token's sampler log-prob is the newer policy's, so
+  # the correction weighs it. 0: off, a step is played by one policy.
+  c.rollout.partial_rollouts = 0
   c.rollout.cache_dtype = ""  # KV cache: "" (model.dtype) | bfloat16 | float32
   # What a row's context holds of its episode: full (every turn) | window (the first user turn
   # and the last context_turns turns) | mask_observations (every reply; observations older than

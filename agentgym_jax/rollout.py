@@ -127,6 +127,9 @@ class Trajectory:
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
   # The updates of the policy that played it (behind the trained one with rollout.max_staleness).
   policy_version: int = 0
+  # The version of the policy that generated each turn's reply: policy_version's, or newer ones
+  # with partial rollouts (PolicySwitches).
+  turn_versions: list[int] = dataclasses.field(default_factory=list)
 
   @property
   def reward(self) -> float:
@@ -180,6 +183,8 @@ class Trajectory:
         "num_trained_tokens": int(sum(self.loss_mask)), "info": jsonl.json_safe(self.info)
     }
     record["policy_version"] = self.policy_version
+    if any(version != self.policy_version for version in self.turn_versions):
+      record["turn_versions"] = self.turn_versions
     if self.tools is not None:
       record["tools"] = self.tools
     if self.rewrites:
@@ -249,12 +254,47 @@ class RolloutStats:
     return cls(*(sum(getattr(s, f.name) for s in parts) for f in dataclasses.fields(cls)))
 
 
+@dataclasses.dataclass
+class PolicySwitches:
+  """Partial rollouts (rollout.partial_rollouts): the policies a step's rollout decodes with.
+
+  The rollout starts with the policy after `first` updates. After every `every` decode calls
+  of the step, counted over its pipelined groups, waves and rounds in the order they are made
+  (so a rerun switches at the same calls, whatever the timing), it moves to the next version,
+  up to `last`: the step's own, or that of an earlier update at which the learner waits for
+  the step's rollout (trainer.py). `fetch(version)` returns that policy as the sampler runs it,
+  waiting until the learner has made it. A group that switches re-prefills its live rows under
+  the new policy (`collect`), so every token after the switch is sampled from it exactly.
+  """
+
+  first: int
+  last: int
+  every: int
+  fetch: Callable[[int], Any]
+  calls: int = 0
+  current: tuple[int, Any] | None = None  # The newest version fetched, and its parameters.
+
+  def __post_init__(self):
+    if self.every < 1 or self.last < self.first:
+      raise ValueError(f"partial rollouts switch every {self.every} (>= 1) decode calls from "
+                       f"version {self.first} to {self.last} (>= {self.first})")
+
+  def next_call(self) -> tuple[int, Any]:
+    """(version, parameters) of the step's next decode call."""
+    version = min(self.last, self.first + self.calls // self.every)
+    self.calls += 1
+    if self.current is None or self.current[0] != version:  # Versions only grow call by call.
+      self.current = (version, self.fetch(version))
+    return self.current
+
+
 @dataclasses.dataclass(frozen=True)
 class Player:
-  """What plays episodes: a sampler with the policy's parameters, the environment pool, the
-  chat layout, how each turn samples, the context limit, the pipelined groups a call splits its
-  rows into (`collect`), whether `collect_waves` refills a row as soon as its episode ends
-  (continuous batching) instead of playing waves, and what a row's context holds.
+  """What plays episodes: a sampler with the policy's parameters (after `version` updates),
+  the environment pool, the chat layout, how each turn samples, the context limit, the
+  pipelined groups a call splits its rows into (`collect`), whether `collect_waves` refills a
+  row as soon as its episode ends (continuous batching) instead of playing waves, what a row's
+  context holds, and with partial rollouts the newer policies it moves to (`switches`).
   """
 
   sampler: Sampler
@@ -266,6 +306,8 @@ class Player:
   groups: int = 1
   refill: bool = False
   context: ContextPolicy = ContextPolicy()
+  version: int = 0
+  switches: PolicySwitches | None = None
 
   def in_groups(self, rows: int) -> Player:
     """This player for a call of `rows` rows: at most that many groups."""
@@ -369,7 +411,7 @@ class _Episodes:
     runs the other groups meanwhile.
     """
     sampler, chat, sampling = self.player.sampler, self.player.chat, self.player.sampling
-    params = self.player.params
+    params, version, switches = self.player.params, self.player.version, self.player.switches
     # The trajectory each row plays (-1: none), the last one it played (its tokens are the row's
     # cache until it takes another) and the turn it is at.
     held, last = np.full(sampler.max_batch, -1), np.full(sampler.max_batch, -1)
@@ -378,6 +420,13 @@ class _Episodes:
                                                         (held, last, turn)), params=params)
     while (held >= 0).any():
       live = held >= 0
+      if switches is not None:
+        newest, newest_params = switches.next_call()
+        if newest != version:  # Partial rollouts: the live rows continue under a newer policy.
+          params, version = newest_params, newest
+          rows = np.flatnonzero(live).tolist()
+          contexts = {row: self._context(held[row]) for row in rows}
+          state = sampler.append(sampler.release(state, rows), contexts, params=params)
       # A free row draws with its own slot's index; it decodes nothing.
       index = np.where(live, held, slots.start + np.arange(sampler.max_batch))
       row_keys = jax.vmap(lambda t, i: jax.random.fold_in(jax.random.fold_in(self.key, t), i))(
@@ -399,6 +448,7 @@ class _Episodes:
         self.generated_tokens += len(generated)
         trajectory = self.trajectories[held[row]]
         trajectory.extend(generated, trained=True, logprobs=logprobs[row, :len(generated)])
+        trajectory.turn_versions.append(version)
         reply = [t for t in generated if t not in chat.turn_end_ids]
         text = chat.tokenizer.decode(reply, skip_special_tokens=True)
         trajectory.messages.append({"role": "assistant", "content": text})
@@ -515,6 +565,11 @@ class _Episodes:
       self.ended += count
       if self.progress is not None:
         self.progress(self.ended)
+
+  def _context(self, index: int) -> list[int]:
+    """What the row playing trajectory `index` holds: its tokens since its context started."""
+    trajectory = self.trajectories[index]
+    return trajectory.tokens[trajectory.context_start:]
 
   def _lengths(self, last: np.ndarray) -> np.ndarray:
     """The tokens each sampler row holds: the context of the trajectory it last took, kept token

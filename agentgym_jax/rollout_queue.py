@@ -12,6 +12,12 @@ hold when it started, so a run does not depend on timing: the same seed gives th
 any machine load, and k = 0 is the synchronous loop itself (each step plays its rollout with the
 policy it then trains, in the caller's thread).
 
+Partial rollouts (rollout.partial_rollouts, rollout.PolicySwitches): the rollout of step s starts
+with version(s) and moves to newer versions as the learner makes them, up to version s itself,
+at decode calls fixed in advance (waiting for a version not made yet), so a run still does not
+depend on timing. The learner `publish`es each version; the rollout side reads it with
+`policy`.
+
 Stale rollouts are corrected in the loss by the sampler's log-probs (rl/correction.py: decoupled
 PPO's behaviour-to-proximal weight, or its truncated or masked forms); they are never dropped.
 Everything the rollout side touches (the sampler, the environment pool, the task cursor and
@@ -22,6 +28,7 @@ evaluation runs there too (`run`), after the rollouts queued before it.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from typing import Any, Callable, Generic, TypeVar
 
 T = TypeVar("T")
@@ -46,6 +53,9 @@ class RolloutQueue(Generic[T]):
     self._executor = (concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="rollout-queue") if max_staleness else None)
     self._queued: dict[int, concurrent.futures.Future[T] | tuple[Any, int]] = {}
+    self._versions: dict[int, Any] = {}  # Published policies by version (partial rollouts).
+    self._published = threading.Condition()
+    self._closed = False
 
   def submit(self, step: int, params: Any, version: int) -> None:
     """Queues step `step`, played with `params`, the policy after `version` updates: the caller
@@ -54,6 +64,26 @@ class RolloutQueue(Generic[T]):
       self._queued[step] = (params, version)
     else:
       self._queued[step] = self._executor.submit(self._play, step, self._snapshot(params), version)
+
+  def publish(self, version: int, params: Any) -> None:
+    """Makes the policy after `version` updates readable by partial rollouts (`policy`); the
+    newest max_staleness + 1 versions are kept, the versions a rollout still in flight may
+    move to."""
+    with self._published:
+      self._versions[version] = self._snapshot(params)
+      for old in [v for v in self._versions if v < version - self.max_staleness]:
+        del self._versions[old]
+      self._published.notify_all()
+
+  def policy(self, version: int) -> Any:
+    """The policy after `version` updates, waiting until it is published; RuntimeError once the
+    queue closes (the learner has stopped) or for a version no longer kept."""
+    with self._published:
+      self._published.wait_for(lambda: self._closed or version <= max(self._versions, default=-1))
+      if version not in self._versions:
+        raise RuntimeError(f"the policy of version {version} is not available to the rollout "
+                           f"side ({'the run stopped' if self._closed else 'not kept'})")
+      return self._versions[version]
 
   def put(self, step: int, played: T) -> None:
     """Queues the rollout of step `step` played before (a resumed run's buffer)."""
@@ -83,7 +113,10 @@ class RolloutQueue(Generic[T]):
 
   def close(self) -> None:
     """Stops the rollout side: queued steps not yet started are dropped, a running one
-    finishes."""
+    finishes (a partial rollout waiting for a policy fails)."""
+    with self._published:
+      self._closed = True
+      self._published.notify_all()
     if self._executor is not None:
       self._executor.shutdown(wait=True, cancel_futures=True)
 

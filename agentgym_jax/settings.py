@@ -342,6 +342,8 @@ class RolloutSettings:
     refill: whether a row whose episode ends takes the next one at once (rollout.collect).
     max_staleness: how many updates the policy playing a step may be behind the one training
       on it (rollout_queue.py; 0: synchronous).
+    partial_rollouts: the decode calls after which a step's rollout moves to the next newer
+      policy (rollout.PolicySwitches; 0: never).
     cache_dtype: the KV cache's dtype ("": the model's matmul dtype).
     context: what a row's context holds of its episode (rollout.ContextPolicy).
   """
@@ -362,6 +364,7 @@ class RolloutSettings:
   max_staleness: int
   cache_dtype: str
   context: rollout.ContextPolicy
+  partial_rollouts: int = 0
 
   @classmethod
   def from_config(cls, c: ml_collections.ConfigDict) -> RolloutSettings:
@@ -380,6 +383,13 @@ class RolloutSettings:
     check(
         isinstance(r.max_staleness, int) and r.max_staleness >= 0,
         f"rollout.max_staleness={r.max_staleness!r} must be an integer >= 0")
+    check(
+        isinstance(r.partial_rollouts, int) and r.partial_rollouts >= 0,
+        f"rollout.partial_rollouts={r.partial_rollouts!r} must be an integer >= 0 (0: off)")
+    check(
+        not r.partial_rollouts or r.max_staleness > 0,
+        f"rollout.partial_rollouts={r.partial_rollouts} moves a stale rollout to newer policies: "
+        "it needs rollout.max_staleness > 0")
     check(
         r.wave_rows >= 0 and r.wave_rows % r.pipeline_groups == 0,
         f"rollout.wave_rows={r.wave_rows} must be 0 (every row at once) or a positive multiple "
@@ -425,7 +435,8 @@ class RolloutSettings:
                task_sampling_floor=r.task_sampling_floor, task_sampling_rate=r.task_sampling_rate,
                max_context=r.max_context, pipeline_groups=r.pipeline_groups, wave_rows=r.wave_rows,
                refill=r.refill, max_staleness=r.max_staleness, cache_dtype=r.cache_dtype,
-               context=rollout.ContextPolicy(r.context, r.context_turns))
+               context=rollout.ContextPolicy(r.context,
+                                             r.context_turns), partial_rollouts=r.partial_rollouts)
 
   @property
   def rows(self) -> int:

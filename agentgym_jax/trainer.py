@@ -276,15 +276,20 @@ class Actor:
     return task_sampling.stage_task_orders(pool, settings.rollout.curriculum, settings.seed, order)
 
   def play_step(self, pool: Any, params: nnx.State, draw: Callable[[int], list[int]], step: int,
-                cap: int, estimates: task_sampling.SuccessEstimates | None) -> StepRollout:
+                cap: int, estimates: task_sampling.SuccessEstimates | None, version: int = 0,
+                switches: rollout.PolicySwitches | None = None) -> StepRollout:
     """Plays step `step`'s episodes (`play_step`) up to `cap` turns, with the policy of `params`;
     the rows of every process are gathered and judged (every process judges them all, so its
     judge must be deterministic: greedy, as judge.py asks), and the success `estimates` observe
-    each round before the next is drawn."""
+    each round before the next is drawn. `params` are the policy after `version` updates; with
+    partial rollouts the rollout moves on to newer ones at the decode calls `switches` says."""
     settings = self.settings
     step_key = jax.random.fold_in(jax.random.key(settings.seed), step)
     # The sampler's copy of the policy, alive for the rollout.
     player = settings.rollout.player(self.sampler, self.sampler_params(params), pool, self.chat)
+    if switches is not None:  # Its first policy: the sampler's copy made here.
+      switches = dataclasses.replace(switches, current=(version, player.params))
+    player = dataclasses.replace(player, version=version, switches=switches)
 
     def play(task_ids: list[int], round_index: int):
       group_of = [(task_id, group) for group, task_id in enumerate(task_ids)
@@ -464,7 +469,7 @@ def train(c: ml_collections.ConfigDict | settings_lib.Settings,
   actor = Actor.create(settings, model, chat, policy, processes, judge)
   hooks_ = hooks.StepHooks(settings, workdir, checkpointer, start_step, PROGRESS_KEYS,
                            trajectory_log=True, shown=processes.index == 0)
-  stale = settings.rollout.max_staleness
+  stale, partial = settings.rollout.max_staleness, settings.rollout.partial_rollouts
   with settings.env.pool(actor.wave) as pool:
     task_orders = actor.task_orders(pool, estimates)
 
@@ -474,15 +479,31 @@ def train(c: ml_collections.ConfigDict | settings_lib.Settings,
       on the rollout side (rollout_queue.py), which owns the task cursor and the estimates."""
       nonlocal cursor
       tasks = task_orders[min(schedule.stage(step), len(task_orders) - 1)]
+      # Partial rollouts move up to the step's own policy, or to that of the first update after
+      # which the learner waits for the rollouts queued (to checkpoint them, or for an
+      # evaluation queued behind them), which must then finish without the policies to come.
+      last = min([step] + [done for done in range(version, step) if waits_for_rollouts(done)])
+      switches = None
+      if partial and last > version:
+        switches = rollout.PolicySwitches(version, last, partial,
+                                          lambda v: actor.sampler_params(queue.policy(v)))
       step_rollout = actor.play_step(pool, params,
                                      tasks.draws(step, cursor, settings.rollout.tasks_per_step),
-                                     step, schedule.cap(step), estimates)
+                                     step, schedule.cap(step), estimates, version, switches)
       cursor += step_rollout.rounds * settings.rollout.tasks_per_step
       for trajectory in step_rollout.played + step_rollout.batch:
         trajectory.policy_version = version
       return step_rollout
 
+    def waits_for_rollouts(done: int) -> bool:
+      """Whether, after update `done`, the learner waits for the rollouts queued: to checkpoint
+      them, or for an evaluation queued behind them."""
+      every = settings.evaluation.every
+      return done > 0 and (hooks_.saves(done) or bool(every and done % every == 0))
+
     with rollout_queue.RolloutQueue(play, stale, snapshot=_copy) as queue:
+      if partial:
+        queue.publish(start_step, state.params)
       # The steps played ahead: the checkpoint's buffered rollouts on resume, else the policy's.
       buffered = meta.get("rollout_buffer", {})
       for ahead in range(start_step, min(start_step + stale + 1, settings.steps)):
@@ -518,6 +539,8 @@ def train(c: ml_collections.ConfigDict | settings_lib.Settings,
                                                     shards)
 
         done = step + 1
+        if partial:
+          queue.publish(done, state.params)
         if done + stale < settings.steps:
           queue.submit(done + stale, state.params, done)
         step_metrics = _step_metrics(step_rollout.played, step_rollout.stats, experience_metrics,
@@ -530,6 +553,9 @@ def train(c: ml_collections.ConfigDict | settings_lib.Settings,
           step_metrics.update(judge_lib.metrics(step_rollout.played, step_rollout.stats.judge_s))
         if stale:
           step_metrics["rollout/staleness"] = step - step_rollout.played[0].policy_version
+        if partial:
+          versions = [v for t in step_rollout.played for v in t.turn_versions]
+          step_metrics["rollout/turn_staleness"] = step - float(np.mean(versions or [step]))
         if settings.rollout.dynamic_sampling:
           step_metrics.update(step_rollout.metrics(settings.rollout.tasks_per_step))
           if step_metrics["dynamic_sampling/filled_groups"]:

@@ -1,16 +1,28 @@
 """Bounded-staleness asynchronous RL (rollout.max_staleness, agentgym_jax/rollout_queue.py): step s
 is played by the policy of max(0, s - k) updates, ahead of the learner, and corrected in the loss
 by the sampler's log-probs; a run is a function of its seed whatever the timing, and resumes
-exactly."""
+exactly. Partial rollouts (rollout.partial_rollouts) move a step's live episodes to newer
+policies at fixed decode calls, each token sampled from the policy its turn records."""
 
 import threading
 import time
 
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+import tiny
 import tolerances
-from agentgym_jax import hooks, rollout_queue, settings, trainer
+import toy_env
+from agentgym_jax import hooks, learner, rollout, rollout_queue, settings, trainer
+from agentgym_jax.models import load_model
+from agentgym_jax.sampling import Sampler
+from environments.pool import EnvPool
 from rl_helpers import check_config, echo_config
 
 # Metrics that measure time, or the staleness itself, and differ between otherwise equal runs.
@@ -75,6 +87,94 @@ def test_an_error_on_the_rollout_side_reaches_the_learner():
       queue.take(0)
 
 
+def test_published_policies_are_waited_for_and_the_newest_k_plus_1_kept():
+  got = []
+  with rollout_queue.RolloutQueue(lambda step, params, version: None, 2) as queue:
+    queue.publish(0, "v0")
+    reader = threading.Thread(target=lambda: got.append(queue.policy(1)))
+    reader.start()
+    time.sleep(0.05)
+    assert got == [] and reader.is_alive()  # Version 1 is not made yet.
+    queue.publish(1, "v1")
+    reader.join(5)
+    assert got == ["v1"]
+    queue.publish(2, "v2")
+    queue.publish(3, "v3")
+    assert [queue.policy(v) for v in (1, 2, 3)] == ["v1", "v2", "v3"]
+    with pytest.raises(RuntimeError, match="version 0 is not available.*not kept"):
+      queue.policy(0)
+    waiting = []
+
+    def wait_for_version_9():
+      try:
+        queue.policy(9)
+      except RuntimeError as error:
+        waiting.append(str(error))
+
+    reader = threading.Thread(target=wait_for_version_9)
+    reader.start()
+  reader.join(5)  # Closing the queue releases a rollout waiting for a policy never made.
+  assert "the run stopped" in waiting[0]
+
+
+def test_partial_rollouts_switch_at_fixed_decode_calls_up_to_the_steps_own_version():
+  fetched = []
+  switches = rollout.PolicySwitches(3, 5, 2, lambda v: fetched.append(v) or f"p{v}")
+  assert [switches.next_call() for _ in range(7)] == [(3, "p3"), (3, "p3"), (4, "p4"), (4, "p4"),
+                                                      (5, "p5"), (5, "p5"), (5, "p5")]
+  assert fetched == [3, 4, 5]  # Each version fetched once, when first used.
+  with pytest.raises(ValueError, match="every 0"):
+    rollout.PolicySwitches(3, 5, 0, str)
+
+
+def test_each_turn_of_a_partial_rollout_is_sampled_from_the_policy_it_records(tmp_path):
+  """Six guessing-game episodes on four rows (refilled as they end), moving from version 0 to
+  version 3 every 2 decode calls: every reply's sampler log-probs are those of its recorded
+  version's policy, read by the learner over the whole episode (so the rows re-prefilled at a
+  switch hold exactly the new policy's keys and values), and not those of the first policy."""
+  model, tokenizer = load_model(str(tiny.make_checkpoint(tmp_path)), dtype=jnp.float32)
+  graphdef, params = nnx.split(model)
+  versions = {0: params}
+  for v in (1, 2, 3):
+    noise = jax.random.split(jax.random.key(v), len(jax.tree.leaves(params)))
+    versions[v] = jax.tree.unflatten(jax.tree.structure(params), [
+        x + 0.05 * jax.random.normal(k, x.shape, x.dtype)
+        for x, k in zip(jax.tree.leaves(params), noise)
+    ])
+  sampler = Sampler(model, cache_slots=256, max_batch=2)
+  with EnvPool(functools.partial(toy_env.ToyEnv, max_guesses=5), 4) as pool:
+    player = rollout.Player(sampler, versions[0], pool, tokenizer.chat,
+                            rollout.TurnSampling(max_new_tokens=3), max_context=256, groups=2,
+                            switches=rollout.PolicySwitches(0, 3, 2, versions.get))
+    played, _ = rollout.collect(player, [(100 + i // 2, i // 2) for i in range(6)], horizon=5,
+                                key=jax.random.key(1), rows=4)
+  turn_versions = [v for t in played for v in t.turn_versions]
+  assert set(turn_versions) == {0, 1, 2, 3}
+  assert all(t.num_turns == len(t.turn_versions) == 5 for t in played)
+  batch = rollout.pack(played)
+  loss = learner.LossConfig(logprob_chunk=32)
+  run = jax.jit(learner.token_logprobs, static_argnums=(0, 3))
+  by_version = {v: np.asarray(run(graphdef, p, batch, loss)[0]) for v, p in versions.items()}
+  # Each target token's version: that of the turn whose reply it is.
+  version_of = np.full(batch.tokens.shape, -1)
+  for row, t in enumerate(played):
+    turn = np.cumsum(np.diff(np.asarray(t.loss_mask), prepend=0) == 1) - 1
+    version_of[row, :len(t.tokens)] = np.where(
+        np.asarray(t.loss_mask) > 0,
+        np.asarray(t.turn_versions)[turn], -1)
+  version_of = version_of[:, 1:]
+  sampler_logprobs = np.asarray(batch.sampler_logprobs[:, 1:])
+  scale = max(max(np.abs(lp[version_of >= 0]).max() for lp in by_version.values()), 1.0)
+  tolerance = tolerances.reordered_logprobs(model.config.num_layers,
+                                            max(model.config.intermediate_size, 256), scale)
+  for v, logprobs in by_version.items():
+    sampled = version_of == v
+    np.testing.assert_allclose(sampler_logprobs[sampled], logprobs[sampled], rtol=0, atol=tolerance,
+                               err_msg=f"version {v}")
+  later = version_of > 0
+  assert np.abs(sampler_logprobs[later] - by_version[0][later]).max() > 100 * tolerance
+
+
 # --- configs
 
 
@@ -87,6 +187,14 @@ def test_staleness_is_checked(checkpoint_dir):
   for correction in ("decoupled", "token_tis", "geometric_mask"):
     c.algorithm.rollout_correction = correction
     check_config(c)
+
+
+def test_partial_rollouts_are_checked(checkpoint_dir):
+  c = _config(checkpoint_dir, 0)
+  c.rollout.partial_rollouts = 2
+  check_config(c, "rollout.partial_rollouts=2 moves a stale rollout.*max_staleness > 0")
+  c.rollout.partial_rollouts = -1
+  check_config(c, "rollout.partial_rollouts=-1 must be an integer >= 0")
 
 
 # --- training
@@ -127,15 +235,9 @@ def test_stale_rollouts_are_played_by_the_older_policy_and_corrected(checkpoint_
   assert stale[1]["rollout_correction/weight_mean"] != 1.0
 
 
-@pytest.mark.parametrize("stale", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_an_async_run_killed_and_resumed_matches_an_uninterrupted_one(checkpoint_dir, tmp_path,
-                                                                      stale, monkeypatch,
-                                                                      single_device):
-  c = _config(checkpoint_dir, stale, steps=5)
-  c.checkpoint.every = 2
-  straight = trainer.train(c, tmp_path / "straight")
-  # Killed after step 3, past the checkpoint of step 2, whose buffer holds the rollouts of
-  # steps 3 .. 2 + k played ahead by the policies of their versions.
+def _killed_after_step_3_and_resumed(c, workdir, monkeypatch):
+  """The metrics of `c` run in `workdir` (checkpointing every 2 steps), killed after step 3
+  and resumed."""
   step_end = hooks.StepHooks.step_end
 
   def killed_after_step_3(self, step, *args, **kwargs):
@@ -146,11 +248,51 @@ def test_an_async_run_killed_and_resumed_matches_an_uninterrupted_one(checkpoint
   with monkeypatch.context() as patch:
     patch.setattr(hooks.StepHooks, "step_end", killed_after_step_3)
     with pytest.raises(KeyboardInterrupt):
-      trainer.train(c, tmp_path / "resumed")
-  resumed = trainer.train(c, tmp_path / "resumed")
+      trainer.train(c, workdir)
+  return trainer.train(c, workdir)
+
+
+@pytest.mark.parametrize("stale", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_an_async_run_killed_and_resumed_matches_an_uninterrupted_one(checkpoint_dir, tmp_path,
+                                                                      stale, monkeypatch,
+                                                                      single_device):
+  c = _config(checkpoint_dir, stale, steps=5)
+  c.checkpoint.every = 2
+  straight = trainer.train(c, tmp_path / "straight")
+  # Killed after step 3, past the checkpoint of step 2, whose buffer holds the rollouts of
+  # steps 3 .. 2 + k played ahead by the policies of their versions.
+  resumed = _killed_after_step_3_and_resumed(c, tmp_path / "resumed", monkeypatch)
   assert [row["step"] for row in resumed] == [3, 4, 5]
   for a, b in zip(straight[2:], resumed):
     for key in ("reward", "loss", "grad_norm", "mismatch/kl", "rollout/staleness"):
+      np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_a_partial_rollout_run_moves_to_newer_policies_and_resumes_exactly(
+    checkpoint_dir, tmp_path, monkeypatch, single_device):
+  # Echo's two turns are two decode calls a step: with k = 2 and a switch every call, step s
+  # plays its first turn with version s - 2 and its second with s - 1, up to the checkpoint
+  # after 2 updates: the rollouts of steps 2 .. 4 are saved there, so they use no later policy
+  # (step 4 none after its first).
+  c = _config(checkpoint_dir, 2, steps=5)
+  c.rollout.partial_rollouts = 1
+  c.checkpoint.every = 2
+  c.log.trajectories = True
+  straight = trainer.train(c, tmp_path / "straight")
+  assert [row["rollout/staleness"] for row in straight] == [0, 1, 2, 2, 2]
+  second_turns = {1: [0, 1], 2: [0, 1], 3: [1, 2], 4: [2, 2]}  # By step, an episode's versions.
+  for step, row in enumerate(straight):
+    records = [
+        json.loads(line) for line in (tmp_path / "straight" / "trajectories" /
+                                      f"step_{step + 1:06d}.jsonl").read_text().splitlines()
+    ]
+    versions = [r.get("turn_versions", [r["policy_version"]] * r["num_turns"]) for r in records]
+    assert row["rollout/turn_staleness"] == pytest.approx(step - np.mean(sum(versions, [])))
+    if step:
+      assert {tuple(v) for v in versions if len(v) == 2} == {tuple(second_turns[step])}
+  resumed = _killed_after_step_3_and_resumed(c, tmp_path / "resumed", monkeypatch)
+  for a, b in zip(straight[2:], resumed):
+    for key in ("reward", "loss", "grad_norm", "mismatch/kl", "rollout/turn_staleness"):
       np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-7, err_msg=key)
 
 
