@@ -474,7 +474,10 @@ class Sampler:
       self._check_row(row)
     if not rows:
       return state
-    lengths = state.cache.lengths.at[jnp.asarray(list(rows), jnp.int32)].set(0)
+    # A mask of every row, not the rows' indices: one program whatever their count.
+    released = np.zeros(self.max_batch, bool)
+    released[list(rows)] = True
+    lengths = jnp.where(jnp.asarray(released), 0, state.cache.lengths)
     return state.replace(cache=state.cache.replace(lengths=lengths))
 
   def _append_shared(self, state: SamplerState, rows_tokens: Mapping[int, Sequence[int]],

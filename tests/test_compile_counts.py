@@ -17,7 +17,7 @@ from jax import monitoring
 
 from agentgym_jax import metrics, rollout, sharding, trainer
 from agentgym_jax import settings as settings_lib
-from agentgym_jax.sampling import Sampler
+from agentgym_jax.sampling import Sampler, bucket
 from rl_helpers import echo_config
 
 LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
@@ -28,10 +28,10 @@ def _fun_name(name: str) -> str:
   return name[len("jit("):-1] if name.startswith("jit(") and name.endswith(")") else name
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("shared_prompts", [True, False])
-def test_horizon_stages_compile_only_the_first_continuation_prefill(shared_prompts, checkpoint_dir,
-                                                                    tmp_path, monkeypatch):
+def _count_lowerings(c, workdir, monkeypatch):
+  """Trains `c` on one device in `workdir`, counting the programs each step lowers; returns
+  (history, a Counter of lowered function names per step, the samplers made, the batches
+  packed)."""
   monkeypatch.setattr(
       sharding, "make_mesh", lambda *a, **k: sharding.Mesh(
           np.asarray(jax.devices()[:1]).reshape(1, 1, 1), sharding.MESH_AXES))
@@ -66,6 +66,18 @@ def test_horizon_stages_compile_only_the_first_continuation_prefill(shared_promp
   pack = rollout.pack
   monkeypatch.setattr(rollout, "pack", lambda *a, **k: batches.append(pack(*a, **k)) or batches[-1])
   monkeypatch.setattr(settings_lib, "Sampler", RecordedSampler)
+  monitoring.register_event_duration_secs_listener(on_duration)
+  try:
+    history = trainer.train(c, workdir)
+  finally:
+    monitoring.unregister_event_duration_listener(on_duration)
+  return history, per_step, samplers, batches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shared_prompts", [True, False])
+def test_horizon_stages_compile_only_the_first_continuation_prefill(shared_prompts, checkpoint_dir,
+                                                                    tmp_path, monkeypatch):
   c = echo_config(checkpoint_dir, steps=5)
   c.env.options.turns = 3
   c.horizon.kind = "stepwise"
@@ -76,11 +88,7 @@ def test_horizon_stages_compile_only_the_first_continuation_prefill(shared_promp
   c.algorithm.shared_prompts = shared_prompts
   # Shared prompts keep a task's samples in one minibatch: 3 minibatches of one task each.
   c.algorithm.num_minibatches = 3 if shared_prompts else 2
-  monitoring.register_event_duration_secs_listener(on_duration)
-  try:
-    history = trainer.train(c, tmp_path)
-  finally:
-    monitoring.unregister_event_duration_listener(on_duration)
+  history, per_step, samplers, batches = _count_lowerings(c, tmp_path, monkeypatch)
 
   assert [h["horizon_cap"] for h in history] == [1, 2, 3, 3, 3]
   assert [b.shared is not None for b in batches] == [shared_prompts] * 5
@@ -102,3 +110,28 @@ def test_horizon_stages_compile_only_the_first_continuation_prefill(shared_promp
   (sampler,) = samplers
   assert (sampler._prefill_shared._cache_size(), sampler._prefill._cache_size(),
           sampler._decode._cache_size()) == (1, 1, 1)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_compile_only_re_prefill_buckets_after_the_warm_up(
+    checkpoint_dir, tmp_path, monkeypatch):
+  # Asynchronous steps whose live rows move to the next policy after every decode call: the
+  # release of the rows (Sampler.release) is one program whatever their count, and their
+  # re-prefill under the new policy is the prompt prefill at a (rows, width) bucket, of which
+  # there are few.
+  c = echo_config(checkpoint_dir, steps=5)
+  c.rollout.max_staleness = 1
+  c.rollout.partial_rollouts = 1
+  c.algorithm.rollout_correction = "decoupled"
+  history, per_step, samplers, _ = _count_lowerings(c, tmp_path, monkeypatch)
+  assert [h["rollout/turn_staleness"] < h["rollout/staleness"] for h in history[1:]] == [True] * 4
+  # The first re-prefill happens in a rollout played during an earlier step's update, so its
+  # programs may land in the warm-up's count or a later one's.
+  later = sum(per_step[1:], collections.Counter())
+  assert set(later) <= {"_prefill_shared", "stage", "_where"}, later
+  assert sum(per_step, collections.Counter())["_where"] == 1  # Every release, one program.
+  # The prompt prefill's programs: at most one per bucket of rows (the width stays at the
+  # minimum bucket, as max_context = 64 is below it).
+  (sampler,) = samplers
+  row_buckets = {bucket(n, 1, sampler.max_batch) for n in range(1, sampler.max_batch + 1)}
+  assert sampler._prefill_shared._cache_size() <= len(row_buckets)
