@@ -62,6 +62,7 @@ import jax.numpy as jnp
 from agentgym_jax import evaluation, rollout
 from agentgym_jax.models import load_model
 from agentgym_jax.sampling import Sampler, SamplingParams
+from environments import jsonl
 from environments.base import ENV_ERROR
 
 MODES = ("reference", "rubric", "group")
@@ -148,9 +149,6 @@ class Request:
       raise JudgeError(f"the environment's judge request needs references and match in "
                        f"{MATCHES}, got {len(request.references)} and {request.match!r}")
     return request
-
-  def to_info(self) -> dict[str, Any]:
-    return {**dataclasses.asdict(self), "references": list(self.references)}
 
 
 # --- prompts and replies -------------------------------------------------------------------
@@ -342,7 +340,6 @@ class SamplerBackend:
         for p in prompts
     ]
     fitting = [i for i, p in enumerate(prompts) if len(p) + self.max_new_tokens <= self.max_context]
-    tokenizer = self.chat.tokenizer
     with self._lock:
       for start in range(0, len(fitting), self.rows):
         batch = fitting[start:start + self.rows]
@@ -352,8 +349,7 @@ class SamplerBackend:
                                              stop_ids=self.chat.turn_end_ids,
                                              sampling=SamplingParams(temperature=0.0))
         for i, ids in zip(batch, generated.token_lists()):
-          out[i] = tokenizer.decode([t for t in ids if t not in self.chat.turn_end_ids],
-                                    skip_special_tokens=True)
+          out[i] = self.chat.reply_text(ids)
     return out
 
 
@@ -367,10 +363,9 @@ class ReplyCache:
   def __init__(self, path: pathlib.Path | None = None):
     self.path, self.replies = path, {}
     if path is not None and path.exists():
-      for line in path.read_text().splitlines():
-        if line.strip():
-          record = json.loads(line)
-          self.replies[record["key"]] = record["reply"]
+      # A run killed mid-append leaves its last line cut short: that reply is asked again.
+      for record in jsonl.iterate(path, allow_truncated_tail=True):
+        self.replies[record["key"]] = record["reply"]
 
   @staticmethod
   def key(identity: str, messages: list[dict[str, str]], max_new_tokens: int) -> str:
@@ -385,7 +380,7 @@ class ReplyCache:
     if self.path is not None and entries:
       with self.path.open("a") as f:
         for key, reply in entries.items():
-          f.write(json.dumps({"key": key, "reply": reply}, ensure_ascii=False) + "\n")
+          f.write(jsonl.to_line({"key": key, "reply": reply}))
 
 
 # --- the judge -----------------------------------------------------------------------------
@@ -451,14 +446,11 @@ class Judge:
       def apply(reply, cached, t=t, request=request, verdicts=verdicts):
         if t.env_failed:  # An earlier reference of the episode failed it.
           return
-        if isinstance(reply, JudgeError):
-          _fail([t], reply, [v[1] for v in verdicts])
+        verdict = _parsed(reply, parse_verdict)
+        if isinstance(verdict, JudgeError):
+          _fail([t], verdict, [v[1] for v in verdicts] + [reply])
           return
-        try:
-          verdicts.append((parse_verdict(reply), reply, cached))
-        except JudgeError as error:
-          _fail([t], error, [v[1] for v in verdicts] + [reply])
-          return
+        verdicts.append((verdict, reply, cached))
         if len(verdicts) == len(request.references):
           matched = (all if request.match == "all" else any)(v[0] == 1.0 for v in verdicts)
           score = request.scale * float(matched)
@@ -477,12 +469,9 @@ class Judge:
     for t in trajectories:
 
       def apply(reply, cached, t=t):
-        try:
-          if isinstance(reply, JudgeError):
-            raise reply
-          score = parse_score(reply)
-        except JudgeError as error:
-          _fail([t], error, [] if isinstance(reply, JudgeError) else [reply])
+        score = _parsed(reply, parse_score)
+        if isinstance(score, JudgeError):
+          _fail([t], score, [reply])
           return
         _set_outcome(t, score)
         _record(t, score, [reply], cached)
@@ -500,12 +489,9 @@ class Judge:
     for members in groups.values():
 
       def apply(reply, cached, members=members):
-        try:
-          if isinstance(reply, JudgeError):
-            raise reply
-          scores = normalise(parse_group_scores(reply, len(members)))
-        except JudgeError as error:
-          _fail(members, error, [] if isinstance(reply, JudgeError) else [reply])
+        scores = _parsed(reply, lambda text: normalise(parse_group_scores(text, len(members))))
+        if isinstance(scores, JudgeError):
+          _fail(members, scores, [reply])
           return
         for t, score in zip(members, scores):
           _set_outcome(t, score)
@@ -516,6 +502,16 @@ class Judge:
       prompt = GROUP_PROMPT.format(rubric=self.rubric, attempts=attempts, count=len(members))
       jobs.append(_Job(chat(prompt), apply))
     return jobs
+
+
+def _parsed(reply: str | JudgeError, parse: Callable[[str], Any]) -> Any:
+  """`parse(reply)`, or the JudgeError of a request that failed or of a reply it cannot read."""
+  if isinstance(reply, JudgeError):
+    return reply
+  try:
+    return parse(reply)
+  except JudgeError as error:
+    return error
 
 
 def _set_outcome(trajectory: rollout.Trajectory, score: float) -> None:
@@ -530,11 +526,13 @@ def _record(trajectory: rollout.Trajectory, score: float, replies: list[str], ca
 
 
 def _fail(trajectories: Sequence[rollout.Trajectory], error: JudgeError,
-          replies: list[str]) -> None:
-  """The episodes fail as an environment failure does (module docstring)."""
+          replies: Sequence[str | JudgeError]) -> None:
+  """The episodes fail as an environment failure does (module docstring); `replies` are the
+  judge's (a failed request's error among them is left out)."""
+  kept = [r[-REPLY_CHARS:] for r in replies if isinstance(r, str)]
   for t in trajectories:
     t.termination, t.error = ENV_ERROR, f"judge: {error}"
-    t.info["judged"] = {"error": str(error), "replies": [r[-REPLY_CHARS:] for r in replies]}
+    t.info["judged"] = {"error": str(error), "replies": kept}
 
 
 def metrics(trajectories: Sequence[rollout.Trajectory], seconds: float) -> dict[str, float]:

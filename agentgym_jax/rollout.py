@@ -449,8 +449,7 @@ class _Episodes:
         trajectory = self.trajectories[held[row]]
         trajectory.extend(generated, trained=True, logprobs=logprobs[row, :len(generated)])
         trajectory.turn_versions.append(version)
-        reply = [t for t in generated if t not in chat.turn_end_ids]
-        text = chat.tokenizer.decode(reply, skip_special_tokens=True)
+        text = chat.reply_text(generated)
         trajectory.messages.append({"role": "assistant", "content": text})
         requests.append((slots.start + int(row), text))
       stepped = self.timeline.env(self.player.pool.step_async(requests))

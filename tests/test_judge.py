@@ -237,6 +237,11 @@ def test_judging_is_batched_over_the_step_and_cached(scripted, tmp_path):
   # Another rubric is another prompt.
   http_judge(server, "rubric", rubric="other", cache=tmp_path / "cache.jsonl")(episodes[:1])
   assert server.requests == 13
+  # A run killed mid-append leaves a cut last line: read without it, that reply asked again.
+  cache = tmp_path / "cache.jsonl"
+  cache.write_text(cache.read_text()[:-10])
+  http_judge(server, "rubric", rubric="other", cache=cache)(episodes[:1])
+  assert server.requests == 14
 
 
 def test_a_failing_judge_fails_its_episodes_as_an_env_error_and_is_not_cached(scripted, tmp_path):

@@ -91,7 +91,7 @@ def _generate() -> None:
 def _stream_reply(sampler: Sampler, state, key: jax.Array, chat) -> tuple[object, list[int], bool]:
   """Samples a reply --stream_tokens at a time, printing its text as it grows; returns (state,
   reply ids, whether it ended on a turn-end id)."""
-  tokenizer, reply, shown = chat.tokenizer, [], ""
+  reply, shown = [], ""
   while len(reply) < _MAX_NEW_TOKENS.value:
     budget = min(_STREAM_TOKENS.value, _MAX_NEW_TOKENS.value - len(reply))
     state, out = sampler.generate(
@@ -101,8 +101,7 @@ def _stream_reply(sampler: Sampler, state, key: jax.Array, chat) -> tuple[object
     chunk = out.token_lists()[0]
     reply += chunk
     # Decoding the whole reply, not the chunk: a character may span tokens of two chunks.
-    text = tokenizer.decode([t for t in reply if t not in chat.turn_end_ids],
-                            skip_special_tokens=True)
+    text = chat.reply_text(reply)
     print(text[len(shown):], end="", flush=True)
     shown = text
     if bool(out.stopped[0]) or len(chunk) < budget:  # A turn end, or a full cache.

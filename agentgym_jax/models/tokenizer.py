@@ -479,6 +479,11 @@ class ChatTemplate:
     This is what the sampler generates for that reply, when it ends the turn itself."""
     return self._ids([self._content(content), self.reply_end_id])
 
+  def reply_text(self, generated: Sequence[int]) -> str:
+    """A generated turn's text: its ids but the turn ends, decoded without special tokens."""
+    return self.tokenizer.decode([t for t in generated if t not in self.turn_end_ids],
+                                 skip_special_tokens=True)
+
   def closing_ids(self, generated: Sequence[int]) -> list[int]:
     """What closes a generated turn: nothing if it ended with `reply_end_id`; else (EOS, another
     of `turn_end_ids`, the length limit) `reply_end_id`."""
