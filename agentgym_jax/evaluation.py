@@ -50,19 +50,17 @@ def evaluate(
   if player.refill and plays:
     rows = min(rows_per_batch, len(plays))
     report = None if progress is None else lambda done: progress(done, len(plays))
-    played, _ = rollout.collect(player.in_groups(rows), plays, horizon=horizon, key=key, rows=rows,
-                                progress=report)
-    if judge is not None:
-      judge(played)
-    return summarize(played, task_categories(player.pool, task_ids)), played
-  trajectories: list[rollout.Trajectory] = []
-  for start in range(0, len(plays), rows_per_batch):
-    chunk = plays[start:start + rows_per_batch]
-    played, _ = rollout.collect(player.in_groups(len(chunk)), chunk, horizon=horizon,
-                                key=jax.random.fold_in(key, start))
-    trajectories.extend(played)
-    if progress is not None:
-      progress(len(trajectories), len(plays))
+    trajectories, _ = rollout.collect(player.in_groups(rows), plays, horizon=horizon, key=key,
+                                      rows=rows, progress=report)
+  else:
+    trajectories = []
+    for start in range(0, len(plays), rows_per_batch):
+      chunk = plays[start:start + rows_per_batch]
+      played, _ = rollout.collect(player.in_groups(len(chunk)), chunk, horizon=horizon,
+                                  key=jax.random.fold_in(key, start))
+      trajectories.extend(played)
+      if progress is not None:
+        progress(len(trajectories), len(plays))
   if judge is not None:
     judge(trajectories)
   return summarize(trajectories, task_categories(player.pool, task_ids)), trajectories

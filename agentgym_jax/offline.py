@@ -231,8 +231,8 @@ def train_offline(c: ml_collections.ConfigDict | settings_lib.Settings,
 
   to_device = functools.partial(jax.device_put, device=sharding.batch_sharding(mesh, 1))
   with contextlib.ExitStack() as stack:
-    evaluate_every = settings.evaluation.every
-    evaluate = (make_evaluator(settings, mesh, model, chat, stack) if evaluate_every else None)
+    evaluate = (make_evaluator(settings, mesh, model, chat, stack)
+                if settings.evaluation.every else None)
     step_hooks = hooks.StepHooks(settings, workdir, checkpointer, start_step,
                                  (("loss", "reward_accuracy") if mode == "dpo" else
                                   ("loss",)) + ("time/update", "time/eval"))
@@ -259,7 +259,7 @@ def train_offline(c: ml_collections.ConfigDict | settings_lib.Settings,
       compute_s = timer.seconds["update"] + timer.seconds.get("reference", 0.0)
       step_metrics["tokens_per_s"] = conversation_tokens(host_batch) / max(compute_s, 1e-9)
       step_metrics["epoch"] = done / batches.steps_per_epoch
-      if evaluate is not None and done % evaluate_every == 0:
+      if evaluate is not None and settings.evaluation.after(done):
         with timer("eval"):
           step_metrics.update(evaluate(policy.sampler_params(state.params), done))
       step_metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})

@@ -62,8 +62,12 @@ class RolloutQueue(Generic[T]):
     submits step s + k once update s has made version s + 1 (the module docstring's rule)."""
     if self._executor is None:
       self._queued[step] = (params, version)
-    else:
-      self._queued[step] = self._executor.submit(self._play, step, self._snapshot(params), version)
+      return
+    with self._published:  # Partial rollouts' copy of that version, when there is one.
+      snapshot = self._versions.get(version)
+    if snapshot is None:
+      snapshot = self._snapshot(params)
+    self._queued[step] = self._executor.submit(self._play, step, snapshot, version)
 
   def publish(self, version: int, params: Any) -> None:
     """Makes the policy after `version` updates readable by partial rollouts (`policy`); the

@@ -768,6 +768,10 @@ class Evaluation:
                samples_per_task=e.samples_per_task, sampling=_turn_sampling(c, e.temperature),
                horizon=e.horizon or max_turns, stages=e.stages, rows=e.rows, cache_dir=e.cache_dir)
 
+  def after(self, step: int) -> bool:
+    """Whether the run evaluates after `step` steps: every `every` (never with 0)."""
+    return bool(self.every) and step % self.every == 0
+
   def tasks(self, pool: EnvPool | MixturePool) -> list[int]:
     """The tasks of eval.split: the first max_tasks (0: all) of each environment's."""
     task_ids = list(pool.task_ids(self.split))

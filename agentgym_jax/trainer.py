@@ -498,8 +498,7 @@ def train(c: ml_collections.ConfigDict | settings_lib.Settings,
     def waits_for_rollouts(done: int) -> bool:
       """Whether, after update `done`, the learner waits for the rollouts queued: to checkpoint
       them, or for an evaluation queued behind them."""
-      every = settings.evaluation.every
-      return done > 0 and (hooks_.saves(done) or bool(every and done % every == 0))
+      return done > 0 and (hooks_.saves(done) or settings.evaluation.after(done))
 
     with rollout_queue.RolloutQueue(play, stale, snapshot=_copy) as queue:
       if partial:
@@ -563,7 +562,7 @@ def train(c: ml_collections.ConfigDict | settings_lib.Settings,
                 "step %d: %d of %d groups have signal after rollout.max_sampling_rounds=%d "
                 "rounds; training on those only", done, step_rollout.signal_groups,
                 settings.rollout.tasks_per_step, step_rollout.rounds)
-        if settings.evaluation.every and done % settings.evaluation.every == 0:
+        if settings.evaluation.after(done):
           with timer("eval"):
             step_metrics.update(queue.run(actor.evaluate, pool, state.params, done))
           step_metrics["time/eval"] = timer.seconds["eval"]
