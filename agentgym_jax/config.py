@@ -129,8 +129,13 @@ def base_config() -> ml_collections.ConfigDict:
   # per episode) instead of waiting for its wave (wave_rows below a process's rows) or its
   # evaluation batch to end.
   c.rollout.refill = True
+  # Tokens of a reply a decode call samples at most (0: the whole reply, max_new_tokens). With
+  # chunks a row whose reply ends steps its env while the other rows keep decoding, and rejoins
+  # when the step is back: rows never wait for the longest reply of a call. The same tokens.
+  c.rollout.decode_chunk = 0
   # Asynchronous RL: step s is played by the policy of max(0, s - max_staleness) updates, ahead
-  # of the learner (rollout_queue.py); > 0 needs algorithm.rollout_correction (e.g. decoupled).
+  # of the learner (rollout_queue.py); the correction (algorithm.rollout_correction) must not
+  # be none: auto picks decoupled PPO's.
   c.rollout.max_staleness = 0
   # Partial rollouts (max_staleness > 0): after every this many decode calls of a step's
   # rollout, its live episodes move to the next newer policy, up to the step's own, re-prefilled
@@ -224,8 +229,9 @@ def base_config() -> ml_collections.ConfigDict:
   # seq-mean-token-sum-norm's constant divisor (Dr. GRPO); 0: rollout.max_new_tokens times the
   # horizon's largest cap, the most tokens a trajectory can have trained.
   c.algorithm.loss_scale_tokens = 0
-  # Sampler-learner mismatch: none | token_tis | sequence_mask | geometric_mask (rl/correction.py)
-  c.algorithm.rollout_correction = "none"
+  # Sampler-learner mismatch (rl/correction.py): none | decoupled | token_tis | sequence_mask |
+  # geometric_mask | auto (decoupled when rollout.max_staleness > 0, else none).
+  c.algorithm.rollout_correction = "auto"
   c.algorithm.rollout_correction_cap = 2.0  # The correction's cap on the ratio.
   c.algorithm.kl_coef = 1e-3  # KL to the reference as a loss.
   c.algorithm.kl_estimator = "low_var_kl"  # k1 | k2 | k3 | low_var_kl | kl | mse | abs

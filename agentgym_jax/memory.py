@@ -426,7 +426,7 @@ def lower_sampler(config: ModelConfig, mesh: Mesh,
   with jax.set_mesh(mesh):
     return (prefill.lower(params, state, per_row(shape.prefill_tokens), per_row(),
                           window=shape.prefill_window or shape.cache_slots),
-            decode.lower(params, state, keys, per_row(), stop_ids, width=shape.max_new_tokens,
+            decode.lower(params, state, keys, per_row(), per_row(), stop_ids, width=shape.max_new_tokens,
                          sampling=sampling.SamplingParams()))
 
 

@@ -2,7 +2,9 @@
 
 For B tasks x n samples, every trajectory is one row of the sampler's KV cache and one slot of
 the env pool. Each turn:
-  1. the sampler generates the assistant turn of every live row (stopping at the turn end);
+  1. the sampler generates the assistant turn of every live row (stopping at the turn end;
+     with `Player.decode_chunk` a few tokens a call, each row stepping its env as soon as its
+     own reply ends);
   2. the replies (decoded once, for the environment only) go to the pool, concurrently;
   3. each observation is rendered as the next user turn plus the assistant header and appended
      to that row's live cache; finished rows drop out.
@@ -294,7 +296,9 @@ class Player:
   the environment pool, the chat layout, how each turn samples, the context limit, the
   pipelined groups a call splits its rows into (`collect`), whether `collect_waves` refills a
   row as soon as its episode ends (continuous batching) instead of playing waves, what a row's
-  context holds, and with partial rollouts the newer policies it moves to (`switches`).
+  context holds, with partial rollouts the newer policies it moves to (`switches`), and the
+  tokens of a reply one decode call samples at most (`decode_chunk`, 0: the whole reply; see
+  `collect`).
   """
 
   sampler: Sampler
@@ -308,6 +312,19 @@ class Player:
   context: ContextPolicy = ContextPolicy()
   version: int = 0
   switches: PolicySwitches | None = None
+  decode_chunk: int = 0
+
+  def __post_init__(self):
+    if self.decode_chunk < 0:
+      raise ValueError(f"decode_chunk={self.decode_chunk} must be >= 0 (0: a whole reply)")
+    if self.decode_chunk and self.switches is not None:
+      raise ValueError("partial rollouts switch policies after a count of decode calls, which "
+                       "with decode_chunk depends on when env steps come back: use one or the "
+                       "other")
+
+  def chunk(self) -> int:
+    """The tokens of a reply one decode call samples at most."""
+    return min(self.decode_chunk or self.sampling.max_new_tokens, self.sampling.max_new_tokens)
 
   def in_groups(self, rows: int) -> Player:
     """This player for a call of `rows` rows: at most that many groups."""
@@ -350,6 +367,14 @@ def collect(player: Player, tasks: Sequence[tuple[int, int]], *, horizon: int, k
   fold_in(fold_in(key, t), first_row + i), whichever row plays it: a process playing rows from
   `first_row` of a larger batch samples what one sampler holding every row would, and an
   episode samples the same tokens on any row (up to the rounding of other batch shapes).
+
+  Chunks. By default a decode call samples each row's whole reply, so rows whose reply ends
+  early wait for the longest one, and the group's env steps run as one batch before any row
+  decodes again. With `player.decode_chunk` = c a call samples up to c tokens of every reply
+  (token j of a reply still draws from its key's j-th fold, whatever the chunks): a row whose
+  reply ends steps its env on its own while the other rows keep decoding, and rejoins the next
+  call after its step is back. Which rows share a call then depends on timing; what each
+  episode samples does not.
 
   Pipelining. The rows are split into `player.groups` groups of consecutive rows, each on its
   own state of the sampler (which needs as many rows as the largest group). The groups take
@@ -407,67 +432,102 @@ class _Episodes:
     """Plays episodes on the pool's `slots`, slot i on sampler row i - slots.start of this
     group's own state, each row taking the queue's next episode when its own ends.
 
-    Yields twice a turn, once its decode is dispatched and once its env steps are: the caller
-    runs the other groups meanwhile.
+    A decode call samples up to `Player.decode_chunk` tokens of each row's reply (default: the
+    whole reply). A row whose reply is complete sits out while its env step runs; with chunks
+    the other rows keep decoding meanwhile, and it rejoins once the step is back. Yields after
+    dispatching each decode and each batch of env steps: the caller runs the other groups.
     """
     sampler, chat, sampling = self.player.sampler, self.player.chat, self.player.sampling
     params, version, switches = self.player.params, self.player.version, self.player.switches
+    chunk = self.player.chunk()
     # The trajectory each row plays (-1: none), the last one it played (its tokens are the row's
-    # cache until it takes another) and the turn it is at.
+    # cache until it takes another), the turn it is at, whether its env step is in flight, and
+    # the tokens and sampler log-probs of its reply so far.
     held, last = np.full(sampler.max_batch, -1), np.full(sampler.max_batch, -1)
     turn = np.zeros(sampler.max_batch, np.int32)
+    stepping = np.zeros(sampler.max_batch, bool)
+    reply: list[list[int]] = [[] for _ in range(sampler.max_batch)]
+    reply_logprobs: list[list[float]] = [[] for _ in range(sampler.max_batch)]
+    # Env steps in flight: the future of a batch and its rows' complete replies.
+    pending: list[tuple[concurrent.futures.Future, list[tuple[int, list[int]]]]] = []
     state = sampler.append(sampler.empty(), self._start(slots, range(len(slots)),
                                                         (held, last, turn)), params=params)
     while (held >= 0).any():
-      live = held >= 0
-      if switches is not None:
-        newest, newest_params = switches.next_call()
-        if newest != version:  # Partial rollouts: the live rows continue under a newer policy.
-          params, version = newest_params, newest
-          rows = np.flatnonzero(live).tolist()
-          contexts = {row: self._context(held[row]) for row in rows}
-          state = sampler.append(sampler.release(state, rows), contexts, params=params)
-      # A free row draws with its own slot's index; it decodes nothing.
-      index = np.where(live, held, slots.start + np.arange(sampler.max_batch))
-      row_keys = jax.vmap(lambda t, i: jax.random.fold_in(jax.random.fold_in(self.key, t), i))(
-          jnp.asarray(turn), self.first_row + jnp.asarray(index))
-      started = time.perf_counter()
-      state, output = sampler.generate(state, row_keys, max_new_tokens=sampling.max_new_tokens,
-                                       stop_ids=chat.turn_end_ids,
-                                       rows=np.flatnonzero(live).tolist(),
-                                       sampling=sampling.tokens(), params=params,
-                                       lengths=self._lengths(last))
-      self.timeline.device(started, output)
-      yield  # The device decodes this group while the others step their envs.
-      tokens = output.token_lists()
-      logprobs = np.asarray(jax.device_get(output.sampling_logprobs))
-      self.decode_row_steps += sampler.max_batch * max(map(len, tokens))
-      requests = []
-      for row in np.flatnonzero(live):
-        generated = tokens[row]
-        self.generated_tokens += len(generated)
-        trajectory = self.trajectories[held[row]]
-        trajectory.extend(generated, trained=True, logprobs=logprobs[row, :len(generated)])
-        trajectory.turn_versions.append(version)
-        text = chat.reply_text(generated)
-        trajectory.messages.append({"role": "assistant", "content": text})
-        requests.append((slots.start + int(row), text))
-      stepped = self.timeline.env(self.player.pool.step_async(requests))
-      yield  # The pool steps this group's envs while the device decodes the others.
+      decoding = (held >= 0) & ~stepping
+      if decoding.any():
+        if switches is not None:
+          newest, newest_params = switches.next_call()
+          if newest != version:  # Partial rollouts: the live rows continue under a newer policy.
+            params, version = newest_params, newest
+            rows = np.flatnonzero(decoding).tolist()
+            contexts = {row: self._context(held[row]) for row in rows}
+            state = sampler.append(sampler.release(state, rows), contexts, params=params)
+        # A free row draws with its own slot's index; it decodes nothing.
+        index = np.where(decoding, held, slots.start + np.arange(sampler.max_batch))
+        row_keys = jax.vmap(lambda t, i: jax.random.fold_in(jax.random.fold_in(self.key, t), i))(
+            jnp.asarray(turn), self.first_row + jnp.asarray(index))
+        sampled = np.array([len(tokens) for tokens in reply], np.int32)
+        budgets = np.where(decoding, np.minimum(chunk, sampling.max_new_tokens - sampled), 0)
+        started = time.perf_counter()
+        state, output = sampler.generate(state, row_keys, max_new_tokens=chunk,
+                                         stop_ids=chat.turn_end_ids,
+                                         rows=np.flatnonzero(decoding).tolist(),
+                                         sampling=sampling.tokens(), params=params,
+                                         lengths=self._lengths(last) + sampled, budgets=budgets,
+                                         offsets=sampled)
+        self.timeline.device(started, output)
+        yield  # The device decodes this group while the others step their envs.
+        tokens = output.token_lists()
+        logprobs, stopped = jax.device_get((output.sampling_logprobs, output.stopped))
+        self.decode_row_steps += sampler.max_batch * max(map(len, tokens))
+        requests, replies = [], []
+        for row in np.flatnonzero(decoding):
+          generated = tokens[row]
+          self.generated_tokens += len(generated)
+          reply[row].extend(generated)
+          reply_logprobs[row].extend(logprobs[row, :len(generated)].tolist())
+          # Complete: the turn ended, the reply's budget is spent, or the cache is full.
+          if not (stopped[row] or len(reply[row]) == sampling.max_new_tokens
+                  or len(generated) < budgets[row]):
+            continue
+          generated, reply[row] = reply[row], []
+          trajectory = self.trajectories[held[row]]
+          trajectory.extend(generated, trained=True, logprobs=reply_logprobs[row])
+          reply_logprobs[row] = []
+          trajectory.turn_versions.append(version)
+          text = chat.reply_text(generated)
+          trajectory.messages.append({"role": "assistant", "content": text})
+          requests.append((slots.start + int(row), text))
+          replies.append((int(row), generated))
+        if requests:
+          stepping[[row for row, _ in replies]] = True
+          # Whole replies end together: one batch. Chunks: a slow step holds back its row only.
+          batches = [range(len(requests))
+                    ] if chunk == sampling.max_new_tokens else [[i] for i in range(len(requests))]
+          for batch in batches:
+            future = self.player.pool.step_async([requests[i] for i in batch])
+            pending.append((self.timeline.env(future), [replies[i] for i in batch]))
+          yield  # The pool steps this group's envs while the device decodes the others.
+      if not ((held >= 0) & ~stepping).any():  # No row can decode: wait for an env step.
+        concurrent.futures.wait([future for future, _ in pending],
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+      stepped = [(future, replies) for future, replies in pending if future.done()]
+      pending = [(future, replies) for future, replies in pending if not future.done()]
 
       appends: dict[int, list[int]] = {}
       ended, fresh = [], []  # Rows whose episode ended, rows prefilled anew.
-      for (slot, _), result in zip(requests, stepped.result()):
-        row = slot - slots.start
-        continuation = self._continue(self.trajectories[held[row]], result, int(turn[row]),
-                                      tokens[row])
-        if continuation is None:
-          ended.append(row)
-          continue
-        appends[row], rewritten = continuation
-        if rewritten:
-          fresh.append(row)
-        turn[row] += 1
+      for future, replies in stepped:
+        for (row, generated), result in zip(replies, future.result()):
+          stepping[row] = False
+          continuation = self._continue(self.trajectories[held[row]], result, int(turn[row]),
+                                        generated)
+          if continuation is None:
+            ended.append(row)
+            continue
+          appends[row], rewritten = continuation
+          if rewritten:
+            fresh.append(row)
+          turn[row] += 1
       held[ended] = -1
       self._count_ended(len(ended))
       if ended and self.queue:

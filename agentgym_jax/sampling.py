@@ -335,9 +335,10 @@ def _prefill_shared(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerSta
 
 
 def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys: Array,
-            budget: Array, stop_ids: Array, *, width: int,
+            offsets: Array, budget: Array, stop_ids: Array, *, width: int,
             sampling: SamplingParams) -> tuple[SamplerState, SampleOutput]:
-  """Samples up to budget[b] <= width tokens per row inside one lax.while_loop.
+  """Samples up to budget[b] <= width tokens per row inside one lax.while_loop, row b's k-th
+  with the key fold_in(keys[b], offsets[b] + k).
 
   Each step samples a token from every live row's logits and runs the forward pass on it, so
   the cache always holds every sampled token and `hidden` the state after it. Finished rows
@@ -360,7 +361,7 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys
     step, state, done, out = carry
     live = ~done
     logits = model.logits(state.hidden)
-    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+    step_keys = jax.vmap(jax.random.fold_in)(keys, offsets + step)
     tokens, logprobs, sampling_logprobs = sample_tokens(step_keys, logits, sampling)
     tokens = jnp.where(live, tokens, 0)
     column = lambda values, new: jax.lax.dynamic_update_index_in_dim(
@@ -505,12 +506,14 @@ class Sampler:
   def generate(self, state: SamplerState, key: Array, *, max_new_tokens: int,
                stop_ids: Sequence[int] = (), rows: Sequence[int] | None = None,
                sampling: SamplingParams = SamplingParams(), params: nnx.State | None = None,
-               lengths: Sequence[int] | None = None) -> tuple[SamplerState, SampleOutput]:
+               lengths: Sequence[int] | None = None, budgets: Sequence[int] | None = None,
+               offsets: Sequence[int] | None = None) -> tuple[SamplerState, SampleOutput]:
     """Samples up to max_new_tokens per row, continuing each row from its live cache.
 
     Args:
       state: the live state (donated; continue from the returned one).
-      key: one PRNG key (row b uses fold_in(key, b)) or one key per row ([max_batch]).
+      key: one PRNG key (row b uses fold_in(key, b)) or one key per row ([max_batch]); a row's
+        k-th token of the call draws with fold_in(its key, offsets[b] + k).
       max_new_tokens: the per-row budget of this call.
       stop_ids: a row stops after sampling any of these (e.g. the chat turn end).
       rows: the rows to decode (default: every row holding tokens); others generate nothing.
@@ -519,6 +522,9 @@ class Sampler:
       lengths: the tokens each row holds ([max_batch]), if the caller keeps count; otherwise
         they are read back from the state, which waits for the device to finish the state's
         pending work (so a call could not be queued behind work still running).
+      budgets: per row, at most this many tokens (<= max_new_tokens; default max_new_tokens).
+      offsets: per row, the index of its first token here among the tokens of one reply
+        (default 0): a reply continued over several calls samples what one call would.
 
     Returns:
       The new state and a `SampleOutput` of width max_new_tokens.
@@ -538,12 +544,18 @@ class Sampler:
       if (lengths[active] == 0).any():
         raise ValueError(f"rows {np.flatnonzero(active & (lengths == 0)).tolist()} hold no "
                          "tokens to continue from; start or append to them first")
-    budget = np.where(active, np.minimum(max_new_tokens, self.cache_slots - lengths), 0)
+    limit = max_new_tokens if budgets is None else self._per_row(budgets, "budgets")
+    if np.any(limit > max_new_tokens):
+      raise ValueError(f"budgets {np.asarray(limit).tolist()} exceed max_new_tokens="
+                       f"{max_new_tokens}")
+    budget = np.where(active, np.minimum(limit, self.cache_slots - lengths), 0)
+    offsets = np.zeros(self.max_batch, np.int32) if offsets is None else self._per_row(
+        offsets, "offsets")
     keys = self._row_keys(key)
     stops = np.full(MAX_STOP_IDS, _NO_STOP, np.int32)
     stops[:len(stop_ids)] = stop_ids
     with self._mesh_context():
-      state, out = self._decode(self._params(params), state, keys,
+      state, out = self._decode(self._params(params), state, keys, self._place_batch(offsets),
                                 self._place_batch(budget.astype(np.int32)), jnp.asarray(stops),
                                 width=bucket(max_new_tokens, 1), sampling=sampling)
     if out.tokens.shape[1] != max_new_tokens:
@@ -560,10 +572,14 @@ class Sampler:
   def _lengths(self, state: SamplerState, lengths: Sequence[int] | None) -> np.ndarray:
     if lengths is None:
       return np.asarray(jax.device_get(state.cache.lengths))
-    lengths = np.asarray(lengths, np.int32)
-    if lengths.shape != (self.max_batch,):
-      raise ValueError(f"lengths must have {self.max_batch} entries, got shape {lengths.shape}")
-    return lengths
+    return self._per_row(lengths, "lengths")
+
+  def _per_row(self, values: Sequence[int], name: str) -> np.ndarray:
+    values = np.asarray(values, np.int32)
+    if values.shape != (self.max_batch,) or (values < 0).any():
+      raise ValueError(f"{name} must be {self.max_batch} integers >= 0, got "
+                       f"{values.tolist()}")
+    return values
 
   def _window(self, end: int) -> int:
     """The attention window covering slots [0, end)."""

@@ -642,15 +642,15 @@ class _Choice:
 
 
 @jax.jit
-def _row_keys(seeds: jax.Array, choices: jax.Array, offsets: jax.Array) -> jax.Array:
+def _row_keys(seeds: jax.Array, choices: jax.Array) -> jax.Array:
   """[B] PRNG keys: row b draws for choice choices[b] of a request seeded seeds[b] ([B, 2]
-  uint32: the seed's low and high words), from its offsets[b]-th token on."""
+  uint32: the seed's low and high words); its k-th token with fold_in(key, k)."""
 
-  def key(seed, choice, offset):
+  def key(seed, choice):
     base = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
-    return jax.random.fold_in(jax.random.fold_in(base, choice), offset)
+    return jax.random.fold_in(base, choice)
 
-  return jax.vmap(key)(seeds, choices, offsets)
+  return jax.vmap(key)(seeds, choices)
 
 
 class _Scheduler:
@@ -780,10 +780,11 @@ class _Scheduler:
       seed = choice.request.params.seed
       seeds[row] = (seed & 0xFFFFFFFF, seed >> 32)
       choices[row], offsets[row] = choice.index, choice.sampled
-    self._state, out = self.sampler.generate(self._state, _row_keys(seeds, choices, offsets),
+    self._state, out = self.sampler.generate(self._state, _row_keys(seeds, choices),
                                              max_new_tokens=self.chunk_tokens,
                                              stop_ids=self.chat.turn_end_ids, rows=rows,
-                                             sampling=sampling, lengths=self._lengths.copy())
+                                             sampling=sampling, lengths=self._lengths.copy(),
+                                             offsets=offsets)
     tokens, lengths = jax.device_get((out.tokens, out.lengths))
     finished = []
     for row in rows:

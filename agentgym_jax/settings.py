@@ -340,6 +340,7 @@ class RolloutSettings:
       whose environment steps overlap the other groups' decoding.
     wave_rows: the rows a process plays at once (0: all of its rows); see `wave`.
     refill: whether a row whose episode ends takes the next one at once (rollout.collect).
+    decode_chunk: the tokens of a reply one decode call samples at most (0: the whole reply).
     max_staleness: how many updates the policy playing a step may be behind the one training
       on it (rollout_queue.py; 0: synchronous).
     partial_rollouts: the decode calls after which a step's rollout moves to the next newer
@@ -365,6 +366,7 @@ class RolloutSettings:
   cache_dtype: str
   context: rollout.ContextPolicy
   partial_rollouts: int = 0
+  decode_chunk: int = 0
 
   @classmethod
   def from_config(cls, c: ml_collections.ConfigDict) -> RolloutSettings:
@@ -390,6 +392,14 @@ class RolloutSettings:
         not r.partial_rollouts or r.max_staleness > 0,
         f"rollout.partial_rollouts={r.partial_rollouts} moves a stale rollout to newer policies: "
         "it needs rollout.max_staleness > 0")
+    check(
+        isinstance(r.decode_chunk, int) and r.decode_chunk >= 0,
+        f"rollout.decode_chunk={r.decode_chunk!r} must be an integer >= 0 (0: a whole reply)")
+    check(
+        not (r.decode_chunk and r.partial_rollouts),
+        f"rollout.partial_rollouts={r.partial_rollouts} switches policies after a count of "
+        f"decode calls, which with rollout.decode_chunk={r.decode_chunk} depends on when env "
+        "steps come back: set one of them to 0")
     check(
         r.wave_rows >= 0 and r.wave_rows % r.pipeline_groups == 0,
         f"rollout.wave_rows={r.wave_rows} must be 0 (every row at once) or a positive multiple "
@@ -435,8 +445,8 @@ class RolloutSettings:
                task_sampling_floor=r.task_sampling_floor, task_sampling_rate=r.task_sampling_rate,
                max_context=r.max_context, pipeline_groups=r.pipeline_groups, wave_rows=r.wave_rows,
                refill=r.refill, max_staleness=r.max_staleness, cache_dtype=r.cache_dtype,
-               context=rollout.ContextPolicy(r.context,
-                                             r.context_turns), partial_rollouts=r.partial_rollouts)
+               context=rollout.ContextPolicy(r.context, r.context_turns),
+               partial_rollouts=r.partial_rollouts, decode_chunk=r.decode_chunk)
 
   @property
   def rows(self) -> int:
@@ -459,7 +469,8 @@ class RolloutSettings:
     """`sampler` with `params` playing `pool`'s environment in the run's context limit and
     pipelined groups, sampling turns as the rollout does (or as `sampling` says)."""
     return rollout.Player(sampler, params, pool, chat, sampling or self.sampling, self.max_context,
-                          self.pipeline_groups, self.refill, self.context)
+                          self.pipeline_groups, self.refill, self.context,
+                          decode_chunk=self.decode_chunk)
 
 
 def _turn_sampling(c: ml_collections.ConfigDict, temperature: float) -> rollout.TurnSampling:
@@ -593,9 +604,9 @@ def _check_algorithm(c: ml_collections.ConfigDict, r: RolloutSettings) -> None:
       f"algorithm.loss_scale_tokens={a.loss_scale_tokens} is the divisor of "
       f"{', '.join(rl.SCALED_AGGREGATIONS)}; algorithm.aggregation={a.aggregation!r} has none")
   check(
-      a.rollout_correction in rl.CORRECTIONS,
+      a.rollout_correction in ("auto",) + rl.CORRECTIONS,
       f"algorithm.rollout_correction={a.rollout_correction!r} is not one of "
-      f"{list(rl.CORRECTIONS)}")
+      f"{['auto', *rl.CORRECTIONS]}")
   check(
       r.max_staleness == 0 or a.rollout_correction != "none",
       f"rollout.max_staleness={r.max_staleness} trains on episodes of a policy up to "
@@ -693,11 +704,19 @@ def _loss(c: ml_collections.ConfigDict, sampling: rollout.TurnSampling,
       policy_loss_options=policy_options, clip_eps_low=a[clip_low], clip_eps_high=a[clip_high],
       dual_clip_c=a.dual_clip_c or None, aggregation=a.aggregation,
       loss_scale_tokens=_loss_scale_tokens(a, sampling.max_new_tokens * max_turns),
-      rollout_correction=a.rollout_correction, rollout_correction_cap=a.rollout_correction_cap,
+      rollout_correction=_rollout_correction(c), rollout_correction_cap=a.rollout_correction_cap,
       kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_in_reward_coef=a.kl_in_reward_coef,
       kl_in_reward_estimator=a.kl_in_reward_estimator, entropy_coef=a.entropy_coef,
       value_coef=a.value_coef, value_clip_eps=a.value_clip_eps, temperature=sampling.temperature,
       logprob_chunk=a.logprob_chunk, micro_batch_rows=a.micro_batch_rows)
+
+
+def _rollout_correction(c: ml_collections.ConfigDict) -> str:
+  """algorithm.rollout_correction, "auto" resolved: decoupled PPO's weights for asynchronous
+  runs (rollout.max_staleness > 0), none for synchronous ones."""
+  if c.algorithm.rollout_correction != "auto":
+    return c.algorithm.rollout_correction
+  return "decoupled" if c.rollout.max_staleness else "none"
 
 
 def _loss_scale_tokens(a: ml_collections.ConfigDict, most_tokens: int) -> float | None:

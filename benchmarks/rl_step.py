@@ -9,6 +9,8 @@
                                                   # packed groups against one row a sample
   python benchmarks/rl_step.py --mode=sync,stream,async --step_latency_s=0.3 \
       --model=runs/local/warm_start/export --turns=8   # lock-step, refilled rows, async RL
+  python benchmarks/rl_step.py --mode=sync,stream,stream:16 --model=EXPORT --turns=8
+                                                  # whole replies a decode call, or 16 tokens
 
 Runs `trainer.train` for --steps steps of the configured size (a temporary workdir, no
 checkpoints) and reads its per-step metrics:
@@ -56,6 +58,9 @@ Modes (--mode, a list; runs side by side, each at --pipeline_groups' first value
   stream  continuous batching: a row whose episode ends takes the next (rollout.refill);
   async   stream, played one update ahead of the learner (rollout.max_staleness=1, decoupled
           PPO's correction): the learner's step no longer waits for the rollout's.
+A mode may name a decode chunk, e.g. stream:16 (rollout.decode_chunk=16): each decode call
+samples up to 16 tokens of a reply, and a row whose reply ends steps its env while the other
+rows keep decoding, instead of every row waiting for the longest reply of its call.
 --step_latency_s adds a drawn time to every env step of any environment (env.latency: log-normal
 of that mean, sigma 0.9, capped at 3 s), standing in for a simulator, browser or remote env. The
 table gives each mode's step wall time (between consecutive metrics rows, so an async step is
@@ -115,7 +120,9 @@ _SET = flags.DEFINE_multi_string(
     "value, or else a string), e.g. --set=model.name=/path/to/checkpoint.")
 _SHARED = flags.DEFINE_list("shared_prompts", ["on"],
                             "algorithm.shared_prompts of each run (on, off), side by side.")
-_MODES = flags.DEFINE_list("mode", [], "Rollout modes side by side: sync, stream, async.")
+_MODES = flags.DEFINE_list(
+    "mode", [], "Rollout modes side by side: sync, stream, async, each with an optional "
+    ":CHUNK (rollout.decode_chunk), e.g. stream:16.")
 _WAVE_ROWS = flags.DEFINE_integer("wave_rows", 0, "Rows of --mode runs (0: half the step's).")
 _LATENCY = flags.DEFINE_float("step_latency_s", 0.0,
                               "Mean added time of every env step (0: none); env.latency.")
@@ -151,8 +158,18 @@ def make_config(model: str, groups: int, shared_prompts: bool) -> Any:
   return c
 
 
+def parse_mode(mode: str) -> tuple[str, int]:
+  """A --mode entry: its name (MODES) and decode chunk (0: whole replies)."""
+  name, _, chunk = mode.partition(":")
+  if name not in MODES or not (chunk.isdigit() or not chunk):
+    raise app.UsageError(f"--mode takes {', '.join(MODES)}, each with an optional :CHUNK "
+                         f"(e.g. stream:16), not {mode!r}")
+  return name, int(chunk or 0)
+
+
 def set_mode(c: Any, mode: str) -> int:
-  """Sets rollout `mode` (MODES) on `c`; returns its wave rows."""
+  """Sets rollout `mode` (MODES, with an optional :CHUNK) on `c`; returns its wave rows."""
+  mode, c.rollout.decode_chunk = parse_mode(mode)
   rows = c.rollout.tasks_per_step * c.rollout.samples_per_task
   c.rollout.wave_rows = _WAVE_ROWS.value or max(rows // 2, 1)
   c.rollout.refill = mode != "sync"
@@ -209,8 +226,8 @@ def main(argv):
     raise app.UsageError("--env_delay_ms needs --env=echo")
   if not set(_SHARED.value) <= {"on", "off"}:
     raise app.UsageError(f"--shared_prompts takes on and off, not {_SHARED.value}")
-  if not set(_MODES.value) <= set(MODES):
-    raise app.UsageError(f"--mode takes {', '.join(MODES)}, not {_MODES.value}")
+  for mode in _MODES.value:
+    parse_mode(mode)
   print("command: " + " ".join([os.path.basename(sys.executable)] + sys.argv))
   print(hardware.describe())
   print(f"host: {platform.node()}, {os.cpu_count()} CPUs, load average "

@@ -189,6 +189,19 @@ def test_staleness_is_checked(checkpoint_dir):
     check_config(c)
 
 
+def test_the_correction_defaults_to_decoupled_ppo_when_asynchronous(checkpoint_dir):
+  # algorithm.rollout_correction = auto (the default): none in step, decoupled when stale.
+  c = _config(checkpoint_dir, 0)
+  c.algorithm.rollout_correction = "auto"
+  assert check_config(c).update.loss.rollout_correction == "none"
+  c.rollout.max_staleness = 1
+  assert check_config(c).update.loss.rollout_correction == "decoupled"
+  c.algorithm.rollout_correction = "token_tis"
+  assert check_config(c).update.loss.rollout_correction == "token_tis"
+  c.algorithm.rollout_correction = "sometimes"
+  check_config(c, r"algorithm.rollout_correction='sometimes' is not one of \['auto', 'none'")
+
+
 def test_partial_rollouts_are_checked(checkpoint_dir):
   c = _config(checkpoint_dir, 0)
   c.rollout.partial_rollouts = 2

@@ -42,21 +42,24 @@ def test_the_rollout_modes_run_side_by_side_with_slow_env_steps(tmp_path):
   completed = subprocess.run([
       sys.executable,
       str(REPO / "benchmarks" / "rl_step.py"), "--env=echo", "--model=tiny",
-      "--mode=sync,stream,async", "--step_latency_s=0.05", "--steps=2", "--tasks=2", "--samples=2",
-      "--turns=3", "--max_new_tokens=4", "--max_context=128", "--dtype=float32"
+      "--mode=sync,stream,async,stream:2", "--step_latency_s=0.05", "--steps=2", "--tasks=2",
+      "--samples=2", "--turns=3", "--max_new_tokens=4", "--max_context=128", "--dtype=float32"
   ], cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "XLA_FLAGS": ""})
   assert completed.returncode == 0, completed.stderr[-3000:]
   out = completed.stdout
-  assert re.findall(r"^mode (\w+): .* with 0.05 s mean step latency, 2 tasks x 2 samples on 2 rows",
-                    out, re.MULTILINE) == ["sync", "stream", "async"], out
-  rows = re.findall(r"^\| (sync|stream|async) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|", out,
-                    re.MULTILINE)
-  assert [row[0] for row in rows] == ["sync", "stream", "async"], out
+  modes = ["sync", "stream", "async", "stream:2"]
+  assert re.findall(
+      r"^mode ([\w:]+): .* with 0.05 s mean step latency, 2 tasks x 2 samples on 2 "
+      r"rows", out, re.MULTILINE) == modes, out
+  rows = re.findall(r"^\| ((?:sync|stream|async)(?::2)?) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|",
+                    out, re.MULTILINE)
+  assert [row[0] for row in rows] == modes, out
   assert rows[0][3] == "1.00" and all(float(row[2]) > 0 for row in rows), out
   # Every env step slept: the env time of a mode's steps is at least a drawn 0.05 s mean.
   assert all(
-      float(env) > 0 for env in re.findall(
-          r"^\| (?:sync|stream|async) \| (?:[^|]+\|){5} ([\d.]+) \|", out, re.MULTILINE)), out
+      float(env) > 0
+      for env in re.findall(r"^\| (?:sync|stream|async)(?::2)? \| (?:[^|]+\|){5} ([\d.]+) \|", out,
+                            re.MULTILINE)), out
 
 
 def _worktrees() -> set[str]:

@@ -135,3 +135,27 @@ def test_partial_rollouts_compile_only_re_prefill_buckets_after_the_warm_up(
   (sampler,) = samplers
   row_buckets = {bucket(n, 1, sampler.max_batch) for n in range(1, sampler.max_batch + 1)}
   assert sampler._prefill_shared._cache_size() <= len(row_buckets)
+
+
+@pytest.mark.slow
+def test_replies_in_chunks_on_refilled_rows_compile_nothing_after_the_warm_up(
+    checkpoint_dir, tmp_path, monkeypatch):
+  # One token a decode call over 3-token replies, on 16 refilled rows for 64 episodes: rows
+  # leave the decode for their env steps and rejoin, and take new episodes, in counts and at
+  # moments that vary call by call (with timing). The decode is one program; an append is a
+  # prefill at one of the few buckets of its widest entry (a refilled prompt beside the others'
+  # observations, or observations alone), in the same (rows, slots) shape.
+  c = echo_config(checkpoint_dir, steps=4)
+  c.env.options.turns = 3
+  c.rollout.max_new_tokens = 3
+  c.rollout.decode_chunk = 1
+  c.rollout.wave_rows = 16
+  c.horizon.turns = 3
+  history, per_step, samplers, _ = _count_lowerings(c, tmp_path, monkeypatch)
+  assert max(h["turns"] for h in history) > 1
+  later = sum(per_step[1:], collections.Counter())
+  assert set(later) <= {"_prefill_shared", "_prefill"}, later
+  (sampler,) = samplers
+  widths = {bucket(n, sampler.min_bucket) for n in range(1, sampler.cache_slots + 1)}
+  assert sampler._decode._cache_size() == 1
+  assert sampler._prefill._cache_size() <= len(widths)

@@ -26,6 +26,16 @@ def load(name: str):
   return module.get_config
 
 
+def test_the_first_command_runs_asynchronously_with_one_key():
+  # rollout.max_staleness = 1 alone: the correction's default (auto) is then decoupled PPO's,
+  # and rows are refilled and decoded in chunks as configured.
+  c = load("grpo_textcraft")("local")
+  c.rollout.max_staleness = 1
+  settings = settings_lib.Settings.from_config(c)
+  assert settings.update.loss.rollout_correction == "decoupled"
+  assert settings.rollout.max_staleness == 1 and settings.rollout.refill
+
+
 @pytest.mark.parametrize("name", RL_CONFIGS)
 @pytest.mark.parametrize("variant", ["", "local", "short", "long", "short,local"])
 def test_rl_config_and_variants_validate(name, variant):
@@ -144,7 +154,8 @@ def test_method_configs_and_variants_validate_and_select_their_method(name, vari
   settings = settings_lib.Settings.from_config(c)
   assert settings.rollout.dynamic_sampling == (name == "dapo_textcraft")
   assert settings.update.loss.policy_loss == c.algorithm.policy_loss
-  assert settings.update.loss.rollout_correction == c.algorithm.rollout_correction
+  assert settings.update.loss.rollout_correction == (
+      "none" if c.algorithm.rollout_correction == "auto" else c.algorithm.rollout_correction)
   assert (settings.model.lora is not None) == (name == "lora_textcraft")
   assert settings.update.loss.advantage_estimator == c.algorithm.advantage
   assert settings.update.scoring.truncated_episodes == c.algorithm.truncated_episodes

@@ -3,7 +3,9 @@ group, env steps of one group issued while another group's decode is in flight, 
 per episode; rollouts in waves (`rollout.collect_waves`) or on refilled rows (continuous
 batching): the same episodes as all rows at once."""
 
+import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +152,99 @@ def test_refilled_rows_play_the_same_episodes_as_all_rows_at_once(policy, groups
   assert stats[True].decode_row_steps < stats[False].decode_row_steps
   assert stats[True].idle_row_fraction < stats[False].idle_row_fraction
   assert lengths_checked
+
+
+def play_in_chunks(policy, chunk, groups, *, hang_s=0.0):
+  """16 echo episodes of replies of up to 5 tokens on 6 refilled rows, `chunk` tokens a decode
+  call (0: whole replies); task 100's first env step takes `hang_s` seconds."""
+  model, tokenizer = policy
+  env = functools.partial(faulty_env.FaultyEchoEnv, turns=4, num_train=8, hang_tasks=(0,),
+                          hang_s=hang_s)
+  sampler = Sampler(model, cache_slots=96, max_batch=6 // groups)
+  with EnvPool(env, 6) as pool:
+    player = rollout.Player(sampler, sampler.params, pool, tokenizer.chat,
+                            rollout.TurnSampling(max_new_tokens=5), max_context=96, groups=groups,
+                            refill=True, decode_chunk=chunk)
+    return rollout.collect_waves(player, echo_tasks(), wave_rows=6, horizon=4,
+                                 key=jax.random.key(7), first_row=5)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_replies_decoded_in_chunks_play_the_same_episodes_as_whole_replies(
+    policy, groups, monkeypatch):
+  # 2 tokens a call; task 100's slow first steps hold back only their rows, so rows start
+  # replies beside rows in the middle of theirs: each token still draws from its own key.
+  generate, offsets = Sampler.generate, []
+
+  def checked_generate(self, state, key, **kwargs):
+    np.testing.assert_array_equal(kwargs["lengths"], np.asarray(state.lengths))
+    offsets.append(set(kwargs["offsets"][kwargs["rows"]].tolist()))
+    return generate(self, state, key, **kwargs)
+
+  monkeypatch.setattr(Sampler, "generate", checked_generate)
+  whole, whole_stats = play_in_chunks(policy, 0, groups)
+  assert all(calls == {0} for calls in offsets)
+  offsets.clear()
+  chunked, chunked_stats = play_in_chunks(policy, 2, groups, hang_s=0.3)
+  assert_same_episodes(whole, chunked)
+  assert chunked_stats.generated_tokens == whole_stats.generated_tokens
+  assert any(len(calls) > 1 for calls in offsets)  # Rows at different points of their replies.
+
+
+def test_rows_decode_while_another_row_of_their_group_steps_its_env(policy, monkeypatch):
+  # One group: with whole replies the group waits for task 100's slow first steps before it
+  # decodes again; in chunks its other rows decode meanwhile.
+  generate, step_async = Sampler.generate, EnvPool.step_async
+  decodes, slow_steps = [], []
+
+  def timed_generate(self, state, key, **kwargs):
+    decodes.append(time.perf_counter())
+    return generate(self, state, key, **kwargs)
+
+  def timed_step_async(self, requests):
+    started, future = time.perf_counter(), step_async(self, requests)
+
+    def finished(_):
+      if time.perf_counter() - started > 0.3:
+        slow_steps.append((started, time.perf_counter()))
+
+    future.add_done_callback(finished)
+    return future
+
+  monkeypatch.setattr(Sampler, "generate", timed_generate)
+  monkeypatch.setattr(EnvPool, "step_async", timed_step_async)
+  during = {}
+  for chunk in (0, 2):
+    decodes.clear()
+    slow_steps.clear()
+    play_in_chunks(policy, chunk, 1, hang_s=0.5)
+    assert slow_steps
+    during[chunk] = [t for t in decodes for start, end in slow_steps if start < t < end]
+  assert not during[0] and during[2]
+
+
+def test_the_decode_chunk_is_checked_and_reaches_the_player(policy):
+  c = echo_config("unused")
+  c.rollout.decode_chunk = 8
+  settings = check_config(c)
+  model, tokenizer = policy
+  sampler = Sampler(model, cache_slots=64, max_batch=2)
+  with EnvPool(ECHO, 2) as pool:
+    player = settings.rollout.player(sampler, sampler.params, pool, tokenizer.chat)
+  assert player.decode_chunk == 8
+  assert player.chunk() == min(8, c.rollout.max_new_tokens)
+  assert dataclasses.replace(player, decode_chunk=0).chunk() == c.rollout.max_new_tokens
+  with pytest.raises(ValueError, match="partial rollouts switch policies"):
+    dataclasses.replace(player, switches=rollout.PolicySwitches(0, 1, 1, lambda v: None))
+  c.rollout.decode_chunk = -1
+  check_config(c, r"rollout.decode_chunk=-1 must be an integer >= 0 \(0: a whole reply\)")
+  c.rollout.decode_chunk = 8
+  c.rollout.max_staleness = 1
+  c.algorithm.rollout_correction = "decoupled"
+  c.rollout.partial_rollouts = 2
+  check_config(
+      c, "rollout.partial_rollouts=2 switches policies .* rollout.decode_chunk=8 "
+      "depends on when env steps come back")
 
 
 def test_a_refilled_evaluation_scores_what_batch_by_batch_does_when_greedy(policy):

@@ -115,11 +115,12 @@ def test_sampler_plan_holds_the_cache_shard_and_updates_it_in_place():
   # The donated state comes back in place: the cache is never copied.
   assert prefill.alias_size_in_bytes == decode.alias_size_in_bytes > memory.cache_bytes
   # Both take the planned shards of the parameters and the state: the cache, 2 rows' lengths
-  # and f32 hidden states [2, 256]. Decode adds 8 keys (64 B), 2 budgets and 8 stop ids (32 B).
+  # and f32 hidden states [2, 256]. Decode adds 8 keys (64 B), 2 offsets, 2 budgets and 8 stop
+  # ids (32 B).
   # Prefill never reads the lm_head (f32 [256, 1024] split 4-way: 262144 B), so jit drops it,
   # and adds a [2, 32] shard of tokens and 2 counts.
   state_bytes = memory.cache_bytes + 2 * 4 + 2 * 256 * 4
-  assert decode.argument_size_in_bytes == memory.param_bytes + state_bytes + 64 + 2 * 4 + 32
+  assert decode.argument_size_in_bytes == memory.param_bytes + state_bytes + 64 + 2 * 2 * 4 + 32
   assert prefill.argument_size_in_bytes == (memory.param_bytes - 262144 + state_bytes + 2 * 32 * 4 +
                                             2 * 4)
 

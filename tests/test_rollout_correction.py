@@ -277,7 +277,7 @@ def test_rollout_correction_keys_are_validated_at_start_up():
   c.algorithm.rollout_correction = "token_tis"
   settings_lib.Settings.from_config(c)
   c.algorithm.rollout_correction = "tis"
-  check_config(c, r"algorithm.rollout_correction='tis' is not one of \['none', ")
+  check_config(c, r"algorithm.rollout_correction='tis' is not one of \['auto', 'none', ")
   c.algorithm.rollout_correction = "sequence_mask"
   c.algorithm.rollout_correction_cap = 0.5
   check_config(c, r"algorithm.rollout_correction_cap=0.5 must be > 1")

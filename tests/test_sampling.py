@@ -135,8 +135,41 @@ def test_lengths_kept_by_the_caller_replace_reading_them_back(model):
   for a, b in zip(read_back, kept):
     np.testing.assert_array_equal(a, b)
   assert kept[2][3] == 0  # The empty row is not decoded.
-  with pytest.raises(ValueError, match="lengths must have 4 entries"):
+  with pytest.raises(ValueError, match="lengths must be 4 integers >= 0"):
     run([4, 6, 3])
+
+
+def test_a_reply_sampled_in_chunks_draws_what_one_call_draws(model):
+  # Chunks of 3, 2 and 5 tokens, each row's keys continued from its offset: the same tokens
+  # and log-probs as one call of 10, whatever chunk each row's tokens fell in.
+  sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
+  prompts = _prompts([4, 6, 3, 5])
+  key = jax.random.key(11)
+  _, whole = sampler.generate(sampler.start(prompts), key, max_new_tokens=10)
+  state, parts, sampled = sampler.start(prompts), [], np.zeros(BATCH, np.int32)
+  for chunk in (3, 2, 5):
+    budgets = np.full(BATCH, chunk)
+    budgets[1] = min(chunk, 4 - sampled[1])  # Row 1 gets 4 tokens in all, over the first two.
+    state, out = sampler.generate(state, key, max_new_tokens=chunk, budgets=budgets,
+                                  offsets=sampled)
+    parts.append(out)
+    sampled += np.asarray(out.lengths)
+  for row in range(BATCH):
+    tokens = np.concatenate([np.asarray(p.tokens)[row, :int(p.lengths[row])] for p in parts])
+    logprobs = np.concatenate(
+        [np.asarray(p.sampling_logprobs)[row, :int(p.lengths[row])] for p in parts])
+    count = 4 if row == 1 else 10
+    np.testing.assert_array_equal(tokens, np.asarray(whole.tokens)[row, :count])
+    # The same program on the same cache: the same sums, bit for bit.
+    np.testing.assert_array_equal(logprobs, np.asarray(whole.sampling_logprobs)[row, :count])
+  # Without the offsets each chunk would restart the row's draws.
+  restarted = sampler.generate(sampler.start(prompts), key, max_new_tokens=3)[1]
+  again = sampler.generate(sampler.start(prompts), key, max_new_tokens=3, offsets=[3] * BATCH)[1]
+  assert (np.asarray(restarted.tokens) != np.asarray(again.tokens)).any()
+  with pytest.raises(ValueError, match="exceed max_new_tokens=3"):
+    sampler.generate(sampler.start(prompts), key, max_new_tokens=3, budgets=[4, 0, 0, 0])
+  with pytest.raises(ValueError, match="offsets must be 4 integers >= 0"):
+    sampler.generate(sampler.start(prompts), key, max_new_tokens=3, offsets=[0, -1, 0, 0])
 
 
 def test_a_row_does_not_depend_on_the_other_rows(model):

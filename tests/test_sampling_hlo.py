@@ -94,6 +94,7 @@ def decode_hlo() -> str:
   sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
   lowered = sampler._decode.lower(sampler.params, sampler.empty(),
                                   sampler._row_keys(jax.random.key(0)), jnp.zeros(BATCH, jnp.int32),
+                                  jnp.zeros(BATCH, jnp.int32),
                                   jnp.zeros(sampling.MAX_STOP_IDS, jnp.int32), width=8,
                                   sampling=sampling.SamplingParams())
   return lowered.compile().as_text()
