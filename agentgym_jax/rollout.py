@@ -480,7 +480,7 @@ class _Episodes:
         tokens = output.token_lists()
         logprobs, stopped = jax.device_get((output.sampling_logprobs, output.stopped))
         self.decode_row_steps += sampler.max_batch * max(map(len, tokens))
-        requests, replies = [], []
+        replied = []  # (row, its complete reply, the reply's text)
         for row in np.flatnonzero(decoding):
           generated = tokens[row]
           self.generated_tokens += len(generated)
@@ -497,22 +497,24 @@ class _Episodes:
           trajectory.turn_versions.append(version)
           text = chat.reply_text(generated)
           trajectory.messages.append({"role": "assistant", "content": text})
-          requests.append((slots.start + int(row), text))
-          replies.append((int(row), generated))
-        if requests:
-          stepping[[row for row, _ in replies]] = True
+          replied.append((int(row), generated, text))
+        if replied:
+          stepping[[row for row, _, _ in replied]] = True
           # Whole replies end together: one batch. Chunks: a slow step holds back its row only.
-          batches = [range(len(requests))
-                    ] if chunk == sampling.max_new_tokens else [[i] for i in range(len(requests))]
-          for batch in batches:
-            future = self.player.pool.step_async([requests[i] for i in batch])
-            pending.append((self.timeline.env(future), [replies[i] for i in batch]))
+          whole = chunk == sampling.max_new_tokens
+          for batch in [replied] if whole else [[one] for one in replied]:
+            future = self.player.pool.step_async([
+                (slots.start + row, text) for row, _, text in batch
+            ])
+            pending.append((self.timeline.env(future), [(row, gen) for row, gen, _ in batch]))
           yield  # The pool steps this group's envs while the device decodes the others.
       if not ((held >= 0) & ~stepping).any():  # No row can decode: wait for an env step.
         concurrent.futures.wait([future for future, _ in pending],
                                 return_when=concurrent.futures.FIRST_COMPLETED)
-      stepped = [(future, replies) for future, replies in pending if future.done()]
-      pending = [(future, replies) for future, replies in pending if not future.done()]
+      # Each future asked once: one finishing in between would otherwise fall out of both lists.
+      done = [future.done() for future, _ in pending]
+      stepped = [entry for entry, ready in zip(pending, done) if ready]
+      pending = [entry for entry, ready in zip(pending, done) if not ready]
 
       appends: dict[int, list[int]] = {}
       ended, fresh = [], []  # Rows whose episode ended, rows prefilled anew.
