@@ -229,7 +229,10 @@ class RolloutStats:
   being ready), env_s the time the env pool was busy (resets and steps), env_hidden_s the part
   of env_s during which generation was in flight too: env time that pipelining hid.
   decode_row_steps counts the rows of every decode step (a generate call runs all of its
-  sampler's rows until its longest reply ends), of which generated_tokens were live. judge_s is
+  sampler's rows until its longest reply ends), of which generated_tokens were live,
+  no_episode_row_steps held no episode (none was left to start: the tail of a rollout) and
+  stepping_row_steps waited for their env step (decode_chunk); the rest were rows whose reply
+  had ended before the longest of their call. judge_s is
   the time a judge (agentgym_jax/judge.py) took to score the episodes, if one did.
   """
 
@@ -238,6 +241,8 @@ class RolloutStats:
   env_hidden_s: float = 0.0
   generated_tokens: int = 0
   decode_row_steps: int = 0
+  no_episode_row_steps: int = 0
+  stepping_row_steps: int = 0
   judge_s: float = 0.0
 
   @property
@@ -249,6 +254,19 @@ class RolloutStats:
     """The share of decode row-steps that generated nothing: rows whose episode had ended (or
     that held none), and rows whose reply ended before the longest of their call."""
     return 1.0 - self.generated_tokens / self.decode_row_steps if self.decode_row_steps else 0.0
+
+  def idle_parts(self) -> dict[str, float]:
+    """idle_row_fraction by what the idle rows were doing, as shares of all decode row-steps:
+    holding no episode, waiting for their env step, or done with their reply before the
+    longest reply of their call."""
+    if not self.decode_row_steps:
+      return {"no_episode": 0.0, "env_step": 0.0, "reply_ended": 0.0}
+    share = lambda count: count / self.decode_row_steps
+    no_episode, env_step = share(self.no_episode_row_steps), share(self.stepping_row_steps)
+    return {
+        "no_episode": no_episode, "env_step": env_step,
+        "reply_ended": self.idle_row_fraction - no_episode - env_step
+    }
 
   @classmethod
   def total(cls, parts: Sequence[RolloutStats]) -> RolloutStats:
@@ -406,7 +424,7 @@ def collect(player: Player, tasks: Sequence[tuple[int, int]], *, horizon: int, k
         episodes.play(range(start, min(start + group_size, rows)))
         for start in range(0, rows, group_size)
     ])
-  return trajectories, timeline.stats(episodes.generated_tokens, episodes.decode_row_steps)
+  return trajectories, timeline.stats(episodes.rows)
 
 
 @dataclasses.dataclass
@@ -424,8 +442,7 @@ class _Episodes:
   timeline: _Timeline
   queue: collections.deque[int]
   progress: Callable[[int], None] | None = None
-  generated_tokens: int = 0
-  decode_row_steps: int = 0
+  rows: RolloutStats = dataclasses.field(default_factory=RolloutStats)  # Row-step counts.
   ended: int = 0
 
   def play(self, slots: range) -> Iterator[None]:
@@ -479,11 +496,14 @@ class _Episodes:
         yield  # The device decodes this group while the others step their envs.
         tokens = output.token_lists()
         logprobs, stopped = jax.device_get((output.sampling_logprobs, output.stopped))
-        self.decode_row_steps += sampler.max_batch * max(map(len, tokens))
+        steps = max(map(len, tokens))
+        self.rows.decode_row_steps += sampler.max_batch * steps
+        self.rows.no_episode_row_steps += steps * int((held < 0).sum())
+        self.rows.stepping_row_steps += steps * int(stepping.sum())
         replied = []  # (row, its complete reply, the reply's text)
         for row in np.flatnonzero(decoding):
           generated = tokens[row]
-          self.generated_tokens += len(generated)
+          self.rows.generated_tokens += len(generated)
           reply[row].extend(generated)
           reply_logprobs[row].extend(logprobs[row, :len(generated)].tolist())
           # Complete: the turn ended, the reply's budget is spent, or the cache is full.
@@ -689,13 +709,13 @@ class _Timeline:
     future.add_done_callback(finished)
     return timed
 
-  def stats(self, generated_tokens: int, decode_row_steps: int) -> RolloutStats:
-    """The busy times; call after every future it watches has resolved."""
+  def stats(self, rows: RolloutStats) -> RolloutStats:
+    """`rows`' row-step counts with the busy times; call after every future it watches has
+    resolved."""
     device = _union([future.result() for future in self._device])
     env = _union(self._env)
-    return RolloutStats(generate_s=_length(device), env_s=_length(env),
-                        env_hidden_s=_length(_intersection(device, env)),
-                        generated_tokens=generated_tokens, decode_row_steps=decode_row_steps)
+    return dataclasses.replace(rows, generate_s=_length(device), env_s=_length(env),
+                               env_hidden_s=_length(_intersection(device, env)))
 
 
 def _ready_interval(started: float, arrays: Any) -> tuple[float, float]:

@@ -36,14 +36,17 @@ token), after `max_new_tokens`, or when its cache is full.
 Compilation. Shapes are bucketed so a rollout compiles a handful of programs: appended and
 prompt lengths are rounded up by `bucket` (the next 2^k or 3 * 2^(k-1), at least `min_bucket`),
 `max_new_tokens` likewise, and a prefill's attention window (the cache prefix it reads, which
-must cover every row's end) to a bucket of at least `min_window`, capped at `cache_slots`. A decode
+must cover every row's end) to a bucket of at least `min_window`, capped at `cache_slots`; an
+append to at most a quarter of the rows runs on a quarter of the batch (`_prefill_rows`, one more
+program per length and window bucket, 4x less work for a row rejoining the decode). A decode
 step has no window: each row reads only the slots it holds (`attention.decode_attention`), so
 its cost follows the rows' lengths and one program serves every length. The sampling settings
 (temperature, top_p, top_k) are compile-time constants. Stop ids are padded to `MAX_STOP_IDS`.
 
-Decode loop. The per-layer weights are taken out of their stack once per `generate` call
-(`Decoder.cached_layers`) and each layer's cache is its own donated buffer, updated in place: a
-step copies neither (tests/test_sampling_hlo.py reads the compiled program).
+Decode loop. The per-layer weights are taken out of their stack (`Decoder.cached_layers`) once
+per `generate` call, or, with `keep_layout` (the default on CPU), once per params and kept for
+the calls after; each layer's cache is its own donated buffer, updated in place: a step copies
+neither (tests/test_sampling_hlo.py reads the compiled program).
 
 Sharding. With a mesh, rows are split over (data, fsdp) and the cache's kv heads over tensor, by
 the logical axes in `agentgym_jax.sharding` (the cache's are `KVCache.AXES`).
@@ -65,7 +68,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from agentgym_jax import sharding
-from agentgym_jax.models.decoder import Cached, Decoder, KVCache
+from agentgym_jax.models.decoder import Cached, DecodeLayer, Decoder, KVCache
 
 Array = jax.Array
 MAX_STOP_IDS = 8
@@ -279,44 +282,86 @@ def _constrain(state: SamplerState) -> SamplerState:
   return _map_state(sharding.constrain, state)
 
 
+def _layout(graphdef: nnx.GraphDef, params: nnx.State) -> list[DecodeLayer]:
+  """The weights of every layer out of their stack, as the cached path reads them."""
+  return nnx.merge(graphdef, params).cached_layers()
+
+
 def _prefill(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, tokens: Array,
-             counts: Array, *, window: int) -> SamplerState:
-  """Appends tokens [B, T] (row b's first counts[b] are real) at each row's end.
+             counts: Array, *, window: int,
+             layers: Sequence[DecodeLayer] | None = None) -> SamplerState:
+  """Appends tokens [B, T] (row b's first counts[b] are real) at each row's end; `layers` are
+  the params' `_layout` when the caller keeps it (None: taken here).
 
   Rows with counts[b] = 0 are unchanged: their (padding) writes land past their length.
   """
   model = nnx.merge(graphdef, params)
   mask = jnp.arange(tokens.shape[1])[None, :] < counts[:, None]
   hidden, cache = model.hidden_states(tokens, attention_mask=mask,
-                                      cached=Cached(state.cache, window))
+                                      cached=Cached(state.cache, window, layers))
   last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
   hidden = jnp.where((counts > 0)[:, None], last, state.hidden)
   return _constrain(SamplerState(cache=cache, hidden=hidden))
 
 
+def _prefill_rows(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, rows: Array,
+                  tokens: Array, counts: Array, *, window: int,
+                  layers: Sequence[DecodeLayer] | None = None) -> SamplerState:
+  """`_prefill` of R distinct rows only: tokens [R, T] (counts [R] real) at the end of rows[r].
+
+  The rows' first `window` slots (which cover their ends after the append) are taken out of the
+  cache as a state of R rows, appended to, and written back in place: a prefill costs what its
+  rows need, not what the whole batch would.
+  """
+  picked = [rows[i] for i in range(rows.shape[0])]
+
+  def taken(bits: Array) -> Array:
+    size = (1, bits.shape[1], window, bits.shape[3])
+    return jnp.concatenate([jax.lax.dynamic_slice(bits, (row, 0, 0, 0), size) for row in picked])
+
+  def put(bits: Array, new: Array) -> Array:
+    for i, row in enumerate(picked):
+      bits = jax.lax.dynamic_update_slice(bits, new[i:i + 1], (row, 0, 0, 0))
+    return bits
+
+  cache = state.cache
+  part = SamplerState(
+      cache=cache.replace(k=tuple(map(taken, cache.k)), v=tuple(map(taken, cache.v)),
+                          lengths=cache.lengths[rows]), hidden=state.hidden[rows])
+  part = _prefill(graphdef, params, part, tokens, counts, window=window, layers=layers)
+  return _constrain(
+      SamplerState(
+          cache=cache.replace(k=tuple(map(put, cache.k,
+                                          part.cache.k)), v=tuple(map(put, cache.v, part.cache.v)),
+                              lengths=cache.lengths.at[rows].set(part.cache.lengths)),
+          hidden=state.hidden.at[rows].set(part.hidden)))
+
+
 def _prefill_shared(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState,
                     prefix: Array | None, tokens: Array, counts: Array, sources: Array, *,
-                    window: int) -> SamplerState:
+                    window: int, layers: Sequence[DecodeLayer] | None = None) -> SamplerState:
   """Prefills the distinct prompts once, on U rows of their own, and copies prompt sources[b]
   into every row b with sources[b] >= 0 (rows that were empty; the others are unchanged).
 
   Prompt u is `prefix` [P] (every prompt's first P tokens; None for P = 0) followed by
   tokens[u, :counts[u]]. The prefix is prefilled once, on one row, and its keys and values
   broadcast to the U rows before their own tokens are appended. The copy reads and writes only
-  the first `window` slots of the cache, which hold the prompts.
+  the first `window` slots of the cache, which hold the prompts. `layers` as in `_prefill`.
   """
   model = nnx.merge(graphdef, params)
+  layers = model.cached_layers() if layers is None else layers
   distinct = tokens.shape[0]
   if prefix is None:
     prompts = KVCache.zeros(model.config, distinct, window, state.cache.dtype)
   else:
     prompts = KVCache.zeros(model.config, 1, window, state.cache.dtype)
-    _, prompts = model.hidden_states(prefix[None], cached=Cached(prompts, prefix.shape[0]))
+    _, prompts = model.hidden_states(prefix[None], cached=Cached(prompts, prefix.shape[0], layers))
     rows = lambda bits: tuple(jnp.broadcast_to(x, (distinct,) + x.shape[1:]) for x in bits)
     prompts = prompts.replace(k=rows(prompts.k), v=rows(prompts.v),
                               lengths=jnp.broadcast_to(prompts.lengths, (distinct,)))
   mask = jnp.arange(tokens.shape[1])[None, :] < counts[:, None]
-  hidden, prompts = model.hidden_states(tokens, attention_mask=mask, cached=Cached(prompts))
+  hidden, prompts = model.hidden_states(tokens, attention_mask=mask,
+                                        cached=Cached(prompts, layers=layers))
   last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
   copied = sources >= 0
   source = jnp.maximum(sources, 0)
@@ -335,10 +380,10 @@ def _prefill_shared(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerSta
 
 
 def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys: Array,
-            offsets: Array, budget: Array, stop_ids: Array, *, width: int,
-            sampling: SamplingParams) -> tuple[SamplerState, SampleOutput]:
+            offsets: Array, budget: Array, stop_ids: Array, *, width: int, sampling: SamplingParams,
+            layers: Sequence[DecodeLayer] | None = None) -> tuple[SamplerState, SampleOutput]:
   """Samples up to budget[b] <= width tokens per row inside one lax.while_loop, row b's k-th
-  with the key fold_in(keys[b], offsets[b] + k).
+  with the key fold_in(keys[b], offsets[b] + k); `layers` as in `_prefill`.
 
   Each step samples a token from every live row's logits and runs the forward pass on it, so
   the cache always holds every sampled token and `hidden` the state after it. Finished rows
@@ -346,7 +391,7 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys
   their attention reads no slot. The layers' weights leave their stack before the loop.
   """
   model = nnx.merge(graphdef, params)
-  layers = model.cached_layers()
+  layers = model.cached_layers() if layers is None else layers
   batch = budget.shape[0]
   zeros = lambda dtype: jnp.zeros((batch, width), dtype)
   out = SampleOutput(tokens=zeros(jnp.int32), logprobs=zeros(jnp.float32),
@@ -391,10 +436,17 @@ class Sampler:
     mesh: place the state over a (data, fsdp, tensor) mesh; None for one device.
     min_bucket: the smallest padded prompt/append length.
     min_window: the smallest attention window (cache prefix read by a prefill).
+    keep_layout: keep the layers' weights out of their stack (`Decoder.cached_layers`) between
+      calls, for the params last used, instead of taking them out in every call: one more copy
+      of the layer weights in memory for no per-call copy. Default: on CPU only, where the copy
+      costs what 4-5 decode steps of a 135M model do (~190 ms on a 2-core Zen 4) and memory is
+      plentiful; an accelerator copies the weights at its memory bandwidth, a few percent of
+      a call, and its memory is what limits the batch.
   """
 
   def __init__(self, model: Decoder, *, cache_slots: int, max_batch: int, cache_dtype: Any = None,
-               mesh: Mesh | None = None, min_bucket: int = 16, min_window: int = 128):
+               mesh: Mesh | None = None, min_bucket: int = 16, min_window: int = 128,
+               keep_layout: bool | None = None):
     if cache_slots <= 0 or max_batch <= 0:
       raise ValueError(f"cache_slots ({cache_slots}) and max_batch ({max_batch}) must be > 0")
     if min_bucket <= 0 or min_window <= 0:
@@ -407,9 +459,17 @@ class Sampler:
     self.min_bucket = min_bucket
     self.min_window = min_window
     self.graphdef, self.params = nnx.split(model)
+    if keep_layout is None:
+      devices = jax.tree.leaves(self.params)[0].devices()
+      keep_layout = all(device.platform == "cpu" for device in devices)
+    self.keep_layout = keep_layout
+    self._kept: tuple[list[Array], list[DecodeLayer]] | None = None  # params' leaves, layout
+    self._layout = jax.jit(functools.partial(_layout, self.graphdef))
     # The state is donated: its cache is updated in place instead of copied every call.
     self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), static_argnames=("window",),
                             donate_argnums=(1,))
+    self._prefill_rows = jax.jit(functools.partial(_prefill_rows, self.graphdef),
+                                 static_argnames=("window",), donate_argnums=(1,))
     self._prefill_shared = jax.jit(functools.partial(_prefill_shared, self.graphdef),
                                    static_argnames=("window",), donate_argnums=(1,))
     self._decode = jax.jit(functools.partial(_decode, self.graphdef),
@@ -439,7 +499,9 @@ class Sampler:
     """Appends token ids to the listed rows (e.g. an observation turn and the assistant header).
 
     Rows not listed, or listed with no ids, are unchanged. The new ids are prefilled in one
-    call, attending to everything the rows already hold. When every listed row is empty (the
+    call, attending to everything the rows already hold. A call on at most a quarter of the
+    rows (a row rejoining the decode, the last episodes of a step) computes on a quarter of
+    the batch only (`_prefill_rows`): one more program a length bucket, for 4x less work. When every listed row is empty (the
     start of episodes), each distinct list of ids is prefilled once and copied into the rows
     that share it: the samples of one task share their prompt. The tokens the distinct lists
     all begin with (an instruction every task's prompt opens with; `shared_prefix`) are
@@ -458,13 +520,25 @@ class Sampler:
     if not lengths[counts > 0].any():
       return self._append_shared(state, rows_tokens, params)
     width = bucket(counts.max(), self.min_bucket)
+    listed = np.flatnonzero(counts)
+    if len(listed) <= self.max_batch // 4:
+      # The listed rows, then rows with nothing to append, up to a quarter of the batch.
+      size = self.max_batch // 4
+      rows = np.concatenate([listed, np.flatnonzero(counts == 0)[:size - len(listed)]])
+      tokens = np.zeros((size, width), np.int32)
+      for i, row in enumerate(listed):
+        tokens[i, :counts[row]] = np.asarray(rows_tokens[row], np.int32)
+      window = self._window((lengths + counts)[listed].max())
+      with self._mesh_context():
+        return self._prefill_rows(self._params(params), state, rows.astype(np.int32), tokens,
+                                  counts[rows], window=window, layers=self._layers(params))
     tokens = np.zeros((self.max_batch, width), np.int32)
     for row, ids in rows_tokens.items():
       tokens[row, :len(ids)] = np.asarray(ids, np.int32)
     window = self._window((lengths + counts).max())
     with self._mesh_context():
       return self._prefill(self._params(params), state, self._place_batch(tokens),
-                           self._place_batch(counts), window=window)
+                           self._place_batch(counts), window=window, layers=self._layers(params))
 
   def release(self, state: SamplerState, rows: Sequence[int]) -> SamplerState:
     """Empties `rows`, so that the next `append` to one prefills a new sequence there (the next
@@ -501,7 +575,8 @@ class Sampler:
     window = self._window(shared + counts.max())
     with self._mesh_context():
       return self._prefill_shared(self._params(params), state, prefix, jnp.asarray(tokens),
-                                  jnp.asarray(counts), self._place_batch(sources), window=window)
+                                  jnp.asarray(counts), self._place_batch(sources), window=window,
+                                  layers=self._layers(params))
 
   def generate(self, state: SamplerState, key: Array, *, max_new_tokens: int,
                stop_ids: Sequence[int] = (), rows: Sequence[int] | None = None,
@@ -557,13 +632,28 @@ class Sampler:
     with self._mesh_context():
       state, out = self._decode(self._params(params), state, keys, self._place_batch(offsets),
                                 self._place_batch(budget.astype(np.int32)), jnp.asarray(stops),
-                                width=bucket(max_new_tokens, 1), sampling=sampling)
+                                width=bucket(max_new_tokens,
+                                             1), sampling=sampling, layers=self._layers(params))
     if out.tokens.shape[1] != max_new_tokens:
       out = jax.tree.map(lambda x: x[:, :max_new_tokens] if x.ndim == 2 else x, out)
     return state, out
 
   def _params(self, params: nnx.State | None) -> nnx.State:
     return self.params if params is None else params
+
+  def _layers(self, params: nnx.State | None) -> list[DecodeLayer] | None:
+    """The kept layout of `params` (`keep_layout`), made when they are not the params it was
+    made from (compared array by array: an update makes new arrays); None when not kept."""
+    if not self.keep_layout:
+      return None
+    leaves = jax.tree.leaves(self._params(params))
+    kept = self._kept
+    if kept is None or len(kept[0]) != len(leaves) or any(
+        a is not b for a, b in zip(kept[0], leaves)):
+      self._kept = None  # The old layout's memory is free before the new one is made.
+      with self._mesh_context():
+        kept = self._kept = (leaves, self._layout(self._params(params)))
+    return kept[1]
 
   def _check_row(self, row: int) -> None:
     if not 0 <= row < self.max_batch:

@@ -614,6 +614,7 @@ def _step_metrics(trajectories: Sequence[rollout.Trajectory], stats: rollout.Rol
       "time/env_hidden": stats.env_hidden_s,
       "rollout/env_hidden_fraction": stats.env_hidden_fraction,
       "rollout/idle_row_fraction": stats.idle_row_fraction,
+      **{f"rollout/idle_rows/{part}": share for part, share in stats.idle_parts().items()},
   }
   for reason in (rollout.DONE, rollout.HORIZON, rollout.CONTEXT, rollout.ENV_ERROR,
                  rollout.ENV_TIMEOUT):

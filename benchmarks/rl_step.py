@@ -193,19 +193,24 @@ def compare_modes(model: str, directory: pathlib.Path) -> None:
     history = trainer.train(c, directory / f"run_{mode}")
     seconds, row = print_steps(history)
     later = history[1:] or history
-    row["idle"] = float(np.mean([r["rollout/idle_row_fraction"] for r in later]))
+    for part in ("idle_row_fraction", "idle_rows/no_episode", "idle_rows/env_step"):
+      row[part] = float(np.mean([r[f"rollout/{part}"] for r in later]))
     results[mode] = (seconds, row, c.rollout.tasks_per_step * c.rollout.samples_per_task)
   print("\n| mode | step s | episodes / min | vs first | rollout s (wait) | generate s | env s "
-        "| idle rows | experience s | update s | turns |")
-  print("|" + "---|" * 11)
+        "| idle rows | no episode | env step | experience s | update s | turns |")
+  print("|" + "---|" * 13)
   first = next(iter(results.values()))[0]["step"]
   for mode, (seconds, row, episodes) in results.items():
     print(f"| {mode} | {seconds['step']:.2f} | {60 * episodes / seconds['step']:.1f} | "
           f"{first / seconds['step']:.2f}x | {seconds['rollout']:.2f} | {seconds['generate']:.2f} "
-          f"| {seconds['env']:.2f} | {row['idle']:.1%} | {seconds['experience']:.2f} | "
+          f"| {seconds['env']:.2f} | {row['idle_row_fraction']:.1%} | "
+          f"{row['idle_rows/no_episode']:.1%} | {row['idle_rows/env_step']:.1%} | "
+          f"{seconds['experience']:.2f} | "
           f"{seconds['update']:.2f} | {row['turns']:.2f} |")
   print("\nMeans over the steps after the warm-up. idle rows: the share of decode row-steps that "
-        "generated nothing (rollout/idle_row_fraction). An async step's rollout s is the "
+        "generated nothing (rollout/idle_row_fraction), of which no episode: rows with no "
+        "episode left to start, env step: rows waiting for their env step (the rest: replies "
+        "that ended before the longest of their call). An async step's rollout s is the "
         "learner's wait for a rollout played during the updates before it.")
 
 

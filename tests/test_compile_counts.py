@@ -96,20 +96,22 @@ def test_horizon_stages_compile_only_the_first_continuation_prefill(shared_promp
   assert max(h["turns"] for h in history[1:]) > 1
   warm_up, first_cap2, first_cap3, *repeats = per_step
   assert {"_prefill_shared", "_decode", "compute_experience", "update_step"} <= set(warm_up)
-  # The one new program once turns follow turns: the prefill appending an observation to rows
-  # that hold tokens (the prompts went through the shared prefill). The attention window
-  # cannot grow: it is capped at cache_slots = max_context = 64, below min_window. Packed
-  # batches stay at the minimum length bucket (128 >= 64), and shared-prompt rows at theirs
-  # (8 samples x 128 >= 8 x 64, whatever the groups' prompts and continuations), so the
-  # learner's shapes never change.
-  assert first_cap2 == collections.Counter({"_prefill": 1}), first_cap2
-  # A third turn reuses every shape of the second; repeating a stage compiles nothing at all.
-  assert first_cap3 == collections.Counter(), first_cap3
-  assert repeats == [collections.Counter()] * 2, repeats
-  # The same count from the jit caches: a prompt prefill, a continuation prefill, one decode.
+  # The only new programs once turns follow turns: the prefill appending an observation to rows
+  # that hold tokens (the prompts went through the shared prefill), on all rows, or on a
+  # quarter of them when at most a quarter continue (`_prefill_rows`); each is compiled the
+  # first time a step needs it, whichever stage that is. The attention window cannot grow: it
+  # is capped at cache_slots = max_context = 64, below min_window. Packed batches stay at the
+  # minimum length bucket (128 >= 64), and shared-prompt rows at theirs (8 samples x 128 >=
+  # 8 x 64, whatever the groups' prompts and continuations), so the learner's shapes never
+  # change.
+  continuations = sum([first_cap2, first_cap3, *repeats], collections.Counter())
+  assert first_cap2 and set(continuations) <= {"_prefill", "_prefill_rows"}, per_step[1:]
+  assert max(continuations.values()) == 1, continuations
+  # The same count from the jit caches: a prompt prefill, at most two continuation prefills,
+  # one decode.
   (sampler,) = samplers
-  assert (sampler._prefill_shared._cache_size(), sampler._prefill._cache_size(),
-          sampler._decode._cache_size()) == (1, 1, 1)
+  assert (sampler._prefill_shared._cache_size(), sampler._decode._cache_size()) == (1, 1)
+  assert sampler._prefill._cache_size() + sampler._prefill_rows._cache_size() == len(continuations)
 
 
 @pytest.mark.slow
@@ -126,13 +128,16 @@ def test_partial_rollouts_compile_only_re_prefill_buckets_after_the_warm_up(
   history, per_step, samplers, _ = _count_lowerings(c, tmp_path, monkeypatch)
   assert [h["rollout/turn_staleness"] < h["rollout/staleness"] for h in history[1:]] == [True] * 4
   # The first re-prefill happens in a rollout played during an earlier step's update, so its
-  # programs may land in the warm-up's count or a later one's.
+  # programs may land in the warm-up's count or a later one's; so may the first observation
+  # appended to all rows or to a quarter of them (`_prefill`, `_prefill_rows`), one program
+  # each at the one window and width of these episodes.
   later = sum(per_step[1:], collections.Counter())
-  assert set(later) <= {"_prefill_shared", "stage", "_where"}, later
+  assert set(later) <= {"_prefill_shared", "stage", "_where", "_prefill", "_prefill_rows"}, later
+  (sampler,) = samplers
+  assert sampler._prefill._cache_size() <= 1 and sampler._prefill_rows._cache_size() <= 1
   assert sum(per_step, collections.Counter())["_where"] == 1  # Every release, one program.
   # The prompt prefill's programs: at most one per bucket of rows (the width stays at the
   # minimum bucket, as max_context = 64 is below it).
-  (sampler,) = samplers
   row_buckets = {bucket(n, 1, sampler.max_batch) for n in range(1, sampler.max_batch + 1)}
   assert sampler._prefill_shared._cache_size() <= len(row_buckets)
 
@@ -144,7 +149,7 @@ def test_replies_in_chunks_on_refilled_rows_compile_nothing_after_the_warm_up(
   # leave the decode for their env steps and rejoin, and take new episodes, in counts and at
   # moments that vary call by call (with timing). The decode is one program; an append is a
   # prefill at one of the few buckets of its widest entry (a refilled prompt beside the others'
-  # observations, or observations alone), in the same (rows, slots) shape.
+  # observations, or observations alone), on all rows or a quarter of them.
   c = echo_config(checkpoint_dir, steps=4)
   c.env.options.turns = 3
   c.rollout.max_new_tokens = 3
@@ -154,8 +159,9 @@ def test_replies_in_chunks_on_refilled_rows_compile_nothing_after_the_warm_up(
   history, per_step, samplers, _ = _count_lowerings(c, tmp_path, monkeypatch)
   assert max(h["turns"] for h in history) > 1
   later = sum(per_step[1:], collections.Counter())
-  assert set(later) <= {"_prefill_shared", "_prefill"}, later
+  assert set(later) <= {"_prefill_shared", "_prefill", "_prefill_rows"}, later
   (sampler,) = samplers
   widths = {bucket(n, sampler.min_bucket) for n in range(1, sampler.cache_slots + 1)}
   assert sampler._decode._cache_size() == 1
   assert sampler._prefill._cache_size() <= len(widths)
+  assert sampler._prefill_rows._cache_size() <= len(widths)

@@ -151,6 +151,10 @@ def test_refilled_rows_play_the_same_episodes_as_all_rows_at_once(policy, groups
   # rows are busy until the queue runs dry.
   assert stats[True].decode_row_steps < stats[False].decode_row_steps
   assert stats[True].idle_row_fraction < stats[False].idle_row_fraction
+  # Which is rows holding no episode: in waves every row whose episode ended, refilled only
+  # once the queue is empty. Whole replies never decode beside a row stepping its env.
+  assert stats[True].no_episode_row_steps < stats[False].no_episode_row_steps
+  assert stats[True].stepping_row_steps == stats[False].stepping_row_steps == 0
   assert lengths_checked
 
 
@@ -188,6 +192,11 @@ def test_replies_decoded_in_chunks_play_the_same_episodes_as_whole_replies(
   chunked, chunked_stats = play_in_chunks(policy, 2, groups, hang_s=0.3)
   assert_same_episodes(whole, chunked)
   assert chunked_stats.generated_tokens == whole_stats.generated_tokens
+  # Rows whose slow env step is in flight sit out decode calls: idle row-steps of their own.
+  assert chunked_stats.stepping_row_steps > 0 == whole_stats.stepping_row_steps
+  parts = chunked_stats.idle_parts()
+  assert sum(parts.values()) == pytest.approx(chunked_stats.idle_row_fraction)
+  assert parts["env_step"] > 0 and parts["reply_ended"] >= 0
   assert any(len(calls) > 1 for calls in offsets)  # Rows at different points of their replies.
 
 
@@ -281,6 +290,9 @@ def test_rollout_stats_of_waves_add_up():
   assert total == rollout.RolloutStats(1.25, 3.0, 0.5, 13, 20)
   assert total.env_hidden_fraction == 0.5 / 3.0
   assert total.idle_row_fraction == 1 - 13 / 20
+  parts = rollout.RolloutStats(generated_tokens=10, decode_row_steps=16, no_episode_row_steps=2,
+                               stepping_row_steps=3).idle_parts()
+  assert parts == pytest.approx({"no_episode": 2 / 16, "env_step": 3 / 16, "reply_ended": 1 / 16})
 
 
 def test_env_faults_end_only_their_episode_under_pipelining(policy):

@@ -247,6 +247,71 @@ def test_a_released_row_takes_a_new_sequence_as_an_empty_one_would(model):
     sampler.release(state, [4])
 
 
+def test_an_append_to_some_rows_computes_on_them_alone_and_leaves_the_others_bit_for_bit(model):
+  """Appending to 1 of 4 rows (a quarter) runs `_prefill_rows` on a state of that row alone: the
+  other rows' cache bits, lengths and hidden states are untouched, the appended row holds what appending to
+  every row in one full prefill gives it, and the program does about a quarter of the full
+  one's work (XLA's count of its flops: a quarter of the matmuls and attention, plus copying
+  the row out of the cache and back)."""
+  sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH, min_window=16)
+  prompts = _prompts([5, 9, 14, 3], seed=7)
+  state = sampler.append(sampler.empty(), dict(enumerate(prompts)))
+  state, _ = sampler.generate(state, jax.random.key(8), max_new_tokens=6)
+  before = jax.device_get(state)
+  lengths = np.asarray(before.cache.lengths)
+  observation = [7, 8, 9, 10]
+  full = jax.device_get(
+      sampler.append(jax.tree.map(jnp.asarray, before),
+                     {row: observation if row == 2 else [11] for row in range(BATCH)}))
+  one = jax.device_get(sampler.append(jax.tree.map(jnp.asarray, before), {2: observation}))
+  assert sampler._prefill_rows._cache_size() == 1 and sampler._prefill._cache_size() == 1
+  others = [0, 1, 3]
+  np.testing.assert_array_equal(one.cache.lengths, lengths + 4 * (np.arange(BATCH) == 2))
+  np.testing.assert_array_equal(one.hidden[others], before.hidden[others])
+  for bits, old_bits, full_bits in zip(one.cache.k + one.cache.v, before.cache.k + before.cache.v,
+                                       full.cache.k + full.cache.v):
+    np.testing.assert_array_equal(bits[others], old_bits[others])
+    # The new keys and values: 4 rows or 1 change only how XLA blocks its sums.
+    new, reference = (jax.lax.bitcast_convert_type(b[2, :, :lengths[2] + 4], jnp.float32)
+                      for b in (bits, full_bits))
+    np.testing.assert_allclose(new, reference, rtol=0,
+                               atol=_logprob_tolerance(np.asarray(reference)))
+  np.testing.assert_allclose(one.hidden[2], full.hidden[2], rtol=0,
+                             atol=_logprob_tolerance(np.asarray(full.hidden[2])))
+
+  def flops(program, *args, **kwargs):
+    return program.lower(sampler.params, jax.tree.map(jnp.asarray, before), *args,
+                         **kwargs).compile().cost_analysis()["flops"]
+
+  window = sampler._window(lengths.max() + 4)
+  tokens = np.zeros((BATCH, 16), np.int32)
+  counts = np.full(BATCH, 4, np.int32)
+  assert flops(sampler._prefill_rows, jnp.asarray([2]), jnp.asarray(tokens[:1]),
+               jnp.asarray(counts[:1]),
+               window=window) <= flops(sampler._prefill, jnp.asarray(tokens), jnp.asarray(counts),
+                                       window=window) / (BATCH - 1)
+
+
+def test_the_layer_layout_is_kept_for_the_params_it_was_made_from(model):
+  """With keep_layout the layers' weights are taken out of their stack once per params: calls
+  with the same params reuse them, new params (an update's new arrays) replace them, and the
+  tokens are those of a sampler that takes them out in every call."""
+  kept = Sampler(model, cache_slots=SLOTS, max_batch=BATCH, keep_layout=True)
+  per_call = Sampler(model, cache_slots=SLOTS, max_batch=BATCH, keep_layout=False)
+  assert Sampler(model, cache_slots=SLOTS, max_batch=BATCH).keep_layout  # Tests run on CPU.
+  updated = jax.tree.map(lambda x: x * 1.5, kept.params)
+  prompts = _prompts([4, 7], seed=9)
+  outputs = []
+  for sampler in (kept, per_call):
+    for params in (None, updated):
+      state = sampler.start(prompts, params=params)
+      _, out = sampler.generate(state, jax.random.key(1), max_new_tokens=5, params=params)
+      outputs.append(out.token_lists())
+  assert outputs[:2] == outputs[2:] and outputs[0] != outputs[1]
+  assert kept._layout._cache_size() == 1 and per_call._layout._cache_size() == 0
+  assert kept._kept is not None and kept._kept[0][0] is jax.tree.leaves(updated)[0]
+
+
 def test_rows_stop_independently_on_stop_ids_budget_or_a_full_cache(model):
   sampler = Sampler(model, cache_slots=32, max_batch=BATCH, min_window=8)
   prompts = _prompts([4, 4, 28])
@@ -350,7 +415,9 @@ def test_compilations_are_bounded_over_multi_turn_episodes(model):
   # 3 episodes make 39 calls. Prompts and appends (1..16 tokens) share one length bucket,
   # max_new_tokens 12..17 three widths (12, 16, 24), and rows end below 16 + 6 * (17 + 14) = 202
   # slots, so in windows 64, 96, 128, 192 or 256: at most 5 prefill and 5 * 3 decode programs.
+  # An append to one of the 4 rows runs on that row alone: one more program a window.
   assert sampler._prefill._cache_size() <= 5
+  assert sampler._prefill_rows._cache_size() <= 5
   assert sampler._decode._cache_size() <= 15
 
 

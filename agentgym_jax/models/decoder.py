@@ -218,7 +218,7 @@ class DecodeLayer:
   q, k and v are one [in, out] matrix and gate and up another, so a step runs four weight
   matmuls a layer instead of seven (on SmolLM2's shapes the dense matmuls of a decode step at
   batch 8-64 ran ~8% faster on a 2-core CPU). `Decoder.cached_layers` makes them from the
-  stacked parameters once per sampler call.
+  stacked parameters once per sampler call, or once per params (`Sampler(keep_layout=...)`).
   """
 
   input_norm: Array  # [E]
