@@ -129,6 +129,9 @@ _LATENCY = flags.DEFINE_float("step_latency_s", 0.0,
 MODES = ("sync", "stream", "async")
 
 PHASES = ("rollout", "generate", "env", "other", "experience", "update")
+# What the summary rows average: the steps after the warm-up, or the warm-up alone (--steps=1).
+MEANS = ("The warm-up step alone (--steps=1: its times include compiling).",
+         "Means over the steps after the warm-up.")
 
 
 def make_config(model: str, groups: int, shared_prompts: bool) -> Any:
@@ -207,7 +210,7 @@ def compare_modes(model: str, directory: pathlib.Path) -> None:
           f"{row['idle_rows/no_episode']:.1%} | {row['idle_rows/env_step']:.1%} | "
           f"{seconds['experience']:.2f} | "
           f"{seconds['update']:.2f} | {row['turns']:.2f} |")
-  print("\nMeans over the steps after the warm-up. idle rows: the share of decode row-steps that "
+  print(f"\n{MEANS[_STEPS.value > 1]} idle rows: the share of decode row-steps that "
         "generated nothing (rollout/idle_row_fraction), of which no episode: rows with no "
         "episode left to start, env step: rows waiting for their env step (the rest: replies "
         "that ended before the longest of their call). An async step's rollout s is the "
@@ -278,7 +281,7 @@ def main(argv):
           f"{row['turns']:.2f} | {first_seconds['rollout'] / seconds['rollout']:.2f}x | "
           f"{seconds['experience']:.2f} | {seconds['update']:.2f} | "
           f"{learner_seconds(first_seconds) / learner_seconds(seconds):.2f}x |")
-  print("\nMeans over the steps after the warm-up. env hidden: the fraction of env time spent "
+  print(f"\n{MEANS[_STEPS.value > 1]} env hidden: the fraction of env time spent "
         "while the device was generating. Runs of one shared_prompts value play the same "
         "episodes (each row samples from its own key), so gen tokens and turns agree step by "
         "step; shared and unshared runs agree on the first step (see the module docstring). "
