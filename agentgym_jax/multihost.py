@@ -84,12 +84,11 @@ class Processes:
       return list(trajectories), stats
     parts = all_gather_objects((list(trajectories), stats))
     every = [s for _, s in parts]
-    total = rollout.RolloutStats(generate_s=max(s.generate_s for s in every), env_s=max(
-        s.env_s for s in every), env_hidden_s=min(s.env_hidden_s for s in every),
-                                 generated_tokens=sum(s.generated_tokens for s in every),
-                                 decode_row_steps=sum(s.decode_row_steps for s in every),
-                                 no_episode_row_steps=sum(s.no_episode_row_steps for s in every),
-                                 stepping_row_steps=sum(s.stepping_row_steps for s in every))
+    # Counts add up over processes (RolloutStats.total); times are the slowest process's.
+    total = dataclasses.replace(rollout.RolloutStats.total(every),
+                                generate_s=max(s.generate_s for s in every),
+                                env_s=max(s.env_s for s in every),
+                                env_hidden_s=min(s.env_hidden_s for s in every))
     return [t for played, _ in parts for t in played], total
 
   def sampler_copy(self, params: Any, dtype: Any) -> Any:

@@ -329,12 +329,11 @@ def _prefill_rows(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState
       cache=cache.replace(k=tuple(map(taken, cache.k)), v=tuple(map(taken, cache.v)),
                           lengths=cache.lengths[rows]), hidden=state.hidden[rows])
   part = _prefill(graphdef, params, part, tokens, counts, window=window, layers=layers)
+  k, v = tuple(map(put, cache.k, part.cache.k)), tuple(map(put, cache.v, part.cache.v))
+  lengths = cache.lengths.at[rows].set(part.cache.lengths)
   return _constrain(
-      SamplerState(
-          cache=cache.replace(k=tuple(map(put, cache.k,
-                                          part.cache.k)), v=tuple(map(put, cache.v, part.cache.v)),
-                              lengths=cache.lengths.at[rows].set(part.cache.lengths)),
-          hidden=state.hidden.at[rows].set(part.hidden)))
+      SamplerState(cache=cache.replace(k=k, v=v, lengths=lengths),
+                   hidden=state.hidden.at[rows].set(part.hidden)))
 
 
 def _prefill_shared(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState,
@@ -501,11 +500,11 @@ class Sampler:
     Rows not listed, or listed with no ids, are unchanged. The new ids are prefilled in one
     call, attending to everything the rows already hold. A call on at most a quarter of the
     rows (a row rejoining the decode, the last episodes of a step) computes on a quarter of
-    the batch only (`_prefill_rows`): one more program a length bucket, for 4x less work. When every listed row is empty (the
-    start of episodes), each distinct list of ids is prefilled once and copied into the rows
-    that share it: the samples of one task share their prompt. The tokens the distinct lists
-    all begin with (an instruction every task's prompt opens with; `shared_prefix`) are
-    prefilled once for all of them.
+    the batch only (`_prefill_rows`): one more program a length bucket, for 4x less work. When
+    every listed row is empty (the start of episodes), each distinct list of ids is prefilled
+    once and copied into the rows that share it: the samples of one task share their prompt.
+    The tokens the distinct lists all begin with (an instruction every task's prompt opens
+    with; `shared_prefix`) are prefilled once for all of them.
     """
     lengths = self._lengths(state, None)
     counts = np.zeros(self.max_batch, np.int32)
@@ -629,11 +628,11 @@ class Sampler:
     keys = self._row_keys(key)
     stops = np.full(MAX_STOP_IDS, _NO_STOP, np.int32)
     stops[:len(stop_ids)] = stop_ids
+    layers = self._layers(params)
     with self._mesh_context():
       state, out = self._decode(self._params(params), state, keys, self._place_batch(offsets),
                                 self._place_batch(budget.astype(np.int32)), jnp.asarray(stops),
-                                width=bucket(max_new_tokens,
-                                             1), sampling=sampling, layers=self._layers(params))
+                                width=bucket(max_new_tokens, 1), sampling=sampling, layers=layers)
     if out.tokens.shape[1] != max_new_tokens:
       out = jax.tree.map(lambda x: x[:, :max_new_tokens] if x.ndim == 2 else x, out)
     return state, out
@@ -647,12 +646,13 @@ class Sampler:
     if not self.keep_layout:
       return None
     leaves = jax.tree.leaves(self._params(params))
-    kept = self._kept
+    kept = self._kept  # One read: another thread may replace it meanwhile.
     if kept is None or len(kept[0]) != len(leaves) or any(
         a is not b for a, b in zip(kept[0], leaves)):
-      self._kept = None  # The old layout's memory is free before the new one is made.
+      self._kept = kept = None  # The old layout's memory is free before the new one is made.
       with self._mesh_context():
-        kept = self._kept = (leaves, self._layout(self._params(params)))
+        kept = (leaves, self._layout(self._params(params)))
+      self._kept = kept
     return kept[1]
 
   def _check_row(self, row: int) -> None:
