@@ -228,8 +228,9 @@ class RolloutStats:
   generate_s is the time the device was busy generating (from each decode call to its outputs
   being ready), env_s the time the env pool was busy (resets and steps), env_hidden_s the part
   of env_s during which generation was in flight too: env time that pipelining hid.
-  decode_row_steps counts the rows of every decode step (a generate call runs all of its
-  sampler's rows until its longest reply ends), of which generated_tokens were live,
+  decode_row_steps counts the rows of every decode step (a generate call runs the rows it
+  computes on, `Sampler.decode_rows`, until its longest reply ends), of which generated_tokens
+  were live,
   no_episode_row_steps held no episode (none was left to start: the tail of a rollout) and
   stepping_row_steps waited for their env step (decode_chunk); the rest were rows whose reply
   had ended before the longest of their call. judge_s is
@@ -485,6 +486,7 @@ class _Episodes:
             jnp.asarray(turn), self.first_row + jnp.asarray(index))
         sampled = np.array([len(tokens) for tokens in reply], np.int32)
         budgets = np.where(decoding, np.minimum(chunk, sampling.max_new_tokens - sampled), 0)
+        computed = sampler.decode_rows(decoding)  # The rows the call runs, decoding or not.
         started = time.perf_counter()
         state, output = sampler.generate(state, row_keys, max_new_tokens=chunk,
                                          stop_ids=chat.turn_end_ids,
@@ -497,9 +499,9 @@ class _Episodes:
         tokens = output.token_lists()
         logprobs, stopped = jax.device_get((output.sampling_logprobs, output.stopped))
         steps = max(map(len, tokens))
-        self.rows.decode_row_steps += sampler.max_batch * steps
-        self.rows.no_episode_row_steps += steps * int((held < 0).sum())
-        self.rows.stepping_row_steps += steps * int(stepping.sum())
+        self.rows.decode_row_steps += len(computed) * steps
+        self.rows.no_episode_row_steps += steps * int((held[computed] < 0).sum())
+        self.rows.stepping_row_steps += steps * int(stepping[computed].sum())
         replied = []  # (row, its complete reply, the reply's text)
         for row in np.flatnonzero(decoding):
           generated = tokens[row]

@@ -23,6 +23,9 @@ the sampler was built with are used. A state is only meaningful under the params
 
 Rows. `max_batch` rows are compiled once. `generate(rows=...)` decodes only the listed rows (by
 default every row holding tokens); other rows append nothing and their results are padding.
+With `compact_decode` (the default when no mesh splits the rows) a decode of few rows computes
+on them alone, padded with idle rows to a bucket of rows (`decode_rows`): the last episodes of
+a rollout, or rows whose env steps are out, do not pay for the whole batch.
 A row's tokens and log-probs depend only on its own tokens and its own key: per-row keys are
 `fold_in(key, row)` (or given explicitly, one per row), and the t-th token of a call draws from
 `fold_in(row_key, t)`.
@@ -40,7 +43,8 @@ must cover every row's end) to a bucket of at least `min_window`, capped at `cac
 append to at most a quarter of the rows runs on a quarter of the batch (`_prefill_rows`, one more
 program per length and window bucket, 4x less work for a row rejoining the decode). A decode
 step has no window: each row reads only the slots it holds (`attention.decode_attention`), so
-its cost follows the rows' lengths and one program serves every length. The sampling settings
+its cost follows the rows' lengths and one program serves every length (one per bucket of
+rows with `compact_decode`, at most two an octave). The sampling settings
 (temperature, top_p, top_k) are compile-time constants. Stop ids are padded to `MAX_STOP_IDS`.
 
 Decode loop. The per-layer weights are taken out of their stack (`Decoder.cached_layers`) once
@@ -288,52 +292,25 @@ def _layout(graphdef: nnx.GraphDef, params: nnx.State) -> list[DecodeLayer]:
 
 
 def _prefill(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, tokens: Array,
-             counts: Array, *, window: int,
+             counts: Array, rows: Array | None = None, *, window: int,
              layers: Sequence[DecodeLayer] | None = None) -> SamplerState:
   """Appends tokens [B, T] (row b's first counts[b] are real) at each row's end; `layers` are
-  the params' `_layout` when the caller keeps it (None: taken here).
+  the params' `_layout` when the caller keeps it (None: taken here). With `rows` [R] (distinct)
+  tokens [R, T] go to the end of cache rows[r], computed on those rows alone (`Cached.rows`):
+  a prefill costs what its rows need, not what the whole batch would.
 
   Rows with counts[b] = 0 are unchanged: their (padding) writes land past their length.
   """
   model = nnx.merge(graphdef, params)
   mask = jnp.arange(tokens.shape[1])[None, :] < counts[:, None]
   hidden, cache = model.hidden_states(tokens, attention_mask=mask,
-                                      cached=Cached(state.cache, window, layers))
+                                      cached=Cached(state.cache, window, layers, rows))
   last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
-  hidden = jnp.where((counts > 0)[:, None], last, state.hidden)
+  if rows is None:
+    hidden = jnp.where((counts > 0)[:, None], last, state.hidden)
+  else:
+    hidden = state.hidden.at[rows].set(jnp.where((counts > 0)[:, None], last, state.hidden[rows]))
   return _constrain(SamplerState(cache=cache, hidden=hidden))
-
-
-def _prefill_rows(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, rows: Array,
-                  tokens: Array, counts: Array, *, window: int,
-                  layers: Sequence[DecodeLayer] | None = None) -> SamplerState:
-  """`_prefill` of R distinct rows only: tokens [R, T] (counts [R] real) at the end of rows[r].
-
-  The rows' first `window` slots (which cover their ends after the append) are taken out of the
-  cache as a state of R rows, appended to, and written back in place: a prefill costs what its
-  rows need, not what the whole batch would.
-  """
-  picked = [rows[i] for i in range(rows.shape[0])]
-
-  def taken(bits: Array) -> Array:
-    size = (1, bits.shape[1], window, bits.shape[3])
-    return jnp.concatenate([jax.lax.dynamic_slice(bits, (row, 0, 0, 0), size) for row in picked])
-
-  def put(bits: Array, new: Array) -> Array:
-    for i, row in enumerate(picked):
-      bits = jax.lax.dynamic_update_slice(bits, new[i:i + 1], (row, 0, 0, 0))
-    return bits
-
-  cache = state.cache
-  part = SamplerState(
-      cache=cache.replace(k=tuple(map(taken, cache.k)), v=tuple(map(taken, cache.v)),
-                          lengths=cache.lengths[rows]), hidden=state.hidden[rows])
-  part = _prefill(graphdef, params, part, tokens, counts, window=window, layers=layers)
-  k, v = tuple(map(put, cache.k, part.cache.k)), tuple(map(put, cache.v, part.cache.v))
-  lengths = cache.lengths.at[rows].set(part.cache.lengths)
-  return _constrain(
-      SamplerState(cache=cache.replace(k=k, v=v, lengths=lengths),
-                   hidden=state.hidden.at[rows].set(part.hidden)))
 
 
 def _prefill_shared(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState,
@@ -379,7 +356,8 @@ def _prefill_shared(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerSta
 
 
 def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys: Array,
-            offsets: Array, budget: Array, stop_ids: Array, *, width: int, sampling: SamplingParams,
+            offsets: Array, budget: Array, stop_ids: Array, rows: Array | None = None, *,
+            width: int, sampling: SamplingParams,
             layers: Sequence[DecodeLayer] | None = None) -> tuple[SamplerState, SampleOutput]:
   """Samples up to budget[b] <= width tokens per row inside one lax.while_loop, row b's k-th
   with the key fold_in(keys[b], offsets[b] + k); `layers` as in `_prefill`.
@@ -387,10 +365,14 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys
   Each step samples a token from every live row's logits and runs the forward pass on it, so
   the cache always holds every sampled token and `hidden` the state after it. Finished rows
   still flow through the (static-shape) step, masked: they write nothing past their length and
-  their attention reads no slot. The layers' weights leave their stack before the loop.
+  their attention reads no slot. The layers' weights leave their stack before the loop. With
+  `rows` [R] (distinct) the loop computes on those rows of the cache alone (`Cached.rows`), and
+  the outputs of the other rows are padding: a decode of a few live rows costs what they need.
   """
   model = nnx.merge(graphdef, params)
   layers = model.cached_layers() if layers is None else layers
+  if rows is not None:
+    keys, offsets, budget = keys[rows], offsets[rows], budget[rows]
   batch = budget.shape[0]
   zeros = lambda dtype: jnp.zeros((batch, width), dtype)
   out = SampleOutput(tokens=zeros(jnp.int32), logprobs=zeros(jnp.float32),
@@ -398,13 +380,13 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys
                          (batch,), jnp.int32), stopped=jnp.zeros((batch,), bool))
 
   def cond(carry):
-    step, _, done, _ = carry
+    step, _, _, done, _ = carry
     return (step < width) & ~jnp.all(done)
 
   def body(carry):
-    step, state, done, out = carry
+    step, cache, hidden, done, out = carry
     live = ~done
-    logits = model.logits(state.hidden)
+    logits = model.logits(hidden)
     step_keys = jax.vmap(jax.random.fold_in)(keys, offsets + step)
     tokens, logprobs, sampling_logprobs = sample_tokens(step_keys, logits, sampling)
     tokens = jnp.where(live, tokens, 0)
@@ -414,14 +396,21 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys
     out = SampleOutput(tokens=column(out.tokens, tokens), logprobs=column(out.logprobs, logprobs),
                        sampling_logprobs=column(out.sampling_logprobs, sampling_logprobs),
                        lengths=out.lengths + live, stopped=out.stopped | stop)
-    hidden, cache = model.hidden_states(tokens[:, None], attention_mask=live[:, None],
-                                        cached=Cached(state.cache, layers=layers))
-    state = SamplerState(cache=cache, hidden=jnp.where(live[:, None], hidden[:, 0], state.hidden))
+    new_hidden, cache = model.hidden_states(tokens[:, None], attention_mask=live[:, None],
+                                            cached=Cached(cache, layers=layers, rows=rows))
+    hidden = jnp.where(live[:, None], new_hidden[:, 0], hidden)
     done = done | stop | (out.lengths >= budget)
-    return step + 1, state, done, out
+    return step + 1, cache, hidden, done, out
 
-  _, state, _, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, budget <= 0, out))
-  return _constrain(state), out
+  hidden = state.hidden if rows is None else state.hidden[rows]
+  _, cache, hidden, _, out = jax.lax.while_loop(
+      cond, body, (jnp.int32(0), state.cache, hidden, budget <= 0, out))
+  if rows is not None:
+    hidden = state.hidden.at[rows].set(hidden)
+    out = jax.tree.map(
+        lambda part: jnp.zeros(hidden.shape[:1] + part.shape[1:], part.dtype).at[rows].set(part),
+        out)
+  return _constrain(SamplerState(cache=cache, hidden=hidden)), out
 
 
 class Sampler:
@@ -441,11 +430,14 @@ class Sampler:
       costs what 4-5 decode steps of a 135M model do (~190 ms on a 2-core Zen 4) and memory is
       plentiful; an accelerator copies the weights at its memory bandwidth, a few percent of
       a call, and its memory is what limits the batch.
+    compact_decode: a decode of few rows computes on those rows alone (`decode_rows`): one
+      program per row-count bucket. Default (and only possible): when no mesh splits the rows
+      (under one that does, each device decodes the rows it holds).
   """
 
   def __init__(self, model: Decoder, *, cache_slots: int, max_batch: int, cache_dtype: Any = None,
                mesh: Mesh | None = None, min_bucket: int = 16, min_window: int = 128,
-               keep_layout: bool | None = None):
+               keep_layout: bool | None = None, compact_decode: bool | None = None):
     if cache_slots <= 0 or max_batch <= 0:
       raise ValueError(f"cache_slots ({cache_slots}) and max_batch ({max_batch}) must be > 0")
     if min_bucket <= 0 or min_window <= 0:
@@ -462,12 +454,18 @@ class Sampler:
       devices = jax.tree.leaves(self.params)[0].devices()
       keep_layout = all(device.platform == "cpu" for device in devices)
     self.keep_layout = keep_layout
+    whole_rows = mesh is None or sharding.batch_shards(mesh) == 1
+    self.compact_decode = whole_rows if compact_decode is None else compact_decode
+    if self.compact_decode and not whole_rows:
+      raise ValueError("compact_decode needs the rows unsplit; this mesh splits them over "
+                       f"{sharding.batch_shards(mesh)} devices, each decoding the rows it holds")
     self._kept: tuple[list[Array], list[DecodeLayer]] | None = None  # params' leaves, layout
     self._layout = jax.jit(functools.partial(_layout, self.graphdef))
     # The state is donated: its cache is updated in place instead of copied every call.
     self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), static_argnames=("window",),
                             donate_argnums=(1,))
-    self._prefill_rows = jax.jit(functools.partial(_prefill_rows, self.graphdef),
+    # The same function on a few rows (`rows`), its programs kept and counted apart.
+    self._prefill_rows = jax.jit(functools.partial(_prefill, self.graphdef),
                                  static_argnames=("window",), donate_argnums=(1,))
     self._prefill_shared = jax.jit(functools.partial(_prefill_shared, self.graphdef),
                                    static_argnames=("window",), donate_argnums=(1,))
@@ -529,8 +527,8 @@ class Sampler:
         tokens[i, :counts[row]] = np.asarray(rows_tokens[row], np.int32)
       window = self._window((lengths + counts)[listed].max())
       with self._mesh_context():
-        return self._prefill_rows(self._params(params), state, rows.astype(np.int32), tokens,
-                                  counts[rows], window=window, layers=self._layers(params))
+        return self._prefill_rows(self._params(params), state, tokens, counts[rows],
+                                  rows.astype(np.int32), window=window, layers=self._layers(params))
     tokens = np.zeros((self.max_batch, width), np.int32)
     for row, ids in rows_tokens.items():
       tokens[row, :len(ids)] = np.asarray(ids, np.int32)
@@ -628,14 +626,29 @@ class Sampler:
     keys = self._row_keys(key)
     stops = np.full(MAX_STOP_IDS, _NO_STOP, np.int32)
     stops[:len(stop_ids)] = stop_ids
-    layers = self._layers(params)
+    computed = self.decode_rows(active)
+    rows = None if len(computed) == self.max_batch else computed.astype(np.int32)
+    layers, width = self._layers(params), bucket(max_new_tokens, 1)
     with self._mesh_context():
       state, out = self._decode(self._params(params), state, keys, self._place_batch(offsets),
                                 self._place_batch(budget.astype(np.int32)), jnp.asarray(stops),
-                                width=bucket(max_new_tokens, 1), sampling=sampling, layers=layers)
+                                rows, width=width, sampling=sampling, layers=layers)
     if out.tokens.shape[1] != max_new_tokens:
       out = jax.tree.map(lambda x: x[:, :max_new_tokens] if x.ndim == 2 else x, out)
     return state, out
+
+  def decode_rows(self, active: np.ndarray) -> np.ndarray:
+    """The rows a decode of the `active` rows (a [max_batch] mask) computes on: every row, or
+    with `compact_decode`, when bucket(active rows) < max_batch, the active rows and then the
+    first others (which decode nothing) up to that bucket: the padding stays under a third.
+    Never fewer than 2 rows: XLA:CPU runs a one-row program's matrix-vector products slower
+    than a two-row program's matrix products (benchmarks/sampler_calls.py: 627 against 521 ms
+    for 16 tokens of SmolLM2 in bf16 on a Zen 4)."""
+    listed = np.flatnonzero(active)
+    size = bucket(len(listed), 2, self.max_batch)
+    if not self.compact_decode or size == self.max_batch:
+      return np.arange(self.max_batch)
+    return np.concatenate([listed, np.flatnonzero(~active)[:size - len(listed)]])
 
   def _params(self, params: nnx.State | None) -> nnx.State:
     return self.params if params is None else params

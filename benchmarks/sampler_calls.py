@@ -1,6 +1,8 @@
 """What one sampler call costs beside its tokens: the fixed part of a decode call, and an append
 to a few rows against one to every row, with the layers' weights kept out of their stack
-between calls (`Sampler(keep_layout=True)`, the CPU default) or taken out in every call.
+between calls (`Sampler(keep_layout=True)`, the CPU default) or taken out in every call; and a
+decode of a few of the rows on those rows alone (`Sampler(compact_decode=True)`, the default
+without a mesh that splits the rows) or on every row.
 
   python benchmarks/sampler_calls.py
   python benchmarks/sampler_calls.py --rows=16 --context=1500
@@ -14,6 +16,8 @@ row; a call on at most a quarter of the rows runs on a quarter of the batch
 (`sampling._prefill_rows`). Every figure is the best of --repeats calls after a compiling one;
 each call starts from the same state (restored, untimed). Chunked replies (rollout.decode_chunk)
 pay the fixed part once a chunk and an append each time a row rejoins after its env step.
+The second table times decode N on 1, a quarter, half and all but one of the rows: the end of
+a rollout, when rows have no episode left, and rows waiting for their env steps.
 """
 
 from __future__ import annotations
@@ -52,9 +56,33 @@ def best(call: Callable[[], object], reset: Callable[[], None]) -> float:
   return min(times[1:])
 
 
+class Filled:
+  """`sampler` with every row holding `prompt`, run with its params in the matmul `dtype`;
+  `reset` restores that state before each timed call."""
+
+  def __init__(self, sampler: Sampler, prompt: Sequence[int], dtype: object):
+    self.sampler, self.context = sampler, len(prompt)
+    self.params = decoder.matmul_copy(sampler.params, dtype)
+    self.saved = jax.device_get(sampler.start([prompt] * sampler.max_batch, params=self.params))
+    self.reset()
+
+  def reset(self) -> None:
+    self.state = jax.tree.map(jnp.asarray, self.saved)
+
+  def decode(self, tokens: int, rows: Sequence[int] | None = None) -> object:
+    """Samples `tokens` tokens on `rows` (default: every row)."""
+    batch = self.sampler.max_batch
+    return self.sampler.generate(self.state, jax.random.key(0), max_new_tokens=tokens, rows=rows,
+                                 params=self.params, lengths=[self.context] * batch,
+                                 budgets=[tokens] * batch)[1].tokens
+
+  def append(self, rows: Sequence[int], tokens: Sequence[int]) -> object:
+    return self.sampler.append(self.state, {row: tokens for row in rows}, params=self.params)
+
+
 def main(argv: Sequence[str]) -> None:
   del argv
-  rows, context = _ROWS.value, _CONTEXT.value
+  rows, context, tokens = _ROWS.value, _CONTEXT.value, _TOKENS.value
   dtype = getattr(jnp, hardware.matmul_dtype("auto"))
   load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
   print(f"$ python {' '.join(sys.argv)}")
@@ -65,35 +93,36 @@ def main(argv: Sequence[str]) -> None:
   model, _ = agentgym_jax.load_model("smollm2-135m-instruct", dtype=dtype)
   prompt = [(7 * i) % 4000 + 1 for i in range(context)]
   observation = list(range(5, 5 + _APPEND.value))
-  every = list(range(rows))
   print("| layout | decode 1 ms | decode N ms | a step ms | fixed part ms | append 1 row ms "
         "| append all rows ms |")
   print("|---|---|---|---|---|---|---|")
   for keep in (True, False):
-    sampler = Sampler(model, cache_slots=context + 2 * _APPEND.value + _TOKENS.value,
-                      max_batch=rows, keep_layout=keep)
-    params = decoder.matmul_copy(sampler.params, dtype)
-    saved = jax.device_get(sampler.start([prompt] * rows, params=params))
-    state = [saved]
-
-    def reset() -> None:
-      state[0] = jax.tree.map(jnp.asarray, saved)
-
-    def decode(tokens: int) -> object:
-      return sampler.generate(state[0], jax.random.key(0), max_new_tokens=tokens, params=params,
-                              lengths=[context] * rows, budgets=[tokens] * rows)[1].tokens
-
-    def append(appended: Sequence[int]) -> object:
-      return sampler.append(state[0], {row: observation for row in appended}, params=params)
-
-    one, many = best(lambda: decode(1), reset), best(lambda: decode(_TOKENS.value), reset)
-    step = (many - one) / (_TOKENS.value - 1)
-    print(
-        f"| {'kept' if keep else 'per call'} | {1e3 * one:.0f} | {1e3 * many:.0f} | "
-        f"{1e3 * step:.0f} | {1e3 * (one - step):.0f} | {1e3 * best(lambda: append([0]), reset):.0f} "
-        f"| {1e3 * best(lambda: append(every), reset):.0f} |")
-  print(f"\ndecode N: {_TOKENS.value} tokens; appends of {_APPEND.value} tokens. Load average at "
-        f"end {', '.join(f'{value:.1f}' for value in os.getloadavg())}.")
+    filled = Filled(
+        Sampler(model, cache_slots=context + 2 * _APPEND.value + tokens, max_batch=rows,
+                keep_layout=keep), prompt, dtype)
+    one = best(lambda: filled.decode(1), filled.reset)
+    many = best(lambda: filled.decode(tokens), filled.reset)
+    step = (many - one) / (tokens - 1)
+    one_row = best(lambda: filled.append([0], observation), filled.reset)
+    all_rows = best(lambda: filled.append(range(rows), observation), filled.reset)
+    print(f"| {'kept' if keep else 'per call'} | {1e3 * one:.0f} | {1e3 * many:.0f} | "
+          f"{1e3 * step:.0f} | {1e3 * (one - step):.0f} | {1e3 * one_row:.0f} "
+          f"| {1e3 * all_rows:.0f} |")
+  print(f"\ndecode N: {tokens} tokens; appends of {_APPEND.value} tokens.\n")
+  print("| rows decoding | on those rows ms | on every row ms | ratio |")
+  print("|---|---|---|---|")
+  counts = sorted({1, max(rows // 4, 1), max(rows // 2, 1), max(rows - 1, 1)})
+  times = {}
+  for compact in (True, False):
+    filled = Filled(
+        Sampler(model, cache_slots=context + tokens, max_batch=rows, compact_decode=compact),
+        prompt, dtype)
+    for count in counts:
+      times[compact, count] = best(lambda: filled.decode(tokens, range(count)), filled.reset)
+  for count in counts:
+    compact, full = times[True, count], times[False, count]
+    print(f"| {count} of {rows} | {1e3 * compact:.0f} | {1e3 * full:.0f} | {full / compact:.2f}x |")
+  print(f"\nLoad average at end {', '.join(f'{value:.1f}' for value in os.getloadavg())}.")
 
 
 if __name__ == "__main__":

@@ -136,35 +136,41 @@ def test_refilled_rows_play_the_same_episodes_as_all_rows_at_once(policy, groups
   monkeypatch.setattr(Sampler, "generate", checked_generate)
   wave = 6
   stats = {}
-  for refill in (False, True):
-    sampler = Sampler(model, cache_slots=96, max_batch=wave // groups)
+  for refill, compact in ((False, False), (True, False), (True, True)):
+    sampler = Sampler(model, cache_slots=96, max_batch=wave // groups, compact_decode=compact)
     with EnvPool(ECHO, wave) as pool:
       player = rollout.Player(sampler, sampler.params, pool, tokenizer.chat,
                               rollout.TurnSampling(max_new_tokens=3), max_context=96, groups=groups,
                               refill=refill)
-      played, stats[refill] = rollout.collect_waves(player, echo_tasks(), wave_rows=wave, horizon=4,
-                                                    key=jax.random.key(7), first_row=5)
+      played, stats[refill,
+                    compact] = rollout.collect_waves(player, echo_tasks(), wave_rows=wave,
+                                                     horizon=4, key=jax.random.key(7), first_row=5)
     assert [(t.task_id, t.group) for t in played] == echo_tasks()
     assert_same_episodes(expected, played)
-  assert stats[True].generated_tokens == stats[False].generated_tokens
+  waves, refilled, compacted = stats[False, False], stats[True, False], stats[True, True]
+  assert refilled.generated_tokens == waves.generated_tokens == compacted.generated_tokens
   # Waves keep finished rows in every decode until their wave's longest episode ends; refilled
   # rows are busy until the queue runs dry.
-  assert stats[True].decode_row_steps < stats[False].decode_row_steps
-  assert stats[True].idle_row_fraction < stats[False].idle_row_fraction
+  assert refilled.decode_row_steps < waves.decode_row_steps
+  assert refilled.idle_row_fraction < waves.idle_row_fraction
   # Which is rows holding no episode: in waves every row whose episode ended, refilled only
   # once the queue is empty. Whole replies never decode beside a row stepping its env.
-  assert stats[True].no_episode_row_steps < stats[False].no_episode_row_steps
-  assert stats[True].stepping_row_steps == stats[False].stepping_row_steps == 0
+  assert refilled.no_episode_row_steps < waves.no_episode_row_steps
+  assert refilled.stepping_row_steps == waves.stepping_row_steps == 0
+  # The tail's decodes of a few rows compute on those rows (Sampler.decode_rows).
+  assert compacted.no_episode_row_steps < refilled.no_episode_row_steps
+  assert compacted.idle_row_fraction < refilled.idle_row_fraction
   assert lengths_checked
 
 
-def play_in_chunks(policy, chunk, groups, *, hang_s=0.0):
+def play_in_chunks(policy, chunk, groups, *, hang_s=0.0, compact_decode=True):
   """16 echo episodes of replies of up to 5 tokens on 6 refilled rows, `chunk` tokens a decode
-  call (0: whole replies); task 100's first env step takes `hang_s` seconds."""
+  call (0: whole replies); task 100's first env step takes `hang_s` seconds; the sampler with
+  `compact_decode` as given."""
   model, tokenizer = policy
   env = functools.partial(faulty_env.FaultyEchoEnv, turns=4, num_train=8, hang_tasks=(0,),
                           hang_s=hang_s)
-  sampler = Sampler(model, cache_slots=96, max_batch=6 // groups)
+  sampler = Sampler(model, cache_slots=96, max_batch=6 // groups, compact_decode=compact_decode)
   with EnvPool(env, 6) as pool:
     player = rollout.Player(sampler, sampler.params, pool, tokenizer.chat,
                             rollout.TurnSampling(max_new_tokens=5), max_context=96, groups=groups,
@@ -189,10 +195,14 @@ def test_replies_decoded_in_chunks_play_the_same_episodes_as_whole_replies(
   whole, whole_stats = play_in_chunks(policy, 0, groups)
   assert all(calls == {0} for calls in offsets)
   offsets.clear()
-  chunked, chunked_stats = play_in_chunks(policy, 2, groups, hang_s=0.3)
+  compacted, compacted_stats = play_in_chunks(policy, 2, groups, hang_s=0.3)
+  assert_same_episodes(whole, compacted)
+  assert compacted_stats.generated_tokens == whole_stats.generated_tokens
+  # Without compact decodes, rows whose slow env step is in flight sit out decode calls in
+  # them: idle row-steps of their own (with, they mostly leave the call).
+  chunked, chunked_stats = play_in_chunks(policy, 2, groups, hang_s=0.3, compact_decode=False)
   assert_same_episodes(whole, chunked)
   assert chunked_stats.generated_tokens == whole_stats.generated_tokens
-  # Rows whose slow env step is in flight sit out decode calls: idle row-steps of their own.
   assert chunked_stats.stepping_row_steps > 0 == whole_stats.stepping_row_steps
   parts = chunked_stats.idle_parts()
   assert sum(parts.values()) == pytest.approx(chunked_stats.idle_row_fraction)

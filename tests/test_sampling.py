@@ -248,11 +248,11 @@ def test_a_released_row_takes_a_new_sequence_as_an_empty_one_would(model):
 
 
 def test_an_append_to_some_rows_computes_on_them_alone_and_leaves_the_others_bit_for_bit(model):
-  """Appending to 1 of 4 rows (a quarter) runs `_prefill_rows` on a state of that row alone: the
-  other rows' cache bits, lengths and hidden states are untouched, the appended row holds what appending to
-  every row in one full prefill gives it, and the program does about a quarter of the full
-  one's work (XLA's count of its flops: a quarter of the matmuls and attention, plus copying
-  the row out of the cache and back)."""
+  """Appending to 1 of 4 rows (a quarter) runs `_prefill_rows` on that row alone: the other
+  rows' cache bits, lengths and hidden states are untouched, the appended row holds what
+  appending to every row in one full prefill gives it, and the program does about a quarter of
+  the full one's work (XLA's count of its flops: a quarter of the matmuls and attention, plus
+  reading the row's window out of the cache)."""
   sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH, min_window=16)
   prompts = _prompts([5, 9, 14, 3], seed=7)
   state = sampler.append(sampler.empty(), dict(enumerate(prompts)))
@@ -286,10 +286,67 @@ def test_an_append_to_some_rows_computes_on_them_alone_and_leaves_the_others_bit
   window = sampler._window(lengths.max() + 4)
   tokens = np.zeros((BATCH, 16), np.int32)
   counts = np.full(BATCH, 4, np.int32)
-  assert flops(sampler._prefill_rows, jnp.asarray([2]), jnp.asarray(tokens[:1]),
-               jnp.asarray(counts[:1]),
+  assert flops(sampler._prefill_rows, jnp.asarray(tokens[:1]), jnp.asarray(counts[:1]),
+               jnp.asarray([2]),
                window=window) <= flops(sampler._prefill, jnp.asarray(tokens), jnp.asarray(counts),
                                        window=window) / (BATCH - 1)
+
+
+def test_a_decode_of_few_rows_computes_on_them_alone_and_leaves_the_others_bit_for_bit(model):
+  """With compact_decode a decode of 1 of 4 rows runs a 2-row program (the smallest): the other
+  rows' cache bits (those they hold, for row 0, the program's idle row, whose padding write
+  lands past its length; all of them for rows 1 and 3), lengths and hidden states are
+  untouched, the row samples what the full-batch decode samples for it (tokens, log-probs,
+  its cache and hidden state), and the program does at most 3/5 of the full one's work (XLA's
+  count of its flops). 3 of 4 rows run on 3 rows, 4 on all."""
+  compact = Sampler(model, cache_slots=SLOTS, max_batch=BATCH, min_window=16)
+  full = Sampler(model, cache_slots=SLOTS, max_batch=BATCH, min_window=16, compact_decode=False)
+  assert compact.compact_decode  # The default without a mesh.
+  prompts = _prompts([5, 9, 14, 3], seed=11)
+  before = jax.device_get(compact.append(compact.empty(), dict(enumerate(prompts))))
+  key = jax.random.key(12)
+
+  def decode(sampler, rows):
+    state, out = sampler.generate(jax.tree.map(jnp.asarray, before), key, max_new_tokens=7,
+                                  rows=rows)
+    return jax.device_get((state, out))
+
+  (one, one_out), (ref, ref_out) = decode(compact, [2]), decode(full, [2])
+  assert compact._decode._cache_size() == 1
+  others = [0, 1, 3]
+  np.testing.assert_array_equal(one.cache.lengths, ref.cache.lengths)
+  np.testing.assert_array_equal(one.hidden[others], before.hidden[others])
+  for bits, old_bits, ref_bits in zip(one.cache.k + one.cache.v, before.cache.k + before.cache.v,
+                                      ref.cache.k + ref.cache.v):
+    np.testing.assert_array_equal(bits[[1, 3]], old_bits[[1, 3]])
+    held = before.cache.lengths[0]
+    np.testing.assert_array_equal(bits[0, :, :held], old_bits[0, :, :held])
+    # The new keys and values: 4 rows or 2 change only how XLA blocks its sums.
+    new, reference = (jax.lax.bitcast_convert_type(b[2, :, :one.cache.lengths[2]], jnp.float32)
+                      for b in (bits, ref_bits))
+    np.testing.assert_allclose(new, reference, rtol=0,
+                               atol=_logprob_tolerance(np.asarray(reference)))
+  np.testing.assert_array_equal(one_out.tokens, ref_out.tokens)
+  np.testing.assert_array_equal(one_out.lengths, ref_out.lengths)
+  for name in ("logprobs", "sampling_logprobs", "hidden"):
+    ours, theirs = (one, ref) if name == "hidden" else (one_out, ref_out)
+    np.testing.assert_allclose(getattr(ours, name), getattr(theirs, name), rtol=0,
+                               atol=_logprob_tolerance(np.asarray(getattr(theirs, name))))
+
+  assert compact.decode_rows(np.arange(BATCH) == 2).tolist() == [2, 0]
+  assert compact.decode_rows(np.arange(BATCH) != 1).tolist() == [0, 2, 3]
+  assert compact.decode_rows(np.ones(BATCH, bool)).tolist() == list(range(BATCH))
+  assert full.decode_rows(np.arange(BATCH) == 2).tolist() == list(range(BATCH))
+
+  def flops(rows):
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(BATCH))
+    zeros = jnp.zeros(BATCH, jnp.int32)
+    return compact._decode.lower(compact.params, jax.tree.map(jnp.asarray,
+                                                              before), keys, zeros, zeros + 7,
+                                 jnp.zeros(sampling.MAX_STOP_IDS, jnp.int32), rows, width=8,
+                                 sampling=SamplingParams()).compile().cost_analysis()["flops"]
+
+  assert flops(jnp.asarray([2, 0])) <= 0.6 * flops(None)
 
 
 def test_the_layer_layout_is_kept_for_the_params_it_was_made_from(model):

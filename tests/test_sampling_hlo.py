@@ -88,14 +88,16 @@ def _dims(shape: str) -> tuple[int, ...] | None:
   return None if match is None else tuple(int(d) for d in match.group(1).split(",") if d)
 
 
-@pytest.fixture(scope="module")
-def decode_hlo() -> str:
+@pytest.fixture(scope="module", params=[None, [2]], ids=["every_row", "compact"])
+def decode_hlo(request) -> str:
+  """The decode program on every row, or on row 2 alone (`compact_decode`)."""
   model = Decoder(CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
+  rows = None if request.param is None else jnp.asarray(request.param, jnp.int32)
   lowered = sampler._decode.lower(sampler.params, sampler.empty(),
                                   sampler._row_keys(jax.random.key(0)), jnp.zeros(BATCH, jnp.int32),
                                   jnp.zeros(BATCH, jnp.int32),
-                                  jnp.zeros(sampling.MAX_STOP_IDS, jnp.int32), width=8,
+                                  jnp.zeros(sampling.MAX_STOP_IDS, jnp.int32), rows, width=8,
                                   sampling=sampling.SamplingParams())
   return lowered.compile().as_text()
 
@@ -105,9 +107,12 @@ def test_the_decode_loop_updates_each_layer_cache_in_place(decode_hlo):
   made = [(op, root) for op, shape, root in _loop_instructions(decode_hlo)
           if _dims(shape) == layer_cache and op not in ("parameter", "get-tuple-element", "bitcast")
          ]
-  # One in-place scatter of the new keys and one of the values per layer, and nothing else of
-  # a layer cache's size: no copy, no slice, no gather of it.
-  assert made == [("fusion", "scatter")] * (2 * CONFIG.num_layers), made
+  # One in-place write of the new keys and one of the values per layer (a scatter, or for a
+  # single row a dynamic-update-slice), and nothing else of a layer cache's size: no copy, no
+  # slice, no gather of it.
+  assert len(made) == 2 * CONFIG.num_layers, made
+  assert {made[0]} == set(made) and made[0] in {("fusion", "scatter"),
+                                                ("fusion", "dynamic-update-slice")}, made
   # No stacked [layers, ...] cache anywhere in the program.
   assert f"[{CONFIG.num_layers},{BATCH},{CONFIG.num_kv_heads},{SLOTS}" not in decode_hlo
   # The donated cache buffers come back as outputs: every layer's keys and values alias.
@@ -127,8 +132,11 @@ def test_the_decode_loop_reads_the_weights_without_copying_them(decode_hlo):
           if op not in ("parameter", "get-tuple-element", "bitcast",
                         "dot") and _size(shape) in weight_sizes]
   assert made == [], made
-  # The stacked weights never enter the loop.
-  stacked = [shape for _, shape, _ in loop if (_dims(shape) or ())[:1] == (CONFIG.num_layers,)]
+  # The stacked weights never enter the loop (a vector of num_layers entries is an index).
+  stacked = [
+      shape for _, shape, _ in loop
+      if len(_dims(shape) or ()) > 1 and _dims(shape)[0] == CONFIG.num_layers
+  ]
   assert stacked == [], stacked
 
 

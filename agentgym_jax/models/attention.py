@@ -133,12 +133,13 @@ def dense_attention(q: Array, k: Array, v: Array, mask: Array, dtype: Any) -> Ar
 
 
 def decode_attention(q: Array, k_bits: Array, v_bits: Array, visible: Array, cache_dtype: Any,
-                     dtype: Any, chunk: int = DECODE_CHUNK) -> Array:
+                     dtype: Any, chunk: int = DECODE_CHUNK, rows: Array | None = None) -> Array:
   """One query per row against the row's own cached keys: [B, H, D] (f32).
 
-  q [B, H, D]; k_bits and v_bits [B, K, S, D], one layer's cache as the raw bits of
-  `cache_dtype` (see decoder.KVCache); row b attends to its slots [0, visible[b]), none when
-  visible[b] = 0 (its output is then 0). Query head h reads kv head h // G (G = H / K).
+  q [B, H, D]; k_bits and v_bits [N, K, S, D], one layer's cache as the raw bits of
+  `cache_dtype` (see decoder.KVCache); query row b reads cache row rows[b] (default: b, with
+  N = B), attending to its slots [0, visible[b]), none when visible[b] = 0 (its output is then
+  0). Query head h reads kv head h // G (G = H / K).
 
   Only live slots are read. Row b's slots are cut into c_b = ceil(visible[b] / chunk) chunks;
   the chunks of all rows, n = sum_b c_b work items, are taken B at a time (a loop of
@@ -159,20 +160,28 @@ def decode_attention(q: Array, k_bits: Array, v_bits: Array, visible: Array, cac
                           chunk=chunk)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return run(q, k_bits, v_bits, visible).reshape(batch, heads, head_dim)
+    rows = jnp.arange(batch) if rows is None else rows
+    return run(q, k_bits, v_bits, visible, rows).reshape(batch, heads, head_dim)
   cache_spec = sharding.logical_to_spec(CACHE_AXES, k_bits.shape, mesh)
-  rows, kv = cache_spec[0], cache_spec[1]
-  cache_spec = jax.sharding.PartitionSpec(rows, kv, None, None)  # Every slot of a row on its shard.
-  q_spec = jax.sharding.PartitionSpec(rows, kv, None, None)
-  mapped = jax.shard_map(
-      run, in_specs=(q_spec, cache_spec, cache_spec, jax.sharding.PartitionSpec(rows)),
-      out_specs=q_spec, check_vma=False)
-  return mapped(q, k_bits, v_bits, visible).reshape(batch, heads, head_dim)
+  row_axes, kv = cache_spec[0], cache_spec[1]
+  if rows is not None and row_axes is not None:
+    raise ValueError("query rows read other cache rows only when the mesh does not split the "
+                     "rows (each device attends over the rows it holds)")
+  cache_spec = jax.sharding.PartitionSpec(row_axes, kv, None, None)  # A row's slots on one shard.
+  q_spec = jax.sharding.PartitionSpec(row_axes, kv, None, None)
+  rows = jnp.arange(batch) if rows is None else rows  # Global indices: local when rows split.
+  local = lambda q, k_bits, v_bits, visible, rows: run(
+      q, k_bits, v_bits, visible, rows if row_axes is None else jnp.arange(q.shape[0]))
+  row_spec = jax.sharding.PartitionSpec(row_axes)
+  mapped = jax.shard_map(local, in_specs=(q_spec, cache_spec, cache_spec, row_spec, row_spec),
+                         out_specs=q_spec, check_vma=False)
+  return mapped(q, k_bits, v_bits, visible, rows).reshape(batch, heads, head_dim)
 
 
-def _decode_rows(q: Array, k_bits: Array, v_bits: Array, visible: Array, *, cache_dtype: Any,
-                 dtype: Any, chunk: int) -> Array:
-  """`decode_attention` on the rows and kv heads at hand: q [B, K, G, D] -> [B, K, G, D]."""
+def _decode_rows(q: Array, k_bits: Array, v_bits: Array, visible: Array, rows: Array, *,
+                 cache_dtype: Any, dtype: Any, chunk: int) -> Array:
+  """`decode_attention` on the rows and kv heads at hand: q [B, K, G, D] -> [B, K, G, D],
+  query row b against cache row rows[b]."""
   batch, kv_heads, groups, head_dim = q.shape
   slots = k_bits.shape[2]
   chunk = min(chunk, slots)
@@ -193,7 +202,8 @@ def _decode_rows(q: Array, k_bits: Array, v_bits: Array, visible: Array, *, cach
     safe_row = jnp.minimum(row, batch - 1)
     begin = (items - firsts[safe_row]) * chunk  # The chunk's first slot.
     offset = jnp.minimum(begin, slots - chunk)  # A last chunk past the end is read shifted.
-    keys, values = gather(k_bits, safe_row, offset), gather(v_bits, safe_row, offset)
+    cache_row = rows[safe_row]
+    keys, values = gather(k_bits, cache_row, offset), gather(v_bits, cache_row, offset)
     scores = dot("ikgd,ikcd->ikgc", q[safe_row], keys, dtype) / math.sqrt(head_dim)
     slot = offset[:, None] + jnp.arange(chunk)
     seen = (slot >= begin[:, None]) & (slot < visible[safe_row][:, None])

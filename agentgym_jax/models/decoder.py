@@ -235,12 +235,15 @@ class DecodeLayer:
 class Cached(NamedTuple):
   """The cached (sampling) path of `Decoder.hidden_states`: the KV cache the new tokens are
   appended to; the slots [0, window) that a forward pass of several tokens reads (static;
-  None: all of them); and the weights of `Decoder.cached_layers()`, when the caller took them
-  out once for many calls (a decode loop; None: they are taken per call)."""
+  None: all of them); the weights of `Decoder.cached_layers()`, when the caller took them
+  out once for many calls (a decode loop; None: they are taken per call); and the cache row
+  each input row continues (`rows` [B], distinct; None: row b of a cache of B rows), so that a
+  pass on a few rows of a large cache computes on those rows alone."""
 
   cache: KVCache
   window: int | None = None
   layers: Sequence[DecodeLayer] | None = None
+  rows: Array | None = None
 
 
 class _CacheUpdate(NamedTuple):
@@ -251,6 +254,7 @@ class _CacheUpdate(NamedTuple):
   k_bits: Array  # this layer's cached keys, raw bits of `dtype` (see `KVCache`)
   v_bits: Array  # this layer's cached values, likewise
   dtype: Any  # the cache's dtype
+  rows: Array | None  # the cache row of each input row (None: the same)
 
 
 class Unembedding(NamedTuple):
@@ -341,7 +345,8 @@ class Decoder(nnx.Module):
       window = cache.slots if cached.window is None else cached.window
       if not 0 < window <= cache.slots:
         raise ValueError(f"cached.window={cached.window} is not in [1, {cache.slots}]")
-      slots = cache.lengths[:, None] + jnp.arange(length, dtype=jnp.int32)
+      rows = jnp.arange(batch) if cached.rows is None else cached.rows
+      slots = cache.lengths[rows][:, None] + jnp.arange(length, dtype=jnp.int32)
       if length == 1:
         # visible[b]: row b attends to its slots [0, visible[b]), the new token's included.
         live = True if attention_mask is None else attention_mask[:, 0].astype(bool)
@@ -386,11 +391,12 @@ class Decoder(nnx.Module):
       k_bits, v_bits = [], []
       for layer, k, v in zip(layers, cache.k, cache.v):
         x, (k, v) = self._block(layer, x, positions, mask, inv_freq,
-                                _CacheUpdate(slots, window, k, v, cache.dtype))
+                                _CacheUpdate(slots, window, k, v, cache.dtype, cached.rows))
         k_bits.append(k)
         v_bits.append(v)
       added = length if attention_mask is None else attention_mask.sum(-1).astype(jnp.int32)
-      new_cache = cache.replace(k=tuple(k_bits), v=tuple(v_bits), lengths=cache.lengths + added)
+      new_cache = cache.replace(k=tuple(k_bits), v=tuple(v_bits),
+                                lengths=cache.lengths.at[rows].add(added))
     x = rms_norm(x, self.final_norm.value, config.rms_norm_eps)
     return x, new_cache
 
@@ -450,12 +456,12 @@ class Decoder(nnx.Module):
 
     Without a cache `mask` is the segment ids [B, T] (or None; with `shared_prompt` segment 0 is
     the prompt every segment sees). With `cache_update` (a `_CacheUpdate`: the slots [B, T], the
-    window, this layer's cache as raw bits, see `KVCache`, and the cache's dtype), the new keys
-    and values are written at the slots and `mask` is, for T = 1, the visible slots [B] of each
-    row, else the mask [B, T, window] of visible cache slots. Returns x and the updated
-    (k_bits, v_bits), or None without a cache. `lora` = (this layer's adapters, its dropout key
-    or None) adds the adapters' terms to the projections they target (`Layers` only: the
-    sampler's `DecodeLayer`s hold merged weights).
+    window, this layer's cache as raw bits, see `KVCache`, the cache's dtype and the cache row of
+    each input row), the new keys and values are written at the slots and `mask` is, for T = 1,
+    the visible slots [B] of each row, else the mask [B, T, window] of visible cache slots.
+    Returns x and the updated (k_bits, v_bits), or None without a cache. `lora` = (this layer's
+    adapters, its dropout key or None) adds the adapters' terms to the projections they target
+    (`Layers` only: the sampler's `DecodeLayer`s hold merged weights).
     """
     config, dtype = self.config, self.dtype
     eps = config.rms_norm_eps
@@ -477,19 +483,20 @@ class Decoder(nnx.Module):
 
     caches = None
     if cache_update is not None:
-      slots, window, k_bits, v_bits, cache_dtype = cache_update
-      rows = jnp.arange(x.shape[0])[:, None]
+      slots, window, k_bits, v_bits, cache_dtype, cache_rows = cache_update
+      rows = jnp.arange(x.shape[0]) if cache_rows is None else cache_rows
       # Out-of-range slots (padding past the cache end) are dropped, never wrapped around.
-      # new [B, T, K, D] goes to [b, :, slots[b, t]] of the [B, K, S, D] cache.
-      write = lambda bits, new: bits.at[rows, :, slots].set(
+      # new [B, T, K, D] goes to [rows[b], :, slots[b, t]] of the [N, K, S, D] cache.
+      write = lambda bits, new: bits.at[rows[:, None], :, slots].set(
           jax.lax.bitcast_convert_type(new.astype(cache_dtype), bits.dtype), mode="drop")
       k_bits, v_bits = write(k_bits, k), write(v_bits, v)
       caches = (k_bits, v_bits)
       if x.shape[1] == 1:
-        attended = attention_lib.decode_attention(q[:, 0], k_bits, v_bits, mask, cache_dtype,
-                                                  dtype)[:, None]
+        attended = attention_lib.decode_attention(q[:, 0], k_bits, v_bits, mask, cache_dtype, dtype,
+                                                  rows=cache_rows)[:, None]
       else:
-        read = lambda bits: jax.lax.bitcast_convert_type(bits[:, :, :window], cache_dtype)
+        taken = lambda bits: bits if cache_rows is None else bits[cache_rows]
+        read = lambda bits: jax.lax.bitcast_convert_type(taken(bits)[:, :, :window], cache_dtype)
         attended = attention_lib.dense_attention(q, read(k_bits), read(v_bits), mask, dtype)
     else:
       attended = attention_lib.causal_attention(q, k, v, mask, implementation=self.attention,
