@@ -44,8 +44,8 @@ append to at most a quarter of the rows runs on a quarter of the batch (`_prefil
 program per length and window bucket, 4x less work for a row rejoining the decode). A decode
 step has no window: each row reads only the slots it holds (`attention.decode_attention`), so
 its cost follows the rows' lengths and one program serves every length (one per bucket of
-rows with `compact_decode`, at most two an octave). The sampling settings
-(temperature, top_p, top_k) are compile-time constants. Stop ids are padded to `MAX_STOP_IDS`.
+rows with `compact_decode`, at most two an octave, each compiled the first time a call needs
+it). The sampling settings (temperature, top_p, top_k) are compile-time constants. Stop ids are padded to `MAX_STOP_IDS`.
 
 Decode loop. The per-layer weights are taken out of their stack (`Decoder.cached_layers`) once
 per `generate` call, or, with `keep_layout` (the default on CPU), once per params and kept for
@@ -313,6 +313,14 @@ def _prefill(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, tok
   return _constrain(SamplerState(cache=cache, hidden=hidden))
 
 
+def _prefill_rows(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, tokens: Array,
+                  counts: Array, rows: Array, *, window: int,
+                  layers: Sequence[DecodeLayer] | None = None) -> SamplerState:
+  """`_prefill` on the cache rows `rows` alone: a function of its own, whose programs are
+  compiled and counted apart."""
+  return _prefill(graphdef, params, state, tokens, counts, rows, window=window, layers=layers)
+
+
 def _prefill_shared(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState,
                     prefix: Array | None, tokens: Array, counts: Array, sources: Array, *,
                     window: int, layers: Sequence[DecodeLayer] | None = None) -> SamplerState:
@@ -464,8 +472,7 @@ class Sampler:
     # The state is donated: its cache is updated in place instead of copied every call.
     self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), static_argnames=("window",),
                             donate_argnums=(1,))
-    # The same function on a few rows (`rows`), its programs kept and counted apart.
-    self._prefill_rows = jax.jit(functools.partial(_prefill, self.graphdef),
+    self._prefill_rows = jax.jit(functools.partial(_prefill_rows, self.graphdef),
                                  static_argnames=("window",), donate_argnums=(1,))
     self._prefill_shared = jax.jit(functools.partial(_prefill_shared, self.graphdef),
                                    static_argnames=("window",), donate_argnums=(1,))
@@ -628,11 +635,11 @@ class Sampler:
     stops[:len(stop_ids)] = stop_ids
     computed = self.decode_rows(active)
     rows = None if len(computed) == self.max_batch else computed.astype(np.int32)
-    layers, width = self._layers(params), bucket(max_new_tokens, 1)
+    args = (self._params(params), state, keys, self._place_batch(offsets),
+            self._place_batch(budget.astype(np.int32)), jnp.asarray(stops))
+    static = dict(width=bucket(max_new_tokens, 1), sampling=sampling, layers=self._layers(params))
     with self._mesh_context():
-      state, out = self._decode(self._params(params), state, keys, self._place_batch(offsets),
-                                self._place_batch(budget.astype(np.int32)), jnp.asarray(stops),
-                                rows, width=width, sampling=sampling, layers=layers)
+      state, out = self._decode(*args, rows, **static)
     if out.tokens.shape[1] != max_new_tokens:
       out = jax.tree.map(lambda x: x[:, :max_new_tokens] if x.ndim == 2 else x, out)
     return state, out

@@ -162,7 +162,7 @@ def test_replies_in_chunks_on_refilled_rows_compile_nothing_after_the_warm_up(
   # moments that vary call by call (with timing). The decode is one program per bucket of the
   # rows it runs; an append is a prefill at one of the few buckets of its widest entry (a
   # refilled prompt beside the others' observations, or observations alone), on all rows or a
-  # quarter of them.
+  # quarter of them. Each is compiled the first time a call needs it.
   c = echo_config(checkpoint_dir, steps=4)
   c.env.options.turns = 3
   c.rollout.max_new_tokens = 3

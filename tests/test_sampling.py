@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax import monitoring
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from agentgym_jax import sampling, sharding
@@ -311,8 +312,25 @@ def test_a_decode_of_few_rows_computes_on_them_alone_and_leaves_the_others_bit_f
                                   rows=rows)
     return jax.device_get((state, out))
 
-  (one, one_out), (ref, ref_out) = decode(compact, [2]), decode(full, [2])
-  assert compact._decode._cache_size() == 1
+  lowered = []
+
+  def on_duration(event, duration, **kwargs):
+    if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+      lowered.append(kwargs.get("fun_name"))
+
+  monitoring.register_event_duration_secs_listener(on_duration)
+  try:
+    (one, one_out), (ref, ref_out) = decode(compact, [2]), decode(full, [2])
+    # A program per bucket of rows, compiled the first time a call needs it: 2 rows, then the
+    # full decode; 3 rows, then every row (compiled by `full` already: its own sampler).
+    assert lowered.count("jit(_decode)") == 2
+    decode(compact, [0, 1, 3])
+    decode(compact, [1, 3])
+    assert lowered.count("jit(_decode)") == 3
+    decode(compact, range(BATCH))
+    assert lowered.count("jit(_decode)") == 4
+  finally:
+    monitoring.unregister_event_duration_listener(on_duration)
   others = [0, 1, 3]
   np.testing.assert_array_equal(one.cache.lengths, ref.cache.lengths)
   np.testing.assert_array_equal(one.hidden[others], before.hidden[others])
