@@ -17,13 +17,14 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-REFERENCE = "d28feb9e53904a6d55ac37fabbf739e9f327ff5b"
+REFERENCE = "b10f4077c545017dba122a1e10171f292a9d364f"
 RUNS = ("grpo_kl", "ppo_gae", "sft", "dpo")
 # Metrics logged since REFERENCE, with every new key at its default (rollout.EpisodeScoring).
 ADDED = {
     "rollout/truncated_fraction", "rollout/excluded_fraction", "rollout/truncated_fraction/horizon",
     "rollout/truncated_fraction/context", "rollout/truncated_fraction/env_timeout",
-    "rollout/idle_row_fraction", "context/peak_tokens", "context/rewrites", "context/tokens_saved"
+    "rollout/idle_row_fraction", "context/peak_tokens", "context/rewrites", "context/tokens_saved",
+    "rollout/idle_rows/no_episode", "rollout/idle_rows/env_step", "rollout/idle_rows/reply_ended"
 }
 
 
