@@ -45,7 +45,8 @@ program per length and window bucket, 4x less work for a row rejoining the decod
 step has no window: each row reads only the slots it holds (`attention.decode_attention`), so
 its cost follows the rows' lengths and one program serves every length (one per bucket of
 rows with `compact_decode`, at most two an octave, each compiled the first time a call needs
-it). The sampling settings (temperature, top_p, top_k) are compile-time constants. Stop ids are padded to `MAX_STOP_IDS`.
+it). The sampling settings (temperature, top_p, top_k) are compile-time constants. Stop ids
+are padded to `MAX_STOP_IDS`.
 
 Decode loop. The per-layer weights are taken out of their stack (`Decoder.cached_layers`) once
 per `generate` call, or, with `keep_layout` (the default on CPU), once per params and kept for
@@ -635,11 +636,11 @@ class Sampler:
     stops[:len(stop_ids)] = stop_ids
     computed = self.decode_rows(active)
     rows = None if len(computed) == self.max_batch else computed.astype(np.int32)
-    args = (self._params(params), state, keys, self._place_batch(offsets),
-            self._place_batch(budget.astype(np.int32)), jnp.asarray(stops))
-    static = dict(width=bucket(max_new_tokens, 1), sampling=sampling, layers=self._layers(params))
+    layers, width = self._layers(params), bucket(max_new_tokens, 1)
     with self._mesh_context():
-      state, out = self._decode(*args, rows, **static)
+      state, out = self._decode(self._params(params), state, keys, self._place_batch(offsets),
+                                self._place_batch(budget.astype(np.int32)), jnp.asarray(stops),
+                                rows, width=width, sampling=sampling, layers=layers)
     if out.tokens.shape[1] != max_new_tokens:
       out = jax.tree.map(lambda x: x[:, :max_new_tokens] if x.ndim == 2 else x, out)
     return state, out

@@ -495,8 +495,9 @@ class Decoder(nnx.Module):
         attended = attention_lib.decode_attention(q[:, 0], k_bits, v_bits, mask, cache_dtype, dtype,
                                                   rows=cache_rows)[:, None]
       else:
+        # The window's slots, of the input rows' cache rows only.
         taken = lambda bits: bits if cache_rows is None else bits[cache_rows]
-        read = lambda bits: jax.lax.bitcast_convert_type(taken(bits)[:, :, :window], cache_dtype)
+        read = lambda bits: jax.lax.bitcast_convert_type(taken(bits[:, :, :window]), cache_dtype)
         attended = attention_lib.dense_attention(q, read(k_bits), read(v_bits), mask, dtype)
     else:
       attended = attention_lib.causal_attention(q, k, v, mask, implementation=self.attention,
