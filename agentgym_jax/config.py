@@ -137,10 +137,11 @@ def base_config() -> ml_collections.ConfigDict:
   # of the learner (rollout_queue.py); the correction (algorithm.rollout_correction) must not
   # be none: auto picks decoupled PPO's.
   c.rollout.max_staleness = 0
-  # Partial rollouts (max_staleness > 0): after every this many decode calls of a step's
-  # rollout, its live episodes move to the next newer policy, up to the step's own, re-prefilled
-  # under it (rollout.PolicySwitches); each token's sampler log-prob is the newer policy's, so
-  # the correction weighs it. 0: off, a step is played by one policy.
+  # Partial rollouts (max_staleness > 0): after every this many rounds of replies (decode
+  # calls that start replies) of a step's rollout, its live episodes move to the next newer
+  # policy, up to the step's own, re-prefilled under it (rollout.PolicySwitches); each token's
+  # sampler log-prob is the newer policy's, so the correction weighs it. 0: off, a step is
+  # played by one policy.
   c.rollout.partial_rollouts = 0
   c.rollout.cache_dtype = ""  # KV cache: "" (model.dtype) | bfloat16 | float32
   # What a row's context holds of its episode: full (every turn) | window (the first user turn

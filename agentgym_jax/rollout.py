@@ -229,12 +229,11 @@ class RolloutStats:
   being ready), env_s the time the env pool was busy (resets and steps), env_hidden_s the part
   of env_s during which generation was in flight too: env time that pipelining hid.
   decode_row_steps counts the rows of every decode step (a generate call runs the rows it
-  computes on, `Sampler.decode_rows`, until its longest reply ends), of which generated_tokens
-  were live,
-  no_episode_row_steps held no episode (none was left to start: the tail of a rollout) and
-  stepping_row_steps waited for their env step (decode_chunk); the rest were rows whose reply
-  had ended before the longest of their call. judge_s is
-  the time a judge (agentgym_jax/judge.py) took to score the episodes, if one did.
+  computes on, `Sampler.decode_rows`, until its longest reply ends or half its rows are done),
+  of which generated_tokens were live, no_episode_row_steps held no episode (none was left to
+  start: the tail of a rollout) and stepping_row_steps waited for their env step; the rest
+  were rows whose reply had ended before the last of their call. judge_s is the time a judge
+  (agentgym_jax/judge.py) took to score the episodes, if one did.
   """
 
   generate_s: float = 0.0
@@ -258,8 +257,8 @@ class RolloutStats:
 
   def idle_parts(self) -> dict[str, float]:
     """idle_row_fraction by what the idle rows were doing, as shares of all decode row-steps:
-    holding no episode, waiting for their env step, or done with their reply before the
-    longest reply of their call."""
+    holding no episode, waiting for their env step, or done with their reply before the last
+    reply of their call."""
     if not self.decode_row_steps:
       return {"no_episode": 0.0, "env_step": 0.0, "reply_ended": 0.0}
     share = lambda count: count / self.decode_row_steps
@@ -279,13 +278,15 @@ class RolloutStats:
 class PolicySwitches:
   """Partial rollouts (rollout.partial_rollouts): the policies a step's rollout decodes with.
 
-  The rollout starts with the policy after `first` updates. After every `every` decode calls
-  of the step, counted over its pipelined groups, waves and rounds in the order they are made
-  (so a rerun switches at the same calls, whatever the timing), it moves to the next version,
-  up to `last`: the step's own, or that of an earlier update at which the learner waits for
-  the step's rollout (trainer.py). `fetch(version)` returns that policy as the sampler runs it,
-  waiting until the learner has made it. A group that switches re-prefills its live rows under
-  the new policy (`collect`), so every token after the switch is sampled from it exactly.
+  The rollout starts with the policy after `first` updates. After every `every` rounds of
+  replies of the step (a decode call that starts replies, with the smaller calls that finish
+  its last ones: `_Episodes.play`), counted over its pipelined groups and waves in the order
+  they are made (so a rerun switches at the same calls, whatever the timing), it moves to the
+  next version, up to `last`: the step's own, or that of an earlier update at which the learner
+  waits for the step's rollout (trainer.py). `fetch(version)` returns that policy as the
+  sampler runs it, waiting until the learner has made it. A group that switches re-prefills its
+  live rows under the new policy (`collect`), so every token after the switch is sampled from
+  it exactly.
   """
 
   first: int
@@ -451,13 +452,18 @@ class _Episodes:
     group's own state, each row taking the queue's next episode when its own ends.
 
     A decode call samples up to `Player.decode_chunk` tokens of each row's reply (default: the
-    whole reply). A row whose reply is complete sits out while its env step runs; with chunks
-    the other rows keep decoding meanwhile, and it rejoins once the step is back. Yields after
-    dispatching each decode and each batch of env steps: the caller runs the other groups.
+    whole reply), and ends early once half its rows are done (`Sampler.generate`'s shrink): the
+    next call continues the rest on fewer rows. A row whose reply is complete steps its env at
+    once and sits out while the step runs. With chunks the other rows keep decoding meanwhile,
+    and it rejoins once the step is back. With whole replies the rows rejoin together once every
+    reply of the round is complete and every step is back, so the calls a rollout makes do not
+    depend on when steps come back (partial rollouts count them: `PolicySwitches`). Yields
+    after dispatching each decode and each batch of env steps: the caller runs the other groups.
     """
     sampler, chat, sampling = self.player.sampler, self.player.chat, self.player.sampling
     params, version, switches = self.player.params, self.player.version, self.player.switches
     chunk = self.player.chunk()
+    whole = chunk == sampling.max_new_tokens
     # The trajectory each row plays (-1: none), the last one it played (its tokens are the row's
     # cache until it takes another), the turn it is at, whether its env step is in flight, and
     # the tokens and sampler log-probs of its reply so far.
@@ -473,7 +479,7 @@ class _Episodes:
     while (held >= 0).any():
       decoding = (held >= 0) & ~stepping
       if decoding.any():
-        if switches is not None:
+        if switches is not None and not any(reply):  # Switches between rounds of replies.
           newest, newest_params = switches.next_call()
           if newest != version:  # Partial rollouts: the live rows continue under a newer policy.
             params, version = newest_params, newest
@@ -487,13 +493,14 @@ class _Episodes:
         sampled = np.array([len(tokens) for tokens in reply], np.int32)
         budgets = np.where(decoding, np.minimum(chunk, sampling.max_new_tokens - sampled), 0)
         computed = sampler.decode_rows(decoding)  # The rows the call runs, decoding or not.
+        held_tokens = self._lengths(last)
         started = time.perf_counter()
         state, output = sampler.generate(state, row_keys, max_new_tokens=chunk,
                                          stop_ids=chat.turn_end_ids,
                                          rows=np.flatnonzero(decoding).tolist(),
                                          sampling=sampling.tokens(), params=params,
-                                         lengths=self._lengths(last) + sampled, budgets=budgets,
-                                         offsets=sampled)
+                                         lengths=held_tokens + sampled, budgets=budgets,
+                                         offsets=sampled, shrink=True)
         self.timeline.device(started, output)
         yield  # The device decodes this group while the others step their envs.
         tokens = output.token_lists()
@@ -510,7 +517,7 @@ class _Episodes:
           reply_logprobs[row].extend(logprobs[row, :len(generated)].tolist())
           # Complete: the turn ended, the reply's budget is spent, or the cache is full.
           if not (stopped[row] or len(reply[row]) == sampling.max_new_tokens
-                  or len(generated) < budgets[row]):
+                  or held_tokens[row] + len(reply[row]) == sampler.cache_slots):
             continue
           generated, reply[row] = reply[row], []
           trajectory = self.trajectories[held[row]]
@@ -522,17 +529,20 @@ class _Episodes:
           replied.append((int(row), generated, text))
         if replied:
           stepping[[row for row, _, _ in replied]] = True
-          # Whole replies end together: one batch. Chunks: a slow step holds back its row only.
-          whole = chunk == sampling.max_new_tokens
+          # Whole replies: the call's replies in one batch. Chunks: a slow step holds back its
+          # row only.
           for batch in [replied] if whole else [[one] for one in replied]:
             future = self.player.pool.step_async([
                 (slots.start + row, text) for row, _, text in batch
             ])
             pending.append((self.timeline.env(future), [(row, gen) for row, gen, _ in batch]))
           yield  # The pool steps this group's envs while the device decodes the others.
-      if not ((held >= 0) & ~stepping).any():  # No row can decode: wait for an env step.
+      if whole and any(reply):
+        continue  # The round's other replies go on; its steps come back when they are done.
+      if not ((held >= 0) & ~stepping).any():  # No row can decode: wait for env steps.
         concurrent.futures.wait([future for future, _ in pending],
-                                return_when=concurrent.futures.FIRST_COMPLETED)
+                                return_when=concurrent.futures.ALL_COMPLETED
+                                if whole else concurrent.futures.FIRST_COMPLETED)
       # Each future asked once: one finishing in between would otherwise fall out of both lists.
       done = [future.done() for future, _ in pending]
       stepped = [entry for entry, ready in zip(pending, done) if ready]

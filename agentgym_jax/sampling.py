@@ -365,11 +365,13 @@ def _prefill_shared(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerSta
 
 
 def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys: Array,
-            offsets: Array, budget: Array, stop_ids: Array, rows: Array | None = None, *,
-            width: int, sampling: SamplingParams,
+            offsets: Array, budget: Array, stop_ids: Array, rows: Array | None = None,
+            shrink_at: Array | int = 0, *, width: int, sampling: SamplingParams,
             layers: Sequence[DecodeLayer] | None = None) -> tuple[SamplerState, SampleOutput]:
   """Samples up to budget[b] <= width tokens per row inside one lax.while_loop, row b's k-th
-  with the key fold_in(keys[b], offsets[b] + k); `layers` as in `_prefill`.
+  with the key fold_in(keys[b], offsets[b] + k); `layers` as in `_prefill`. The loop also ends
+  once no more than `shrink_at` rows are live (0: only when none is), leaving those rows short of
+  their budget and unstopped: a smaller program can continue them.
 
   Each step samples a token from every live row's logits and runs the forward pass on it, so
   the cache always holds every sampled token and `hidden` the state after it. Finished rows
@@ -390,7 +392,7 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, state: SamplerState, keys
 
   def cond(carry):
     step, _, _, done, _ = carry
-    return (step < width) & ~jnp.all(done)
+    return (step < width) & (jnp.sum(~done) > shrink_at)
 
   def body(carry):
     step, cache, hidden, done, out = carry
@@ -587,7 +589,8 @@ class Sampler:
                stop_ids: Sequence[int] = (), rows: Sequence[int] | None = None,
                sampling: SamplingParams = SamplingParams(), params: nnx.State | None = None,
                lengths: Sequence[int] | None = None, budgets: Sequence[int] | None = None,
-               offsets: Sequence[int] | None = None) -> tuple[SamplerState, SampleOutput]:
+               offsets: Sequence[int] | None = None,
+               shrink: bool = False) -> tuple[SamplerState, SampleOutput]:
     """Samples up to max_new_tokens per row, continuing each row from its live cache.
 
     Args:
@@ -605,6 +608,10 @@ class Sampler:
       budgets: per row, at most this many tokens (<= max_new_tokens; default max_new_tokens).
       offsets: per row, the index of its first token here among the tokens of one reply
         (default 0): a reply continued over several calls samples what one call would.
+      shrink: with `compact_decode`, end the call once half or fewer of the rows it computes
+        on (`decode_rows`) are still live, if a smaller program would hold them: those rows
+        come back short of their budget and unstopped, for the caller to continue in a call on
+        them alone. Rows that ended early then stop costing row-steps beside the longest reply.
 
     Returns:
       The new state and a `SampleOutput` of width max_new_tokens.
@@ -636,11 +643,14 @@ class Sampler:
     stops[:len(stop_ids)] = stop_ids
     computed = self.decode_rows(active)
     rows = None if len(computed) == self.max_batch else computed.astype(np.int32)
+    half = len(computed) // 2
+    smaller = self.compact_decode and bucket(half, 2, self.max_batch) < len(computed)
+    shrink_at = np.int32(half if shrink and smaller else 0)
     layers, width = self._layers(params), bucket(max_new_tokens, 1)
     with self._mesh_context():
       state, out = self._decode(self._params(params), state, keys, self._place_batch(offsets),
                                 self._place_batch(budget.astype(np.int32)), jnp.asarray(stops),
-                                rows, width=width, sampling=sampling, layers=layers)
+                                rows, shrink_at, width=width, sampling=sampling, layers=layers)
     if out.tokens.shape[1] != max_new_tokens:
       out = jax.tree.map(lambda x: x[:, :max_new_tokens] if x.ndim == 2 else x, out)
     return state, out

@@ -343,8 +343,8 @@ class RolloutSettings:
     decode_chunk: the tokens of a reply one decode call samples at most (0: the whole reply).
     max_staleness: how many updates the policy playing a step may be behind the one training
       on it (rollout_queue.py; 0: synchronous).
-    partial_rollouts: the decode calls after which a step's rollout moves to the next newer
-      policy (rollout.PolicySwitches; 0: never).
+    partial_rollouts: the rounds of replies (decode calls that start replies) after which a
+      step's rollout moves to the next newer policy (rollout.PolicySwitches; 0: never).
     cache_dtype: the KV cache's dtype ("": the model's matmul dtype).
     context: what a row's context holds of its episode (rollout.ContextPolicy).
   """

@@ -59,8 +59,8 @@ Modes (--mode, a list; runs side by side, each at --pipeline_groups' first value
   async   stream, played one update ahead of the learner (rollout.max_staleness=1, decoupled
           PPO's correction): the learner's step no longer waits for the rollout's.
 A mode may name a decode chunk, e.g. stream:16 (rollout.decode_chunk=16): each decode call
-samples up to 16 tokens of a reply, and a row whose reply ends steps its env while the other
-rows keep decoding, instead of every row waiting for the longest reply of its call.
+samples up to 16 tokens of a reply, and a row whose reply ends starts its next reply as soon
+as its env step is back, instead of waiting for the last reply of its round.
 --step_latency_s adds a drawn time to every env step of any environment (env.latency: log-normal
 of that mean, sigma 0.9, capped at 3 s), standing in for a simulator, browser or remote env. The
 table gives each mode's step wall time (between consecutive metrics rows, so an async step is
@@ -213,7 +213,7 @@ def compare_modes(model: str, directory: pathlib.Path) -> None:
   print(f"\n{MEANS[_STEPS.value > 1]} idle rows: the share of decode row-steps that "
         "generated nothing (rollout/idle_row_fraction), of which no episode: rows with no "
         "episode left to start, env step: rows waiting for their env step (the rest: replies "
-        "that ended before the longest of their call). An async step's rollout s is the "
+        "that ended before the last of their call). An async step's rollout s is the "
         "learner's wait for a rollout played during the updates before it.")
 
 

@@ -17,7 +17,12 @@ row; a call on at most a quarter of the rows runs on a quarter of the batch
 each call starts from the same state (restored, untimed). Chunked replies (rollout.decode_chunk)
 pay the fixed part once a chunk and an append each time a row rejoins after its env step.
 The second table times decode N on 1, a quarter, half and all but one of the rows: the end of
-a rollout, when rows have no episode left, and rows waiting for their env steps.
+a rollout, when rows have no episode left, and rows waiting for their env steps. The third
+plays one round of replies of --reply_tokens at most, row i's ending after
+(i + 1) / rows of them (a turn's replies end at different lengths): in one call, which runs
+every row until the longest reply ends, or in calls that end once half their rows are done,
+the others continuing in a call of their own (`Sampler.generate(shrink=True)`, what a rollout
+does): the time, the calls and the idle row-steps (rows computed that sampled nothing).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from absl import flags
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import agentgym_jax
 from agentgym_jax import hardware
@@ -43,6 +49,7 @@ _CONTEXT = flags.DEFINE_integer("context", 1000, "Tokens each row holds (a TextC
 _TOKENS = flags.DEFINE_integer("tokens", 16, "Tokens of the longer decode call.")
 _APPEND = flags.DEFINE_integer("append", 48, "Tokens of an appended observation.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per figure (the best is kept).")
+_REPLY = flags.DEFINE_integer("reply_tokens", 64, "The longest reply of the third table.")
 
 
 def best(call: Callable[[], object], reset: Callable[[], None]) -> float:
@@ -78,6 +85,24 @@ class Filled:
 
   def append(self, rows: Sequence[int], tokens: Sequence[int]) -> object:
     return self.sampler.append(self.state, {row: tokens for row in rows}, params=self.params)
+
+  def replies(self, budgets: np.ndarray, shrink: bool) -> tuple[int, int]:
+    """Samples budgets[b] tokens on each row, in calls that end early with `shrink`, each
+    continuing the replies not done; returns (calls, row-steps computed)."""
+    sampled, calls, row_steps = np.zeros_like(budgets), 0, 0
+    while (sampled < budgets).any():
+      live = sampled < budgets
+      self.state, out = self.sampler.generate(self.state, jax.random.key(0),
+                                              max_new_tokens=int(budgets.max()),
+                                              rows=np.flatnonzero(live).tolist(),
+                                              params=self.params, lengths=self.context + sampled,
+                                              budgets=budgets - sampled, offsets=sampled,
+                                              shrink=shrink)
+      lengths = np.asarray(out.lengths)
+      calls += 1
+      row_steps += len(self.sampler.decode_rows(live)) * int(lengths.max())
+      sampled = sampled + lengths
+    return calls, row_steps
 
 
 def main(argv: Sequence[str]) -> None:
@@ -122,6 +147,18 @@ def main(argv: Sequence[str]) -> None:
   for count in counts:
     compact, full = times[True, count], times[False, count]
     print(f"| {count} of {rows} | {1e3 * compact:.0f} | {1e3 * full:.0f} | {full / compact:.2f}x |")
+  reply = _REPLY.value
+  budgets = np.array([reply * (row + 1) // rows for row in range(rows)], np.int32)
+  print(f"\nReplies of {budgets.tolist()} tokens:\n")
+  print("| calls | ms | calls a round | idle row-steps |")
+  print("|---|---|---|---|")
+  filled = Filled(Sampler(model, cache_slots=context + reply, max_batch=rows), prompt, dtype)
+  for shrink in (False, True):
+    elapsed = best(lambda: filled.replies(budgets, shrink), filled.reset)
+    calls, row_steps = filled.replies(budgets, shrink)
+    filled.reset()
+    print(f"| {'shrinking' if shrink else 'one'} | {1e3 * elapsed:.0f} | {calls} | "
+          f"{1 - budgets.sum() / row_steps:.1%} |")
   print(f"\nLoad average at end {', '.join(f'{value:.1f}' for value in os.getloadavg())}.")
 
 

@@ -193,7 +193,10 @@ def test_replies_decoded_in_chunks_play_the_same_episodes_as_whole_replies(
 
   monkeypatch.setattr(Sampler, "generate", checked_generate)
   whole, whole_stats = play_in_chunks(policy, 0, groups)
-  assert all(calls == {0} for calls in offsets)
+  # Whole replies: a call starts replies together, or finishes together, on fewer rows, the
+  # last replies of the call before it once half of that call's rows were done (shrink).
+  assert all(len(calls) == 1 for calls in offsets)
+  assert {0} in offsets and any(calls != {0} for calls in offsets)
   offsets.clear()
   compacted, compacted_stats = play_in_chunks(policy, 2, groups, hang_s=0.3)
   assert_same_episodes(whole, compacted)
@@ -203,21 +206,45 @@ def test_replies_decoded_in_chunks_play_the_same_episodes_as_whole_replies(
   chunked, chunked_stats = play_in_chunks(policy, 2, groups, hang_s=0.3, compact_decode=False)
   assert_same_episodes(whole, chunked)
   assert chunked_stats.generated_tokens == whole_stats.generated_tokens
-  assert chunked_stats.stepping_row_steps > 0 == whole_stats.stepping_row_steps
+  # (Whole replies: only as the idle row that pads the call finishing a round's last reply to
+  # the smallest program, 2 rows.)
+  assert chunked_stats.stepping_row_steps > whole_stats.stepping_row_steps
   parts = chunked_stats.idle_parts()
   assert sum(parts.values()) == pytest.approx(chunked_stats.idle_row_fraction)
   assert parts["env_step"] > 0 and parts["reply_ended"] >= 0
   assert any(len(calls) > 1 for calls in offsets)  # Rows at different points of their replies.
 
 
+def test_whole_replies_make_the_same_decode_calls_whatever_the_env_timing(policy, monkeypatch):
+  # Calls that shrink finish a round's last replies while its first rows step their envs, but
+  # the round's rows start their next replies together: task 100's slow first steps change
+  # no call (partial rollouts count them).
+  generate, calls = Sampler.generate, []
+
+  def recorded_generate(self, state, key, **kwargs):
+    calls[-1].append((kwargs["rows"], kwargs["offsets"].tolist(), kwargs["budgets"].tolist()))
+    return generate(self, state, key, **kwargs)
+
+  monkeypatch.setattr(Sampler, "generate", recorded_generate)
+  played = []
+  for hang_s in (0.0, 0.4):
+    calls.append([])
+    played.append(play_in_chunks(policy, 0, 1, hang_s=hang_s)[0])
+  assert calls[0] == calls[1]
+  assert any(offsets != [0] * len(offsets) for _, offsets, _ in calls[0])  # Calls shrank.
+  assert_same_episodes(*played)
+
+
 def test_rows_decode_while_another_row_of_their_group_steps_its_env(policy, monkeypatch):
   # One group: with whole replies the group waits for task 100's slow first steps before it
-  # decodes again; in chunks its other rows decode meanwhile.
+  # starts replies again (calls finishing the last replies of a round may run meanwhile); in
+  # chunks its other rows start their next replies meanwhile.
   generate, step_async = Sampler.generate, EnvPool.step_async
   decodes, slow_steps = [], []
 
   def timed_generate(self, state, key, **kwargs):
-    decodes.append(time.perf_counter())
+    if (kwargs["offsets"][kwargs["rows"]] == 0).any():  # A row starts a reply.
+      decodes.append(time.perf_counter())
     return generate(self, state, key, **kwargs)
 
   def timed_step_async(self, requests):

@@ -367,6 +367,43 @@ def test_a_decode_of_few_rows_computes_on_them_alone_and_leaves_the_others_bit_f
   assert flops(jnp.asarray([2, 0])) <= 0.6 * flops(None)
 
 
+def test_a_call_that_shrinks_stops_at_half_its_rows_and_a_smaller_one_finishes_them(model):
+  """generate(shrink=True) on 4 rows whose budgets are 2, 3, 12 and 8 tokens ends after 3
+  tokens, when only 2 rows are live (2 rows fit the smaller program); rows 2 and 3 come back
+  unstopped and short of their budget, and a call on them alone, from their offsets, samples
+  the rest of what one call samples; that call, on the smallest program, does not end when
+  row 3 does. A sampler without compact decodes (one size of program) never ends early."""
+  prompts = _prompts([4, 6, 3, 5], seed=13)
+  key = jax.random.key(14)
+  budgets = np.array([2, 3, 12, 8])
+  sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
+  _, whole = jax.device_get(
+      sampler.generate(sampler.start(prompts), key, max_new_tokens=12, budgets=budgets))
+  np.testing.assert_array_equal(whole.lengths, budgets)
+  state, first = sampler.generate(sampler.start(prompts), key, max_new_tokens=12, budgets=budgets,
+                                  shrink=True)
+  np.testing.assert_array_equal(first.lengths, [2, 3, 3, 3])
+  assert not np.asarray(first.stopped).any()
+  left = np.where(np.arange(BATCH) >= 2, budgets - 3, 0)
+  state, rest = sampler.generate(state, key, max_new_tokens=12, rows=[2, 3], budgets=left,
+                                 offsets=first.lengths, shrink=True)
+  np.testing.assert_array_equal(rest.lengths, [0, 0, 9, 5])
+  for name in ("tokens", "sampling_logprobs"):
+    for row in (2, 3):
+      ours = np.concatenate([
+          np.asarray(getattr(first, name))[row, :3],
+          np.asarray(getattr(rest, name))[row, :budgets[row] - 3]
+      ])
+      theirs = np.asarray(getattr(whole, name))[row, :budgets[row]]
+      if name == "tokens":
+        np.testing.assert_array_equal(ours, theirs)
+      else:  # Finished in a 2-row program: other sums than the 4-row one's.
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=_logprob_tolerance(theirs))
+  full = Sampler(model, cache_slots=SLOTS, max_batch=BATCH, compact_decode=False)
+  _, out = full.generate(full.start(prompts), key, max_new_tokens=12, budgets=budgets, shrink=True)
+  np.testing.assert_array_equal(out.lengths, budgets)
+
+
 def test_the_layer_layout_is_kept_for_the_params_it_was_made_from(model):
   """With keep_layout the layers' weights are taken out of their stack once per params: calls
   with the same params reuse them, new params (an update's new arrays) replace them, and the
