@@ -5,7 +5,7 @@ batching): the same episodes as all rows at once."""
 
 import dataclasses
 import functools
-import time
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -236,36 +236,37 @@ def test_whole_replies_make_the_same_decode_calls_whatever_the_env_timing(policy
 
 
 def test_rows_decode_while_another_row_of_their_group_steps_its_env(policy, monkeypatch):
-  # One group: with whole replies the group waits for task 100's slow first steps before it
-  # starts replies again (calls finishing the last replies of a round may run meanwhile); in
-  # chunks its other rows start their next replies meanwhile.
-  generate, step_async = Sampler.generate, EnvPool.step_async
-  decodes, slow_steps = [], []
+  # One group; each step of task 100 waits until a row starts a reply, for at most `wait_s`.
+  # With whole replies none does: the group waits for those rows before it starts replies
+  # again (calls finishing the last replies of a round may run meanwhile). In chunks its
+  # other rows start their next replies meanwhile, however long the calls take to compile.
+  generate, step = Sampler.generate, faulty_env.FaultyEchoEnv.step
+  started = threading.Condition()
+  replies = [0]  # Calls that started a reply so far.
+  waited = []  # Per step of task 100: whether a reply started while it ran.
 
-  def timed_generate(self, state, key, **kwargs):
-    if (kwargs["offsets"][kwargs["rows"]] == 0).any():  # A row starts a reply.
-      decodes.append(time.perf_counter())
+  def counted_generate(self, state, key, **kwargs):
+    if (kwargs["offsets"][kwargs["rows"]] == 0).any():
+      with started:
+        replies[0] += 1
+        started.notify_all()
     return generate(self, state, key, **kwargs)
 
-  def timed_step_async(self, requests):
-    started, future = time.perf_counter(), step_async(self, requests)
+  def waiting_step(self, action_text):
+    if self._task_id == 100:
+      with started:
+        before = replies[0]
+        waited.append(started.wait_for(lambda: replies[0] > before, timeout=wait_s))
+    return step(self, action_text)
 
-    def finished(_):
-      if time.perf_counter() - started > 0.3:
-        slow_steps.append((started, time.perf_counter()))
-
-    future.add_done_callback(finished)
-    return future
-
-  monkeypatch.setattr(Sampler, "generate", timed_generate)
-  monkeypatch.setattr(EnvPool, "step_async", timed_step_async)
+  monkeypatch.setattr(Sampler, "generate", counted_generate)
+  monkeypatch.setattr(faulty_env.FaultyEchoEnv, "step", waiting_step)
   during = {}
-  for chunk in (0, 2):
-    decodes.clear()
-    slow_steps.clear()
-    play_in_chunks(policy, chunk, 1, hang_s=0.5)
-    assert slow_steps
-    during[chunk] = [t for t in decodes for start, end in slow_steps if start < t < end]
+  for chunk, wait_s in ((0, 0.5), (2, 60.0)):
+    waited.clear()
+    play_in_chunks(policy, chunk, 1)
+    assert waited
+    during[chunk] = any(waited)
   assert not during[0] and during[2]
 
 
