@@ -64,7 +64,8 @@ as its env step is back, instead of waiting for the last reply of its round.
 --step_latency_s adds a drawn time to every env step of any environment (env.latency: log-normal
 of that mean, sigma 0.9, capped at 3 s), standing in for a simulator, browser or remote env. The
 table gives each mode's step wall time (between consecutive metrics rows, so an async step is
-what the learner waited plus its own work), episodes per minute, the idle row fraction and the
+what the learner waited plus its own work), episodes and env turns per minute (turns compare
+equal work where the modes' episodes end at different turns), the idle row fraction and the
 time of each phase.
 
 The first step compiles every program (the sampler's prefill and decode, the learner's
@@ -199,13 +200,18 @@ def compare_modes(model: str, directory: pathlib.Path) -> None:
     for part in ("idle_row_fraction", "idle_rows/no_episode", "idle_rows/env_step"):
       row[part] = float(np.mean([r[f"rollout/{part}"] for r in later]))
     results[mode] = (seconds, row, c.rollout.tasks_per_step * c.rollout.samples_per_task)
-  print("\n| mode | step s | episodes / min | vs first | rollout s (wait) | generate s | env s "
-        "| idle rows | no episode | env step | experience s | update s | turns |")
-  print("|" + "---|" * 13)
-  first = next(iter(results.values()))[0]["step"]
+  print("\n| mode | step s | episodes / min | vs first | turns / min | vs first | rollout s (wait) "
+        "| generate s | env s | idle rows | no episode | env step | experience s | update s | "
+        "turns |")
+  print("|" + "---|" * 15)
+  first_seconds, first_row, _ = next(iter(results.values()))
+  first, first_turns = first_seconds["step"], first_row["turns"]
   for mode, (seconds, row, episodes) in results.items():
     print(f"| {mode} | {seconds['step']:.2f} | {60 * episodes / seconds['step']:.1f} | "
-          f"{first / seconds['step']:.2f}x | {seconds['rollout']:.2f} | {seconds['generate']:.2f} "
+          f"{first / seconds['step']:.2f}x | "
+          f"{60 * episodes * row['turns'] / seconds['step']:.1f} | "
+          f"{first * row['turns'] / (seconds['step'] * first_turns):.2f}x | "
+          f"{seconds['rollout']:.2f} | {seconds['generate']:.2f} "
           f"| {seconds['env']:.2f} | {row['idle_row_fraction']:.1%} | "
           f"{row['idle_rows/no_episode']:.1%} | {row['idle_rows/env_step']:.1%} | "
           f"{seconds['experience']:.2f} | "
@@ -214,7 +220,9 @@ def compare_modes(model: str, directory: pathlib.Path) -> None:
         "generated nothing (rollout/idle_row_fraction), of which no episode: rows with no "
         "episode left to start, env step: rows waiting for their env step (the rest: replies "
         "that ended before the last of their call). An async step's rollout s is the "
-        "learner's wait for a rollout played during the updates before it.")
+        "learner's wait for a rollout played during the updates before it. Turns / min counts "
+        "the env turns played: where the modes' policies part and their episodes end at "
+        "different turns, it compares equal work where episodes / min does not.")
 
 
 def phase_seconds(row: dict[str, Any]) -> dict[str, float]:
