@@ -512,7 +512,9 @@ class Sampler:
     every listed row is empty (the start of episodes), each distinct list of ids is prefilled
     once and copied into the rows that share it: the samples of one task share their prompt.
     The tokens the distinct lists all begin with (an instruction every task's prompt opens
-    with; `shared_prefix`) are prefilled once for all of them.
+    with; `shared_prefix`) are prefilled once for all of them. Empty rows listed beside rows
+    that hold tokens (a refilled row's prompt beside the others' observations) are prefilled
+    that way in a call of their own when their ids need a wider bucket than the others'.
     """
     lengths = self._lengths(state, None)
     counts = np.zeros(self.max_batch, np.int32)
@@ -524,8 +526,17 @@ class Sampler:
                          f"cache_slots={self.cache_slots}")
     if not counts.any():
       return state
-    if not lengths[counts > 0].any():
+    fresh = (counts > 0) & (lengths == 0)
+    if not (counts[~fresh] > 0).any():  # Every listed row is empty.
       return self._append_shared(state, rows_tokens, params)
+    if fresh.any() and bucket(counts[fresh].max(), self.min_bucket) > bucket(
+        counts[~fresh].max(), self.min_bucket):
+      # New episodes' prompts beside other rows' observations: the prompts in a call of their
+      # own, so that the observations are not padded to a prompt's width.
+      state = self._append_shared(state, {row: rows_tokens[row] for row in np.flatnonzero(fresh)},
+                                  params)
+      counts[fresh] = 0
+      rows_tokens = {row: ids for row, ids in rows_tokens.items() if not fresh[row]}
     width = bucket(counts.max(), self.min_bucket)
     listed = np.flatnonzero(counts)
     if len(listed) <= self.max_batch // 4:

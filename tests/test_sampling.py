@@ -13,7 +13,7 @@ from agentgym_jax import sampling, sharding
 from agentgym_jax.models import decoder, weights
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import Decoder
-from agentgym_jax.sampling import Sampler, SamplingParams, sample_tokens, sampling_logits
+from agentgym_jax.sampling import Sampler, SamplingParams, bucket, sample_tokens, sampling_logits
 
 import tolerances
 
@@ -761,6 +761,39 @@ def test_a_shared_start_leaves_rows_not_given_a_prompt_untouched(model):
     np.testing.assert_array_equal(layer_after[:3], layer_before[:3])
   np.testing.assert_array_equal(after[2][:3], before[2][:3])
   assert after[1].tolist() == [3, 3, 5, 6]
+
+
+def test_a_prompt_beside_observations_is_prefilled_apart_and_decodes_as_if_alone(model):
+  """A refilled row's 40-token prompt appended beside the other rows' 2-token observations:
+  the prompt is prefilled in a call of its own and the observations at their own width, not
+  padded to the prompt's; every row then decodes what it decodes when its tokens are appended
+  alone (greedy: the same tokens, log-probs within the reordering model)."""
+  sampler = Sampler(model, cache_slots=SLOTS, max_batch=BATCH)
+  greedy = dict(max_new_tokens=6, sampling=SamplingParams(temperature=0.0))
+  state = sampler.start(_prompts([5, 9, 3, 4], seed=3))
+  state, _ = sampler.generate(state, jax.random.key(2), max_new_tokens=4)
+  before = jax.device_get(sampler.release(state, [1]))
+  prompt = _prompts([40], seed=4)[0]
+  observations = {0: [7, 8], 2: [9, 10], 3: [11, 12]}
+  widths, prefill = [], sampler._prefill
+
+  def recorded(params, state, tokens, *args, **kwargs):
+    widths.append(tokens.shape[1])
+    return prefill(params, state, tokens, *args, **kwargs)
+
+  sampler._prefill = recorded
+  state = sampler.append(jax.tree.map(jnp.asarray, before), {1: prompt, **observations})
+  assert bucket(2, sampler.min_bucket) < bucket(40, sampler.min_bucket)
+  assert widths == [bucket(2, sampler.min_bucket)]  # The observations' call.
+  _, both = sampler.generate(state, jax.random.key(0), **greedy)
+  _, others = sampler.generate(sampler.append(jax.tree.map(jnp.asarray, before), observations),
+                               jax.random.key(0), **greedy)
+  _, alone = sampler.generate(sampler.start([prompt]), jax.random.key(0), **greedy)
+  for row, reference in [(0, others), (1, alone), (2, others), (3, others)]:
+    reference_row = 0 if reference is alone else row
+    np.testing.assert_array_equal(both.tokens[row], reference.tokens[reference_row])
+    np.testing.assert_allclose(both.logprobs[row], reference.logprobs[reference_row], rtol=0,
+                               atol=_logprob_tolerance(np.asarray(reference.logprobs)))
 
 
 @pytest.mark.slow
